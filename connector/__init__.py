@@ -1,0 +1,1 @@
+"""Engine-side connector: daemon client, KV manager, reference engine, vLLM adapter."""

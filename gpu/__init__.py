@@ -1,0 +1,1 @@
+"""Paged KV layout and paged attention on the hot tier (Torch everywhere, CuPy on CUDA)."""

@@ -1,0 +1,58 @@
+"""`tierd bench NAME`: benchmarks that print ratios against a limit measured in the same run.
+
+Each benchmark is a module ``tierd.bench.NAME`` exposing ``HELP``, ``configure(parser)`` and
+``run(args) -> int``. They are programs, not tests: targets are judged by the ratios they print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+HELP = "Run a benchmark (hash, attention, daemon, e2e, cluster, or all)."
+
+# Benchmark name -> module under tierd.bench.
+BENCHMARKS: dict[str, str] = {
+    "hash": "hashing",
+    "attention": "attention",
+    "daemon": "daemon",
+    "e2e": "e2e",
+    "cluster": "cluster",
+}
+
+
+def _load(name: str):  # type: ignore[no-untyped-def]
+    try:
+        return importlib.import_module(f"tierd.bench.{BENCHMARKS[name]}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"tierd.bench.{BENCHMARKS[name]}":
+            return None
+        raise
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="NAME", required=True)
+    for name in BENCHMARKS:
+        module = _load(name)
+        if module is None:
+            continue
+        child = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.configure(child)
+        child.set_defaults(_bench_run=module.run)
+    everything = sub.add_parser("all", help="Run every benchmark with its default flags, in turn.")
+    everything.set_defaults(_bench_run=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args._bench_run is not None:
+        return int(args._bench_run(args))
+    status = 0
+    for name in BENCHMARKS:
+        module = _load(name)
+        if module is None:
+            continue
+        parser = argparse.ArgumentParser()
+        module.configure(parser)
+        print(f"== tierd bench {name}")
+        status |= int(module.run(parser.parse_args([])))
+    return status

@@ -1,0 +1,37 @@
+"""Key types shared by every tier: block hashes and the namespaces that scope them.
+
+Hash keys are their own types, never bare ``bytes``/ints/tuples, so a raw digest cannot be passed
+where a tenant-scoped key is expected. Composite keys are built and taken apart only here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NewType
+
+BlockHash = NewType("BlockHash", bytes)
+"""Digest of one full block, chained over its parent (see ``tierd.hashing``). 32 bytes for
+``sha256_cbor``, 16 for ``xxhash_cbor``."""
+
+Namespace = NewType("Namespace", bytes)
+"""Opaque scope of an index entry: tenant plus the engine layout's fingerprint. Two models,
+two TP ranks or two tenants never share a namespace."""
+
+NamespacedKey = NewType("NamespacedKey", bytes)
+"""``namespace || block hash``: the key of a block in a node's index and in the cluster."""
+
+
+def make_key(namespace: Namespace, block_hash: BlockHash) -> NamespacedKey:
+    """Join a namespace and a block hash into one index key (namespace is fixed-length)."""
+    return NamespacedKey(namespace + block_hash)
+
+
+def split_key(key: NamespacedKey, namespace_len: int) -> tuple[Namespace, BlockHash]:
+    """Undo ``make_key`` for a namespace of ``namespace_len`` bytes."""
+    return Namespace(key[:namespace_len]), BlockHash(key[namespace_len:])
+
+
+Tier = Literal["hbm", "dram", "ssd", "remote"]
+"""Where a block lives: engine GPU pool (hot), the daemon's shared-memory arena (warm), its SSD
+directory (cold), or the cluster's optional shared remote tier. Ordered fastest first."""
+
+TIERS: tuple[Tier, ...] = ("hbm", "dram", "ssd", "remote")
