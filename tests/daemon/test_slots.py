@@ -1,0 +1,99 @@
+"""The slab allocator: order, exhaustion, empty slabs returning, size classes sharing an arena."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tierd.daemon.slots import SlabAllocator, SlotGeometry
+
+
+def test_geometry_offsets() -> None:
+    """Slot ids encode the slab: id // slots_per_slab picks the slab, the rest the slot in it."""
+    alloc = SlabAllocator(arena_bytes=4096 + 100, slab_bytes=1024)
+    geo = alloc.geometry(300)
+    assert geo == SlotGeometry(slab_bytes=1024, slot_bytes=300, slots_per_slab=3)
+    assert [geo.offset(i) for i in range(7)] == [0, 300, 600, 1024, 1324, 1624, 2048]
+    assert alloc.num_slabs == 4  # the 100 bytes past the last whole slab are unused
+    alloc.check_integrity()
+
+
+def test_allocation_order_and_exhaustion() -> None:
+    """One class fills slab 0 then slab 1 ..., returns None when every slab is full."""
+    alloc = SlabAllocator(arena_bytes=4 * 1024, slab_bytes=1024)
+    got = [alloc.allocate(256) for _ in range(16)]
+    assert got == list(range(16))
+    assert alloc.allocate(256) is None
+    assert (alloc.used_slots(256), alloc.capacity_slots(256), alloc.free_slabs()) == (16, 16, 0)
+    alloc.check_integrity()
+
+
+def test_freed_slot_reused_and_empty_slab_returned() -> None:
+    """A freed slot is reused first; a slab whose slots are all free goes back to the pool and
+    is taken next by whichever class needs one."""
+    alloc = SlabAllocator(arena_bytes=3 * 1024, slab_bytes=1024)
+    ids = [alloc.allocate(256) for _ in range(6)]  # slab 0 full, slab 1 half
+    assert ids == [0, 1, 2, 3, 4, 5]
+    alloc.free(256, 5)
+    assert alloc.allocate(256) == 5
+    for slot in (0, 1, 2, 3):
+        alloc.free(256, slot)
+    assert (alloc.free_slabs(), alloc.used_slots(256)) == (2, 2)
+    alloc.check_integrity()
+    assert alloc.allocate(512) == 0  # class 512 takes slab 0, just returned: id 0 = offset 0
+    assert alloc.allocate(512) == 1
+    assert alloc.allocate(512) == 4  # slab 2 (2 slots per slab)
+    assert (alloc.free_slabs(), alloc.capacity_slots(256), alloc.capacity_slots(512)) == (0, 4, 4)
+    alloc.check_integrity()
+
+
+def test_two_size_classes_share_the_arena_without_overlap() -> None:
+    """Random interleaved allocations of two classes never overlap in bytes, exhaust together,
+    and free back to an empty pool."""
+    alloc = SlabAllocator(arena_bytes=8 * 4096, slab_bytes=4096)
+    rng = random.Random(7)
+    live: dict[tuple[int, int], tuple[int, int]] = {}
+    for step in range(2000):
+        size = rng.choice((1000, 1536))
+        if live and rng.random() < 0.45:
+            key = rng.choice(sorted(live))
+            alloc.free(*key)
+            del live[key]
+        else:
+            slot = alloc.allocate(size)
+            if slot is None:
+                continue
+            start = alloc.geometry(size).offset(slot)
+            span = (start, start + size)
+            assert span[1] <= 8 * 4096
+            assert all(span[1] <= a or b <= span[0] for a, b in live.values()), f"step {step}"
+            live[(size, slot)] = span
+        if step % 100 == 0:
+            alloc.check_integrity()
+    assert alloc.used_slots(1000) + alloc.used_slots(1536) == len(live)
+    for key in sorted(live):
+        alloc.free(*key)
+    assert (alloc.free_slabs(), alloc.used_slots(1000), alloc.used_slots(1536)) == (8, 0, 0)
+    alloc.check_integrity()
+
+
+def test_bad_input() -> None:
+    """Double free, unknown ids, ids of another class and bad sizes raise ValueError."""
+    with pytest.raises(ValueError, match="slab size"):
+        SlabAllocator(arena_bytes=1000, slab_bytes=1024)
+    alloc = SlabAllocator(arena_bytes=2048, slab_bytes=1024)
+    for bad in (0, 1025):
+        with pytest.raises(ValueError, match="slot size"):
+            alloc.allocate(bad)
+    slot = alloc.allocate(256)
+    assert slot == 0
+    alloc.free(256, slot)
+    with pytest.raises(ValueError, match="double free"):
+        alloc.free(256, slot)
+    assert alloc.allocate(256) == 0
+    assert alloc.allocate(512) == 2  # slab 1
+    for size, bad_id in [(256, 1), (256, 4), (256, -1), (512, 0), (128, 0)]:
+        with pytest.raises(ValueError, match="not allocated"):
+            alloc.free(size, bad_id)
+    alloc.check_integrity()

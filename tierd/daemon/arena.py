@@ -1,0 +1,207 @@
+"""The DRAM tier's memory: one shared-memory file, mapped by the daemon and by every engine.
+
+KV bytes live here and never cross gRPC. The daemon creates the arena at start-up (and pre-faults
+it, so the first block copied in is not slowed by page faults) and unlinks it at shutdown; engines
+attach by name and copy blocks in and out of slots themselves (``as_tensor`` + ``torch.copy_``).
+On a GPU host an engine registers the mapping as pinned memory once
+(``cudaHostRegister(tensor.data_ptr(), size, cudaHostRegisterPortable)``) so copies run at PCIe
+speed; the CPU-only build of torch has no such call and copies through pageable memory.
+
+The file is opened with ``os.open`` + ``mmap``, not ``multiprocessing.shared_memory``: Python 3.11
+has no ``track=False``, so an engine attaching through it would make the resource tracker warn
+about, or unlink, the daemon's segment when the engine exits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+_log = logging.getLogger(__name__)
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module does not name it
+_PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.madvise.restype = ctypes.c_int
+
+
+def _check_name(name: str) -> None:
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"arena name {name!r} must be a plain file name such as 'tierd-1234-ab12'")
+
+
+class ShmArena:
+    """One file under ``/dev/shm`` (or ``directory``) mapped shared and writable.
+
+    ``name`` is the file name only (what engines receive in the register reply), ``path`` the full
+    path, ``size`` the mapped bytes. Not thread-safe to close while other threads use views.
+    """
+
+    name: str
+    path: str
+    size: int
+
+    def __init__(self, name: str, path: str, mm: mmap.mmap) -> None:
+        """Internal: use ``create`` (daemon) or ``attach`` (engine)."""
+        self.name = name
+        self.path = path
+        self.size = len(mm)
+        self._mm: mmap.mmap | None = mm
+        self._whole: memoryview | None = memoryview(mm)
+
+    @classmethod
+    def create(
+        cls, name: str, size_bytes: int, *, directory: str = "/dev/shm", prefault: bool = True
+    ) -> ShmArena:
+        """Create the file (mode 0600, must not exist), size it and map it.
+
+        With ``prefault`` every page is allocated and mapped now, by several threads at once
+        (``madvise(MADV_POPULATE_WRITE)`` per range, or a ``memset`` where the kernel lacks it):
+        first touch costs ~2-2.7 s per GiB when done lazily, serially, on the copy path.
+        Blocks for that time. ValueError if ``size_bytes <= 0`` or the file already exists.
+        """
+        _check_name(name)
+        if size_bytes <= 0:
+            raise ValueError(f"arena size must be > 0 bytes, got {size_bytes}")
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise ValueError(
+                f"{path} already exists: pick another arena name or unlink the stale file"
+            ) from None
+        try:
+            os.ftruncate(fd, size_bytes)
+            mm = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)  # the mapping keeps the file alive
+        arena = cls(name, path, mm)
+        if prefault:
+            start = time.perf_counter()
+            try:
+                arena._prefault(fresh=True)
+            except BaseException:
+                arena.close()
+                arena.unlink()
+                raise
+            _log.info("arena %s: pre-faulted %d MiB in %.3f s", path, size_bytes >> 20,
+                      time.perf_counter() - start)
+        return arena
+
+    @classmethod
+    def attach(cls, name: str, *, directory: str = "/dev/shm", prefault: bool = False) -> ShmArena:
+        """Map an existing arena (engine side). FileNotFoundError if the daemon has not created it.
+
+        ``prefault=True`` maps every page into this process now (pages already exist, so this only
+        builds page tables: far cheaper than the daemon's pre-fault, but still worth doing once
+        before the first copy). Registers nothing with ``multiprocessing``.
+        """
+        _check_name(name)
+        path = os.path.join(directory, name)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size <= 0:
+                raise ValueError(f"{path} is empty: it is not a tierd arena (daemon still starting?)")
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        arena = cls(name, path, mm)
+        if prefault:
+            arena.prefault()
+        return arena
+
+    def prefault(self) -> None:
+        """Map every page of the mapping for writing, a few ranges in parallel. Blocks until done;
+        contents are unchanged (a no-op on kernels without ``MADV_POPULATE_WRITE``)."""
+        self._prefault(fresh=False)
+
+    def _prefault(self, *, fresh: bool) -> None:
+        whole = self._require_open()
+        n = max(1, min(os.cpu_count() or 1, 8))
+        anchor = ctypes.c_char.from_buffer(whole)
+        base = ctypes.addressof(anchor)
+        try:
+            chunk = -(-self.size // n // _PAGE) * _PAGE
+            ranges = [(off, min(chunk, self.size - off)) for off in range(0, self.size, chunk)]
+            workers = [threading.Thread(target=_populate, args=(base + off, length, fresh))
+                       for off, length in ranges[1:]]
+            for worker in workers:
+                worker.start()
+            _populate(base + ranges[0][0], ranges[0][1], fresh)
+            for worker in workers:
+                worker.join()
+        finally:
+            del anchor
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """A writable view of ``[offset, offset + length)``: no copy, valid until ``close``.
+
+        ValueError if the range is empty or leaves the arena (e.g. a slot id out of range).
+        """
+        whole = self._require_open()
+        if length <= 0 or offset < 0 or offset + length > self.size:
+            raise ValueError(
+                f"range [{offset}, {offset + length}) is outside arena {self.name} of {self.size} "
+                "bytes: check the slot id and slot geometry"
+            )
+        return whole[offset : offset + length]
+
+    def as_tensor(self) -> torch.Tensor:
+        """A uint8 torch tensor over the whole mapping (zero copy, ``torch.frombuffer``).
+
+        Engines copy blocks with ``tensor[off:off + n].copy_(src)``; on a GPU host they
+        ``cudaHostRegister`` ``tensor.data_ptr()`` once so those copies are DMA from pinned memory.
+        The tensor keeps the mapping alive: drop it before ``close`` to unmap at once.
+        """
+        import torch
+
+        return torch.frombuffer(self._require_open(), dtype=torch.uint8)
+
+    def close(self) -> None:
+        """Drop this process's mapping. Idempotent. If views or tensors are still alive the pages
+        stay mapped until the last of them is garbage-collected (never a dangling pointer)."""
+        whole, mm = self._whole, self._mm
+        self._whole = self._mm = None
+        if whole is not None and mm is not None:
+            whole.release()
+            try:
+                mm.close()
+            except BufferError:
+                _log.debug("arena %s: views still alive; unmapped when they are freed", self.name)
+
+    def unlink(self) -> None:
+        """Remove the file (daemon side, at shutdown). Engines still attached keep their mapping
+        until they close it. Idempotent."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def _require_open(self) -> memoryview:
+        if self._whole is None:
+            raise ValueError(f"arena {self.name} is closed: attach it again")
+        return self._whole
+
+    def __repr__(self) -> str:
+        return f"ShmArena(name={self.name!r}, size={self.size}, open={self._whole is not None})"
+
+
+def _populate(address: int, length: int, fresh: bool) -> None:
+    """Fault in ``length`` bytes at ``address`` for writing; ctypes releases the GIL meanwhile.
+    On a kernel without MADV_POPULATE_WRITE (EINVAL) a ``fresh`` (all-zero, unshared) range is
+    zero-filled instead, which faults it just the same; an attached range is left alone."""
+    if _libc.madvise(address, length, _MADV_POPULATE_WRITE) != 0 and fresh:
+        ctypes.memset(address, 0, length)
