@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "plan": "plan",
     "hash": "hash",
     "bench": "bench",
+    "route": "route",
 }
 
 
