@@ -19,6 +19,8 @@ COMMANDS: dict[str, str] = {
     "hash": "hash",
     "bench": "bench",
     "route": "route",
+    "serve": "serve",
+    "stats": "stats",
 }
 
 

@@ -1,0 +1,637 @@
+"""The node store over a real shared-memory arena, slab allocator and SSD directory: store,
+look up, acquire and copy out bit-exact from DRAM and SSD; demotion and promotion order; leases;
+namespaces; bad input. Each test ends with ``check_integrity``."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import os
+import secrets
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierd.checksum import block_checksum
+from tierd.daemon.arena import ShmArena
+from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
+from tierd.daemon.layout import Layout
+from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
+from tierd.daemon.node import EngineInfo, NodeConfig, NodeStore, Reservation
+from tierd.daemon.slots import SlabAllocator
+from tierd.daemon.ssd import SsdStore
+from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored
+from tierd.types import BlockHash
+
+LAYOUT = Layout(num_layers=1, num_kv_heads=1, head_size=16, dtype="float16", block_size=16)
+BLOCK = LAYOUT.block_bytes            # 1024 bytes
+ARENA = 8 * BLOCK                     # 8 slots: 2 slabs of 4
+SLAB = 4 * BLOCK
+SSD = 4 * (BLOCK + 128)               # 4 records (128-byte header each)
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def chain(n: int, seed: str = "a") -> list[BlockHash]:
+    """``n`` distinct 32-byte hashes."""
+    return [BlockHash(hashlib.sha256(f"{seed}/{i}".encode()).digest()) for i in range(n)]
+
+
+def payload(block_hash: BlockHash) -> bytes:
+    """Deterministic, hash-specific block contents."""
+    return (block_hash * (BLOCK // len(block_hash) + 1))[:BLOCK]
+
+
+@dataclass
+class Rig:
+    node: NodeStore
+    arena: ShmArena
+    ssd: SsdStore
+    clock: FakeClock
+    engine: EngineInfo
+
+    def store(self, hashes: list[BlockHash], engine: EngineInfo | None = None) -> Reservation:
+        """What an engine does: reserve, copy each block into its slot, commit with checksums."""
+        engine = engine or self.engine
+        res = self.node.reserve(engine.engine_id, hashes)
+        sums: list[int | None] = []
+        for h, slot in zip(hashes, res.slot_ids):
+            if slot is not None:
+                self.arena.view(engine.geometry.offset(slot), BLOCK)[:] = payload(h)
+            sums.append(None if slot is None else block_checksum(payload(h)))
+        self.node.commit(res.lease_id, sums)
+        return res
+
+    def copy_out(self, slots: list[int]) -> list[bytes]:
+        return [bytes(self.arena.view(self.engine.geometry.offset(s), BLOCK)) for s in slots]
+
+    def tiers(self, hashes: list[BlockHash]) -> list[str]:
+        return list(self.node.lookup(self.engine.engine_id, hashes).tiers)
+
+
+MakeRig = Callable[..., Rig]
+
+
+@pytest.fixture
+async def make_rig(tmp_path: Path) -> AsyncIterator[MakeRig]:
+    """Factory of rigs (``make_rig(ssd_dir=, ssd_bytes=, **NodeConfig overrides)``); each is
+    checked for integrity, closed and its arena unlinked at teardown."""
+    rigs: list[Rig] = []
+
+    def make(ssd_dir: str | None = None, ssd_bytes: int = SSD, **config: Any) -> Rig:
+        arena = ShmArena.create(f"tierd-test-{os.getpid()}-{secrets.token_hex(4)}", ARENA,
+                                prefault=False)
+        ssd = SsdStore(ssd_dir or tmp_path / "ssd", ssd_bytes, io_threads=2)
+        clock = FakeClock()
+        node = NodeStore(arena, SlabAllocator(ARENA, SLAB), ssd, NodeConfig(**config),
+                         clock=clock)
+        node.open()
+        rig = Rig(node, arena, ssd, clock, node.register_engine("default", LAYOUT, "eng"))
+        rigs.append(rig)
+        return rig
+
+    yield make
+    for rig in rigs:
+        rig.node.check_integrity()
+        await rig.node.close()
+        rig.arena.close()
+        rig.arena.unlink()
+
+
+@pytest.fixture
+def rig(make_rig: MakeRig) -> Rig:
+    return make_rig()
+
+
+async def test_store_lookup_acquire_copy_out_from_dram(rig: Rig) -> None:
+    """Three stored blocks are DRAM hits, pinned by acquire and copied out bit-exact."""
+    hashes = chain(3)
+    res = rig.store(hashes)
+    assert res.already_stored == [False, False, False]
+    assert rig.node.take_events() == [BlockStored(tuple(hashes), None, "dram", 16)]
+    assert rig.tiers(hashes + chain(1, "x")) == ["dram", "dram", "dram"]
+    lease = await rig.node.acquire(rig.engine.engine_id, hashes)
+    assert lease.slot_ids == [s for s in res.slot_ids if s is not None]
+    assert rig.copy_out(lease.slot_ids) == [payload(h) for h in hashes]
+    assert lease.checksums == [block_checksum(payload(h)) for h in hashes]
+    assert rig.node.stats().tiers["dram"].pinned_blocks == 3
+    rig.node.release(lease.lease_id)
+    assert rig.node.stats().tiers["dram"].pinned_blocks == 0
+    rig.node.check_integrity()
+
+
+async def test_lookup_is_the_longest_consecutive_prefix(rig: Rig) -> None:
+    """Blocks 0, 1 and 3 stored: lookup and acquire of 0..3 stop at the gap (2 blocks)."""
+    hashes = chain(4)
+    rig.store([hashes[0], hashes[1], hashes[3]])
+    assert rig.tiers(hashes) == ["dram", "dram"]
+    lease = await rig.node.acquire(rig.engine.engine_id, hashes)
+    assert len(lease.slot_ids) == 2
+    stats = rig.node.stats()
+    assert stats.tiers["dram"].queries == 4 * 16 and stats.tiers["dram"].hits == 2 * 16
+    assert stats.hit_ratio == 0.5
+    rig.node.check_integrity()
+
+
+async def test_commit_events_split_runs_and_name_the_parent(rig: Rig) -> None:
+    """A reservation whose middle block is already stored commits as two runs; a None
+    checksum frees its slot and breaks the run too."""
+    hashes = chain(5)
+    rig.store([hashes[2]])
+    rig.node.take_events()
+    res = rig.node.reserve(rig.engine.engine_id, hashes)
+    assert res.already_stored == [False, False, True, False, False]
+    sums: list[int | None] = [1, 2, None, 4, None]
+    assert rig.node.commit(res.lease_id, sums) == 3
+    assert rig.node.take_events() == [
+        BlockStored((hashes[0], hashes[1]), None, "dram", 16),
+        BlockStored((hashes[3],), hashes[2], "dram", 16)]
+    assert rig.tiers(hashes) == ["dram"] * 4
+    assert rig.node.stats().tiers["dram"].used_blocks == 4
+    rig.node.check_integrity()
+
+
+async def test_demotion_takes_lru_blocks_to_low_watermark_then_promotion(rig: Rig) -> None:
+    """A full arena (8/8 > 0.90) demotes its 2 least recently used blocks (to 6/8 = 0.75) in LRU
+    order; acquiring one reads it back bit-exact into DRAM and keeps the SSD copy."""
+    hashes = chain(8)
+    rig.store(hashes)
+    lease = await rig.node.acquire(rig.engine.engine_id, hashes[:2])   # 0, 1 become MRU
+    rig.node.release(lease.lease_id)
+    rig.node.take_events()
+    await rig.node.maintain()
+    demoted = [hashes[2], hashes[3]]
+    assert rig.node.take_events() == [
+        BlockStored((demoted[0],), None, "ssd"), BlockStored((demoted[1],), None, "ssd"),
+        BlockRemoved((demoted[0],), "dram"), BlockRemoved((demoted[1],), "dram")]
+    assert rig.tiers(hashes) == ["dram", "dram", "ssd", "ssd"] + ["dram"] * 4
+    stats = rig.node.stats()
+    assert (stats.tiers["dram"].used_blocks, stats.tiers["ssd"].used_blocks) == (6, 2)
+    assert stats.tiers["dram"].demotions == 2 and stats.tiers["dram"].evictions == 0
+    rig.ssd.check_integrity(disk=True)
+
+    lease = await rig.node.acquire(rig.engine.engine_id, hashes[:4])
+    assert rig.copy_out(lease.slot_ids) == [payload(h) for h in hashes[:4]]
+    landed = sorted(rig.node.take_events(), key=lambda e: e.block_hashes[0])  # type: ignore
+    assert landed == sorted([BlockStored((h,), None, "dram") for h in demoted],
+                            key=lambda e: e.block_hashes[0])
+    assert rig.tiers(hashes[:4]) == ["dram"] * 4
+    stats = rig.node.stats()
+    assert stats.tiers["ssd"].promotions == 2 and stats.tiers["ssd"].used_blocks == 2
+    rig.node.release(lease.lease_id)
+    rig.node.check_integrity()
+
+
+async def test_demoting_a_block_with_an_ssd_copy_writes_nothing(rig: Rig) -> None:
+    """A promoted block (SSD copy kept) that is LRU again only loses its DRAM copy: no write."""
+    hashes = chain(8)
+    rig.store(hashes)
+    await rig.node.maintain()                                  # 0, 1 -> SSD
+    rig.node.release((await rig.node.acquire(rig.engine.engine_id, hashes[:1])).lease_id)
+    for h in hashes[2:]:                                       # LRU order: 0, 2..7
+        rig.node.release((await rig.node.acquire(rig.engine.engine_id, [h])).lease_id)
+    rig.store(chain(1, "b"))                                   # 8/8
+    rig.node.take_events()
+    await rig.node.maintain()
+    assert rig.node.take_events() == [BlockStored((hashes[2],), None, "ssd"),
+                                      BlockRemoved((hashes[0],), "dram"),
+                                      BlockRemoved((hashes[2],), "dram")]
+    assert rig.tiers(hashes[:3]) == ["ssd", "ssd", "ssd"]
+    stats = rig.node.stats()
+    assert stats.tiers["dram"].demotions == 4 and stats.tiers["ssd"].used_blocks == 3
+    rig.node.check_integrity()
+
+
+async def test_forced_eviction_on_reserve_is_lru_and_skips_pins(rig: Rig) -> None:
+    """A full arena with blocks 0 and 1 pinned: reserving 8 new blocks evicts the 6 unpinned in
+    LRU order and leaves the last 2 without a slot; the pinned blocks survive intact."""
+    old = chain(8)
+    rig.store(old)
+    lease = await rig.node.acquire(rig.engine.engine_id, old[:2])
+    rig.node.take_events()
+    new = chain(8, "b")
+    res = rig.store(new)
+    assert [s is not None for s in res.slot_ids] == [True] * 6 + [False] * 2
+    assert rig.node.take_events() == [BlockRemoved((h,), "dram") for h in old[2:]] + [
+        BlockStored(tuple(new[:6]), None, "dram", 16)]
+    assert rig.tiers(old[:2]) == ["dram", "dram"] and rig.tiers(old[2:3]) == []
+    assert rig.copy_out(lease.slot_ids) == [payload(h) for h in old[:2]]
+    assert rig.node.stats().tiers["dram"].evictions == 6
+    rig.node.release(lease.lease_id)
+    rig.node.check_integrity()
+
+
+async def test_ssd_min_hits_evicts_cold_blocks_instead(make_rig: MakeRig) -> None:
+    """With ssd_min_hits=1, of the two LRU victims only the one acquired once goes to SSD."""
+    rig = make_rig(ssd_min_hits=1)
+    hashes = chain(8)
+    rig.store(hashes)
+    lease = await rig.node.acquire(rig.engine.engine_id, hashes[:1])
+    rig.node.release(lease.lease_id)
+    for h in hashes[2:]:                      # make 0 and 1 the two LRU blocks again
+        rig.node.release((await rig.node.acquire(rig.engine.engine_id, [h])).lease_id)
+    rig.node.take_events()
+    await rig.node.maintain()
+    assert rig.node.take_events() == [BlockStored((hashes[0],), None, "ssd"),
+                                      BlockRemoved((hashes[1],), "dram"),
+                                      BlockRemoved((hashes[0],), "dram")]
+    assert rig.tiers(hashes[:2]) == ["ssd"]
+    stats = rig.node.stats()
+    assert (stats.tiers["dram"].demotions, stats.tiers["dram"].evictions) == (1, 1)
+    rig.node.check_integrity()
+
+
+async def test_full_ssd_drops_its_lru_blocks(rig: Rig) -> None:
+    """The 4-record SSD takes 2 demotions per pass; the third pass drops SSD's LRU pair."""
+    hashes = chain(14)
+    rig.store(hashes[:8])
+    await rig.node.maintain()                  # 0, 1 -> SSD
+    rig.store(hashes[8:10])
+    await rig.node.maintain()                  # 2, 3 -> SSD (full: 4 records)
+    rig.store(hashes[10:12])
+    rig.node.take_events()
+    await rig.node.maintain()                  # 4, 5 -> SSD, dropping 0, 1
+    assert rig.node.take_events() == [
+        BlockRemoved((hashes[0],), "ssd"), BlockRemoved((hashes[1],), "ssd"),
+        BlockStored((hashes[4],), None, "ssd"), BlockStored((hashes[5],), None, "ssd"),
+        BlockRemoved((hashes[4],), "dram"), BlockRemoved((hashes[5],), "dram")]
+    stats = rig.node.stats()
+    assert stats.tiers["ssd"].evictions == 2 and stats.tiers["ssd"].used_blocks == 4
+    assert stats.tiers["ssd"].used_bytes == 4 * (BLOCK + 128) == stats.tiers["ssd"].capacity_bytes
+    rig.node.check_integrity()
+
+
+async def test_read_lease_expires_on_the_fake_clock(rig: Rig) -> None:
+    """An acquire lease past its 30 s deadline unpins its blocks; release then fails."""
+    hashes = chain(2)
+    rig.store(hashes)
+    lease = await rig.node.acquire(rig.engine.engine_id, hashes)
+    assert lease.deadline == 1030.0 and lease.ttl_seconds == 30.0
+    rig.clock.advance(29)
+    await rig.node.maintain()
+    assert rig.node.stats().tiers["dram"].pinned_blocks == 2
+    rig.clock.advance(1)
+    await rig.node.maintain()
+    stats = rig.node.stats()
+    assert stats.tiers["dram"].pinned_blocks == 0 and stats.lease_expiries == 1
+    with pytest.raises(FailedPrecondition, match="expired"):
+        rig.node.release(lease.lease_id)
+    assert rig.node.metrics.registry.get_sample_value(
+        "tierd_lease_expiries_total", {"kind": "read"}) == 1.0
+    rig.node.check_integrity()
+
+
+async def test_reservation_expiry_frees_slots_and_commit_fails(rig: Rig) -> None:
+    """A reservation past its deadline frees its slots (no maintain needed); commit is then
+    FailedPrecondition and abort is a no-op."""
+    res = rig.node.reserve(rig.engine.engine_id, chain(3))
+    assert rig.node.stats().tiers["dram"].used_blocks == 3
+    assert rig.tiers(chain(3)) == []                           # reserved: not visible
+    rig.clock.advance(30.0)
+    with pytest.raises(FailedPrecondition, match="expired"):
+        rig.node.commit(res.lease_id, [1, 2, 3])
+    rig.node.abort(res.lease_id)
+    stats = rig.node.stats()
+    assert stats.tiers["dram"].used_blocks == 0 and stats.lease_expiries == 1
+    assert rig.node.metrics.registry.get_sample_value(
+        "tierd_lease_expiries_total", {"kind": "write"}) == 1.0
+    rig.node.check_integrity()
+
+
+async def test_abort_frees_and_a_second_reserve_of_a_pending_block_gets_no_slot(rig: Rig) -> None:
+    """While one reservation holds a hash, another gets no slot for it; after abort it does."""
+    hashes = chain(2)
+    first = rig.node.reserve(rig.engine.engine_id, hashes)
+    second = rig.node.reserve(rig.engine.engine_id, hashes + hashes[:1])
+    assert second.slot_ids == [None, None, None] and second.already_stored == [False] * 3
+    rig.node.abort(first.lease_id)
+    rig.node.abort(first.lease_id)                             # idempotent
+    rig.node.abort(second.lease_id)
+    third = rig.node.reserve(rig.engine.engine_id, hashes + hashes[:1])
+    assert [s is not None for s in third.slot_ids] == [True, True, False]
+    rig.node.abort(third.lease_id)
+    assert rig.node.stats().tiers["dram"].used_blocks == 0
+    rig.node.check_integrity()
+
+
+async def test_reserve_skips_blocks_stored_in_dram_or_ssd(rig: Rig) -> None:
+    """Blocks held in DRAM or only on SSD are already stored: no slot for them."""
+    hashes = chain(8)
+    rig.store(hashes)
+    await rig.node.maintain()                                  # 0, 1 -> SSD only
+    res = rig.node.reserve(rig.engine.engine_id, [hashes[0], hashes[5], *chain(1, "new")])
+    assert res.already_stored == [True, True, False]
+    assert res.slot_ids[:2] == [None, None] and res.slot_ids[2] is not None
+    rig.node.abort(res.lease_id)
+    rig.node.check_integrity()
+
+
+async def test_lease_and_input_errors(rig: Rig) -> None:
+    """Double commit, unknown lease, wrong-kind lease, bad hash length, oversize request,
+    unknown engine and a wrong checksum count each raise their precise error."""
+    hashes = chain(2)
+    res = rig.node.reserve(rig.engine.engine_id, hashes)
+    with pytest.raises(ValueError, match="one checksum"):
+        rig.node.commit(res.lease_id, [1])
+    with pytest.raises(ValueError, match="unsigned 64-bit"):
+        rig.node.commit(res.lease_id, [1, -1])
+    with pytest.raises(FailedPrecondition, match="commit or abort"):
+        rig.node.release(res.lease_id)
+    assert rig.node.commit(res.lease_id, [1, 2]) == 2
+    with pytest.raises(FailedPrecondition, match="already committed"):
+        rig.node.commit(res.lease_id, [1, 2])
+    with pytest.raises(FailedPrecondition, match="already committed"):
+        rig.node.abort(res.lease_id)
+    with pytest.raises(NotFound, match="unknown lease"):
+        rig.node.commit("nope", [])
+    with pytest.raises(NotFound, match="unknown lease"):
+        rig.node.release("nope")
+    with pytest.raises(ValueError, match="has 31 bytes"):
+        rig.node.lookup(rig.engine.engine_id, [BlockHash(bytes(31))])
+    with pytest.raises(ValueError, match="has 31 bytes"):
+        rig.node.reserve(rig.engine.engine_id, [BlockHash(bytes(31))])
+    assert rig.tiers([BlockHash(bytes(16))]) == []           # xxhash_cbor length is fine
+    with pytest.raises(ResourceExhausted, match="at most 4096"):
+        rig.node.lookup(rig.engine.engine_id, chain(4097))
+    with pytest.raises(NotFound, match="unknown engine"):
+        rig.node.lookup("ghost", hashes)
+    lease = await rig.node.acquire(rig.engine.engine_id, hashes)
+    with pytest.raises(FailedPrecondition, match="read lease"):
+        rig.node.commit(lease.lease_id, [1, 2])
+    rig.node.release(lease.lease_id)
+    with pytest.raises(FailedPrecondition, match="already released"):
+        rig.node.release(lease.lease_id)
+    too_big = dataclasses.replace(LAYOUT, num_layers=64)       # 64 KiB > the 4 KiB slab
+    with pytest.raises(ResourceExhausted, match="cannot fit"):
+        rig.node.register_engine("default", too_big)
+    with pytest.raises(ValueError, match="tp_rank"):
+        rig.node.register_engine("default", dataclasses.replace(LAYOUT, tp_rank=1))
+    rig.node.check_integrity()
+
+
+async def test_tenants_layouts_and_tp_ranks_never_share_entries(rig: Rig) -> None:
+    """Another tenant, or another TP rank of the same tenant, sending the exact hashes misses
+    and may store its own copy; the first tenant's blocks are untouched."""
+    hashes = chain(3)
+    rig.store(hashes)
+    other = rig.node.register_engine("tenant-b", LAYOUT)
+    rank1 = rig.node.register_engine("default", dataclasses.replace(LAYOUT, tp_rank=1, tp_size=2))
+    twin = rig.node.register_engine("default", LAYOUT)          # same namespace: shares
+    for engine in (other, rank1):
+        assert rig.node.lookup(engine.engine_id, hashes).tiers == []
+        lease = await rig.node.acquire(engine.engine_id, hashes)
+        assert lease.slot_ids == []
+        rig.node.release(lease.lease_id)
+    assert rig.node.lookup(twin.engine_id, hashes).tiers == ["dram"] * 3
+    res = rig.store(hashes, engine=other)
+    assert res.already_stored == [False] * 3
+    assert rig.node.stats().tiers["dram"].used_blocks == 6
+    assert rig.tiers(hashes) == ["dram"] * 3
+    rig.node.check_integrity()
+
+
+async def test_hbm_reports_are_per_engine_and_bounded(make_rig: MakeRig) -> None:
+    """An engine's reported GPU blocks look up as "hbm" for it only; the set keeps the newest
+    hbm_max_blocks_per_engine hashes; unregister drops it."""
+    rig = make_rig(hbm_max_blocks_per_engine=2)
+    hashes = chain(4)
+    rig.store(hashes)
+    twin = rig.node.register_engine("default", LAYOUT)
+    rig.node.report_hbm(rig.engine.engine_id, stored=hashes[:3], removed=[])
+    assert rig.tiers(hashes) == ["dram", "hbm", "hbm", "dram"]   # 0 dropped by the cap
+    assert rig.node.lookup(twin.engine_id, hashes).tiers == ["dram"] * 4
+    rig.node.report_hbm(rig.engine.engine_id, stored=[hashes[0]], removed=[hashes[1]])
+    assert rig.tiers(hashes) == ["hbm", "dram", "hbm", "dram"]
+    stats = rig.node.stats()
+    assert stats.hbm_blocks == {rig.engine.engine_id: 2}
+    assert stats.tiers["hbm"].used_blocks == 2 and stats.tiers["hbm"].hits == 4 * 16
+    rig.node.report_hbm(rig.engine.engine_id, stored=[], removed=[], cleared=True)
+    assert rig.tiers(hashes[:1]) == ["dram"]
+    rig.node.report_hbm(twin.engine_id, stored=hashes[:1], removed=[])
+    rig.node.unregister_engine(twin.engine_id)
+    assert rig.node.stats().hbm_blocks == {rig.engine.engine_id: 0}
+    with pytest.raises(ValueError, match="has 3 bytes"):
+        rig.node.report_hbm(rig.engine.engine_id, stored=[BlockHash(b"abc")], removed=[])
+    rig.node.check_integrity()
+
+
+async def test_unregister_ends_the_engines_leases(rig: Rig) -> None:
+    """Unregistering frees an engine's reservation and unpins its read lease."""
+    hashes = chain(2)
+    rig.store(hashes)
+    lease = await rig.node.acquire(rig.engine.engine_id, hashes)
+    rig.node.reserve(rig.engine.engine_id, chain(2, "b"))
+    rig.node.unregister_engine(rig.engine.engine_id)
+    stats = rig.node.stats()
+    assert stats.tiers["dram"].used_blocks == 2 and stats.tiers["dram"].pinned_blocks == 0
+    with pytest.raises(FailedPrecondition, match="unregistered"):
+        rig.node.release(lease.lease_id)
+    with pytest.raises(NotFound):
+        rig.node.unregister_engine(rig.engine.engine_id)
+    rig.node.check_integrity()
+
+
+async def test_corrupt_ssd_record_is_a_miss(rig: Rig) -> None:
+    """A demoted block whose record is flipped on disk ends the acquired prefix there, is
+    dropped from the index and counted; the slot it was staged in is freed."""
+    hashes = chain(8)
+    rig.store(hashes)
+    await rig.node.maintain()                                  # 0, 1 -> SSD
+    path = next(p for p in (rig.ssd.directory).iterdir() if hashes[1].hex() in p.name)
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(raw)
+    rig.node.take_events()
+    lease = await rig.node.acquire(rig.engine.engine_id, hashes)
+    assert len(lease.slot_ids) == 1
+    assert rig.copy_out(lease.slot_ids) == [payload(hashes[0])]
+    assert BlockRemoved((hashes[1],), "ssd") in rig.node.take_events()
+    assert rig.tiers(hashes) == ["dram"]
+    stats = rig.node.stats()
+    assert stats.checksum_failures == 1 and stats.tiers["ssd"].used_blocks == 1
+    rig.node.release(lease.lease_id)
+    rig.node.check_integrity()
+
+
+async def test_unusable_ssd_directory_degrades_to_dram_only(make_rig: MakeRig,
+                                                            tmp_path: Path) -> None:
+    """An SSD "directory" that is a file: the node serves DRAM only, maintain evicts nothing
+    it cannot demote, reserve evicts on demand, stats say unhealthy."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_bytes(b"x")
+    rig = make_rig(ssd_dir=str(blocker))
+    hashes = chain(8)
+    rig.store(hashes)
+    await rig.node.maintain()
+    assert rig.tiers(hashes) == ["dram"] * 8
+    stats = rig.node.stats()
+    assert stats.ssd_healthy is False and stats.tiers["dram"].used_blocks == 8
+    assert rig.node.metrics.registry.get_sample_value("tierd_ssd_healthy") == 0.0
+    res = rig.store(chain(2, "b"))
+    assert None not in res.slot_ids
+    assert rig.tiers(hashes) == []                            # 0, 1 evicted for them
+    rig.node.check_integrity()
+
+
+async def test_ssd_going_unhealthy_hides_it_and_a_good_write_brings_it_back(rig: Rig) -> None:
+    """When the SSD store reports unhealthy its blocks stop being served (AllBlocksCleared);
+    a successful probe demotion brings them back (one BlockStored of them all)."""
+    hashes = chain(8)
+    rig.store(hashes)
+    await rig.node.maintain()                                  # 0, 1 -> SSD
+    rig.node.take_events()
+    rig.ssd.healthy = False                                    # as after a disk error
+    assert rig.tiers(hashes) == []
+    new = chain(2, "b")
+    rig.store(new)                                             # 8/8 again
+    await rig.node.maintain()                                  # probe: 2 -> SSD, healthy
+    assert rig.node.take_events() == [
+        BlockStored(tuple(new), None, "dram", 16), AllBlocksCleared("ssd"),
+        BlockStored((hashes[2],), None, "ssd"),
+        BlockStored((hashes[0], hashes[1], hashes[2]), None, "ssd"),
+        BlockRemoved((hashes[2],), "dram")]
+    assert rig.node.stats().ssd_healthy is True
+    assert rig.tiers(hashes[:4]) == ["ssd", "ssd", "ssd", "dram"]
+    rig.node.check_integrity()
+
+
+async def test_restart_finds_ssd_blocks_again(make_rig: MakeRig, tmp_path: Path) -> None:
+    """A new node on the same SSD directory serves the demoted blocks bit-exact."""
+    first = make_rig(ssd_dir=str(tmp_path / "shared"))
+    hashes = chain(8)
+    first.store(hashes)
+    await first.node.maintain()
+    await first.node.close()
+    second = make_rig(ssd_dir=str(tmp_path / "shared"))
+    assert second.tiers(hashes[:2]) == ["ssd", "ssd"]
+    lease = await second.node.acquire(second.engine.engine_id, hashes[:2])
+    assert second.copy_out(lease.slot_ids) == [payload(h) for h in hashes[:2]]
+    second.node.release(lease.lease_id)
+    second.node.check_integrity()
+
+
+async def test_concurrent_acquires_promote_a_block_once(rig: Rig) -> None:
+    """Two acquires of the same SSD prefix at once read each block once and share the slots."""
+    hashes = chain(8)
+    rig.store(hashes)
+    await rig.node.maintain()                                  # 0, 1 -> SSD
+    a, b = await asyncio.gather(rig.node.acquire(rig.engine.engine_id, hashes[:2]),
+                                rig.node.acquire(rig.engine.engine_id, hashes[:2]))
+    assert a.slot_ids == b.slot_ids and len(a.slot_ids) == 2
+    assert rig.copy_out(a.slot_ids) == [payload(h) for h in hashes[:2]]
+    stats = rig.node.stats()
+    assert stats.tiers["ssd"].promotions == 2 and stats.tiers["dram"].pinned_blocks == 2
+    rig.node.check_integrity()
+    rig.node.release(a.lease_id)
+    rig.node.release(b.lease_id)
+    rig.node.check_integrity()
+
+
+async def test_reuse_gap_idle_time_and_pool_too_small(rig: Rig) -> None:
+    """Fake-clock timeline: a 10 s hit, an eviction after 70 s idle, a re-store 370 s after
+    the last use (a ghost) evicting a block idle 370 s: reuse-gap P90 540 s > idle P50 120 s."""
+    hashes = chain(8)
+    rig.store(hashes)                                          # t = 1000
+    rig.clock.advance(10)
+    rig.node.release((await rig.node.acquire(rig.engine.engine_id, hashes[:1])).lease_id)
+    rig.clock.advance(60)
+    rig.store(chain(1, "b"))                                   # evicts 1 (idle 70 s)
+    rig.clock.advance(300)
+    rig.store(hashes[1:2])                                     # ghost: gap 370 s; evicts 2
+    m = rig.node.metrics.registry.get_sample_value
+    assert m("tierd_block_reuse_gap_seconds_sum") == 380.0
+    assert m("tierd_block_idle_before_evict_seconds_sum") == 440.0
+    assert m("tierd_block_lifetime_seconds_sum") == 440.0
+    rig.node.lookup(rig.engine.engine_id, hashes[:1])          # a reading needs lookups
+    stats = rig.node.stats()
+    assert (stats.reuse_gap_p90, stats.idle_before_evict_p50) == (540.0, 120.0)
+    assert stats.pool_too_small and stats.tiers["dram"].evictions == 2
+    assert stats.reading() == ("hit ratio 1.00: healthy (multi-turn chat / fixed system "
+                               "prompt); pool too small (reuse gap P90 > idle-before-evict P50)")
+    rig.node.check_integrity()
+
+
+async def test_metrics_live_in_the_nodes_own_registry(rig: Rig) -> None:
+    """Counters and gauges carry the documented names; a second store's registry is separate."""
+    hashes = chain(8)
+    rig.store(hashes)
+    rig.tiers(hashes + chain(2, "miss"))
+    await rig.node.maintain()
+    rig.node.release((await rig.node.acquire(rig.engine.engine_id, hashes[:1])).lease_id)
+    rig.node.metrics.rpc_latency.labels("Lookup").observe(0.0004)
+    m = rig.node.metrics.registry.get_sample_value
+    assert m("tierd_prefix_cache_queries_total") == 10 * 16
+    assert m("tierd_prefix_cache_hits_total", {"tier": "dram"}) == 8 * 16
+    assert m("tierd_demotions_total") == 2.0 and m("tierd_promotions_total") == 1.0
+    assert m("tierd_tier_used_blocks", {"tier": "dram"}) == 6.0       # as of maintain
+    assert m("tierd_tier_occupancy_ratio", {"tier": "dram"}) == 0.75
+    assert m("tierd_tier_used_blocks", {"tier": "ssd"}) == 2.0
+    assert m("tierd_ssd_healthy") == 1.0
+    assert m("tierd_rpc_latency_seconds_count", {"method": "Lookup"}) == 1.0
+    assert m("tierd_block_reuse_gap_seconds_count") == 1.0
+    assert rig.node.stats().hit_ratio == 0.8
+    assert NodeMetrics().registry.get_sample_value("tierd_prefix_cache_queries_total") == 0.0
+    rig.node.check_integrity()
+
+
+def _stats(hit_ratio: float, queries: int = 160) -> NodeStats:
+    tier = TierStats(0, 0, 0, 0, 0, 0, queries, 0, 0, 0)
+    return NodeStats({"dram": tier}, {}, 0, 0, True, hit_ratio, None, None)
+
+
+@pytest.mark.parametrize("ratio, words", [
+    (0.8, "healthy"), (0.5, "check prompt template order"), (0.2, "low"),
+    (0.05, "check routing"),
+])
+def test_reading_follows_the_essay(ratio: float, words: str) -> None:
+    """> 0.7 healthy; 0.3-0.7 template order; < 0.1 routing, pool size, timestamps."""
+    assert words in _stats(ratio).reading()
+    assert _stats(0.0, queries=0).reading() == "no lookups yet"
+    assert "timestamps" in _stats(0.05).reading() and "pool size" in _stats(0.05).reading()
+
+
+def test_histogram_quantile_interpolates_within_a_bucket() -> None:
+    """One 10 s observation: P50 7.5 (middle of (5, 10]); nothing observed: None."""
+    metrics = NodeMetrics()
+    assert metrics.reuse_gap.quantile(0.5) is None
+    metrics.reuse_gap.observe(10)
+    assert metrics.reuse_gap.quantile(0.5) == 7.5
+    metrics.reuse_gap.observe(10 ** 6)                  # past the last finite bucket
+    assert metrics.reuse_gap.quantile(0.99) == 86400
+    m = metrics.registry.get_sample_value
+    assert m("tierd_block_reuse_gap_seconds_bucket", {"le": "10.0"}) == 1.0
+    assert m("tierd_block_reuse_gap_seconds_bucket", {"le": "+Inf"}) == 2.0
+    assert m("tierd_block_reuse_gap_seconds_count") == 2.0
+
+
+async def test_restart_with_a_smaller_bound_drops_the_oldest_records(make_rig: MakeRig,
+                                                                     tmp_path: Path) -> None:
+    """Reopened with room for one record, the node keeps the newest (by file time) and deletes
+    the other."""
+    first = make_rig(ssd_dir=str(tmp_path / "shared"))
+    hashes = chain(8)
+    first.store(hashes)
+    await first.node.maintain()                                # 0, 1 written
+    await first.node.close()
+    oldest = next(p for p in (tmp_path / "shared").iterdir() if hashes[0].hex() in p.name)
+    os.utime(oldest, (1, 1))
+    second = make_rig(ssd_dir=str(tmp_path / "shared"), ssd_bytes=BLOCK + 128)
+    assert second.tiers(hashes[1:2]) == ["ssd"] and second.tiers(hashes[:1]) == []
+    assert second.node.take_events()[-1] == BlockRemoved((hashes[0],), "ssd")
+    second.ssd.check_integrity(disk=True)
+    second.node.check_integrity()

@@ -1,0 +1,119 @@
+"""A real `tierd serve` process: blocks that reached SSD survive kill -9 and a restart on the same
+SSD directory, a torn write is discarded, and SIGTERM shuts down cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tierd.checksum import block_checksum
+from tierd.daemon.client import TierdClient
+
+
+def serve(workdir: str) -> subprocess.Popen[bytes]:
+    """Start `tierd serve` with a 16 MiB arena whose every committed block the background
+    maintain pass (every 50 ms) demotes to SSD."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tierd.commands.serve",
+         "--socket-path", os.path.join(workdir, "tierd.sock"), "--dram-bytes", "16MiB",
+         "--slab-bytes", "64KiB", "--no-prefault", "--ssd-dir", os.path.join(workdir, "ssd"),
+         "--ssd-bytes", "4MiB", "--dram-high-watermark", "1e-9", "--dram-low-watermark", "1e-9",
+         "--maintain-seconds", "0.05", "--log-level", "WARNING"],
+        env={**os.environ, "TIERD_CONFIG": ""}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def connect(workdir: str, process: subprocess.Popen[bytes]) -> TierdClient:
+    client = TierdClient(socket_path=os.path.join(workdir, "tierd.sock"), timeout=10.0)
+    try:
+        client.wait_ready(timeout=60)
+    except Exception:
+        process.kill()
+        raise AssertionError(f"tierd serve did not come up: {process.communicate()[1]!r}")
+    return client
+
+
+def wait_until(predicate: Any, what: str) -> None:
+    """Poll ``predicate`` (a readiness wait, not a timing assertion) for up to 30 s."""
+    for _ in range(600):
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_kill_9_and_restart_finds_ssd_blocks(workdir: str, kit: Any,
+                                             processes: list[subprocess.Popen[bytes]]) -> None:
+    """Six blocks demoted to SSD, kill -9, a torn temp record left behind: the restarted daemon
+    finds all six on SSD, they copy out bit-exact, the torn file is gone, SSD bytes match the disk,
+    and the dead daemon's arena file is removed."""
+    hashes = kit.chain(6)
+    first = serve(workdir)
+    processes.append(first)
+    with connect(workdir, first) as client:
+        engine = client.register_engine(kit.layout)
+        arena = kit.attach(engine)
+        assert kit.store_blocks(client, engine, arena, hashes) == 6
+        arena.close()
+        wait_until(lambda: client.lookup(engine.engine_id, hashes) == ["ssd"] * 6,
+                   "the maintain pass to demote all six blocks")
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    old_arena = os.path.join(engine.arena_directory, engine.arena_name)
+    assert os.path.exists(old_arena) and os.path.exists(os.path.join(workdir, "tierd.sock"))
+    ssd_dir = os.path.join(workdir, "ssd")
+    torn = os.path.join(ssd_dir, ".deadbeef-cafe.kvb.0123abcd.tmp")
+    with open(torn, "wb") as f:
+        f.write(b"TKVB" + bytes(60))
+
+    second = serve(workdir)
+    processes.append(second)
+    with connect(workdir, second) as client:
+        engine = client.register_engine(kit.layout)
+        assert client.lookup(engine.engine_id, hashes) == ["ssd"] * 6
+        arena = kit.attach(engine)
+        got = client.acquire(engine.engine_id, hashes)
+        assert got.num_blocks == 6
+        for key, slot, checksum in zip(hashes, got.slot_ids, got.checksums):
+            data = bytes(arena.view(engine.geometry.offset(slot), engine.geometry.slot_bytes))
+            assert data == kit.block_bytes(key, 4096) and block_checksum(data) == checksum
+        client.release(engine.engine_id, got.lease_id)
+        arena.close()
+        ssd = client.stats().tiers[2]
+    records = [e for e in os.scandir(ssd_dir) if e.name.endswith(".kvb")]
+    assert not os.path.exists(torn) and not os.path.exists(old_arena)
+    assert (ssd.tier, ssd.used_blocks, len(records)) == ("ssd", 6, 6)
+    assert ssd.used_bytes == sum(e.stat().st_size for e in records)
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(timeout=30) == 0
+
+
+def test_sigterm_removes_socket_and_arena(workdir: str, kit: Any,
+                                          processes: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM: the daemon exits 0 and its socket and arena file are gone."""
+    process = serve(workdir)
+    processes.append(process)
+    with connect(workdir, process) as client:
+        engine = client.register_engine(kit.layout)
+    arena_path = os.path.join(engine.arena_directory, engine.arena_name)
+    assert os.path.exists(arena_path)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
+    assert not os.path.exists(arena_path)
+    assert not os.path.exists(os.path.join(workdir, "tierd.sock"))

@@ -1,0 +1,170 @@
+"""The daemon over a real Unix socket: store, look up, acquire and copy out bit-exact from DRAM
+and from SSD; health, reflection and stats answer."""
+
+from __future__ import annotations
+
+import urllib.request
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from tierd.checksum import block_checksum
+from tierd.daemon.client import AsyncTierdClient
+
+
+def test_register_returns_arena_and_geometry(daemon: Any, kit: Any) -> None:
+    """Registering a 4 KiB-block layout returns the arena and a 64 KiB-slab geometry."""
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout, engine_name="tiny")
+    assert engine.arena_name == daemon.daemon.arena.name
+    assert engine.arena_directory == daemon.config.arena_directory
+    assert engine.arena_bytes == 16 << 20
+    assert (engine.geometry.slab_bytes, engine.geometry.slot_bytes,
+            engine.geometry.slots_per_slab) == (64 << 10, 4096, 16)
+    assert engine.lease_seconds == 30.0
+    assert engine.max_blocks_per_request == 4096
+
+
+def test_store_lookup_acquire_copy_out_from_dram(daemon: Any, kit: Any) -> None:
+    """Eight stored blocks are a DRAM hit and copy out bit-exact; a longer chain hits its prefix."""
+    hashes = kit.chain(8)
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+        arena = kit.attach(engine)
+        assert kit.store_blocks(client, engine, arena, hashes) == 8
+        assert client.lookup(engine.engine_id, hashes + kit.chain(2, seed=9)) == ["dram"] * 8
+        got = client.acquire(engine.engine_id, hashes)
+        assert got.num_blocks == 8
+        for key, slot, checksum in zip(hashes, got.slot_ids, got.checksums):
+            data = bytes(arena.view(engine.geometry.offset(slot), engine.geometry.slot_bytes))
+            assert data == kit.block_bytes(key, 4096)
+            assert block_checksum(data) == checksum
+        client.release(engine.engine_id, got.lease_id)
+        arena.close()
+    daemon.check_integrity()
+
+
+def test_reserve_skips_already_stored(daemon: Any, kit: Any) -> None:
+    """Reserving 3 blocks of which the first 2 are stored hands out one slot only."""
+    hashes = kit.chain(3)
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+        arena = kit.attach(engine)
+        assert kit.store_blocks(client, engine, arena, hashes[:2]) == 2
+        reserved = client.reserve(engine.engine_id, hashes)
+        assert reserved.already_stored == [True, True, False]
+        assert reserved.slot_ids[:2] == [None, None] and reserved.slot_ids[2] is not None
+        client.abort(engine.engine_id, reserved.lease_id)
+        arena.close()
+
+
+def test_demoted_blocks_copy_out_from_ssd(make_daemon: Any, kit: Any) -> None:
+    """Blocks demoted to SSD by a maintain pass look up as "ssd", then acquire stages them into
+    DRAM and they copy out bit-exact."""
+    daemon = make_daemon(dram_high_watermark=1e-9, dram_low_watermark=1e-9)
+    hashes = kit.chain(5)
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+        arena = kit.attach(engine)
+        assert kit.store_blocks(client, engine, arena, hashes) == 5
+        daemon.maintain()
+        assert client.lookup(engine.engine_id, hashes) == ["ssd"] * 5
+        got = client.acquire(engine.engine_id, hashes)
+        assert got.num_blocks == 5
+        for key, slot, checksum in zip(hashes, got.slot_ids, got.checksums):
+            data = bytes(arena.view(engine.geometry.offset(slot), engine.geometry.slot_bytes))
+            assert data == kit.block_bytes(key, 4096)
+            assert block_checksum(data) == checksum
+        assert client.lookup(engine.engine_id, hashes) == ["dram"] * 5
+        client.release(engine.engine_id, got.lease_id)
+        stats = client.stats()
+        arena.close()
+    dram, ssd = stats.tiers[1], stats.tiers[2]
+    assert (dram.tier, dram.demotions, ssd.tier, ssd.promotions) == ("dram", 5, "ssd", 5)
+    daemon.check_integrity()
+
+
+def test_hot_blocks_reported_show_as_hbm(daemon: Any, kit: Any) -> None:
+    """Blocks an engine reports in its GPU pool look up as "hbm" and count in its stats row."""
+    hashes = kit.chain(4)
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout, engine_name="gpu0")
+        client.report_hot_blocks(engine.engine_id, stored=hashes[:3])
+        assert client.lookup(engine.engine_id, hashes) == ["hbm"] * 3
+        client.report_hot_blocks(engine.engine_id, removed=hashes[2:3])
+        stats = client.stats()
+    assert [(e.engine_id, e.engine_name, e.hbm_blocks) for e in stats.engines] == [
+        (engine.engine_id, "gpu0", 2)]
+
+
+def test_stats_counts_queries_and_hits(daemon: Any, kit: Any) -> None:
+    """Looking up 4 blocks of which 2 are stored counts 64 queried and 32 hit tokens."""
+    hashes = kit.chain(4)
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+        arena = kit.attach(engine)
+        kit.store_blocks(client, engine, arena, hashes[:2])
+        client.lookup(engine.engine_id, hashes)
+        stats = client.stats()
+        arena.close()
+    assert (stats.query_tokens, stats.hit_tokens, stats.hit_ratio) == (64, 32, 0.5)
+    assert [t.tier for t in stats.tiers] == ["hbm", "dram", "ssd"]
+    dram = stats.tiers[1]
+    assert (dram.used_blocks, dram.used_bytes, dram.pinned_blocks) == (2, 8192, 0)
+    assert stats.ssd_healthy is True
+    assert "0.50" in stats.reading
+
+
+def test_prometheus_endpoint_serves_node_metrics(make_daemon: Any, kit: Any) -> None:
+    """With a metrics port, /metrics on loopback shows the lookup's query tokens and its
+    RPC latency sample."""
+    daemon = make_daemon(metrics_port=0)
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+        client.lookup(engine.engine_id, kit.chain(3))
+    url = f"http://127.0.0.1:{daemon.daemon.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    assert "tierd_prefix_cache_queries_total 48.0" in text
+    assert 'tierd_rpc_latency_seconds_count{method="Lookup"} 1.0' in text
+
+
+def test_health_and_reflection_answer(daemon: Any) -> None:
+    """Health says SERVING for the server and for tierd.v1.Tierd; reflection lists the services."""
+    with grpc.insecure_channel(f"unix:{daemon.config.socket_path}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "tierd.v1.Tierd"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        reply = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=5)))
+    names = sorted(s.name for s in reply.list_services_response.service)
+    assert names == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
+                     "tierd.v1.Tierd"]
+
+
+async def test_async_client_round_trip(daemon: Any, kit: Any) -> None:
+    """AsyncTierdClient registers, stores through the arena, looks up and acquires 3 blocks."""
+    hashes = kit.chain(3)
+    async with AsyncTierdClient(socket_path=daemon.config.socket_path) as client:
+        await client.wait_ready(timeout=10)
+        engine = await client.register_engine(kit.layout)
+        arena = kit.attach(engine)
+        reserved = await client.reserve(engine.engine_id, hashes)
+        checksums: list[int | None] = []
+        for key, slot in zip(hashes, reserved.slot_ids):
+            assert slot is not None
+            data = kit.block_bytes(key, 4096)
+            arena.view(engine.geometry.offset(slot), 4096)[:] = data
+            checksums.append(block_checksum(data))
+        assert await client.commit(engine.engine_id, reserved.lease_id, checksums) == 3
+        assert await client.lookup(engine.engine_id, hashes) == ["dram"] * 3
+        got = await client.acquire(engine.engine_id, hashes)
+        assert got.checksums == checksums
+        await client.release(engine.engine_id, got.lease_id)
+        assert (await client.stats()).tiers[1].used_blocks == 3
+        await client.unregister_engine(engine.engine_id)
+        arena.close()

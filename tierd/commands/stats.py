@@ -1,0 +1,125 @@
+"""`tierd stats`: what each tier of a running daemon holds, and what its hit ratio means.
+
+Per tier: blocks used / capacity, bytes, pinned, hit ratio, evictions, demotions, promotions; per
+engine of the caller's tenant: HBM occupancy. Under the table, the design essay's reading of the
+hit ratio, and "pool too small" when blocks are reused later (reuse-gap P90) than evicted blocks
+typically sat idle (idle-before-evict P50).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from tierd.daemon.convert import DaemonStats
+
+HELP = "Show tier occupancy, hit ratio and per-engine HBM use of a running daemon."
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--socket", metavar="PATH", default=None,
+                        help="Daemon Unix socket (default: $TIERD_SOCKET_PATH, else the "
+                             "default socket of `tierd serve`).")
+    parser.add_argument("--address", metavar="HOST:PORT", default=None,
+                        help="Reach the daemon over TCP instead (needs --token).")
+    parser.add_argument("--token", default=None,
+                        help="Bearer token from the daemon's token file (selects the tenant).")
+    parser.add_argument("--json", action="store_true", help="Print one JSON object and exit.")
+    parser.add_argument("--watch", metavar="SECONDS", type=float, default=None,
+                        help="Refresh every SECONDS until Ctrl-C.")
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+    from rich.console import Console
+
+    from tierd.daemon.client import TierdClient
+
+    if args.watch is not None and args.watch <= 0:
+        raise ValueError(f"--watch needs a positive number of seconds, got {args.watch}")
+    console = Console()
+    with TierdClient(socket_path=args.socket, address=args.address, token=args.token,
+                     timeout=5.0) as client:
+        while True:
+            try:
+                stats = client.stats()
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    print(f"tierd stats: no daemon answers at {client.target}: start one with "
+                          "`tierd serve`, or point at it with --socket PATH "
+                          "(or --address HOST:PORT --token TOKEN)", file=sys.stderr)
+                else:
+                    print(f"tierd stats: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                return 1
+            if args.json:
+                print(json.dumps(stats_json(stats), indent=2))
+                return 0
+            if args.watch is not None:
+                console.clear()
+            render(stats, console)
+            if args.watch is None:
+                return 0
+            time.sleep(args.watch)
+
+
+def stats_json(stats: DaemonStats) -> dict[str, Any]:
+    """The ``--json`` object: every field of the reply plus ``pool_too_small``."""
+    return {**asdict(stats), "pool_too_small": stats.pool_too_small}
+
+
+def _ratio(part: int, whole: int) -> str:
+    return f"{part / whole:.2f}" if whole else "-"
+
+
+def _size(n: int) -> str:
+    """Compact binary size: 512B, 4.0K, 2.0G."""
+    value = float(n)
+    for unit in ("B", "K", "M", "G", "T"):
+        if value < 1024 or unit == "T":
+            return f"{n}B" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def render(stats: DaemonStats, console: Console) -> None:
+    """Print the tier table, the engine table and the reading under them."""
+    from rich import box
+    from rich.table import Table
+
+    tiers = Table(title="tierd tiers (used/capacity)", box=box.SIMPLE_HEAD)
+    for column in ("tier", "blocks", "bytes", "pinned", "hit", "evict", "demote",
+                   "promote"):
+        tiers.add_column(column, justify="left" if column == "tier" else "right", no_wrap=True)
+    for t in stats.tiers:
+        cap_blocks = str(t.capacity_blocks) if t.capacity_blocks else "-"
+        cap_bytes = _size(t.capacity_bytes) if t.capacity_bytes else "-"
+        tiers.add_row(t.tier, f"{t.used_blocks}/{cap_blocks}",
+                      f"{_size(t.used_bytes)}/{cap_bytes}", str(t.pinned_blocks),
+                      _ratio(t.hit_tokens, t.query_tokens), str(t.evictions), str(t.demotions),
+                      str(t.promotions))
+    console.print(tiers)
+    if stats.engines:
+        engines = Table(title="engines (HBM, as reported)", box=box.SIMPLE_HEAD)
+        for column in ("engine", "name", "HBM blocks", "HBM tokens", "HBM bytes"):
+            engines.add_column(column, justify="left" if column in ("engine", "name") else "right",
+                               no_wrap=True)
+        for e in stats.engines:
+            engines.add_row(e.engine_id, e.engine_name or "-", str(e.hbm_blocks),
+                            str(e.hbm_blocks * e.block_size), _size(e.hbm_blocks * e.block_bytes))
+        console.print(engines)
+    console.print(f"hit ratio {_ratio(stats.hit_tokens, stats.query_tokens)} "
+                  f"({stats.hit_tokens} of {stats.query_tokens} tokens); checksum failures "
+                  f"{stats.checksum_failures}; lease expiries {stats.lease_expiries}; SSD "
+                  f"{'healthy' if stats.ssd_healthy else 'DEGRADED (DRAM only)'}", highlight=False)
+    console.print(f"reading: {stats.reading}", highlight=False)
+    if stats.pool_too_small and "pool too small" not in stats.reading:
+        console.print(f"pool too small: reuse gap P90 {stats.reuse_gap_p90_seconds:.1f} s > "
+                      f"idle before evict P50 {stats.idle_before_evict_p50_seconds:.1f} s",
+                      highlight=False)

@@ -1,0 +1,129 @@
+"""Who is calling: bearer token -> tenant, and which tenant owns each engine id.
+
+Tenancy comes from the connection, never from a request field. A caller that sends
+``authorization: Bearer TOKEN`` is the token's tenant (an unknown token is UNAUTHENTICATED, over
+any transport). A caller without a token is the default tenant over the Unix socket (whoever can
+open the socket file is trusted, as with Docker's) and UNAUTHENTICATED over TCP.
+
+The token file is TOML, one line per token::
+
+    "3f9c...e1" = "team-a"
+    "77b0...4d" = "team-b"
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import tomllib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tierd.daemon.errors import NotFound, Unauthenticated
+
+
+@dataclass(frozen=True, slots=True)
+class TokenTable:
+    """Bearer tokens and their tenants, loaded once at start-up."""
+
+    tenants: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] | None) -> TokenTable:
+        """Read a token file (``None``: no tokens). ``ValueError`` naming the fix on a bad file."""
+        if path is None:
+            return cls()
+        with open(path, "rb") as f:
+            try:
+                table = tomllib.load(f)
+            except tomllib.TOMLDecodeError as exc:
+                raise ValueError(f"token file {path}: {exc}; write lines like "
+                                 "'\"TOKEN\" = \"tenant\"'") from None
+        for token, tenant in table.items():
+            if not isinstance(tenant, str) or not tenant or not token:
+                raise ValueError(f"token file {path}: each line must be '\"TOKEN\" = \"tenant\"' "
+                                 f"with a non-empty tenant, got {token!r} = {tenant!r}")
+        return cls(dict(table))
+
+    def tenant_of(self, token: str) -> str | None:
+        """The tenant of ``token``, or None if unknown (constant-time per entry)."""
+        found = None
+        for known, tenant in self.tenants.items():
+            if hmac.compare_digest(known.encode(), token.encode()):
+                found = tenant
+        return found
+
+
+def bearer_token(metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
+    """The token of an ``authorization: Bearer TOKEN`` metadata entry, or None if absent."""
+    for key, value in metadata:
+        if key.lower() == "authorization":
+            text = value.decode() if isinstance(value, bytes) else value
+            scheme, _, token = text.strip().partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise Unauthenticated("authorization metadata must be 'Bearer TOKEN'")
+            return token.strip()
+    return None
+
+
+def is_unix_peer(peer: str) -> bool:
+    """True for a gRPC peer string of a Unix-socket connection (``unix:...``)."""
+    return peer.startswith("unix:")
+
+
+@dataclass(frozen=True, slots=True)
+class Authenticator:
+    """Resolves the tenant of a call from its transport and metadata."""
+
+    tokens: TokenTable
+    default_tenant: str
+
+    def tenant(self, peer: str, metadata: Iterable[tuple[str, str | bytes]]) -> str:
+        """The caller's tenant; raises ``Unauthenticated`` for a bad token, or no token on TCP."""
+        token = bearer_token(metadata)
+        if token is None:
+            if is_unix_peer(peer):
+                return self.default_tenant
+            raise Unauthenticated("a bearer token is required over TCP: send metadata "
+                                  "'authorization: Bearer TOKEN' from the daemon's token file")
+        tenant = self.tokens.tenant_of(token)
+        if tenant is None:
+            raise Unauthenticated("unknown bearer token")
+        return tenant
+
+
+@dataclass(frozen=True, slots=True)
+class OwnedEngine:
+    """A registered engine as the edge remembers it: its tenant and what `stats` shows."""
+
+    tenant: str
+    engine_name: str
+    block_size: int
+    block_bytes: int
+
+
+@dataclass(slots=True)
+class EngineOwners:
+    """Which tenant registered each engine id. Another tenant's engine id is NOT_FOUND, exactly
+    like an id that never existed, so ids leak nothing across tenants."""
+
+    _engines: dict[str, OwnedEngine] = field(default_factory=dict)
+
+    def bind(self, engine_id: str, engine: OwnedEngine) -> None:
+        """Record that ``engine.tenant`` registered ``engine_id``."""
+        assert engine_id not in self._engines, f"engine id {engine_id} registered twice"
+        self._engines[engine_id] = engine
+
+    def check(self, engine_id: str, tenant: str) -> None:
+        """Raise ``NotFound`` unless ``engine_id`` exists and belongs to ``tenant``."""
+        engine = self._engines.get(engine_id)
+        if engine is None or engine.tenant != tenant:
+            raise NotFound(f"unknown engine id {engine_id!r}: call RegisterEngine first")
+
+    def unbind(self, engine_id: str) -> None:
+        """Forget ``engine_id`` (after UnregisterEngine)."""
+        self._engines.pop(engine_id, None)
+
+    def engines_of(self, tenant: str) -> dict[str, OwnedEngine]:
+        """Engines registered by ``tenant``, by id, in registration order."""
+        return {e: o for e, o in self._engines.items() if o.tenant == tenant}

@@ -1,0 +1,244 @@
+"""Clients of the node daemon: ``TierdClient`` (blocking) and ``AsyncTierdClient`` (asyncio).
+
+Each holds one gRPC channel and makes exactly one round trip per method call, whatever the
+number of blocks. Inputs and outputs are plain Python values (``Layout``, ``BlockHash`` lists,
+the frozen results of ``tierd.daemon.convert``); no protobuf type reaches the caller.
+
+Errors are ``grpc.RpcError`` (sync) / ``grpc.aio.AioRpcError`` (async) carrying the precise status
+code (``.code()``) and message (``.details()``) the daemon chose: INVALID_ARGUMENT, NOT_FOUND,
+FAILED_PRECONDITION, RESOURCE_EXHAUSTED, UNAUTHENTICATED; UNAVAILABLE when no daemon listens.
+
+The engine-side data path, for reference::
+
+    client = TierdClient(socket_path="/run/user/1000/tierd.sock")
+    engine = client.register_engine(layout, engine_name="llama-tp0")
+    arena = ShmArena.attach(engine.arena_name, directory=engine.arena_directory)
+    got = client.acquire(engine.engine_id, hashes)           # pins got.num_blocks blocks
+    for slot, checksum in zip(got.slot_ids, got.checksums):  # copy out, then verify
+        off = engine.geometry.offset(slot)
+        ... arena.view(off, engine.geometry.slot_bytes) ...
+    client.release(engine.engine_id, got.lease_id)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from tierd.daemon import convert
+from tierd.daemon.config import client_socket_path
+from tierd.daemon.convert import AcquiredBlocks, DaemonStats, EngineHandle, ReservedSlots
+from tierd.daemon.layout import Layout
+from tierd.types import BlockHash, Tier
+from tierd.v1 import tierd_pb2 as pb
+from tierd.v1 import tierd_pb2_grpc as pb_grpc
+
+__all__ = ["AcquiredBlocks", "AsyncTierdClient", "DaemonStats", "EngineHandle", "ReservedSlots",
+           "TierdClient", "target_for"]
+
+DEFAULT_TIMEOUT = 30.0
+"""Seconds before a call fails with DEADLINE_EXCEEDED (an Acquire may read from SSD)."""
+
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
+                    ("grpc.max_send_message_length", 64 << 20)]
+
+
+def target_for(socket_path: str | None = None, address: str | None = None) -> str:
+    """The gRPC target: ``address`` ("host:port") if given, else ``unix:`` + ``socket_path``
+    (default: ``client_socket_path()``)."""
+    if address:
+        return address
+    return f"unix:{socket_path or client_socket_path()}"
+
+
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class _Requests:
+    """Request builders shared by both clients (one place that touches protobuf)."""
+
+    @staticmethod
+    def register(layout: Layout, engine_name: str) -> pb.RegisterEngineRequest:
+        return pb.RegisterEngineRequest(layout=convert.layout_to_pb(layout),
+                                        engine_name=engine_name)
+
+    @staticmethod
+    def chain(kind: Any, engine_id: str, hashes: Sequence[BlockHash]) -> Any:
+        return kind(engine_id=engine_id, block_hashes=hashes)
+
+    @staticmethod
+    def commit(engine_id: str, lease_id: str,
+               checksums: Sequence[int | None]) -> pb.CommitRequest:
+        return pb.CommitRequest(engine_id=engine_id, lease_id=lease_id,
+                                blocks=convert.checksums_to_pb(checksums))
+
+    @staticmethod
+    def hot(engine_id: str, stored: Sequence[BlockHash], removed: Sequence[BlockHash],
+            cleared: bool) -> pb.ReportHotBlocksRequest:
+        return pb.ReportHotBlocksRequest(engine_id=engine_id, stored=stored, removed=removed,
+                                         cleared=cleared)
+
+
+class TierdClient:
+    """Blocking client over one channel. Thread-safe (gRPC channels are). Use as a context
+    manager or call ``close``."""
+
+    def __init__(self, *, socket_path: str | None = None, address: str | None = None,
+                 token: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Connect lazily to ``address`` ("host:port", needs ``token``) or the Unix socket
+        ``socket_path`` (default socket if neither is given). Nothing is sent until a call."""
+        self.target = target_for(socket_path, address)
+        self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.TierdStub(self._channel)  # type: ignore[no-untyped-call]
+        self._md = _metadata(token)
+        self._timeout = timeout
+
+    def _call(self, method: str, request: Any) -> Any:
+        return getattr(self._stub, method)(request, metadata=self._md, timeout=self._timeout)
+
+    def register_engine(self, layout: Layout, engine_name: str = "") -> EngineHandle:
+        """Register ``layout``; returns the engine id, arena and slot geometry to use."""
+        return convert.engine_handle_from_pb(
+            self._call("RegisterEngine", _Requests.register(layout, engine_name)))
+
+    def unregister_engine(self, engine_id: str) -> None:
+        """Forget the engine; its leases and reservations are released."""
+        self._call("UnregisterEngine", pb.UnregisterEngineRequest(engine_id=engine_id))
+
+    def lookup(self, engine_id: str, hashes: Sequence[BlockHash]) -> list[Tier]:
+        """Tier of each block of the longest held prefix of ``hashes`` (len = hit blocks).
+        Pins nothing."""
+        reply = self._call("Lookup", _Requests.chain(pb.LookupRequest, engine_id, hashes))
+        return convert.tiers_from_pb(reply.tiers)
+
+    def acquire(self, engine_id: str, hashes: Sequence[BlockHash]) -> AcquiredBlocks:
+        """Pin the longest held prefix in DRAM (SSD hits staged first) until ``release`` or the
+        lease deadline; returns slot ids and checksums to copy and verify."""
+        reply = self._call("Acquire", _Requests.chain(pb.AcquireRequest, engine_id, hashes))
+        return convert.acquired_from_pb(reply)
+
+    def release(self, engine_id: str, lease_id: str) -> None:
+        """Unpin an acquired prefix."""
+        self._call("Release", pb.ReleaseRequest(engine_id=engine_id, lease_id=lease_id))
+
+    def reserve(self, engine_id: str, hashes: Sequence[BlockHash]) -> ReservedSlots:
+        """Reserve a slot per block not stored yet; write each, then ``commit`` or ``abort``."""
+        reply = self._call("Reserve", _Requests.chain(pb.ReserveRequest, engine_id, hashes))
+        return convert.reserved_from_pb(reply)
+
+    def commit(self, engine_id: str, lease_id: str, checksums: Sequence[int | None]) -> int:
+        """Publish the written blocks: ``checksums[i]`` is ``block_checksum`` of the bytes
+        written for the i-th reserved hash, None if not written. Returns blocks now stored."""
+        reply = self._call("Commit", _Requests.commit(engine_id, lease_id, checksums))
+        return int(reply.stored)
+
+    def abort(self, engine_id: str, lease_id: str) -> None:
+        """Free a reservation's slots, storing nothing."""
+        self._call("Abort", pb.AbortRequest(engine_id=engine_id, lease_id=lease_id))
+
+    def report_hot_blocks(self, engine_id: str, stored: Sequence[BlockHash] = (),
+                          removed: Sequence[BlockHash] = (), cleared: bool = False) -> None:
+        """Tell the daemon which blocks entered / left the engine's GPU pool (``cleared``
+        first empties the engine's HBM set)."""
+        self._call("ReportHotBlocks", _Requests.hot(engine_id, stored, removed, cleared))
+
+    def stats(self) -> DaemonStats:
+        """Occupancy and counters of every tier, and the caller's engines."""
+        return convert.stats_from_pb(self._call("Stats", pb.StatsRequest()))
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until the channel connects; ``grpc.FutureTimeoutError`` after ``timeout`` s."""
+        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> TierdClient:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+class AsyncTierdClient:
+    """The same calls as ``TierdClient``, as coroutines on one ``grpc.aio`` channel. Create and
+    use it inside one running event loop; ``await close()`` (or ``async with``) when done."""
+
+    def __init__(self, *, socket_path: str | None = None, address: str | None = None,
+                 token: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.target = target_for(socket_path, address)
+        self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.TierdStub(self._channel)  # type: ignore[no-untyped-call]
+        self._md = _metadata(token)
+        self._timeout = timeout
+
+    async def _call(self, method: str, request: Any) -> Any:
+        return await getattr(self._stub, method)(request, metadata=self._md,
+                                                 timeout=self._timeout)
+
+    async def register_engine(self, layout: Layout, engine_name: str = "") -> EngineHandle:
+        """See ``TierdClient.register_engine``."""
+        return convert.engine_handle_from_pb(
+            await self._call("RegisterEngine", _Requests.register(layout, engine_name)))
+
+    async def unregister_engine(self, engine_id: str) -> None:
+        """See ``TierdClient.unregister_engine``."""
+        await self._call("UnregisterEngine", pb.UnregisterEngineRequest(engine_id=engine_id))
+
+    async def lookup(self, engine_id: str, hashes: Sequence[BlockHash]) -> list[Tier]:
+        """See ``TierdClient.lookup``."""
+        reply = await self._call("Lookup", _Requests.chain(pb.LookupRequest, engine_id, hashes))
+        return convert.tiers_from_pb(reply.tiers)
+
+    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash]) -> AcquiredBlocks:
+        """See ``TierdClient.acquire``."""
+        reply = await self._call("Acquire", _Requests.chain(pb.AcquireRequest, engine_id, hashes))
+        return convert.acquired_from_pb(reply)
+
+    async def release(self, engine_id: str, lease_id: str) -> None:
+        """See ``TierdClient.release``."""
+        await self._call("Release", pb.ReleaseRequest(engine_id=engine_id, lease_id=lease_id))
+
+    async def reserve(self, engine_id: str, hashes: Sequence[BlockHash]) -> ReservedSlots:
+        """See ``TierdClient.reserve``."""
+        reply = await self._call("Reserve", _Requests.chain(pb.ReserveRequest, engine_id, hashes))
+        return convert.reserved_from_pb(reply)
+
+    async def commit(self, engine_id: str, lease_id: str,
+                     checksums: Sequence[int | None]) -> int:
+        """See ``TierdClient.commit``."""
+        reply = await self._call("Commit", _Requests.commit(engine_id, lease_id, checksums))
+        return int(reply.stored)
+
+    async def abort(self, engine_id: str, lease_id: str) -> None:
+        """See ``TierdClient.abort``."""
+        await self._call("Abort", pb.AbortRequest(engine_id=engine_id, lease_id=lease_id))
+
+    async def report_hot_blocks(self, engine_id: str, stored: Sequence[BlockHash] = (),
+                                removed: Sequence[BlockHash] = (), cleared: bool = False) -> None:
+        """See ``TierdClient.report_hot_blocks``."""
+        await self._call("ReportHotBlocks", _Requests.hot(engine_id, stored, removed, cleared))
+
+    async def stats(self) -> DaemonStats:
+        """See ``TierdClient.stats``."""
+        return convert.stats_from_pb(await self._call("Stats", pb.StatsRequest()))
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Wait until the channel connects; ``asyncio.TimeoutError`` after ``timeout`` s."""
+        await asyncio.wait_for(self._channel.channel_ready(), timeout)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncTierdClient:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()

@@ -1,0 +1,228 @@
+"""`tierd serve`'s one configuration object, and the only place ``TIERD_*`` variables are read.
+
+Sources, weakest first: the field defaults (they run on a laptop: DRAM 1 GiB, SSD under the
+user's cache dir bounded at 8 GiB, Unix socket only, no Redis), a TOML file (``--config`` or
+``TIERD_CONFIG``), ``TIERD_<KEY>`` environment variables, then command-line flags. Every key has
+the same name in all three (``dram_bytes`` = ``TIERD_DRAM_BYTES`` = ``--dram-bytes``). Byte sizes
+accept an int or a string with a unit ("512MiB", "8GiB", "1.5GB").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+Compression = Literal["off", "lz4", "auto"]
+
+_MIB = 1 << 20
+_GIB = 1 << 30
+
+
+def cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """``$XDG_CACHE_HOME/tierd`` or ``~/.cache/tierd``."""
+    env = os.environ if env is None else env
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tierd"
+
+
+def default_socket_path(env: Mapping[str, str] | None = None) -> str:
+    """``$XDG_RUNTIME_DIR/tierd.sock`` when a runtime dir exists, else under the cache dir."""
+    env = os.environ if env is None else env
+    runtime = env.get("XDG_RUNTIME_DIR")
+    return os.path.join(runtime, "tierd.sock") if runtime else str(cache_dir(env) / "tierd.sock")
+
+
+@dataclass(frozen=True, slots=True)
+class TierdConfig:
+    """Everything `tierd serve` needs. Field docs are also the ``--help`` text of each flag."""
+
+    socket_path: str = dataclasses.field(default_factory=default_socket_path,
+                                         metadata={"help": "Unix socket to listen on ('' = none)."})
+    tcp_port: int | None = dataclasses.field(default=None, metadata={
+        "help": "Also listen on TCP at this port (bearer token required; 0 = any free port)."})
+    tcp_host: str = dataclasses.field(default="127.0.0.1", metadata={
+        "help": "TCP address; must be loopback unless --allow-remote."})
+    allow_remote: bool = dataclasses.field(default=False, metadata={
+        "help": "Allow a non-loopback --tcp-host (tokens then travel unencrypted)."})
+    token_file: str | None = dataclasses.field(default=None, metadata={
+        "help": "TOML file of 'TOKEN = \"tenant\"' lines; TCP callers must send one."})
+    default_tenant: str = dataclasses.field(default="default", metadata={
+        "help": "Tenant of Unix-socket callers that send no token."})
+    dram_bytes: int = dataclasses.field(default=1 * _GIB, metadata={
+        "help": "Size of the shared-memory DRAM arena."})
+    slab_bytes: int = dataclasses.field(default=64 * _MIB, metadata={
+        "help": "Arena slab size; each slab holds slots of one block size (must hold a block)."})
+    arena_directory: str = dataclasses.field(default="/dev/shm", metadata={
+        "help": "Directory of the arena file (a tmpfs)."})
+    prefault: bool = dataclasses.field(default=True, metadata={
+        "help": "Touch every arena page at start-up so first use is not slow."})
+    ssd_dir: str = dataclasses.field(default_factory=lambda: str(cache_dir() / "ssd"), metadata={
+        "help": "SSD tier directory ('' = DRAM only)."})
+    ssd_bytes: int = dataclasses.field(default=8 * _GIB, metadata={
+        "help": "Byte bound of the SSD tier."})
+    ssd_compression: Compression = dataclasses.field(default="off", metadata={
+        "help": "SSD record compression: off, lz4 or auto (lz4 only where it shrinks)."})
+    ssd_io_threads: int = dataclasses.field(default=8, metadata={
+        "help": "Threads doing SSD reads and writes."})
+    lease_seconds: float = dataclasses.field(default=30.0, metadata={
+        "help": "Lifetime of acquire leases and reservations."})
+    dram_high_watermark: float = dataclasses.field(default=0.90, metadata={
+        "help": "DRAM fill fraction above which the flusher demotes LRU blocks to SSD."})
+    dram_low_watermark: float = dataclasses.field(default=0.75, metadata={
+        "help": "DRAM fill fraction the flusher demotes down to."})
+    ssd_min_hits: int = dataclasses.field(default=0, metadata={
+        "help": "Hits a DRAM block needs to be demoted to SSD rather than dropped."})
+    max_blocks_per_request: int = dataclasses.field(default=4096, metadata={
+        "help": "Most hashes in one request (RESOURCE_EXHAUSTED above)."})
+    max_message_bytes: int = dataclasses.field(default=16 * _MIB, metadata={
+        "help": "Largest gRPC message accepted (RESOURCE_EXHAUSTED above)."})
+    maintain_seconds: float = dataclasses.field(default=1.0, metadata={
+        "help": "Period of the background pass that expires leases and demotes."})
+    metrics_port: int | None = dataclasses.field(default=None, metadata={
+        "help": "Serve Prometheus metrics on 127.0.0.1 at this port (0 = any free port)."})
+    log_level: str = dataclasses.field(default="INFO", metadata={
+        "help": "Logging level: DEBUG, INFO, WARNING, ERROR."})
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the fix for any inconsistent value."""
+        if not self.socket_path and self.tcp_port is None:
+            raise ValueError("nothing to listen on: set socket_path or tcp_port")
+        if self.tcp_port is not None and not 0 <= self.tcp_port < 65536:
+            raise ValueError(f"tcp_port must be in [0, 65536), got {self.tcp_port}")
+        if self.tcp_port is not None and not self.allow_remote and not _is_loopback(self.tcp_host):
+            raise ValueError(f"tcp_host {self.tcp_host!r} is not loopback: use 127.0.0.1, or pass "
+                             "--allow-remote to listen on it knowingly")
+        if self.tcp_port is not None and self.token_file is None:
+            raise ValueError("TCP needs bearer tokens: set token_file (--token-file)")
+        if self.dram_bytes <= 0 or self.slab_bytes <= 0 or self.slab_bytes > self.dram_bytes:
+            raise ValueError(f"need 0 < slab_bytes ({self.slab_bytes}) <= dram_bytes "
+                             f"({self.dram_bytes})")
+        if self.ssd_dir and self.ssd_bytes <= 0:
+            raise ValueError(f"ssd_bytes must be positive, got {self.ssd_bytes} (or ssd_dir='')")
+        if not 0.0 < self.dram_low_watermark <= self.dram_high_watermark <= 1.0:
+            raise ValueError("need 0 < dram_low_watermark <= dram_high_watermark <= 1, got "
+                             f"{self.dram_low_watermark} and {self.dram_high_watermark}")
+        if self.ssd_compression not in get_args(Compression):
+            raise ValueError(f"ssd_compression must be one of {get_args(Compression)}")
+        for name in ("lease_seconds", "maintain_seconds"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_blocks_per_request", "max_message_bytes", "ssd_io_threads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.default_tenant:
+            raise ValueError("default_tenant must not be empty")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+          "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
+
+
+def parse_bytes(value: str | int) -> int:
+    """``"8GiB"`` -> 8589934592; ``"1.5GB"`` -> 1500000000; ints pass through."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = _SIZE.match(str(value))
+    if match is None:
+        raise ValueError(f"not a byte size: {value!r} (write e.g. 1073741824, '512MiB', '8GiB')")
+    unit = (match.group(2) or "").upper().removesuffix("B")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+_BYTE_KEYS = {"dram_bytes", "slab_bytes", "ssd_bytes", "max_message_bytes"}
+
+
+def _coerce(name: str, raw: Any) -> Any:
+    """Convert a TOML/env/flag value to the field's type, ``ValueError`` naming the key."""
+    kind = {f.name: f.type for f in fields(TierdConfig)}[name]
+    try:
+        if name in _BYTE_KEYS:
+            return parse_bytes(raw)
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("", "none") and
+                           "None" in str(kind)):
+            return None
+        if "bool" in str(kind):
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(raw).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"not a boolean: {raw!r}")
+        if "int" in str(kind):
+            return int(raw)
+        if "float" in str(kind):
+            return float(raw)
+        return str(raw)
+    except ValueError as exc:
+        raise ValueError(f"config key {name}: {exc}") from None
+
+
+def keys() -> list[str]:
+    """Every config key, in declaration order."""
+    return [f.name for f in fields(TierdConfig)]
+
+
+def field_help(name: str) -> str:
+    """The documentation of one key (the ``--help`` text of its flag)."""
+    return str({f.name: f.metadata.get("help", "") for f in fields(TierdConfig)}[name])
+
+
+def load_config(path: str | os.PathLike[str] | None = None,
+                env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> TierdConfig:
+    """Build and validate a ``TierdConfig``: defaults < TOML file < ``TIERD_*`` env < overrides.
+
+    ``path`` defaults to ``$TIERD_CONFIG`` (no file if unset); ``env`` defaults to ``os.environ``;
+    ``overrides`` are flag values (``None`` entries mean "flag not given"). Unknown TOML keys
+    raise ``ValueError`` naming them, so a typo in the file is never silently ignored.
+    """
+    env = os.environ if env is None else env
+    known = set(keys())
+    values: dict[str, Any] = {"socket_path": default_socket_path(env),
+                              "ssd_dir": str(cache_dir(env) / "ssd")}
+    path = path if path is not None else env.get("TIERD_CONFIG")
+    if path:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown config keys {unknown}; known: {sorted(known)}")
+        values.update({k: _coerce(k, v) for k, v in table.items()})
+    for var, raw in env.items():
+        if not var.startswith("TIERD_") or var == "TIERD_CONFIG":
+            continue
+        key = var.removeprefix("TIERD_").lower()
+        if key not in known:  # other tierd components read their own TIERD_* variables
+            continue
+        values[key] = _coerce(key, raw)
+    for key, raw in (overrides or {}).items():
+        if raw is not None:
+            values[key] = _coerce(key, raw)
+    config = TierdConfig(**values)
+    config.validate()
+    return config
+
+
+def client_socket_path(env: Mapping[str, str] | None = None) -> str:
+    """The socket a client (``tierd stats``, the connector) should dial: ``TIERD_SOCKET_PATH``
+    if set, else the daemon's default."""
+    env = os.environ if env is None else env
+    return env.get("TIERD_SOCKET_PATH") or default_socket_path(env)

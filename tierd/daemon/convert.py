@@ -1,0 +1,254 @@
+"""Protobuf conversion at the edge: ``from_pb`` / ``to_pb`` for the daemon and its clients.
+
+The core (``NodeStore``) never sees a protobuf type, and neither does a ``TierdClient`` caller:
+the server converts requests into domain values here and results back; the client converts its
+replies into the plain frozen dataclasses defined below. Bad wire input (a hash of the wrong
+length, an unknown tier) raises ``ValueError`` naming the fix, which the edge maps to
+INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+from tierd.daemon.layout import Layout
+from tierd.daemon.slots import SlotGeometry
+from tierd.types import TIERS, BlockHash, Tier
+from tierd.v1 import tierd_pb2 as pb
+
+if TYPE_CHECKING:
+    from tierd.daemon.auth import OwnedEngine
+    from tierd.daemon.layout import Dtype
+    from tierd.daemon.metrics import NodeStats
+
+HASH_LENGTHS = (32, 16)
+"""Accepted block hash sizes: sha256_cbor (32 bytes) and xxhash_cbor (16 bytes)."""
+
+TIER_TO_PB: dict[Tier, pb.Tier] = {
+    "hbm": pb.TIER_HBM, "dram": pb.TIER_DRAM, "ssd": pb.TIER_SSD, "remote": pb.TIER_REMOTE,
+}
+TIER_FROM_PB: dict[int, Tier] = {int(v): k for k, v in TIER_TO_PB.items()}
+
+
+# -- plain results a client sees ------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class EngineHandle:
+    """What RegisterEngine returned: the engine's id and how to reach its blocks in the arena."""
+
+    engine_id: str
+    arena_name: str             # file name to ShmArena.attach
+    arena_directory: str        # directory of that file
+    arena_bytes: int
+    geometry: SlotGeometry      # slot id -> arena offset for this layout's block size
+    lease_seconds: float        # lifetime of leases and reservations
+    max_blocks_per_request: int
+
+
+@dataclass(frozen=True, slots=True)
+class AcquiredBlocks:
+    """A pinned prefix: copy each slot out, verify its checksum, then ``release`` the lease
+    before ``seconds_left`` runs out (after that the blocks may be evicted under you)."""
+
+    lease_id: str
+    seconds_left: float
+    slot_ids: list[int]         # DRAM slot of each block of the prefix, chain order
+    checksums: list[int]        # block_checksum of each block
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the acquired prefix (0: a miss)."""
+        return len(self.slot_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class ReservedSlots:
+    """Slots to write blocks into; ``commit`` (or ``abort``) before ``seconds_left`` runs out."""
+
+    lease_id: str
+    seconds_left: float
+    slot_ids: list[int | None]  # per requested hash: where to write, or None (see already_stored)
+    already_stored: list[bool]  # True: the node holds it already; None slot + False: no room
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    """Occupancy and counters of one tier."""
+
+    tier: Tier
+    used_blocks: int
+    capacity_blocks: int
+    used_bytes: int
+    capacity_bytes: int
+    pinned_blocks: int
+    query_tokens: int
+    hit_tokens: int
+    evictions: int
+    demotions: int
+    promotions: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineUsage:
+    """One engine of the caller's tenant and its GPU-pool (HBM) occupancy."""
+
+    engine_id: str
+    engine_name: str
+    hbm_blocks: int
+    block_size: int
+    block_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonStats:
+    """The reply of Stats, as plain values."""
+
+    tiers: list[TierUsage]
+    engines: list[EngineUsage]
+    query_tokens: int
+    hit_tokens: int
+    hit_ratio: float
+    reading: str
+    checksum_failures: int
+    lease_expiries: int
+    ssd_healthy: bool
+    reuse_gap_p90_seconds: float | None
+    idle_before_evict_p50_seconds: float | None
+
+    @property
+    def pool_too_small(self) -> bool:
+        """True when blocks are reused later than they typically survive unused: the reuse-gap
+        P90 exceeds the idle-before-evict P50, so a bigger pool would turn misses into hits."""
+        gap, idle = self.reuse_gap_p90_seconds, self.idle_before_evict_p50_seconds
+        return gap is not None and idle is not None and gap > idle
+
+
+# -- both sides ----------------------------------------------------------------------------
+
+def hashes_from_pb(raw: Sequence[bytes]) -> list[BlockHash]:
+    """Wire hashes -> ``BlockHash``es; ``ValueError`` unless all are 32 or all are 16 bytes."""
+    if not raw:
+        return []
+    size = len(raw[0])
+    if size not in HASH_LENGTHS or any(len(h) != size for h in raw):
+        bad = next(i for i, h in enumerate(raw) if len(h) not in HASH_LENGTHS or len(h) != size)
+        raise ValueError(f"block hash {bad} is {len(raw[bad])} bytes: every hash of a request must "
+                         "be 32 bytes (sha256_cbor) or every hash 16 bytes (xxhash_cbor)")
+    return [BlockHash(bytes(h)) for h in raw]
+
+
+def layout_to_pb(layout: Layout) -> pb.Layout:
+    return pb.Layout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                     head_size=layout.head_size, dtype=layout.dtype,
+                     block_size=layout.block_size, tp_rank=layout.tp_rank,
+                     tp_size=layout.tp_size)
+
+
+def layout_from_pb(msg: pb.Layout) -> Layout:
+    """Wire layout -> validated ``Layout`` (tp_size 0 means 1); ``ValueError`` naming the fix."""
+    layout = Layout(num_layers=msg.num_layers, num_kv_heads=msg.num_kv_heads,
+                    head_size=msg.head_size, dtype=cast("Dtype", msg.dtype),
+                    block_size=msg.block_size, tp_rank=msg.tp_rank, tp_size=msg.tp_size or 1)
+    layout.validate()
+    return layout
+
+
+def geometry_to_pb(geometry: SlotGeometry) -> pb.SlotGeometry:
+    return pb.SlotGeometry(slab_bytes=geometry.slab_bytes, slot_bytes=geometry.slot_bytes,
+                           slots_per_slab=geometry.slots_per_slab)
+
+
+def geometry_from_pb(msg: pb.SlotGeometry) -> SlotGeometry:
+    return SlotGeometry(slab_bytes=msg.slab_bytes, slot_bytes=msg.slot_bytes,
+                        slots_per_slab=msg.slots_per_slab)
+
+
+def tiers_to_pb(tiers: Sequence[Tier]) -> list[pb.Tier]:
+    return [TIER_TO_PB[t] for t in tiers]
+
+
+def tiers_from_pb(raw: Sequence[int]) -> list[Tier]:
+    if any(t not in TIER_FROM_PB for t in raw):
+        raise ValueError(f"unknown tier value in {list(raw)}: regenerate the client stubs")
+    return [TIER_FROM_PB[t] for t in raw]
+
+
+def checksums_from_pb(blocks: Sequence[pb.CommittedBlock]) -> list[int | None]:
+    return [b.checksum if b.HasField("checksum") else None for b in blocks]
+
+
+def checksums_to_pb(checksums: Sequence[int | None]) -> list[pb.CommittedBlock]:
+    return [pb.CommittedBlock() if c is None else pb.CommittedBlock(checksum=c) for c in checksums]
+
+
+def reserved_to_pb(slot_ids: Sequence[int | None], already: Sequence[bool]) -> list[pb.ReservedSlot]:
+    return [pb.ReservedSlot(already_stored=a) if s is None else
+            pb.ReservedSlot(slot_id=s, already_stored=a) for s, a in zip(slot_ids, already)]
+
+
+def stats_to_pb(stats: NodeStats, engines: dict[str, OwnedEngine]) -> pb.StatsResponse:
+    """A node snapshot as the Stats reply, tiers fastest first; ``engines`` (the caller's tenant's) limit the
+    per-engine rows, so a tenant never sees another's engine ids."""
+    tiers = [pb.TierStats(tier=TIER_TO_PB[cast(Tier, name)], used_blocks=t.used_blocks,
+                          capacity_blocks=t.capacity_blocks, used_bytes=t.used_bytes,
+                          capacity_bytes=t.capacity_bytes, pinned_blocks=t.pinned_blocks,
+                          query_tokens=t.queries, hit_tokens=t.hits, evictions=t.evictions,
+                          demotions=t.demotions, promotions=t.promotions)
+             for name, t in sorted(stats.tiers.items(), key=lambda kv: TIERS.index(kv[0]))]
+    rows = [pb.EngineStats(engine_id=engine_id, engine_name=e.engine_name,
+                           hbm_blocks=stats.hbm_blocks.get(engine_id, 0),
+                           block_size=e.block_size, block_bytes=e.block_bytes)
+            for engine_id, e in engines.items()]
+    queries = max((t.queries for t in stats.tiers.values()), default=0)
+    hits = sum(t.hits for t in stats.tiers.values())
+    reply = pb.StatsResponse(tiers=tiers, engines=rows, query_tokens=queries, hit_tokens=hits,
+                             hit_ratio=stats.hit_ratio, reading=stats.reading(),
+                             checksum_failures=stats.checksum_failures,
+                             lease_expiries=stats.lease_expiries, ssd_healthy=stats.ssd_healthy)
+    if stats.reuse_gap_p90 is not None:
+        reply.reuse_gap_p90_seconds = stats.reuse_gap_p90
+    if stats.idle_before_evict_p50 is not None:
+        reply.idle_before_evict_p50_seconds = stats.idle_before_evict_p50
+    return reply
+
+
+# -- client side: replies -> plain values -------------------------------------------------------
+
+def engine_handle_from_pb(msg: pb.RegisterEngineResponse) -> EngineHandle:
+    return EngineHandle(engine_id=msg.engine_id, arena_name=msg.arena_name,
+                        arena_directory=msg.arena_directory, arena_bytes=msg.arena_bytes,
+                        geometry=geometry_from_pb(msg.geometry), lease_seconds=msg.lease_seconds,
+                        max_blocks_per_request=msg.max_blocks_per_request)
+
+
+def acquired_from_pb(msg: pb.AcquireResponse) -> AcquiredBlocks:
+    return AcquiredBlocks(lease_id=msg.lease_id, seconds_left=msg.seconds_left,
+                          slot_ids=list(msg.slot_ids), checksums=list(msg.checksums))
+
+
+def reserved_from_pb(msg: pb.ReserveResponse) -> ReservedSlots:
+    return ReservedSlots(lease_id=msg.lease_id, seconds_left=msg.seconds_left,
+                         slot_ids=[s.slot_id if s.HasField("slot_id") else None for s in msg.slots],
+                         already_stored=[s.already_stored for s in msg.slots])
+
+
+def stats_from_pb(msg: pb.StatsResponse) -> DaemonStats:
+    tiers = [TierUsage(tier=TIER_FROM_PB[t.tier], used_blocks=t.used_blocks,
+                       capacity_blocks=t.capacity_blocks, used_bytes=t.used_bytes,
+                       capacity_bytes=t.capacity_bytes, pinned_blocks=t.pinned_blocks,
+                       query_tokens=t.query_tokens, hit_tokens=t.hit_tokens,
+                       evictions=t.evictions, demotions=t.demotions, promotions=t.promotions)
+             for t in msg.tiers]
+    engines = [EngineUsage(engine_id=e.engine_id, engine_name=e.engine_name,
+                           hbm_blocks=e.hbm_blocks, block_size=e.block_size,
+                           block_bytes=e.block_bytes) for e in msg.engines]
+    gap = msg.reuse_gap_p90_seconds if msg.HasField("reuse_gap_p90_seconds") else None
+    idle = (msg.idle_before_evict_p50_seconds if msg.HasField("idle_before_evict_p50_seconds")
+            else None)
+    return DaemonStats(tiers=tiers, engines=engines, query_tokens=msg.query_tokens,
+                       hit_tokens=msg.hit_tokens, hit_ratio=msg.hit_ratio, reading=msg.reading,
+                       checksum_failures=msg.checksum_failures, lease_expiries=msg.lease_expiries,
+                       ssd_healthy=msg.ssd_healthy, reuse_gap_p90_seconds=gap,
+                       idle_before_evict_p50_seconds=idle)

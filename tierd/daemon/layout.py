@@ -1,0 +1,82 @@
+"""An engine's KV layout, its fingerprint, and the namespace that scopes its blocks.
+
+A stored block is one engine block for all layers: K and V of every layer for ``block_size``
+tokens. Two engines may share blocks only if their layouts are byte-identical *and* they belong
+to the same tenant; the namespace (16 bytes, blake2b over tenant and fingerprint) encodes both,
+so the node index key ``make_key(namespace, hash)`` never collides across models, TP ranks or
+tenants. Namespaces are built only here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from tierd.types import Namespace
+
+NAMESPACE_LEN = 16
+"""Bytes of every namespace (blake2b digest size)."""
+
+Dtype = Literal["float16", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2"]
+DTYPE_BYTES: dict[str, int] = {
+    "float16": 2, "bfloat16": 2, "float32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1,
+}
+assert set(DTYPE_BYTES) == set(get_args(Dtype)), "every dtype needs an element size"
+
+_FINGERPRINT_VERSION = b"tierd-layout-v1"
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The shape of one engine block as it lies in the arena (per TP rank: ``num_kv_heads`` is
+    the rank's own share of heads)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: Dtype
+    block_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: 2 (K and V) * layers * kv heads * head size * tokens * elem size."""
+        return (2 * self.num_layers * self.num_kv_heads * self.head_size * self.block_size
+                * DTYPE_BYTES[self.dtype])
+
+    def fingerprint(self) -> bytes:
+        """A canonical, versioned byte string of every field: equal iff the layouts are equal."""
+        fields = (self.num_layers, self.num_kv_heads, self.head_size, self.dtype,
+                  self.block_size, self.tp_rank, self.tp_size)
+        return _FINGERPRINT_VERSION + b"|" + b"|".join(str(f).encode() for f in fields)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the fix if any field is out of range."""
+        for name in ("num_layers", "num_kv_heads", "head_size", "block_size", "tp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"layout.{name} must be a positive int, got {value!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"layout.dtype must be one of {sorted(DTYPE_BYTES)}, "
+                             f"got {self.dtype!r}")
+        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"layout.tp_rank must be in [0, tp_size={self.tp_size}), "
+                             f"got {self.tp_rank!r}")
+
+
+def namespace_for(tenant: str, layout: Layout) -> Namespace:
+    """The 16-byte namespace of ``tenant``'s blocks in ``layout`` (validates both).
+
+    blake2b(digest_size=16) over the length-prefixed UTF-8 tenant name and the fingerprint, so
+    no (tenant, layout) pair can be spelled as another one.
+    """
+    if not isinstance(tenant, str) or not tenant:
+        raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
+    layout.validate()
+    name = tenant.encode()
+    digest = hashlib.blake2b(digest_size=NAMESPACE_LEN)
+    digest.update(len(name).to_bytes(4, "big") + name)
+    digest.update(layout.fingerprint())
+    return Namespace(digest.digest())

@@ -1,0 +1,121 @@
+"""Leases: what an engine holds on the node, and until when.
+
+A *read* lease (from ``acquire``) pins DRAM blocks so the engine can copy them out; a *write*
+lease (from ``reserve``) owns arena slots the engine copies into, invisible to lookups until
+``commit``. Every lease has a deadline (the node's clock + ``lease_seconds``); past it the node
+frees what it held, so a crashed engine cannot pin memory forever.
+
+All leases of one node share one duration and the clock is monotonic, so creation order is
+deadline order: expiry pops from the front of one ordered dict, O(expired). Finished leases are
+remembered (bounded) so a late commit or release can be told *how* its lease ended.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Literal
+
+from tierd.daemon.errors import FailedPrecondition, NotFound
+from tierd.types import BlockHash, Namespace, NamespacedKey
+
+Ending = Literal["released", "committed", "aborted", "expired", "unregistered"]
+
+
+@dataclass(slots=True)
+class ReadLease:
+    """Pins one DRAM block per key (one ``pins`` count each) until released or expired."""
+
+    lease_id: str
+    engine_id: str
+    deadline: float
+    keys: list[NamespacedKey]
+
+
+@dataclass(slots=True)
+class WriteLease:
+    """Owns ``slots[i]`` (an allocated, not yet visible arena slot) for ``hashes[i]``, or None
+    where nothing is to be written. Freed by abort or expiry; published by commit."""
+
+    lease_id: str
+    engine_id: str
+    deadline: float
+    namespace: Namespace
+    block_size: int
+    slot_bytes: int
+    hashes: list[BlockHash]
+    slots: list[int | None]
+
+
+Lease = ReadLease | WriteLease
+
+
+def new_lease_id() -> str:
+    """An unguessable id: holding it is the right to release or commit."""
+    return secrets.token_hex(16)
+
+
+class LeaseTable:
+    """Live leases in deadline order, and how recently finished ones ended.
+
+    Pure bookkeeping: the node store frees or publishes what a lease held.
+    """
+
+    def __init__(self, max_finished: int = 65_536) -> None:
+        self._live: OrderedDict[str, Lease] = OrderedDict()
+        self._finished: OrderedDict[str, Ending] = OrderedDict()
+        self._max_finished = max_finished
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def add(self, lease: Lease) -> None:
+        """Track a new lease; its deadline must not precede any live one's."""
+        if self._live:
+            last = next(reversed(self._live.values()))
+            assert lease.deadline >= last.deadline, (
+                f"lease deadlines must be issued in order ({lease.deadline} < {last.deadline}): "
+                "one duration per node and a monotonic clock")
+        self._live[lease.lease_id] = lease
+
+    def get(self, lease_id: str) -> Lease:
+        """The live lease. Raises FailedPrecondition if it already ended (saying how),
+        NotFound if it never existed (or ended too long ago to remember)."""
+        lease = self._live.get(lease_id)
+        if lease is not None:
+            return lease
+        ending = self._finished.get(lease_id)
+        if ending is not None:
+            raise FailedPrecondition(f"lease {lease_id} already {ending}")
+        raise NotFound(f"unknown lease {lease_id!r}")
+
+    def ending(self, lease_id: str) -> Ending | None:
+        """How a recently finished lease ended, or None (live or unknown)."""
+        return self._finished.get(lease_id)
+
+    def finish(self, lease_id: str, ending: Ending) -> Lease:
+        """Stop tracking a live lease and remember how it ended; returns it."""
+        lease = self._live.pop(lease_id)
+        self._finished[lease_id] = ending
+        while len(self._finished) > self._max_finished:
+            self._finished.popitem(last=False)
+        return lease
+
+    def pop_expired(self, now: float) -> list[Lease]:
+        """Finish (as "expired") and return every lease whose deadline is <= ``now``."""
+        expired: list[Lease] = []
+        while self._live:
+            lease = next(iter(self._live.values()))
+            if lease.deadline > now:
+                break
+            expired.append(self.finish(lease.lease_id, "expired"))
+        return expired
+
+    def of_engine(self, engine_id: str) -> list[Lease]:
+        """Live leases held by one engine, oldest first."""
+        return [lease for lease in self._live.values() if lease.engine_id == engine_id]
+
+    def live(self) -> list[Lease]:
+        """Every live lease, oldest first."""
+        return list(self._live.values())

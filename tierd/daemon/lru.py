@@ -1,0 +1,368 @@
+"""The per-tier block indexes: entries in recency order, least recently used first.
+
+One ``LruIndex`` per tier (DRAM, SSD) maps ``NamespacedKey -> entry`` (slots dataclasses: hot
+per-block metadata). ``TierIndex`` holds both with the arena's allocator and the SSD store and is
+the only code that drops a copy of a block. The node store decides *when* (leases, watermarks);
+this module decides *which* (least recently used, never pinned). Times come from the node
+store's clock (monotonic seconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from tierd.daemon.metrics import NodeCounts, NodeMetrics, TierStats
+from tierd.daemon.slots import SlabAllocator
+from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog
+from tierd.types import BlockHash, Namespace, NamespacedKey, make_key
+
+if TYPE_CHECKING:
+    from tierd.daemon.arena import ShmArena
+    from tierd.daemon.ssd import SsdEntry, SsdStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DramBlock:
+    """A committed block in the shared-memory arena."""
+
+    namespace: Namespace
+    block_hash: BlockHash
+    slot_bytes: int          # size class; == the layout's block_bytes
+    slot_id: int             # allocator slot; owned by this entry until it leaves the index
+    checksum: int            # block_checksum of the payload, given by the engine at commit
+    created: float           # first commit on this node (kept across demotion/promotion)
+    last_access: float       # commit or last acquire
+    hits: int = 0            # acquires that returned this block
+    pins: int = 0            # live read leases holding it; > 0: never evicted or moved
+    demoting: bool = False   # an SSD write of its bytes is in flight; the slot must stay put
+
+
+@dataclass(slots=True)
+class SsdBlock:
+    """A block with a record in the SSD store."""
+
+    namespace: Namespace
+    block_hash: BlockHash
+    payload_len: int
+    stored_bytes: int        # what the record counts against the SSD bound
+    checksum: int
+    created: float
+    last_access: float
+    hits: int = 0
+    pins: int = 0            # in-flight promotions reading the record; > 0: never dropped
+
+
+E = TypeVar("E", DramBlock, SsdBlock)
+
+
+class LruIndex(Generic[E]):
+    """Key -> entry, iterated least recently used first. O(1) add, touch, pop."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[NamespacedKey, E] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: NamespacedKey) -> bool:
+        return key in self._entries
+
+    def get(self, key: NamespacedKey) -> E | None:
+        """The entry, or None; does not change the order."""
+        return self._entries.get(key)
+
+    def add(self, key: NamespacedKey, entry: E) -> None:
+        """Insert a new entry as the most recently used."""
+        assert key not in self._entries, f"key {key.hex()} is already indexed in this tier"
+        self._entries[key] = entry
+
+    def touch(self, key: NamespacedKey) -> None:
+        """Make ``key`` the most recently used."""
+        self._entries.move_to_end(key)
+
+    def pop(self, key: NamespacedKey) -> E:
+        """Remove and return the entry (KeyError if absent: a caller bug)."""
+        return self._entries.pop(key)
+
+    def oldest_first(self) -> Iterator[tuple[NamespacedKey, E]]:
+        """Entries from least to most recently used. Do not mutate while iterating: collect
+        victims first, then pop them."""
+        return iter(self._entries.items())
+
+    def clear(self) -> list[tuple[NamespacedKey, E]]:
+        """Remove every entry; return them oldest first."""
+        items = list(self._entries.items())
+        self._entries.clear()
+        return items
+
+
+class HbmIndex:
+    """Per engine, the block hashes it reports in its GPU pool (an insertion-ordered set, at most
+    ``cap`` per engine: past it the oldest reported are forgotten)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._held: dict[str, dict[BlockHash, None]] = {}
+
+    def held(self, engine_id: str) -> dict[BlockHash, None]:
+        """The engine's set (read only; empty if it never reported)."""
+        return self._held.get(engine_id, {})
+
+    def report(self, engine_id: str, stored: Iterable[BlockHash], removed: Iterable[BlockHash],
+               cleared: bool) -> None:
+        """Apply a batch: ``cleared`` first, then ``stored``, then ``removed``."""
+        held = self._held.setdefault(engine_id, {})
+        if cleared:
+            held.clear()
+        for block_hash in stored:
+            held.pop(block_hash, None)
+            held[block_hash] = None
+        for block_hash in removed:
+            held.pop(block_hash, None)
+        for _ in range(len(held) - self.cap):
+            del held[next(iter(held))]
+
+    def drop(self, engine_id: str) -> None:
+        self._held.pop(engine_id, None)
+
+    def counts(self) -> dict[str, int]:
+        return {engine: len(held) for engine, held in self._held.items()}
+
+    def check_integrity(self) -> None:
+        assert all(len(h) <= self.cap for h in self._held.values()), "HBM set over its cap"
+
+
+class TierIndex:
+    """What is where below HBM: the DRAM and SSD indexes, the arena's allocator and the SSD
+    store. The only code that drops a copy of a block: it frees the slot or record, emits
+    ``BlockRemoved`` with the tier, and counts and times the drop.
+
+    A key may be in both tiers (a promoted block keeps its SSD copy). Dropping a DRAM copy is a
+    *demotion* if an SSD copy remains, else an *eviction*; every SSD drop is an eviction. When a
+    block's last copy leaves, its lifetime and idle time are observed and it is remembered as a
+    ghost (bounded) so a later re-store can measure its reuse gap.
+    """
+
+    def __init__(self, arena: ShmArena, allocator: SlabAllocator, ssd: SsdStore | None,
+                 metrics: NodeMetrics, events: EventLog, ghost_entries: int,
+                 clock: Callable[[], float]) -> None:
+        self.arena, self.alloc, self.ssd = arena, allocator, ssd
+        self.metrics, self.events, self._clock = metrics, events, clock
+        self.dram: LruIndex[DramBlock] = LruIndex()
+        self.disk: LruIndex[SsdBlock] = LruIndex()
+        self.classes: set[int] = set()          # slot sizes of every layout ever registered
+        self.counts = NodeCounts()
+        self.ghosts: OrderedDict[NamespacedKey, float] = OrderedDict()  # key -> last access
+        self._ghost_entries = ghost_entries
+        self._was_up = ssd is not None
+
+    def load(self, entries: list[SsdEntry], now: float) -> None:
+        """Index the records an opened SSD store found (oldest first), then drop the oldest
+        while they pass its bound (it may have shrunk since they were written)."""
+        for e in entries:
+            self.disk.add(make_key(e.namespace, e.block_hash), SsdBlock(
+                e.namespace, e.block_hash, e.payload_len, e.stored_bytes, e.checksum,
+                created=now, last_access=now))
+        if self.ssd is not None:
+            self.make_ssd_room([], now)
+        self.check_ssd()
+
+    @property
+    def ssd_up(self) -> bool:
+        """Whether SSD blocks are served (the store exists and reports itself healthy)."""
+        return self.ssd is not None and self.ssd.healthy
+
+    def dram_used_bytes(self) -> int:
+        """Bytes of every allocated slot (stored, reserved and staged blocks)."""
+        return sum(self.alloc.used_slots(c) * c for c in self.classes)
+
+    def allocate(self, slot_bytes: int, now: float) -> int | None:
+        """A free slot, evicting LRU unpinned DRAM blocks (this size class first, then any, one
+        at a time) until one frees up; None if every block is pinned. Never blocks."""
+        slot = self.alloc.allocate(slot_bytes)
+        while slot is None:
+            victim = None
+            for same_class in (True, False):
+                victim = next((k for k, b in self.dram.oldest_first()
+                               if b.pins == 0 and not b.demoting
+                               and (b.slot_bytes == slot_bytes) == same_class), None)
+                if victim is not None:
+                    break
+            if victim is None:
+                return None
+            self.drop_dram(victim, now)
+            slot = self.alloc.allocate(slot_bytes)
+        return slot
+
+    def drop_dram(self, key: NamespacedKey, now: float) -> None:
+        """Remove an unpinned DRAM copy and free its slot (a demotion if an SSD copy remains)."""
+        block = self.dram.pop(key)
+        assert block.pins == 0 and not block.demoting, f"{key.hex()}: dropping a pinned block"
+        self.alloc.free(block.slot_bytes, block.slot_id)
+        self.events.append(BlockRemoved((block.block_hash,), "dram"))
+        if self.ssd_up and key in self.disk:
+            self.counts.demotions += 1
+            self.metrics.demotions.inc()
+        else:
+            self.counts.evictions["dram"] += 1
+            self.metrics.evictions.labels("dram").inc()
+            self._left_node(key, block.created, block.last_access, now)
+
+    def drop_ssd(self, key: NamespacedKey, now: float, *, record_gone: bool = False) -> None:
+        """Remove an SSD copy and its record. ``record_gone``: the store already deleted a
+        corrupt record (not an eviction: counted as a checksum failure by the caller)."""
+        entry = self.disk.pop(key)
+        assert entry.pins == 0 or record_gone, f"{key.hex()}: dropping a pinned SSD block"
+        if not record_gone and self.ssd is not None:
+            self.ssd.remove(entry.namespace, entry.block_hash)
+        self.events.append(BlockRemoved((entry.block_hash,), "ssd"))
+        if not record_gone:
+            self.counts.evictions["ssd"] += 1
+            self.metrics.evictions.labels("ssd").inc()
+        if key not in self.dram:
+            self._left_node(key, entry.created, entry.last_access, now)
+
+    async def demote(self, low_bytes: float, min_hits: int, probe: bool, now: float) -> None:
+        """Move LRU unpinned DRAM blocks down until DRAM holds at most ``low_bytes``: each is
+        written to SSD (concurrently, its slot kept in place meanwhile) unless it already has an
+        SSD copy or fewer than ``min_hits`` hits, then its DRAM copy is dropped (a demotion, or
+        an eviction if it has no SSD copy). ``probe`` (SSD unhealthy): one write is tried and
+        nothing dropped unless it brings the SSD back. A block pinned meanwhile stays."""
+        assert self.ssd is not None
+        excess = self.dram_used_bytes() - low_bytes
+        victims: list[tuple[NamespacedKey, DramBlock]] = []
+        for key, block in self.dram.oldest_first():
+            if excess <= 0 or (probe and victims):
+                break
+            if block.pins == 0 and not block.demoting and not (probe and key in self.disk):
+                victims.append((key, block))
+                excess -= block.slot_bytes
+        writes = [(k, b) for k, b in victims if k not in self.disk and b.hits >= min_hits]
+        writes = writes[:self.make_ssd_room([b.slot_bytes for _, b in writes], now)]
+        for _, block in writes:
+            block.demoting = True
+        results = await asyncio.gather(*(self.ssd.write(
+            b.namespace, b.block_hash, self.arena.view(self._offset(b), b.slot_bytes),
+            b.checksum) for _, b in writes))
+        for (key, block), entry in zip(writes, results):
+            block.demoting = False
+            if entry is not None:
+                self.disk.add(key, SsdBlock(block.namespace, block.block_hash, entry.payload_len,
+                                            entry.stored_bytes, entry.checksum, block.created,
+                                            block.last_access, block.hits))
+                self.events.append(BlockStored((block.block_hash,), None, "ssd"))
+        self.check_ssd()
+        if probe and not self.ssd_up:
+            return
+        now = self._clock()
+        for key, block in victims:
+            if self.dram.get(key) is block and block.pins == 0:
+                self.drop_dram(key, now)
+
+    def make_ssd_room(self, sizes: list[int], now: float) -> int:
+        """Drop LRU unpinned SSD blocks until records of ``sizes`` (payload bytes) fit; returns
+        how many of them (a prefix) fit."""
+        assert self.ssd is not None
+        bounds = [self.ssd.record_bytes(s) for s in sizes]
+        fit = len(bounds)
+        while fit and sum(bounds[:fit]) > self.ssd.capacity_bytes:
+            fit -= 1
+        need = sum(bounds[:fit])
+        free = self.ssd.capacity_bytes - self.ssd.used_bytes
+        victims: list[NamespacedKey] = []
+        for key, entry in self.disk.oldest_first():
+            if free >= need:
+                break
+            if entry.pins == 0:
+                victims.append(key)
+                free += entry.stored_bytes
+        for key in victims:
+            self.drop_ssd(key, now)
+        while fit and free < need:
+            fit -= 1
+            need -= bounds[fit]
+        return fit
+
+    def check_ssd(self) -> None:
+        """Emit the events of an SSD health change: down, ``AllBlocksCleared(tier="ssd")`` and a
+        warning (the index is kept; lookups skip it); up again, one ``BlockStored`` of them all."""
+        up = self.ssd_up
+        if up == self._was_up:
+            return
+        self._was_up = up
+        self.metrics.ssd_healthy.set(1.0 if up else 0.0)
+        if not up:
+            log.warning("SSD tier unhealthy: serving DRAM only (%d SSD blocks hidden)",
+                        len(self.disk))
+            self.events.append(AllBlocksCleared("ssd"))
+        elif len(self.disk):
+            log.warning("SSD tier healthy again: %d SSD blocks served", len(self.disk))
+            hashes = tuple(e.block_hash for _, e in self.disk.oldest_first())
+            self.events.append(BlockStored(hashes, None, "ssd"))
+
+    def stats(self, reserved: int) -> dict[str, TierStats]:
+        """DRAM and SSD ``TierStats``; ``reserved``: slots held by write leases and promotions
+        (counted as used and pinned). DRAM capacity in blocks: the slots of slabs each class
+        holds plus the free slabs cut for the largest class (exact with one layout)."""
+        n = self.counts
+        free_slabs = self.alloc.free_slabs()
+        taken = largest = 0
+        for c in self.classes:
+            taken += self.alloc.capacity_slots(c) - free_slabs * self._spp(c)
+            largest = max(largest, c)
+        capacity = taken + (free_slabs * self._spp(largest) if largest else 0)
+        pinned = sum(1 for _, b in self.dram.oldest_first() if b.pins) + reserved
+        tiers = {"dram": TierStats(
+            sum(self.alloc.used_slots(c) for c in self.classes), capacity, self.dram_used_bytes(),
+            self.arena.size, pinned, n.hits["dram"], n.queries, n.evictions["dram"],
+            n.demotions, 0)}
+        used = self.ssd.used_bytes if self.ssd is not None else 0
+        bound = self.ssd.capacity_bytes if self.ssd is not None else 0
+        per_block = self.ssd.record_bytes(largest) if self.ssd is not None and largest else 0
+        room = max(0, bound - used) // per_block if per_block else 0
+        tiers["ssd"] = TierStats(
+            len(self.disk), len(self.disk) + room, used, bound,
+            sum(1 for _, e in self.disk.oldest_first() if e.pins), n.hits["ssd"], n.queries,
+            n.evictions["ssd"], 0, n.promotions)
+        return tiers
+
+    def check_integrity(self) -> None:
+        """Assert entries sit under their own keys and inside the arena, the SSD index matches
+        the store's records and byte accounting, and the ghost table is bounded."""
+        self.alloc.check_integrity()
+        for key, b in self.dram.oldest_first():
+            assert key == make_key(b.namespace, b.block_hash), "DRAM entry under a wrong key"
+            end = self._offset(b) + b.slot_bytes
+            assert end <= self.arena.size, f"slot {b.slot_id} ends past the arena ({end})"
+        if self.ssd is not None:
+            self.ssd.check_integrity()
+            total = 0
+            for key, e in self.disk.oldest_first():
+                assert key == make_key(e.namespace, e.block_hash), "SSD entry under a wrong key"
+                assert self.ssd.contains(e.namespace, e.block_hash), "SSD entry with no record"
+                total += e.stored_bytes
+            assert total == self.ssd.used_bytes, (
+                f"SSD index holds {total} bytes, the store accounts {self.ssd.used_bytes}")
+        assert len(self.ghosts) <= self._ghost_entries, "ghost table over its bound"
+
+    def _offset(self, block: DramBlock) -> int:
+        return self.alloc.geometry(block.slot_bytes).offset(block.slot_id)
+
+    def _spp(self, slot_bytes: int) -> int:
+        return self.alloc.geometry(slot_bytes).slots_per_slab
+
+    def _left_node(self, key: NamespacedKey, created: float, last_access: float,
+                   now: float) -> None:
+        self.metrics.block_lifetime.observe(max(0.0, now - created))
+        self.metrics.idle_before_evict.observe(max(0.0, now - last_access))
+        self.ghosts[key] = last_access
+        self.ghosts.move_to_end(key)
+        while len(self.ghosts) > self._ghost_entries:
+            self.ghosts.popitem(last=False)

@@ -1,0 +1,596 @@
+"""The node store: one daemon's block index over its DRAM arena and SSD directory (no gRPC).
+
+Every RPC of the gRPC edge is one method here. The store owns metadata only: engines copy KV bytes
+into and out of the shared-memory arena themselves; the SSD store moves bytes between the arena
+and disk. Methods run on the daemon's event loop; the sync ones never block, the async ones await
+SSD I/O only.
+
+Keys: ``make_key(namespace_for(tenant, layout), block_hash)``, so models, TP ranks and tenants
+never share an entry. Which copy moves and how it is counted: ``lru.TierIndex``.
+
+Policy (documented in docs/daemon.md):
+- ``commit`` publishes reserved slots as DRAM blocks. ``maintain`` (the flusher): above the high
+  watermark of DRAM occupancy (allocated slot bytes / arena bytes, reserved slots included) the
+  LRU unpinned blocks go to SSD until the low watermark (blocks under ``ssd_min_hits`` hits, or
+  that the SSD cannot take, are evicted); the SSD makes room by dropping its own LRU blocks.
+- ``reserve`` and ``acquire`` never wait on a write: short of a slot they evict LRU unpinned DRAM
+  blocks synchronously, this size class first (a block with an SSD copy is merely demoted).
+- An SSD hit in ``acquire`` is read into a fresh DRAM slot; the SSD copy is kept, so demoting the
+  block again costs no write. Pinned blocks are never evicted or moved.
+- An unhealthy SSD store is hidden (DRAM only; ``AllBlocksCleared(tier="ssd")``, a warning,
+  ``tierd_ssd_healthy`` 0) but its index kept; ``maintain`` tries one demotion per pass, and a
+  write that succeeds makes the store healthy and its blocks served again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
+from tierd.daemon.layout import Layout, namespace_for
+from tierd.daemon.leases import LeaseTable, ReadLease, WriteLease, new_lease_id
+from tierd.daemon.lru import DramBlock, HbmIndex, SsdBlock, TierIndex
+from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
+from tierd.daemon.slots import SlabAllocator, SlotGeometry
+from tierd.events import BlockStored, EventLog, KVEvent
+from tierd.types import BlockHash, Namespace, NamespacedKey, Tier, make_key
+
+if TYPE_CHECKING:
+    from tierd.daemon.arena import ShmArena
+    from tierd.daemon.ssd import SsdStore
+
+log = logging.getLogger(__name__)
+
+HASH_LENGTHS = (32, 16)
+"""sha256_cbor and xxhash_cbor digests; anything else is a client bug."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """The store's policy knobs (the daemon's TierdConfig passes these through)."""
+
+    lease_seconds: float = 30.0
+    dram_high_watermark: float = 0.90    # fraction of arena bytes; maintain demotes above it
+    dram_low_watermark: float = 0.75     # ... until at or below this
+    ssd_min_hits: int = 0                # acquires a block needs to be demoted (else evicted)
+    max_blocks_per_request: int = 4096   # more: ResourceExhausted
+    hbm_max_blocks_per_engine: int = 1_000_000  # past it, the oldest reported hashes are dropped
+    ghost_entries: int = 65_536          # evicted keys remembered to measure reuse gaps
+
+    def validate(self) -> None:
+        """ValueError naming the field to fix."""
+        if not self.lease_seconds > 0:
+            raise ValueError(f"lease_seconds must be > 0, got {self.lease_seconds}")
+        if not 0.0 < self.dram_low_watermark <= self.dram_high_watermark <= 1.0:
+            raise ValueError("watermarks need 0 < dram_low_watermark <= dram_high_watermark <= 1,"
+                             f" got {self.dram_low_watermark} and {self.dram_high_watermark}")
+        for name in ("max_blocks_per_request", "hbm_max_blocks_per_engine", "ghost_entries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ssd_min_hits < 0:
+            raise ValueError(f"ssd_min_hits must be >= 0, got {self.ssd_min_hits}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """A registered engine: its namespace and where its blocks lie in the arena."""
+
+    engine_id: str
+    tenant: str
+    namespace: Namespace
+    layout: Layout
+    geometry: SlotGeometry
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """Tier of each hash of the longest consecutive prefix held (fastest tier first: "hbm" if
+    the calling engine reported it in its GPU pool)."""
+
+    tiers: list[Tier]
+
+    @property
+    def num_hit_blocks(self) -> int:
+        return len(self.tiers)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A read lease: ``slot_ids[i]`` holds prefix block i in the arena, pinned until ``release``
+    or ``deadline`` (the store's clock); ``ttl_seconds`` is the time left at issue (for the
+    wire). Verify ``checksums[i]`` after copying out."""
+
+    lease_id: str
+    deadline: float
+    slot_ids: list[int]
+    checksums: list[int]
+    ttl_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A write lease: copy block i into ``slot_ids[i]`` then ``commit``; None where nothing is to
+    be written (``already_stored[i]``, or no room, or another engine is writing it now)."""
+
+    lease_id: str
+    deadline: float
+    slot_ids: list[int | None]
+    already_stored: list[bool]
+    ttl_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class _Promotion:
+    """An SSD read into a staged DRAM slot; lands (or fails) in a done-callback, then ``done``
+    resolves with the outcome for every acquire waiting on it."""
+
+    key: NamespacedKey
+    source: SsdBlock
+    slot_bytes: int
+    slot_id: int
+    done: asyncio.Future[bool]
+
+
+class NodeStore:
+    """The node's block index, leases and tier policy. Not thread-safe: one event loop."""
+
+    def __init__(self, arena: ShmArena, allocator: SlabAllocator, ssd: SsdStore | None,
+                 config: NodeConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+        config.validate()
+        self._arena, self._ssd, self._config, self._clock = arena, ssd, config, clock
+        self.metrics = NodeMetrics()
+        self._events = EventLog()
+        self._t = TierIndex(arena, allocator, ssd, self.metrics, self._events,
+                            config.ghost_entries, clock)
+        self._n = self._t.counts
+        self._engines: dict[str, EngineInfo] = {}
+        self._leases = LeaseTable()
+        self._writing: dict[NamespacedKey, str] = {}   # reserved key -> its write lease id
+        self._promoting: dict[NamespacedKey, _Promotion] = {}
+        self._inflight_pins: Counter[NamespacedKey] = Counter()  # pins of acquires in progress
+        self._hbm = HbmIndex(config.hbm_max_blocks_per_engine)
+        self._maintaining = asyncio.Lock()
+        self.metrics.ssd_healthy.set(0.0)
+
+    # -- engines -------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Rebuild the SSD index from the records on disk, oldest first, dropping the oldest if
+        the bound shrank below them (blocking; call once at start-up)."""
+        if self._ssd is None:
+            return
+        self._t.load(self._ssd.open(), self._clock())
+        self.metrics.ssd_healthy.set(1.0 if self._t.ssd_up else 0.0)
+
+    def register_engine(self, tenant: str, layout: Layout, engine_name: str = "") -> EngineInfo:
+        """Give an engine an id, its namespace and its slot geometry. ValueError for a bad
+        layout or tenant; ResourceExhausted if one block cannot fit a slab."""
+        namespace = namespace_for(tenant, layout)
+        try:
+            geometry = self._t.alloc.geometry(layout.block_bytes)
+        except ValueError as e:
+            raise ResourceExhausted(f"a block of {layout.block_bytes} bytes cannot fit: {e}") from e
+        engine_id = f"{engine_name}-{secrets.token_hex(4)}" if engine_name else secrets.token_hex(8)
+        info = EngineInfo(engine_id, tenant, namespace, layout, geometry)
+        self._engines[engine_id] = info
+        self._t.classes.add(geometry.slot_bytes)
+        return info
+
+    def unregister_engine(self, engine_id: str) -> None:
+        """Forget an engine: its leases end (pins dropped, reserved slots freed) and its HBM
+        report is discarded. Its committed blocks stay. NotFound if unknown."""
+        self._engine(engine_id)
+        for lease in self._leases.of_engine(engine_id):
+            self._end(self._leases.finish(lease.lease_id, "unregistered"))
+        self._hbm.drop(engine_id)
+        del self._engines[engine_id]
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def lookup(self, engine_id: str, hashes: Sequence[BlockHash]) -> LookupResult:
+        """The longest consecutive prefix of ``hashes`` held on this node, with the fastest tier
+        of each block. Pins nothing, changes no LRU order; counts queried and hit tokens."""
+        info = self._engine(engine_id)
+        keys = self._keys(info, hashes)
+        hbm = self._hbm.held(engine_id)
+        ssd_up = self._t.ssd_up
+        tiers: list[Tier] = []
+        for block_hash, key in zip(hashes, keys):
+            if block_hash in hbm:
+                tiers.append("hbm")
+            elif key in self._t.dram:
+                tiers.append("dram")
+            elif ssd_up and key in self._t.disk:
+                tiers.append("ssd")
+            else:
+                break
+        tokens = info.layout.block_size
+        self._n.queries += len(hashes) * tokens
+        self.metrics.queries.inc(len(hashes) * tokens)
+        for tier, count in Counter(tiers).items():
+            self._n.hits[tier] += count * tokens
+            self.metrics.hits.labels(tier).inc(count * tokens)
+        return LookupResult(tiers)
+
+    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash]) -> Lease:
+        """Pin the longest consecutive prefix held in DRAM or SSD and return its slots.
+
+        SSD hits are read into fresh DRAM slots, all at once (a block another acquire is
+        promoting is awaited, not read twice); each lands as a DRAM block even if the prefix
+        ends before it. A failed SSD read ends the prefix there (a miss). Every returned block
+        stays pinned until ``release`` or the deadline; each counts a hit and its reuse gap.
+        Awaits SSD reads only; a cancelled caller's lease still completes and simply expires.
+        """
+        info = self._engine(engine_id)
+        keys = self._keys(info, hashes)
+        now = self._clock()
+        self._expire(now)
+        plan: list[tuple[NamespacedKey, _Promotion | None]] = []  # None: already in DRAM
+        waits = False        # once a promotion is planned, DRAM hits are pinned while we wait
+        for key in keys:
+            block = self._t.dram.get(key)
+            if block is None:
+                if not waits and key not in self._promoting and not (
+                        self._t.ssd_up and key in self._t.disk):
+                    break
+                if not waits:
+                    waits = True
+                    for planned, _ in plan:
+                        self._pin_inflight(planned)
+                promotion = self._promoting.get(key) or self._promote(key, info, now)
+                if promotion is None:
+                    break
+                plan.append((key, promotion))
+                continue
+            if waits:
+                self._pin_inflight(key)
+            plan.append((key, None))
+        if not waits:
+            return self._pin_prefix(info, plan, now, waited=False)
+        return await asyncio.shield(asyncio.ensure_future(self._promoted(info, plan, now)))
+
+    def _promote(self, key: NamespacedKey, info: EngineInfo, now: float) -> _Promotion | None:
+        """Start reading an SSD block into a new slot; None if not on SSD or no room."""
+        source = self._t.disk.get(key) if self._t.ssd_up else None
+        if source is None:
+            return None
+        slot = self._t.allocate(info.geometry.slot_bytes, now)
+        if slot is None:
+            return None
+        assert self._ssd is not None
+        source.pins += 1
+        loop = asyncio.get_running_loop()
+        p = _Promotion(key, source, info.geometry.slot_bytes, slot, loop.create_future())
+        self._promoting[key] = p
+        view = self._arena.view(info.geometry.offset(slot), p.slot_bytes)
+        read = loop.create_task(self._ssd.read(source.namespace, source.block_hash, view))
+        read.add_done_callback(lambda task: self._land(p, task))
+        return p
+
+    def _land(self, p: _Promotion, read: asyncio.Task[bool]) -> None:
+        """A promotion's read finished: the block becomes an unpinned DRAM block (``BlockStored``
+        "dram"), or its slot is freed and the bad record's entry dropped (a checksum failure).
+        A key an engine is writing meanwhile (reserved while the SSD was hidden) is not landed."""
+        failure = None if read.cancelled() else read.exception()
+        ok = not read.cancelled() and failure is None and read.result()
+        del self._promoting[p.key]
+        p.source.pins -= 1
+        now = self._clock()
+        if ok and p.key not in self._t.dram and p.key not in self._writing:
+            s = p.source
+            self._t.dram.add(p.key, DramBlock(s.namespace, s.block_hash, p.slot_bytes, p.slot_id,
+                                              s.checksum, s.created, s.last_access, s.hits))
+            if p.key in self._t.disk:
+                self._t.disk.touch(p.key)
+            self._n.promotions += 1
+            self.metrics.promotions.inc()
+            self._events.append(BlockStored((s.block_hash,), None, "dram"))
+        else:
+            self._t.alloc.free(p.slot_bytes, p.slot_id)
+        if not ok:
+            if failure is not None:
+                log.warning("SSD read of %s failed: %r", p.key.hex(), failure)
+            self._n.checksum_failures += 1
+            self.metrics.checksum_failures.labels("ssd").inc()
+            if self._t.disk.get(p.key) is p.source:
+                if self._ssd is not None and failure is not None:
+                    self._ssd.remove(p.source.namespace, p.source.block_hash)
+                self._t.drop_ssd(p.key, now, record_gone=True)
+            self._t.check_ssd()
+        p.done.set_result(bool(ok))
+
+    async def _promoted(self, info: EngineInfo, plan: list[tuple[NamespacedKey,
+                        _Promotion | None]], start: float) -> Lease:
+        for _, promotion in plan:
+            if promotion is not None:
+                await promotion.done
+        return self._pin_prefix(info, plan, start, waited=True)
+
+    def _pin_prefix(self, info: EngineInfo, plan: list[tuple[NamespacedKey, _Promotion | None]],
+                    start: float, waited: bool) -> Lease:
+        """With the plan's promotions done: pin the prefix that made it under a new lease.
+        ``waited``: the plan's DRAM hits carry in-flight pins (kept for the prefix, dropped
+        past its end)."""
+        keys: list[NamespacedKey] = []
+        slots: list[int] = []
+        checksums: list[int] = []
+        ended = info.engine_id not in self._engines
+        for key, promotion in plan:
+            inflight = waited and promotion is None
+            if inflight:
+                self._inflight_pins[key] -= 1
+                if not self._inflight_pins[key]:
+                    del self._inflight_pins[key]
+            block = self._t.dram.get(key)
+            if ended or block is None or (promotion is not None and not promotion.done.result()):
+                ended = True
+                if inflight:
+                    self._unpin(key)
+                continue
+            if not inflight:
+                block.pins += 1
+            block.hits += 1
+            self.metrics.reuse_gap.observe(max(0.0, start - block.last_access))
+            block.last_access = start
+            self._t.dram.touch(key)
+            keys.append(key)
+            slots.append(block.slot_id)
+            checksums.append(block.checksum)
+        if info.engine_id not in self._engines:
+            for key in keys:
+                self._unpin(key)
+            raise NotFound(f"engine {info.engine_id} was unregistered during acquire")
+        deadline = self._clock() + self._config.lease_seconds
+        lease = ReadLease(new_lease_id(), info.engine_id, deadline, keys)
+        self._leases.add(lease)
+        return Lease(lease.lease_id, deadline, slots, checksums, self._config.lease_seconds)
+
+    def release(self, lease_id: str) -> None:
+        """Unpin a read lease's blocks. NotFound if unknown; FailedPrecondition if it already
+        ended (expired: what was copied may have been overwritten, so verify checksums)."""
+        self._expire(self._clock())
+        lease = self._leases.get(lease_id)
+        if not isinstance(lease, ReadLease):
+            raise FailedPrecondition(f"lease {lease_id} is a reservation: commit or abort it")
+        self._end(self._leases.finish(lease_id, "released"))
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def reserve(self, engine_id: str, hashes: Sequence[BlockHash]) -> Reservation:
+        """Allocate a slot for each hash not yet on the node (DRAM or SSD), under a write lease.
+
+        Reserved slots are invisible to lookups until ``commit``. A hash already stored gets
+        ``already_stored=True`` and no slot; one that another lease is writing, a repeat within
+        the request, or one past the point where no room could be made gets no slot either.
+        With no free slot, LRU unpinned DRAM blocks are evicted synchronously. Never blocks.
+        """
+        info = self._engine(engine_id)
+        keys = self._keys(info, hashes)
+        now = self._clock()
+        self._expire(now)
+        lease_id = new_lease_id()
+        slot_bytes = info.geometry.slot_bytes
+        slots: list[int | None] = []
+        stored: list[bool] = []
+        room = True
+        for key in keys:
+            on_node = key in self._t.dram or (self._t.ssd_up and key in self._t.disk)
+            stored.append(on_node)
+            slot = None
+            if not on_node and room and key not in self._writing:
+                last_access = self._t.ghosts.pop(key, None)
+                if last_access is not None:
+                    self.metrics.reuse_gap.observe(max(0.0, now - last_access))
+                slot = self._t.allocate(slot_bytes, now)
+                room = slot is not None
+                if slot is not None:
+                    self._writing[key] = lease_id
+            slots.append(slot)
+        deadline = now + self._config.lease_seconds
+        self._leases.add(WriteLease(lease_id, engine_id, deadline, info.namespace,
+                                    info.layout.block_size, slot_bytes, list(hashes), slots))
+        return Reservation(lease_id, deadline, slots, stored, self._config.lease_seconds)
+
+    def commit(self, lease_id: str, checksums: Sequence[int | None]) -> int:
+        """Publish a reservation: each slot with a checksum becomes a DRAM block (one
+        ``BlockStored(tier="dram")`` per consecutive run); a None checksum (the engine's copy
+        failed) frees its slot. Returns the blocks stored. NotFound if unknown;
+        FailedPrecondition after expiry, commit or abort; ValueError for bad checksums."""
+        now = self._clock()
+        self._expire(now)
+        lease = self._leases.get(lease_id)
+        if not isinstance(lease, WriteLease):
+            raise FailedPrecondition(f"lease {lease_id} is a read lease: release it")
+        if len(checksums) != len(lease.hashes):
+            raise ValueError(f"commit needs one checksum (or None) per reserved hash: "
+                             f"{len(checksums)} given, {len(lease.hashes)} reserved")
+        for i, c in enumerate(checksums):
+            if c is not None and not (isinstance(c, int) and 0 <= c < 1 << 64):
+                raise ValueError(f"checksum #{i} must be an unsigned 64-bit int, got {c!r}")
+        self._leases.finish(lease_id, "committed")
+        run: list[BlockHash] = []
+        parent: BlockHash | None = None
+        count = 0
+        for i, (block_hash, slot, checksum) in enumerate(zip(lease.hashes, lease.slots,
+                                                            checksums)):
+            if slot is not None:
+                key = make_key(lease.namespace, block_hash)
+                del self._writing[key]
+                if checksum is None:
+                    self._t.alloc.free(lease.slot_bytes, slot)
+                else:
+                    self._t.dram.add(key, DramBlock(lease.namespace, block_hash, lease.slot_bytes,
+                                                  slot, checksum, created=now, last_access=now))
+                    if not run:
+                        parent = lease.hashes[i - 1] if i > 0 else None
+                    run.append(block_hash)
+                    count += 1
+                    continue
+            if run:
+                self._events.append(BlockStored(tuple(run), parent, "dram", lease.block_size))
+                run = []
+        if run:
+            self._events.append(BlockStored(tuple(run), parent, "dram", lease.block_size))
+        return count
+
+    def abort(self, lease_id: str) -> None:
+        """Free a reservation's slots. Idempotent after abort or expiry; NotFound if unknown;
+        FailedPrecondition after commit."""
+        self._expire(self._clock())
+        if self._leases.ending(lease_id) in ("aborted", "expired", "unregistered"):
+            return
+        lease = self._leases.get(lease_id)
+        if not isinstance(lease, WriteLease):
+            raise FailedPrecondition(f"lease {lease_id} is a read lease: release it")
+        self._end(self._leases.finish(lease_id, "aborted"))
+
+    def report_hbm(self, engine_id: str, stored: Sequence[BlockHash],
+                   removed: Sequence[BlockHash], cleared: bool = False) -> None:
+        """Apply an engine's batched GPU-pool events: ``cleared`` first, then ``stored``, then
+        ``removed``. At most ``hbm_max_blocks_per_engine`` hashes are kept (oldest dropped)."""
+        info = self._engine(engine_id)
+        self._keys(info, [*stored, *removed], limit=False)
+        self._hbm.report(engine_id, stored, removed, cleared)
+
+    # -- upkeep --------------------------------------------------------------------------------
+
+    async def maintain(self) -> None:
+        """One flusher pass: expire leases; above the high watermark, demote LRU unpinned DRAM
+        blocks to SSD until the low watermark (see the module doc); refresh the gauges. Awaits
+        SSD writes (concurrently); one pass at a time. With the SSD unhealthy, one block is
+        tried per pass (a write that succeeds brings the tier back)."""
+        async with self._maintaining:
+            now = self._clock()
+            self._expire(now)
+            self._t.check_ssd()
+            high = self._config.dram_high_watermark * self._arena.size
+            if self._ssd is not None and self._t.dram_used_bytes() > high:
+                low = self._config.dram_low_watermark * self._arena.size
+                await self._t.demote(low, self._config.ssd_min_hits, not self._t.ssd_up, now)
+            self.stats()
+
+    def take_events(self) -> list[KVEvent]:
+        """Every tier event since the last call, oldest first."""
+        return self._events.take_events()
+
+    async def close(self) -> None:
+        """Wait for in-flight promotions, then close the SSD store (its records are the index:
+        nothing else to flush). DRAM blocks are not written out."""
+        for promotion in list(self._promoting.values()):
+            await promotion.done
+        if self._ssd is not None:
+            self._ssd.close()
+
+    # -- observability -------------------------------------------------------------------------
+
+    def stats(self) -> NodeStats:
+        """A snapshot of every tier (see ``TierStats``) and refresh the Prometheus gauges.
+        Demotions are reported on "dram" (where blocks left), promotions on "ssd"."""
+        self._expire(self._clock())
+        n = self._n
+        tiers = self._t.stats(reserved=len(self._writing) + len(self._promoting))
+        hbm = self._hbm.counts()
+        tiers["hbm"] = TierStats(sum(hbm.values()), 0, 0, 0, 0, n.hits["hbm"], n.queries,
+                                 0, 0, 0)
+        self.metrics.set_gauges(tiers, hbm, self._t.ssd_up)
+        return NodeStats(
+            tiers=tiers, hbm_blocks=hbm, checksum_failures=n.checksum_failures,
+            lease_expiries=n.lease_expiries, ssd_healthy=self._t.ssd_up,
+            hit_ratio=sum(n.hits.values()) / n.queries if n.queries else 0.0,
+            reuse_gap_p90=self.metrics.reuse_gap.quantile(0.9),
+            idle_before_evict_p50=self.metrics.idle_before_evict.quantile(0.5))
+
+    def check_integrity(self) -> None:
+        """Assert every index, pin, lease and slot agrees with the allocator and the SSD store.
+        Call between operations (tests do, after every step)."""
+        self._t.check_integrity()
+        owned: Counter[tuple[int, int]] = Counter()
+        for key, b in self._t.dram.oldest_first():
+            assert key not in self._writing, f"{key.hex()} is both stored and reserved"
+            owned[(b.slot_bytes, b.slot_id)] += 1
+        pins: Counter[NamespacedKey] = Counter(self._inflight_pins)
+        writing: dict[NamespacedKey, str] = {}
+        for lease in self._leases.live():
+            if isinstance(lease, ReadLease):
+                pins.update(lease.keys)
+                continue
+            for block_hash, slot in zip(lease.hashes, lease.slots):
+                if slot is not None:
+                    owned[(lease.slot_bytes, slot)] += 1
+                    writing[make_key(lease.namespace, block_hash)] = lease.lease_id
+        assert writing == self._writing, "reserved keys disagree with the live write leases"
+        for p in self._promoting.values():
+            owned[(p.slot_bytes, p.slot_id)] += 1
+            assert p.source.pins > 0, f"promotion of {p.key.hex()} does not pin its source"
+        assert all(n == 1 for n in owned.values()), "an arena slot has two owners"
+        for c in self._t.classes:
+            mine = sum(1 for size, _ in owned if size == c)
+            assert mine == self._t.alloc.used_slots(c), (
+                f"class {c}: allocator has {self._t.alloc.used_slots(c)} slots used, index {mine}")
+        for key, b in self._t.dram.oldest_first():
+            assert b.pins == pins.get(key, 0), (
+                f"{key.hex()}: {b.pins} pins but {pins.get(key, 0)} lease references")
+        assert set(pins) <= {k for k, _ in self._t.dram.oldest_first()}, "a lease pins a ghost"
+        ssd_pins = Counter(p.key for p in self._promoting.values())
+        for key, e in self._t.disk.oldest_first():
+            assert e.pins == ssd_pins.get(key, 0), f"{key.hex()}: SSD pins disagree"
+        assert set(self._hbm.counts()) <= set(self._engines), "HBM report of unknown engine"
+        self._hbm.check_integrity()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _engine(self, engine_id: str) -> EngineInfo:
+        info = self._engines.get(engine_id)
+        if info is None:
+            raise NotFound(f"unknown engine {engine_id!r}: register it first")
+        return info
+
+    def _keys(self, info: EngineInfo, hashes: Sequence[BlockHash],
+              limit: bool = True) -> list[NamespacedKey]:
+        """Validate a request's hashes and scope them to the engine's namespace."""
+        if limit and len(hashes) > self._config.max_blocks_per_request:
+            raise ResourceExhausted(f"{len(hashes)} blocks in one request; at most "
+                                    f"{self._config.max_blocks_per_request}: split the request")
+        for i, h in enumerate(hashes):
+            if not isinstance(h, bytes) or len(h) not in HASH_LENGTHS:
+                got = len(h) if isinstance(h, bytes) else type(h).__name__
+                raise ValueError(f"block hash #{i} has {got} bytes; expected 32 (sha256_cbor) "
+                                 "or 16 (xxhash_cbor)")
+        return [make_key(info.namespace, h) for h in hashes]
+
+    def _expire(self, now: float) -> None:
+        """End every lease past its deadline, freeing what it held."""
+        for lease in self._leases.pop_expired(now):
+            kind = "read" if isinstance(lease, ReadLease) else "write"
+            self._n.lease_expiries += 1
+            self.metrics.lease_expiries.labels(kind).inc()
+            self._end(lease)
+
+    def _end(self, lease: ReadLease | WriteLease) -> None:
+        """Free what an already finished lease held: unpin its blocks or free its slots."""
+        if isinstance(lease, ReadLease):
+            for key in lease.keys:
+                self._unpin(key)
+            return
+        for block_hash, slot in zip(lease.hashes, lease.slots):
+            if slot is not None:
+                del self._writing[make_key(lease.namespace, block_hash)]
+                self._t.alloc.free(lease.slot_bytes, slot)
+
+    def _pin_inflight(self, key: NamespacedKey) -> None:
+        block = self._t.dram.get(key)
+        assert block is not None, f"{key.hex()}: pinning a block that is not in DRAM"
+        block.pins += 1
+        self._inflight_pins[key] += 1
+
+    def _unpin(self, key: NamespacedKey) -> None:
+        block = self._t.dram.get(key)
+        assert block is not None and block.pins > 0, f"{key.hex()}: unpin without a pin"
+        block.pins -= 1

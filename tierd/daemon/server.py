@@ -1,0 +1,396 @@
+"""The gRPC edge of the node daemon: thin servicers over ``NodeStore``, one error-mapping
+interceptor, health + reflection, Unix-socket (and optional TCP) listeners, the background
+maintenance pass, and graceful shutdown.
+
+Servicers hold no logic: each resolves the caller's tenant, checks the engine id belongs to it,
+converts the request (``convert``), calls one ``NodeStore`` method and converts the result back.
+Everything runs on one asyncio event loop; ``NodeStore`` is not thread-safe and is only touched
+from it. The only catch-all of the daemon is ``ErrorInterceptor``: a bug in one call becomes
+INTERNAL with a logged traceback, and the daemon keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import re
+import secrets
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from tierd.daemon import convert
+from tierd.daemon.arena import ShmArena
+from tierd.daemon.auth import Authenticator, EngineOwners, OwnedEngine, TokenTable
+from tierd.daemon.config import TierdConfig
+from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, Unauthenticated
+from tierd.daemon.layout import Layout
+from tierd.daemon.node import NodeConfig, NodeStore
+from tierd.daemon.slots import SlabAllocator
+from tierd.daemon.ssd import SsdStore
+from tierd.v1 import tierd_pb2 as pb
+from tierd.v1 import tierd_pb2_grpc as pb_grpc
+
+_log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tierd"].full_name  # "tierd.v1.Tierd"
+
+_STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+]
+"""Domain error -> status code, most specific first (the edge's whole error policy)."""
+
+
+def status_for(exc: Exception) -> grpc.StatusCode | None:
+    """The status code of a domain error, or None for anything else (a bug: INTERNAL)."""
+    return next((code for kind, code in _STATUS if isinstance(exc, kind)), None)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Wraps every unary-unary method of every service (Tierd, health): parses the request itself
+    (a malformed message is INVALID_ARGUMENT, not gRPC's INTERNAL), maps domain errors with
+    ``status_for``, turns anything else into INTERNAL with a logged traceback, and records the
+    call's latency with ``observe(method, seconds)``. Streaming methods pass through untouched."""
+
+    def __init__(self, observe: Callable[[str, float], None]) -> None:
+        self._observe = observe
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        return grpc.unary_unary_rpc_method_handler(
+            self._guard(details.method, handler.unary_unary, handler.request_deserializer),
+            request_deserializer=None, response_serializer=handler.response_serializer)
+
+    def _guard(self, method: str, behavior: Callable[..., Any],
+               parse: Callable[[bytes], Any] | None) -> Callable[..., Awaitable[Any]]:
+        name = method.rsplit("/", 1)[-1]
+
+        async def call(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            start = time.perf_counter()
+            try:
+                try:
+                    request = parse(raw) if parse is not None else raw
+                except DecodeError as exc:
+                    raise ValueError(f"malformed {name} request: {exc}") from None
+                result = behavior(request, context)
+                return await result if inspect.isawaitable(result) else result
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # the daemon's one catch-all: map, log bugs, keep serving
+                code = status_for(exc)
+                if code is not None:
+                    await context.abort(code, str(exc))
+                _log.exception("%s failed with a bug; answering INTERNAL", method)
+                await context.abort(grpc.StatusCode.INTERNAL,
+                                    f"internal error in {name}: {type(exc).__name__}: {exc}")
+            finally:
+                self._observe(name, time.perf_counter() - start)
+
+        return call
+
+
+class TierdServicer(pb_grpc.TierdServicer):
+    """The Tierd service: one NodeStore call per RPC, conversion at the edge, nothing else."""
+
+    def __init__(self, store: NodeStore, arena: ShmArena, allocator: SlabAllocator,
+                 ssd: SsdStore | None, node_config: NodeConfig, auth: Authenticator) -> None:
+        self._store, self._arena, self._allocator, self._ssd = store, arena, allocator, ssd
+        self._node_config = node_config
+        self._auth = auth
+        self._owners = EngineOwners()
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+        return self._auth.tenant(context.peer(), context.invocation_metadata() or ())
+
+    def _engine(self, context: grpc.aio.ServicerContext, engine_id: str) -> str:
+        """Check ``engine_id`` belongs to the caller's tenant (NotFound otherwise)."""
+        self._owners.check(engine_id, self._tenant(context))
+        return engine_id
+
+    async def RegisterEngine(self, request: pb.RegisterEngineRequest,
+                             context: grpc.aio.ServicerContext) -> pb.RegisterEngineResponse:
+        tenant = self._tenant(context)
+        layout = convert.layout_from_pb(request.layout)
+        info = self._store.register_engine(tenant, layout, request.engine_name)
+        self._owners.bind(info.engine_id, OwnedEngine(tenant, request.engine_name,
+                                                      layout.block_size, layout.block_bytes))
+        _log.info("engine %s (%r, tenant %s) registered: %s", info.engine_id,
+                  request.engine_name, tenant, describe_capacity(layout, self._allocator,
+                                                                 self._ssd))
+        return pb.RegisterEngineResponse(
+            engine_id=info.engine_id, arena_name=self._arena.name,
+            arena_directory=os.path.dirname(self._arena.path), arena_bytes=self._arena.size,
+            geometry=convert.geometry_to_pb(info.geometry),
+            lease_seconds=self._node_config.lease_seconds,
+            max_blocks_per_request=self._node_config.max_blocks_per_request)
+
+    async def UnregisterEngine(self, request: pb.UnregisterEngineRequest,
+                               context: grpc.aio.ServicerContext) -> pb.UnregisterEngineResponse:
+        self._store.unregister_engine(self._engine(context, request.engine_id))
+        self._owners.unbind(request.engine_id)
+        return pb.UnregisterEngineResponse()
+
+    async def Lookup(self, request: pb.LookupRequest,
+                     context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        engine_id = self._engine(context, request.engine_id)
+        result = self._store.lookup(engine_id, convert.hashes_from_pb(request.block_hashes))
+        return pb.LookupResponse(tiers=convert.tiers_to_pb(result.tiers))
+
+    async def Acquire(self, request: pb.AcquireRequest,
+                      context: grpc.aio.ServicerContext) -> pb.AcquireResponse:
+        engine_id = self._engine(context, request.engine_id)
+        lease = await self._store.acquire(engine_id, convert.hashes_from_pb(request.block_hashes))
+        return pb.AcquireResponse(lease_id=lease.lease_id,
+                                  seconds_left=lease.ttl_seconds,
+                                  slot_ids=lease.slot_ids, checksums=lease.checksums)
+
+    async def Release(self, request: pb.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        self._engine(context, request.engine_id)
+        self._store.release(request.lease_id)
+        return pb.ReleaseResponse()
+
+    async def Reserve(self, request: pb.ReserveRequest,
+                      context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
+        engine_id = self._engine(context, request.engine_id)
+        res = self._store.reserve(engine_id, convert.hashes_from_pb(request.block_hashes))
+        return pb.ReserveResponse(lease_id=res.lease_id,
+                                  seconds_left=res.ttl_seconds,
+                                  slots=convert.reserved_to_pb(res.slot_ids, res.already_stored))
+
+    async def Commit(self, request: pb.CommitRequest,
+                     context: grpc.aio.ServicerContext) -> pb.CommitResponse:
+        self._engine(context, request.engine_id)
+        stored = self._store.commit(request.lease_id, convert.checksums_from_pb(request.blocks))
+        return pb.CommitResponse(stored=stored)
+
+    async def Abort(self, request: pb.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        self._engine(context, request.engine_id)
+        self._store.abort(request.lease_id)
+        return pb.AbortResponse()
+
+    async def ReportHotBlocks(self, request: pb.ReportHotBlocksRequest,
+                              context: grpc.aio.ServicerContext) -> pb.ReportHotBlocksResponse:
+        engine_id = self._engine(context, request.engine_id)
+        self._store.report_hbm(engine_id, convert.hashes_from_pb(request.stored),
+                               convert.hashes_from_pb(request.removed), request.cleared)
+        return pb.ReportHotBlocksResponse()
+
+    async def Stats(self, request: pb.StatsRequest,
+                    context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        engines = self._owners.engines_of(self._tenant(context))
+        return convert.stats_to_pb(self._store.stats(), engines)
+
+
+def describe_capacity(layout: Layout, allocator: SlabAllocator, ssd: SsdStore | None) -> str:
+    """One log line: how many blocks and tokens of ``layout`` each tier could hold."""
+    dram = allocator.capacity_slots(layout.block_bytes)
+    parts = [f"block {layout.block_bytes} B ({layout.block_size} tokens)",
+             f"DRAM {dram} blocks = {dram * layout.block_size} tokens"]
+    if ssd is not None:
+        blocks = ssd.capacity_bytes // ssd.record_bytes(layout.block_bytes)
+        parts.append(f"SSD {blocks} blocks = {blocks * layout.block_size} tokens")
+    return ", ".join(parts)
+
+
+_ARENA_NAME = re.compile(r"^tierd-(\d+)-[0-9a-f]+$")
+
+
+def remove_stale_arenas(directory: str) -> list[str]:
+    """Unlink arenas ``tierd-PID-*`` left in ``directory`` by daemons that died (kill -9): a
+    file whose PID no longer exists. Returns the names removed."""
+    removed = []
+    for name in os.listdir(directory):
+        match = _ARENA_NAME.match(name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except OSError as exc:
+            _log.warning("could not remove stale arena %s: %s", name, exc)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _claim_socket(path: str) -> None:
+    """Remove a stale socket file at ``path``; ``ValueError`` if a live daemon answers on it."""
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: a leftover of a killed daemon
+        return
+    finally:
+        probe.close()
+    raise ValueError(f"a daemon already listens on {path}: stop it, or pass another --socket-path")
+
+
+class Daemon:
+    """One running node: arena, allocator, SSD store, NodeStore, gRPC server, maintenance task.
+
+    Build with ``await Daemon.start(config)``; stop with ``await daemon.stop()`` (idempotent).
+    """
+
+    def __init__(self, config: TierdConfig, arena: ShmArena, store: NodeStore,
+                 server: grpc.aio.Server, health: HealthServicer, tcp_port: int | None) -> None:
+        self.config, self.arena, self.store = config, arena, store
+        self._server, self._health = server, health
+        self.tcp_port = tcp_port
+        """The bound TCP port (the real one when the config asked for 0), None without TCP."""
+        self._maintainer: asyncio.Task[None] | None = None
+        self._metrics_http: Any = None
+        self.metrics_port: int | None = None
+        """The bound Prometheus port (the real one when the config asked for 0), or None."""
+        self._stopped = False
+
+    @classmethod
+    async def start(cls, config: TierdConfig,
+                    extra_handlers: Sequence[grpc.GenericRpcHandler] = ()) -> Daemon:
+        """Create the arena (pre-faulted), open the SSD tier (rebuilding its index), bind the
+        listeners and start serving. Blocks the loop for the arena pre-fault. ``extra_handlers``
+        are served beside Tierd (the benchmark's echo service)."""
+        config.validate()
+        remove_stale_arenas(config.arena_directory)
+        arena = ShmArena.create(f"tierd-{os.getpid()}-{secrets.token_hex(4)}", config.dram_bytes,
+                                directory=config.arena_directory, prefault=config.prefault)
+        try:
+            return await cls._start_with(config, arena, extra_handlers)
+        except BaseException:
+            arena.close()
+            arena.unlink()
+            raise
+
+    @classmethod
+    async def _start_with(cls, config: TierdConfig, arena: ShmArena,
+                          extra_handlers: Sequence[grpc.GenericRpcHandler]) -> Daemon:
+        allocator = SlabAllocator(config.dram_bytes, config.slab_bytes)
+        ssd = (SsdStore(config.ssd_dir, config.ssd_bytes, compression=config.ssd_compression,
+                        io_threads=config.ssd_io_threads) if config.ssd_dir else None)
+        node_config = NodeConfig(lease_seconds=config.lease_seconds,
+                                 dram_high_watermark=config.dram_high_watermark,
+                                 dram_low_watermark=config.dram_low_watermark,
+                                 ssd_min_hits=config.ssd_min_hits,
+                                 max_blocks_per_request=config.max_blocks_per_request)
+        store = NodeStore(arena, allocator, ssd, node_config)
+        store.open()
+        latency = store.metrics.rpc_latency
+        server = grpc.aio.server(
+            interceptors=[ErrorInterceptor(lambda m, s: latency.labels(m).observe(s))],
+            options=[("grpc.max_receive_message_length", config.max_message_bytes),
+                     ("grpc.max_send_message_length", config.max_message_bytes),
+                     ("grpc.so_reuseport", 0)])
+        auth = Authenticator(TokenTable.load(config.token_file), config.default_tenant)
+        pb_grpc.add_TierdServicer_to_server(  # type: ignore[no-untyped-call]
+            TierdServicer(store, arena, allocator, ssd, node_config, auth), server)
+        server.add_generic_rpc_handlers(list(extra_handlers))
+        health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), server)
+        if config.socket_path:
+            _claim_socket(config.socket_path)
+            server.add_insecure_port(f"unix:{config.socket_path}")
+        tcp_port = None
+        if config.tcp_port is not None:
+            tcp_port = server.add_insecure_port(f"{_bracket(config.tcp_host)}:{config.tcp_port}")
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        daemon = cls(config, arena, store, server, health, tcp_port)
+        daemon._maintainer = asyncio.create_task(daemon._maintain_loop())
+        if config.metrics_port is not None:
+            from prometheus_client import start_http_server
+            daemon._metrics_http, _ = start_http_server(
+                config.metrics_port, addr="127.0.0.1", registry=store.metrics.registry)
+            daemon.metrics_port = daemon._metrics_http.server_port
+        _log.info("tierd serving: arena %s (%d MiB, slabs of %d MiB), SSD %s, %s%s%s",
+                  arena.path, config.dram_bytes >> 20, config.slab_bytes >> 20,
+                  f"{config.ssd_dir} bound {config.ssd_bytes >> 20} MiB" if ssd is not None else "off",
+                  f"unix:{config.socket_path}" if config.socket_path else "",
+                  f" tcp {config.tcp_host}:{tcp_port}" if tcp_port is not None else "",
+                  f" metrics http://127.0.0.1:{daemon.metrics_port}/metrics"
+                  if daemon.metrics_port is not None else "")
+        return daemon
+
+    async def _maintain_loop(self) -> None:
+        """Every ``maintain_seconds``: one ``NodeStore.maintain`` pass (lease expiry, demotion)."""
+        while True:
+            await asyncio.sleep(self.config.maintain_seconds)
+            try:
+                await self.store.maintain()
+            except Exception:  # a failed pass must not end maintenance for good
+                _log.exception("maintain pass failed; retrying in %.1f s",
+                               self.config.maintain_seconds)
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """Stop accepting calls, let running ones finish for ``grace`` seconds, close the store
+        (flushing the SSD tier), then unlink the arena and the socket. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+        if self._maintainer is not None:
+            self._maintainer.cancel()
+            await asyncio.gather(self._maintainer, return_exceptions=True)
+        await self.store.close()
+        self.arena.close()
+        self.arena.unlink()
+        if self.config.socket_path and os.path.exists(self.config.socket_path):
+            os.unlink(self.config.socket_path)
+        _log.info("tierd stopped: SSD index flushed, arena and socket removed")
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+async def serve(config: TierdConfig) -> None:
+    """Run a daemon until SIGTERM or SIGINT, then stop it gracefully."""
+    daemon = await Daemon.start(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        _log.info("signal received: shutting down")
+    finally:
+        await daemon.stop()

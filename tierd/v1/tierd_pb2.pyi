@@ -1,0 +1,277 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_HBM: _ClassVar[Tier]
+    TIER_DRAM: _ClassVar[Tier]
+    TIER_SSD: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
+TIER_UNSPECIFIED: Tier
+TIER_HBM: Tier
+TIER_DRAM: Tier
+TIER_SSD: Tier
+TIER_REMOTE: Tier
+
+class Layout(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_size", "dtype", "block_size", "tp_rank", "tp_size")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    block_size: int
+    tp_rank: int
+    tp_size: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+
+class SlotGeometry(_message.Message):
+    __slots__ = ("slab_bytes", "slot_bytes", "slots_per_slab")
+    SLAB_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_PER_SLAB_FIELD_NUMBER: _ClassVar[int]
+    slab_bytes: int
+    slot_bytes: int
+    slots_per_slab: int
+    def __init__(self, slab_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slots_per_slab: _Optional[int] = ...) -> None: ...
+
+class RegisterEngineRequest(_message.Message):
+    __slots__ = ("layout", "engine_name")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_NAME_FIELD_NUMBER: _ClassVar[int]
+    layout: Layout
+    engine_name: str
+    def __init__(self, layout: _Optional[_Union[Layout, _Mapping]] = ..., engine_name: _Optional[str] = ...) -> None: ...
+
+class RegisterEngineResponse(_message.Message):
+    __slots__ = ("engine_id", "arena_name", "arena_directory", "arena_bytes", "geometry", "lease_seconds", "max_blocks_per_request")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ARENA_NAME_FIELD_NUMBER: _ClassVar[int]
+    ARENA_DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    arena_name: str
+    arena_directory: str
+    arena_bytes: int
+    geometry: SlotGeometry
+    lease_seconds: float
+    max_blocks_per_request: int
+    def __init__(self, engine_id: _Optional[str] = ..., arena_name: _Optional[str] = ..., arena_directory: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., geometry: _Optional[_Union[SlotGeometry, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., max_blocks_per_request: _Optional[int] = ...) -> None: ...
+
+class UnregisterEngineRequest(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class UnregisterEngineResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("engine_id", "block_hashes")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, engine_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("tiers",)
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("engine_id", "block_hashes")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, engine_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("lease_id", "seconds_left", "slot_ids", "checksums")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    seconds_left: float
+    slot_ids: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[str] = ..., seconds_left: _Optional[float] = ..., slot_ids: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("engine_id", "lease_id")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    lease_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("engine_id", "block_hashes")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, engine_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ReservedSlot(_message.Message):
+    __slots__ = ("slot_id", "already_stored")
+    SLOT_ID_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_STORED_FIELD_NUMBER: _ClassVar[int]
+    slot_id: int
+    already_stored: bool
+    def __init__(self, slot_id: _Optional[int] = ..., already_stored: _Optional[bool] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("lease_id", "seconds_left", "slots")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    seconds_left: float
+    slots: _containers.RepeatedCompositeFieldContainer[ReservedSlot]
+    def __init__(self, lease_id: _Optional[str] = ..., seconds_left: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[ReservedSlot, _Mapping]]] = ...) -> None: ...
+
+class CommittedBlock(_message.Message):
+    __slots__ = ("checksum",)
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    checksum: int
+    def __init__(self, checksum: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("engine_id", "lease_id", "blocks")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    lease_id: str
+    blocks: _containers.RepeatedCompositeFieldContainer[CommittedBlock]
+    def __init__(self, engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CommittedBlock, _Mapping]]] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    def __init__(self, stored: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("engine_id", "lease_id")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    lease_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReportHotBlocksRequest(_message.Message):
+    __slots__ = ("engine_id", "stored", "removed", "cleared")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    cleared: bool
+    def __init__(self, engine_id: _Optional[str] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., cleared: _Optional[bool] = ...) -> None: ...
+
+class ReportHotBlocksResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "used_blocks", "capacity_blocks", "used_bytes", "capacity_bytes", "pinned_blocks", "query_tokens", "hit_tokens", "evictions", "demotions", "promotions")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    used_blocks: int
+    capacity_blocks: int
+    used_bytes: int
+    capacity_bytes: int
+    pinned_blocks: int
+    query_tokens: int
+    hit_tokens: int
+    evictions: int
+    demotions: int
+    promotions: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., used_blocks: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ...) -> None: ...
+
+class EngineStats(_message.Message):
+    __slots__ = ("engine_id", "engine_name", "hbm_blocks", "block_size", "block_bytes")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_NAME_FIELD_NUMBER: _ClassVar[int]
+    HBM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    engine_name: str
+    hbm_blocks: int
+    block_size: int
+    block_bytes: int
+    def __init__(self, engine_id: _Optional[str] = ..., engine_name: _Optional[str] = ..., hbm_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tiers", "engines", "query_tokens", "hit_tokens", "hit_ratio", "reading", "checksum_failures", "lease_expiries", "ssd_healthy", "reuse_gap_p90_seconds", "idle_before_evict_p50_seconds")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATIO_FIELD_NUMBER: _ClassVar[int]
+    READING_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
+    SSD_HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    REUSE_GAP_P90_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_BEFORE_EVICT_P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    engines: _containers.RepeatedCompositeFieldContainer[EngineStats]
+    query_tokens: int
+    hit_tokens: int
+    hit_ratio: float
+    reading: str
+    checksum_failures: int
+    lease_expiries: int
+    ssd_healthy: bool
+    reuse_gap_p90_seconds: float
+    idle_before_evict_p50_seconds: float
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., reading: _Optional[str] = ..., checksum_failures: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., ssd_healthy: _Optional[bool] = ..., reuse_gap_p90_seconds: _Optional[float] = ..., idle_before_evict_p50_seconds: _Optional[float] = ...) -> None: ...
