@@ -1,0 +1,308 @@
+"""Paged attention in Torch (CPU and CUDA): decode, prefill and chunked prefill, with GQA.
+
+Varlen convention (vLLM's): ``query`` is ``[num_tokens, num_heads, head_size]``, the new tokens of
+all sequences back to back. ``query_start_loc`` (``[num_seqs + 1]``, cumulative, starting at 0)
+says where each sequence's tokens start; ``None`` means decode, one token per sequence.
+``seq_lens[i]`` is sequence ``i``'s total length *including* its new tokens, whose K/V must
+already be in the cache (``reshape_and_cache`` first); the new tokens are its last
+``query_len`` positions. Query token ``j`` of sequence ``i`` sits at position
+``seq_lens[i] - query_len + j`` and attends to every key at or before it (causal over cached
+prefix + new tokens). ``block_tables[i, k]`` is the pool block holding tokens
+``[k * block_size, (k + 1) * block_size)``; entries past a sequence's length are ignored.
+
+How it is computed: blocks are gathered by block table into contiguous K/V, moving the cache's
+16-byte ``x`` vectors as single units (one index op plus one transposing copy), then
+- decode: batched matmuls over chunks of sequences (keeping each chunk's gathered K/V in cache),
+  a length mask and an fp32 softmax (max-subtracted, so it never overflows);
+- prefill: one ``scaled_dot_product_attention`` per sequence with a causal-offset mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from .fp8 import dequantize, is_fp8
+from .layout import cache_geometry, check_geometry
+
+Backend = Literal["auto", "torch", "cupy"]
+
+# Gathered K+V bytes per decode chunk: small enough to stay in a CPU's caches between the
+# gather and the matmuls, large enough that per-chunk Python overhead is noise.
+DECODE_CHUNK_BYTES = 16 << 20
+
+_UNITS: dict[int, torch.dtype] = {
+    16: torch.complex128,
+    8: torch.int64,
+    4: torch.int32,
+    2: torch.int16,
+    1: torch.uint8,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionBatch:
+    """Validated host-side shape of one call: lengths per sequence and the decode/prefill split."""
+
+    seq_lens: list[int]
+    query_starts: list[int]
+    query_lens: list[int]
+    block_size: int
+    is_decode: bool  # every sequence has exactly one query token
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    query_start_loc: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Attention of ``query`` over one layer's paged K/V; returns ``[num_tokens, heads, head]``.
+
+    See the module docstring for the varlen convention. ``k_scale`` / ``v_scale`` dequantize FP8
+    caches. ``backend="auto"`` runs the CuPy kernel for decode on CUDA when CuPy is installed,
+    else Torch. Raises ValueError on bad arguments before launching anything; reads the length
+    tensors on the host (a device sync on CUDA). Does not modify the cache.
+    """
+    batch = validate_attention_args(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out
+    )
+    result = torch.empty_like(query) if out is None else out
+    if backend != "torch" and batch.is_decode and query.is_cuda:
+        from . import cupy_attention
+
+        if cupy_attention.available():
+            cupy_attention.paged_attention_decode(
+                query, k_cache, v_cache, block_tables, seq_lens, scale,
+                k_scale=k_scale, v_scale=v_scale, out=result,
+            )  # fmt: skip
+            return result
+    if backend == "cupy":
+        raise ValueError("backend='cupy' needs decode on a CUDA tensor with CuPy installed")
+    tables = _used_block_table(block_tables.to(k_cache.device), batch)
+    decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
+    prefill = [i for i, n in enumerate(batch.query_lens) if n > 1]
+    args = (k_cache, v_cache, tables, batch, scale, k_scale, v_scale)
+    if batch.is_decode:
+        _decode(query, result, list(range(len(batch.seq_lens))), *args)
+        return result
+    if decode:
+        rows = torch.tensor([batch.query_starts[i] for i in decode], device=query.device)
+        part = torch.empty(len(decode), *query.shape[1:], dtype=query.dtype, device=query.device)
+        _decode(query.index_select(0, rows), part, decode, *args)
+        result.index_copy_(0, rows, part)
+    if prefill:
+        _prefill(query, result, prefill, *args)
+    return result
+
+
+def validate_attention_args(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    out: torch.Tensor | None,
+) -> AttentionBatch:
+    """Check every argument of :func:`paged_attention`; raise ValueError naming the fix."""
+    num_blocks, num_kv_heads, head_size, block_size = cache_geometry(k_cache, v_cache)
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_size], got {query.shape}")
+    check_geometry(query.shape[2], block_size, query.dtype)
+    if query.shape[2] != head_size:
+        raise ValueError(f"query head_size {query.shape[2]} != cache head_size {head_size}")
+    if query.shape[1] % num_kv_heads:
+        raise ValueError(
+            f"num_heads {query.shape[1]} must be a multiple of num_kv_heads {num_kv_heads}"
+        )
+    if k_cache.dtype != query.dtype and not is_fp8(k_cache.dtype):
+        raise ValueError(f"cache dtype {k_cache.dtype} must be {query.dtype} or an FP8 dtype")
+    if query.device != k_cache.device or k_cache.device != v_cache.device:
+        raise ValueError("query, k_cache and v_cache must be on the same device")
+    if out is not None and (out.shape != query.shape or out.dtype != query.dtype):
+        raise ValueError("out must have the query's shape and dtype")
+    if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64):
+        raise ValueError("block_tables must be a 2-D int32/int64 tensor [num_seqs, max_blocks]")
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != block_tables.shape[0]:
+        raise ValueError("seq_lens must be 1-D with one entry per block_tables row")
+    lens = [int(n) for n in seq_lens.tolist()]
+    if query_start_loc is None:
+        starts, qlens = list(range(len(lens))), [1] * len(lens)
+        if query.shape[0] != len(lens):
+            raise ValueError("decode (no query_start_loc) needs one query token per sequence")
+    else:
+        loc = [int(n) for n in query_start_loc.tolist()]
+        if len(loc) != len(lens) + 1 or loc[0] != 0 or loc[-1] != query.shape[0]:
+            raise ValueError("query_start_loc must be [num_seqs + 1], from 0 to num_tokens")
+        starts, qlens = loc[:-1], [b - a for a, b in zip(loc, loc[1:])]
+    for i, (n, q) in enumerate(zip(lens, qlens)):
+        if q < 0 or n < max(q, 1):
+            raise ValueError(f"sequence {i}: need seq_len >= max(query_len, 1), got {n}, {q}")
+        if -(-n // block_size) > block_tables.shape[1]:
+            raise ValueError(f"sequence {i}: seq_len {n} needs more blocks than block_tables has")
+    used = torch.arange(block_tables.shape[1]) < torch.tensor(lens).view(-1, 1).add(
+        block_size - 1
+    ).div(block_size, rounding_mode="floor")
+    table = block_tables.cpu()
+    if bool(((table < 0) | (table >= num_blocks))[used].any()):
+        raise ValueError(f"block_tables points outside the pool [0, {num_blocks})")
+    return AttentionBatch(lens, starts, qlens, block_size, all(q == 1 for q in qlens))
+
+
+def _used_block_table(block_tables: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    """The int64 table cut to the longest sequence, unused entries pointed at block 0."""
+    width = -(-max(batch.seq_lens, default=1) // batch.block_size)
+    table = block_tables[:, :width].to(torch.int64)
+    lens = torch.tensor(batch.seq_lens, device=table.device).view(-1, 1)
+    used = torch.arange(width, device=table.device) * batch.block_size < lens
+    return torch.where(used, table, 0)
+
+
+def _units(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its last dimension reinterpreted as the widest whole units (<= 16 bytes)."""
+    row = t.shape[-1] * t.element_size()
+    return t.view(_UNITS[math.gcd(row, 16)])
+
+
+def gather_k(
+    k_cache: torch.Tensor,
+    table: torch.Tensor,
+    dtype: torch.dtype,
+    k_scale: float,
+    work: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """K of the blocks in ``table`` [n, blocks] as contiguous ``[n, heads, blocks * B, D]``.
+
+    Moves whole 16-byte x-vectors: one row gather, then one transposing copy of units. ``work``
+    (from :func:`_gather_buffers`) lets a caller reuse the two staging buffers across chunks.
+    """
+    n, nb = table.shape
+    _, h, d_over_x, b, x = k_cache.shape
+    units = _units(k_cache).squeeze(-1)  # [N, H, D/x, B] of 16-byte units
+    rows, out = work if work is not None else (None, None)
+    rows = units.new_empty(n * nb, h, d_over_x, b) if rows is None else rows[: n * nb]
+    out = units.new_empty(n, h, nb, b, d_over_x) if out is None else out[:n]
+    torch.index_select(units, 0, table.reshape(-1), out=rows)
+    out.copy_(rows.view(n, nb, h, d_over_x, b).permute(0, 2, 1, 4, 3))
+    k = out.view(k_cache.dtype).view(n, h, nb * b, d_over_x * x)
+    return dequantize(k, k_scale, dtype) if k.dtype != dtype else k
+
+
+def gather_v(
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    dtype: torch.dtype,
+    v_scale: float,
+    work: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """V of the blocks in ``table`` as contiguous ``[n, heads, D, blocks * B]`` (token-minor)."""
+    n, nb = table.shape
+    _, h, d, b = v_cache.shape
+    units = _units(v_cache)  # [N, H, D, U]
+    u = units.shape[-1]
+    rows, out = work if work is not None else (None, None)
+    rows = units.new_empty(n * nb, h, d, u) if rows is None else rows[: n * nb]
+    out = units.new_empty(n, h, d, nb, u) if out is None else out[:n]
+    torch.index_select(units, 0, table.reshape(-1), out=rows)
+    out.copy_(rows.view(n, nb, h, d, u).permute(0, 2, 3, 1, 4))
+    v = out.view(v_cache.dtype).view(n, h, d, nb * b)
+    return dequantize(v, v_scale, dtype) if v.dtype != dtype else v
+
+
+def _gather_buffers(
+    cache: torch.Tensor, n: int, nb: int, is_key: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Staging buffers for gathering ``n`` sequences of ``nb`` blocks, reused across chunks
+    (fresh multi-MiB CPU buffers cost a page fault per 4 KiB on every call)."""
+    units = _units(cache) if not is_key else _units(cache).squeeze(-1)
+    rows = units.new_empty(n * nb, *units.shape[1:])
+    if is_key:
+        _, h, d_over_x, b = units.shape
+        return rows, units.new_empty(n, h, nb, b, d_over_x)
+    _, h, d, u = units.shape
+    return rows, units.new_empty(n, h, d, nb, u)
+
+
+def _decode(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    seqs: list[int],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    k_scale: float,
+    v_scale: float,
+) -> None:
+    """One query token per sequence in ``seqs``; ``query``/``out`` rows follow ``seqs``."""
+    num_kv_heads, head_size = k_cache.shape[1], query.shape[2]
+    group = query.shape[1] // num_kv_heads
+    lens = torch.tensor([batch.seq_lens[i] for i in seqs], device=query.device)
+    width = -(-int(lens.max()) // batch.block_size)
+    table = tables[torch.tensor(seqs, device=tables.device), :width]
+    keys = width * batch.block_size
+    per_seq = 2 * num_kv_heads * keys * head_size * max(query.element_size(), 2)
+    chunk = min(len(seqs), max(1, DECODE_CHUNK_BYTES // per_seq))
+    k_work = _gather_buffers(k_cache, chunk, width, is_key=True)
+    v_work = _gather_buffers(v_cache, chunk, width, is_key=False)
+    q = query.view(len(seqs), num_kv_heads, group, head_size)
+    o = out.view(len(seqs), num_kv_heads, group, head_size)
+    positions = torch.arange(keys, device=query.device)
+    for s0 in range(0, len(seqs), chunk):
+        s1 = min(len(seqs), s0 + chunk)
+        k = gather_k(k_cache, table[s0:s1], query.dtype, k_scale, k_work)  # [n, Hk, L, D]
+        v = gather_v(v_cache, table[s0:s1], query.dtype, v_scale, v_work)  # [n, Hk, D, L]
+        scores = torch.matmul(q[s0:s1], k.transpose(-1, -2)).float().mul_(scale)
+        past_end = positions >= lens[s0:s1].view(-1, 1)  # [n, L]
+        scores.masked_fill_(past_end.view(s1 - s0, 1, 1, keys), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(query.dtype)
+        torch.matmul(probs, v.transpose(-1, -2), out=o[s0:s1])
+
+
+def _prefill(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    seqs: list[int],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    k_scale: float,
+    v_scale: float,
+) -> None:
+    """Several query tokens per sequence: one SDPA per sequence with a causal-offset mask.
+
+    One call per sequence, not a padded batch: query lengths are ragged, padding would spend
+    ``(max_q - q_i) * L`` work per sequence, and one sequence's SDPA (all heads, hundreds of
+    tokens) already fills the cores. The query and output are views, never copied.
+    """
+    for i in seqs:
+        n, q_len, start = batch.seq_lens[i], batch.query_lens[i], batch.query_starts[i]
+        width = -(-n // batch.block_size)
+        table = tables[i : i + 1, :width]
+        k = gather_k(k_cache, table, query.dtype, k_scale)[:, :, :n]  # [1, Hk, n, D]
+        v = gather_v(v_cache, table, query.dtype, v_scale)[:, :, :, :n]
+        v = v.transpose(-1, -2).contiguous()  # [1, Hk, n, D]
+        q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        # Query j sits at position (n - q_len) + j and sees keys at or before it.
+        rows = torch.arange(q_len, device=query.device).view(-1, 1) + (n - q_len)
+        mask = torch.arange(n, device=query.device) <= rows
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[start : start + q_len] = o[0].transpose(0, 1)
