@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	whl=$$(ls $(TORCH_WHEEL_DIR)/torch-*.whl 2>/dev/null | sort -V | tail -n 1); \
 	if [ -n "$$whl" ] && ! $(PY) -c 'import torch' 2>/dev/null; then $(PIP) install -q "$$whl"; fi
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,hf]'
 	touch $@
 
 demo: venv
