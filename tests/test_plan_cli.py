@@ -133,8 +133,8 @@ def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_walkthrough_prints_plans_and_trace(capsys: pytest.CaptureFixture[str]) -> None:
-    """`tierd demo` runs the walk-through: the essay's plans, then paged vs contiguous."""
-    assert main(["demo"]) == 0
+    """`tierd demo --walkthrough` narrates the essay's plans, then paged vs contiguous."""
+    assert main(["demo", "--walkthrough"]) == 0
     out = capsys.readouterr().out
     assert "   GPU KV cache size: 393,216 tokens" in out
     assert "   Maximum concurrency for 8,192 tokens per request: 96.00x" in out
@@ -143,13 +143,13 @@ def test_walkthrough_prints_plans_and_trace(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_plan_never_imports_torch() -> None:
-    """`tierd plan` and `tierd demo` through the console entry point leave torch unimported."""
+    """`tierd plan` and `tierd demo --walkthrough` through the console entry point leave torch unimported."""
     code = (
         "import sys, contextlib, io\n"
         "from tierd.cli import main\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    assert main(['plan', '--kv-pool-gib', '48']) == 0\n"
-        "    assert main(['demo']) == 0\n"
+        "    assert main(['demo', '--walkthrough']) == 0\n"
         "print('torch' in sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

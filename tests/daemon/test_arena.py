@@ -112,3 +112,18 @@ def test_create_in_another_directory(tmp_path: Path) -> None:
     other.close()
     arena.close()
     arena.unlink()
+
+
+def test_tensor_outlives_close_and_unlink(name: str) -> None:
+    """A tensor from as_tensor() stays valid after the arena is closed and unlinked (no dangling
+    pointer: the tensor's storage owns its own mapping), and shares bytes with the arena."""
+    arena = ShmArena.create(name, 1 << 20, prefault=False)
+    tensor = arena.as_tensor()
+    tensor[10:14] = 9
+    assert bytes(arena.view(10, 4)) == b"\x09" * 4
+    arena.view(20, 2)[:] = b"\x05\x06"
+    assert tensor[20:22].tolist() == [5, 6]
+    arena.close()
+    arena.unlink()
+    tensor[0] = 3
+    assert tensor[[0, 10, 20]].tolist() == [3, 9, 5]

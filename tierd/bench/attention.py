@@ -25,11 +25,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="3 repetitions instead of --reps")
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions per case")
     parser.add_argument(
-        "--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16"
+        "--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+        help="query/KV compute dtype of both sides",
     )
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e5m2"), default="auto")
-    parser.add_argument("--block-size", type=int, choices=(8, 16, 32), default=16)
-    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument(
+        "--kv-cache-dtype", choices=("auto", "fp8", "fp8_e5m2"), default="auto",
+        help="paged cache storage dtype (fp8 stores scaled values, upcast on load)",
+    )
+    parser.add_argument(
+        "--block-size", type=int, choices=(8, 16, 32), default=16, help="tokens per KV block"
+    )
+    # Resolved in run(): configure() must not import torch (`tierd --help` stays instant).
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
 
 
 def _cuda() -> bool:
@@ -63,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
     reps = 3 if args.quick else args.reps
     dtype = getattr(torch, args.dtype)
-    device = torch.device(args.device)
+    device = torch.device(args.device or ("cuda" if _cuda() else "cpu"))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     heads, kv_heads, head, block = 32, 8, 128, args.block_size
     scale = head**-0.5

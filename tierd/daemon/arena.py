@@ -160,15 +160,18 @@ class ShmArena:
         return whole[offset : offset + length]
 
     def as_tensor(self) -> torch.Tensor:
-        """A uint8 torch tensor over the whole mapping (zero copy, ``torch.frombuffer``).
+        """A uint8 torch tensor over the whole arena file (``torch.from_file``, shared mapping).
 
         Engines copy blocks with ``tensor[off:off + n].copy_(src)``; on a GPU host they
         ``cudaHostRegister`` ``tensor.data_ptr()`` once so those copies are DMA from pinned memory.
-        The tensor keeps the mapping alive: drop it before ``close`` to unmap at once.
+        The tensor owns a mapping of its own, held by its storage: it stays valid after ``close``
+        and after the daemon unlinks the file, and is unmapped when the last tensor over it dies.
+        (A ``torch.frombuffer`` view of this object's mmap would dangle after ``close``.)
         """
         import torch
 
-        return torch.frombuffer(self._require_open(), dtype=torch.uint8)
+        self._require_open()
+        return torch.from_file(self.path, shared=True, size=self.size, dtype=torch.uint8)
 
     def close(self) -> None:
         """Drop this process's mapping. Idempotent. If views or tensors are still alive the pages

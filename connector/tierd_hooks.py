@@ -1,0 +1,459 @@
+"""``TierdHooks``: the reference engine's ``KVTransferHooks`` over a tierd node daemon.
+
+Per engine step (see ``tierd.connector.hooks`` for the call order)::
+
+    lookup   one Lookup round trip for the chain past the hot-tier hit -> loadable blocks
+    load     Acquire (pins the prefix; SSD hits are staged into DRAM by the daemon), one batched
+             copy arena -> staging, checksum of each block, one batched copy of the verified
+             run into the pool; the Release is queued to the worker (it never delays compute)
+    save     one batched copy pool -> staging ring (the pool block may be reused right after);
+             the worker then Reserves (blocks the node already holds are skipped), copies staging
+             -> arena slots, and Commits with the checksums
+    step_end the engine's hot-tier (HBM) BlockStored/BlockRemoved events, batched, are queued for
+             ReportHotBlocks (when ``attach_block_events`` was called)
+
+Failure is never an exception out of the engine. A failed load (lease expired, checksum mismatch,
+daemon gone, any gRPC error) returns False for that block and all after it, so the engine
+recomputes them. A save that cannot be queued (ring or queue full) is dropped and counted. If the
+daemon is down at start or goes away (UNAVAILABLE, or NOT_FOUND for our engine after a restart),
+the hooks behave like ``NullHooks`` and the worker reconnects with exponential backoff,
+re-registering the engine and attaching the new arena.
+
+Threads: hook methods run on the engine thread; one worker thread does the queued round trips and
+the reconnects. Every arena and lease belongs to one ``_Session``; work for a lost session is
+dropped, never applied to the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from tierd.connector.engine import Request
+from tierd.connector.transfer import ArenaSlots, Span, StagingRing, allocate_staging, \
+    load_blocks, save_blocks, words
+from tierd.daemon.arena import ShmArena
+from tierd.daemon.client import EngineHandle, TierdClient
+from tierd.daemon.layout import Dtype, Layout
+from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from tierd.gpu.layout import KVCache, KVCacheSpec
+from tierd.types import BlockHash
+
+log = logging.getLogger(__name__)
+
+_DTYPES: dict[torch.dtype, Dtype] = {
+    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+    torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2",
+}
+_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED)
+"""Codes that mean the session is gone (no daemon, or a restarted one that forgot us)."""
+
+
+def layout_for(spec: KVCacheSpec, tp_rank: int = 0, tp_size: int = 1) -> Layout:
+    """The daemon ``Layout`` of a paged pool: one pool row is one slot."""
+    layout = Layout(spec.num_layers, spec.num_kv_heads, spec.head_size, _DTYPES[spec.cache_dtype],
+                    spec.block_size, tp_rank, tp_size)
+    assert layout.block_bytes == spec.block_bytes, "pool row and daemon slot sizes disagree"
+    return layout
+
+
+@dataclass(frozen=True)
+class TierdHooksConfig:
+    """Where the daemon is and how much the hooks may buffer.
+
+    ``socket_path`` (default: ``tierd serve``'s default socket) or ``address`` ("host:port",
+    needs ``token``); ``token`` selects the tenant. Staging memory is allocated once at
+    ``register_kv_caches``."""
+
+    socket_path: str | None = None
+    address: str | None = None
+    token: str | None = None
+    engine_name: str = "reference-engine"
+    call_timeout_s: float = 5.0
+    save_staging_bytes: int = 32 << 20
+    """Bound of blocks waiting to be written to the daemon; past it new saves are dropped."""
+    load_staging_bytes: int = 16 << 20
+    """Staging for loads; a longer load is copied in several chunks."""
+    max_queued_jobs: int = 256
+    reconnect_min_s: float = 0.2
+    reconnect_max_s: float = 5.0
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.call_timeout_s <= 0 or self.reconnect_min_s <= 0:
+            raise ValueError("call_timeout_s and reconnect_min_s must be positive")
+        if self.reconnect_max_s < self.reconnect_min_s or self.max_queued_jobs < 1:
+            raise ValueError("need reconnect_max_s >= reconnect_min_s and max_queued_jobs >= 1")
+
+
+@dataclass(slots=True)
+class TierdHooksStats:
+    """Counters. Engine-thread fields and worker fields are written by one thread each."""
+
+    lookups: int = 0
+    lookup_hit_blocks: int = 0
+    loads: int = 0
+    loaded_blocks: int = 0
+    failed_load_blocks: int = 0
+    checksum_failures: int = 0
+    dropped_save_blocks: int = 0
+    dropped_jobs: int = 0
+    # worker thread:
+    saved_blocks: int = 0
+    skipped_stored_blocks: int = 0
+    unsaved_blocks: int = 0
+    lease_expiries: int = 0
+    rpc_errors: int = 0
+    connects: int = 0
+    disconnects: int = 0
+    hot_reports: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Session:
+    client: TierdClient
+    engine: EngineHandle
+    arena: ShmArena
+    slots: ArenaSlots
+
+
+@dataclass(frozen=True, slots=True)
+class _SaveJob:
+    session: _Session
+    hashes: list[BlockHash]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class _ReleaseJob:
+    session: _Session
+    lease_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _HotJob:
+    session: _Session
+    stored: list[BlockHash]
+    removed: list[BlockHash]
+    cleared: bool
+
+
+_Job = _SaveJob | _ReleaseJob | _HotJob | None  # None: wake up (reconnect or stop)
+
+
+class TierdHooks:
+    """``KVTransferHooks`` backed by a tierd daemon; see the module docstring.
+
+    Create, pass to ``LLMEngine`` (which calls ``register_kv_caches``), optionally
+    ``attach_block_events(engine.manager.take_events)``, and ``close()`` when done."""
+
+    def __init__(self, config: TierdHooksConfig | None = None) -> None:
+        self.config = config or TierdHooksConfig()
+        self.stats = TierdHooksStats()
+        self._kv: KVCache | None = None
+        self._layout: Layout | None = None
+        self._session: _Session | None = None
+        self._jobs: queue.Queue[_Job] = queue.Queue(self.config.max_queued_jobs + 1)
+        self._ring: StagingRing | None = None
+        self._load_staging: torch.Tensor | None = None
+        self._pending: set[BlockHash] = set()  # queued for save; guarded by _lock
+        self._lock = threading.Lock()
+        self._events: Callable[[], list[KVEvent]] | None = None
+        self._hot_cleared = False
+        self._closing = threading.Event()
+        self._worker: threading.Thread | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_cache: KVCache) -> None:
+        """Keep the pool, allocate staging, try to connect once (never raises for a missing
+        daemon) and start the worker thread."""
+        assert self._kv is None, "register_kv_caches is called once per engine"
+        cfg, row = self.config, kv_cache.spec.block_bytes
+        self._kv, self._layout = kv_cache, layout_for(kv_cache.spec, cfg.tp_rank, cfg.tp_size)
+        self._ring = StagingRing(max(1, cfg.save_staging_bytes // row), row)
+        self._load_staging = allocate_staging(max(1, cfg.load_staging_bytes // row), row)
+        self._session = self._connect()
+        self._worker = threading.Thread(target=self._run, name="tierd-hooks", daemon=True)
+        self._worker.start()
+
+    def attach_block_events(self, take_events: Callable[[], list[KVEvent]]) -> None:
+        """Report the engine's hot-tier events (e.g. ``engine.manager.take_events``) to the
+        daemon, batched once per step, so ``tierd stats`` and routers see the HBM tier."""
+        self._events = take_events
+        self._hot_cleared = True  # the first report starts the daemon's view afresh
+
+    @property
+    def connected(self) -> bool:
+        return self._session is not None
+
+    def wait_connected(self, timeout: float) -> bool:
+        """Block up to ``timeout`` s until a session is up (tests, the demo)."""
+        deadline = time.monotonic() + timeout
+        while self._session is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self._session is not None
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Block until every queued save, release and report has been sent (or dropped)."""
+        deadline = time.monotonic() + timeout
+        while self._jobs.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return not self._jobs.unfinished_tasks
+
+    def close(self) -> None:
+        """Send what is queued (up to ``call_timeout_s``), stop the worker, unregister. Idempotent."""
+        if self._worker is None or self._closing.is_set():
+            return
+        self.flush(self.config.call_timeout_s)
+        self._closing.set()
+        self._put(None)
+        self._worker.join(timeout=self.config.call_timeout_s + 1)
+        session, self._session = self._session, None
+        if session is not None:
+            try:
+                session.client.unregister_engine(session.engine.engine_id)
+            except grpc.RpcError:
+                pass  # the daemon is gone or forgot us: nothing to undo
+            self._end(session)
+
+    # -- KVTransferHooks -----------------------------------------------------------------------
+
+    def lookup(self, request: Request) -> int:
+        """Blocks of ``request`` past the hot hit the node holds (one Lookup round trip)."""
+        session = self._session
+        start = request.num_computed_tokens // self._block_size
+        hashes = request.block_hashes[start:]
+        if session is None or not hashes:
+            return 0
+        self.stats.lookups += 1
+        try:
+            tiers = session.client.lookup(session.engine.engine_id, hashes)
+        except grpc.RpcError as exc:
+            self._failed(session, exc)
+            return 0
+        count = next((i for i, t in enumerate(tiers) if t == "remote"), len(tiers))
+        self.stats.lookup_hit_blocks += count
+        return count
+
+    def load(self, request: Request, block_ids: Sequence[int],
+             block_hashes: Sequence[BlockHash]) -> list[bool]:
+        """Acquire, copy and verify; True for each leading block now in the pool."""
+        n = len(block_ids)
+        session = self._session
+        if session is None or not n:
+            self.stats.failed_load_blocks += n
+            return [False] * n
+        self.stats.loads += 1
+        try:
+            got = session.client.acquire(session.engine.engine_id, block_hashes)
+        except grpc.RpcError as exc:
+            self._failed(session, exc)
+            self.stats.failed_load_blocks += n
+            return [False] * n
+        assert self._kv is not None and self._load_staging is not None
+        try:
+            good = load_blocks(session.slots, got.slot_ids, got.checksums, self._kv.pool,
+                               block_ids, self._load_staging)
+        except ValueError as exc:  # slots outside the arena we mapped: a daemon bug, a miss here
+            log.warning("tierd load rejected: %s", exc)
+            good = 0
+        finally:  # always release, even if the copy failed
+            if got.num_blocks:
+                self._put(_ReleaseJob(session, got.lease_id))
+        self.stats.checksum_failures += good < got.num_blocks
+        self.stats.loaded_blocks += good
+        self.stats.failed_load_blocks += n - good
+        return [i < good for i in range(n)]
+
+    def save(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
+        """Copy the new blocks into the staging ring now; the worker writes them through."""
+        session, ring = self._session, self._ring
+        if session is None or ring is None or not block_ids:
+            return
+        with self._lock:
+            todo = [(b, h) for b, h in zip(block_ids, block_hashes) if h not in self._pending]
+            span = ring.take(len(todo)) if todo and not self._jobs.full() else None
+            if span is not None:
+                self._pending.update(h for _, h in todo)
+        if not todo:
+            return
+        if span is None:
+            self.stats.dropped_save_blocks += len(todo)
+            return
+        assert self._kv is not None
+        ids = torch.tensor([b for b, _ in todo], dtype=torch.int64, device=self._kv.pool.device)
+        staged = ring.rows[span.start:span.stop]
+        torch.index_select(words(self._kv.pool), 0, ids, out=words(staged))
+        self._put(_SaveJob(session, [h for _, h in todo], span))
+
+    def request_finished(self, request: Request) -> None:
+        pass  # no per-request state: leases end inside ``load``
+
+    def step_end(self) -> None:
+        """Batch this step's hot-tier events into one queued report."""
+        session, take = self._session, self._events
+        if take is None:
+            return
+        events = take()
+        if session is None:
+            self._hot_cleared = True  # the daemon's view is stale: resend from scratch later
+            return
+        stored: list[BlockHash] = []
+        removed: list[BlockHash] = []
+        cleared = self._hot_cleared
+        for event in events:
+            if event.tier != "hbm":
+                continue
+            if isinstance(event, BlockStored):
+                stored += event.block_hashes
+            elif isinstance(event, BlockRemoved):
+                removed += event.block_hashes
+            elif isinstance(event, AllBlocksCleared):
+                cleared, stored, removed = True, [], []
+        if stored or removed or cleared:
+            self._hot_cleared = not self._put(_HotJob(session, stored, removed, cleared))
+
+    # -- internals -----------------------------------------------------------------------------
+
+    @property
+    def _block_size(self) -> int:
+        assert self._kv is not None, "register_kv_caches first"
+        return int(self._kv.spec.block_size)
+
+    def _put(self, job: _Job) -> bool:
+        try:
+            self._jobs.put_nowait(job)
+            return True
+        except queue.Full:
+            self.stats.dropped_jobs += 1
+            return False
+
+    def _connect(self) -> _Session | None:
+        """Register the engine and attach the arena; None (logged) if the daemon is not there."""
+        cfg = self.config
+        assert self._layout is not None
+        client = TierdClient(socket_path=cfg.socket_path, address=cfg.address, token=cfg.token,
+                             timeout=cfg.call_timeout_s)
+        try:
+            engine = client.register_engine(self._layout, cfg.engine_name)
+            # Map every page now (page tables only: ~0.1 s per GiB), not on the first load.
+            arena = ShmArena.attach(engine.arena_name, directory=engine.arena_directory,
+                                    prefault=True)
+        except (grpc.RpcError, OSError, ValueError) as exc:
+            client.close()
+            log.info("tierd not reachable at %s (%s): running without it", client.target,
+                     exc.code().name if isinstance(exc, grpc.RpcError) else exc)
+            return None
+        slots = ArenaSlots(arena.as_tensor(), engine.geometry)
+        self.stats.connects += 1
+        self._hot_cleared = True
+        log.info("tierd connected at %s: engine %s", client.target, engine.engine_id)
+        return _Session(client, engine, arena, slots)
+
+    def _failed(self, session: _Session, exc: grpc.RpcError) -> None:
+        """A call of ``session`` failed: count it; if the session is gone, drop it (the worker
+        reconnects)."""
+        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            self.stats.lease_expiries += 1  # counted from either thread: advisory
+            return
+        if exc.code() not in _LOST:
+            log.warning("tierd call failed: %s %s", exc.code().name, exc.details())
+            return
+        with self._lock:
+            if self._session is not session:
+                return
+            self._session = None
+        self._end(session)
+        self.stats.disconnects += 1
+        log.warning("tierd session lost (%s): running without it, reconnecting", exc.code().name)
+        self._put(None)
+
+    def _end(self, session: _Session) -> None:
+        """Close the session's channel. Its arena is not closed here: unmapping it while another
+        thread may still copy through ``session.slots`` would fault (torch tensors over the
+        mapping do not pin it); the mapping goes when the last reference to the session does."""
+        session.client.close()
+
+    def _run(self) -> None:
+        """Worker: send queued jobs in order; reconnect with backoff while disconnected."""
+        backoff, next_try = self.config.reconnect_min_s, 0.0
+        while not self._closing.is_set():
+            if self._session is None and time.monotonic() >= next_try:
+                session = self._connect()
+                if session is None:
+                    next_try = time.monotonic() + backoff
+                    backoff = min(backoff * 2, self.config.reconnect_max_s)
+                else:
+                    backoff = self.config.reconnect_min_s
+                    self._session = session
+            wait = max(0.0, next_try - time.monotonic()) if self._session is None else None
+            try:
+                job = self._jobs.get(timeout=wait if wait is not None else 1.0)
+            except queue.Empty:
+                continue
+            try:
+                self._do(job)
+            finally:
+                self._jobs.task_done()
+
+    def _do(self, job: _Job) -> None:
+        if job is None:
+            return
+        if isinstance(job, _SaveJob):
+            try:
+                self._write_through(job)
+            finally:
+                with self._lock:
+                    self._pending.difference_update(job.hashes)
+                assert self._ring is not None
+                self._ring.give_back(job.span)
+            return
+        if job.session is not self._session:
+            return  # the daemon that held this lease or HBM view is gone
+        try:
+            if isinstance(job, _ReleaseJob):
+                job.session.client.release(job.session.engine.engine_id, job.lease_id)
+            else:
+                job.session.client.report_hot_blocks(job.session.engine.engine_id, job.stored,
+                                                     job.removed, job.cleared)
+                self.stats.hot_reports += 1
+        except grpc.RpcError as exc:
+            self.stats.rpc_errors += 1
+            self._failed(job.session, exc)
+
+    def _write_through(self, job: _SaveJob) -> None:
+        """Reserve, copy the reserved rows into their slots, commit with checksums."""
+        session, n = job.session, len(job.hashes)
+        if session is not self._session:
+            self.stats.unsaved_blocks += n
+            return
+        client, engine_id = session.client, session.engine.engine_id
+        assert self._ring is not None
+        rows = self._ring.rows[job.span.start:job.span.stop]
+        try:
+            reserved = client.reserve(engine_id, job.hashes)
+            picks = [i for i, s in enumerate(reserved.slot_ids) if s is not None]
+            checksums: list[int | None] = [None] * n
+            if picks:
+                slots = [s for s in reserved.slot_ids if s is not None]
+                chosen = rows if len(picks) == n else rows[torch.tensor(picks)]
+                for i, c in zip(picks, save_blocks(session.slots, slots, chosen)):
+                    checksums[i] = c
+            stored = client.commit(engine_id, reserved.lease_id, checksums)
+        except grpc.RpcError as exc:
+            self.stats.rpc_errors += 1
+            self.stats.unsaved_blocks += n
+            self._failed(session, exc)
+            return
+        self.stats.saved_blocks += stored
+        self.stats.skipped_stored_blocks += sum(reserved.already_stored)
+        self.stats.unsaved_blocks += n - stored - sum(reserved.already_stored)

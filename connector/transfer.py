@@ -1,0 +1,241 @@
+"""Moving KV blocks between the daemon's shared-memory arena and an engine's paged pool.
+
+Engine-agnostic: a *pool* is any 2-D uint8 tensor ``[num_blocks, block_bytes]`` whose row ``b`` is
+block ``b`` of every layer (``tierd.gpu.layout.KVCache.pool``; an adapter for another engine
+passes a view of the same shape), on CPU or a GPU. An arena slot holds exactly one such row.
+
+Every copy is one batched torch op per direction (``index_select`` / ``index_copy_`` /
+``index_put_`` over a uint8 view of the arena), never a Python loop per block; only the
+checksums (xxh3-64, ``tierd.checksum.block_checksum``) are computed block by block, over memory
+that is already in place.
+
+Load (``load_blocks``): arena slots -> pre-touched host staging (one gather) -> verify each row's
+checksum there -> pool rows (one scatter) for the leading run that verified. Wrong bytes never
+reach the pool: a mismatch makes that block and every later one a miss.
+
+Save (``save_blocks``): rows already copied out of the pool into staging (``StagingRing``, taken
+on the engine thread so the pool may be reused at once) -> checksums -> reserved arena slots.
+
+Staging memory is allocated and zero-filled once (first touch of fresh pages costs ~2.5 s/GiB on
+these hosts; a per-call temporary would pay it on every transfer).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tierd.checksum import block_checksum
+from tierd.daemon.slots import SlotGeometry
+
+
+class ArenaSlots:
+    """Batched access to the slots of one size class in an arena tensor (``ShmArena.as_tensor``).
+
+    Holds views of ``arena`` (keeping the mapping alive) and nothing else; thread-safe for
+    disjoint slots. Slot ids must come from the daemon for this geometry."""
+
+    def __init__(self, arena: torch.Tensor, geometry: SlotGeometry) -> None:
+        if arena.dtype != torch.uint8 or arena.dim() != 1:
+            raise ValueError("arena must be the 1-D uint8 tensor of ShmArena.as_tensor()")
+        if geometry.slots_per_slab * geometry.slot_bytes > geometry.slab_bytes:
+            raise ValueError(f"geometry {geometry} puts more slot bytes in a slab than it has")
+        self.geometry = geometry
+        self.slot_bytes = geometry.slot_bytes
+        size = arena.numel()
+        self.num_slots = (size // geometry.slab_bytes) * geometry.slots_per_slab
+        # Copy in 8-byte words where the geometry allows: torch's indexed copies move one
+        # element at a time, so uint8 elements would be ~8x slower than memcpy.
+        unit = 8 if (geometry.slab_bytes % 8 == 0 and self.slot_bytes % 8 == 0
+                     and arena.data_ptr() % 8 == 0) else 1
+        base = arena[:size // unit * unit].view(torch.int64) if unit == 8 else arena
+        width = self.slot_bytes // unit
+        # Reads: every slot offset is a multiple of g, so one 2-D (possibly overlapping) row view
+        # with row stride g reaches every slot; index_select reads it without a temporary.
+        self._unit = unit
+        self._g = math.gcd(geometry.slab_bytes, geometry.slot_bytes) // unit
+        rows = (base.numel() - width) // self._g + 1 if base.numel() >= width else 0
+        self._read_rows = base.as_strided((rows, width), (self._g, 1))
+        # Writes need a view without internal overlap: slabs x slots x words.
+        num_slabs = size // geometry.slab_bytes
+        self._write_view = base.as_strided(
+            (num_slabs, geometry.slots_per_slab, width),
+            (geometry.slab_bytes // unit, width, 1))
+
+    def _check(self, slot_ids: Sequence[int]) -> torch.Tensor:
+        ids = torch.tensor(list(slot_ids), dtype=torch.int64)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_slots):
+            raise ValueError(f"slot ids must lie in [0, {self.num_slots}): a stale geometry or a "
+                             "slot id from another daemon")
+        return ids
+
+    def read(self, slot_ids: Sequence[int], out: torch.Tensor) -> None:
+        """Copy slots ``slot_ids`` into rows of ``out`` (contiguous uint8 ``[n, slot_bytes]``,
+        host memory) in one ``index_select``. Blocks until done."""
+        ids = self._check(slot_ids)
+        if tuple(out.shape) != (ids.numel(), self.slot_bytes) or out.dtype != torch.uint8:
+            raise ValueError(f"out must be uint8 [{ids.numel()}, {self.slot_bytes}], "
+                             f"got {out.dtype} {tuple(out.shape)}")
+        offsets = torch.tensor([self.geometry.offset(int(s)) for s in ids], dtype=torch.int64)
+        torch.index_select(self._read_rows, 0, offsets // self._unit // self._g,
+                           out=words(out) if self._unit == 8 else out)
+
+    def write(self, slot_ids: Sequence[int], rows: torch.Tensor) -> None:
+        """Copy ``rows`` (uint8 ``[n, slot_bytes]``, any device) into distinct slots ``slot_ids``
+        in one ``index_put_``. Blocks until done."""
+        ids = self._check(slot_ids)
+        if tuple(rows.shape) != (ids.numel(), self.slot_bytes) or rows.dtype != torch.uint8:
+            raise ValueError(f"rows must be uint8 [{ids.numel()}, {self.slot_bytes}], "
+                             f"got {rows.dtype} {tuple(rows.shape)}")
+        if torch.unique(ids).numel() != ids.numel():
+            raise ValueError("slot ids must be distinct: a slot written twice is a race")
+        per_slab = self.geometry.slots_per_slab
+        host = rows.to("cpu").contiguous()
+        self._write_view.index_put_((ids // per_slab, ids % per_slab),
+                                    words(host) if self._unit == 8 else host)
+
+
+def words(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (uint8 ``[n, row_bytes]``, contiguous) viewed as int64 words when the row width
+    and address allow it (indexed copies then move 8 bytes per element), else unchanged."""
+    if rows.shape[-1] % 8 == 0 and rows.data_ptr() % 8 == 0 and rows.is_contiguous():
+        return rows.view(torch.int64)
+    return rows
+
+
+def row_checksums(rows: torch.Tensor) -> list[int]:
+    """``block_checksum`` of each row of a contiguous uint8 CPU tensor ``[n, row_bytes]``."""
+    assert rows.device.type == "cpu" and rows.is_contiguous(), "checksums read host rows in place"
+    flat = rows.numpy().data.cast("B")
+    width = rows.shape[1]
+    return [block_checksum(flat[i * width:(i + 1) * width]) for i in range(rows.shape[0])]
+
+
+def verified_prefix(rows: torch.Tensor, checksums: Sequence[int]) -> int:
+    """How many leading rows of ``rows`` match ``checksums`` (stops at the first mismatch)."""
+    width = rows.shape[1]
+    flat = rows.numpy().data.cast("B")
+    for i, want in enumerate(checksums):
+        if block_checksum(flat[i * width:(i + 1) * width]) != want:
+            return i
+    return len(checksums)
+
+
+def allocate_staging(num_rows: int, row_bytes: int) -> torch.Tensor:
+    """A zero-filled (so already faulted-in) host tensor ``[num_rows, row_bytes]`` uint8.
+
+    On a GPU host, pin it (``cudaHostRegister``) to make the pool side of a copy DMA."""
+    if num_rows < 1 or row_bytes < 1:
+        raise ValueError(f"staging needs at least one row of one byte, got {num_rows}x{row_bytes}")
+    return torch.zeros(num_rows, row_bytes, dtype=torch.uint8)
+
+
+def load_blocks(arena: ArenaSlots, slot_ids: Sequence[int], checksums: Sequence[int],
+                pool: torch.Tensor, block_ids: Sequence[int], staging: torch.Tensor) -> int:
+    """Copy arena slots into pool rows through ``staging``, verifying every block; returns how
+    many leading blocks are now in the pool and verified (the rest must be recomputed).
+
+    ``slot_ids[i]``/``checksums[i]`` describe the block that goes to ``block_ids[i]``; extra
+    ``block_ids`` (past ``len(slot_ids)``) are left alone. Per chunk of ``len(staging)`` blocks:
+    one gather from the arena, the checksums, one scatter of the verified rows into the pool.
+    The caller keeps the slots pinned (a lease) until this returns; blocks until done."""
+    if len(slot_ids) != len(checksums) or len(slot_ids) > len(block_ids):
+        raise ValueError("need one checksum per slot and a pool block for each slot")
+    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != arena.slot_bytes:
+        raise ValueError(f"pool must be uint8 [num_blocks, {arena.slot_bytes}] to match the slots")
+    if staging.shape[1] != arena.slot_bytes:
+        raise ValueError("staging rows must be one slot wide")
+    done, chunk = 0, staging.shape[0]
+    while done < len(slot_ids):
+        n = min(chunk, len(slot_ids) - done)
+        rows = staging[:n]
+        arena.read(slot_ids[done:done + n], rows)
+        good = verified_prefix(rows, checksums[done:done + n])
+        if good:
+            ids = torch.tensor(list(block_ids[done:done + good]), dtype=torch.int64)
+            words(pool).index_copy_(0, ids.to(pool.device), words(rows[:good]).to(pool.device))
+        done += good
+        if good < n:
+            break
+    return done
+
+
+def save_blocks(arena: ArenaSlots, slot_ids: Sequence[int], rows: torch.Tensor) -> list[int]:
+    """Write staged ``rows`` into reserved arena slots (one batched copy) and return their
+    checksums, computed on the staged bytes, for ``commit``."""
+    checksums = row_checksums(rows)
+    arena.write(slot_ids, rows)
+    return checksums
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Rows ``[start, stop)`` of a ``StagingRing``."""
+
+    start: int
+    stop: int
+
+
+class StagingRing:
+    """A bounded staging area for blocks on their way to the arena: ``[capacity, row_bytes]``
+    rows handed out as contiguous spans (one gather fills a span) and given back oldest first.
+
+    ``take`` returns None when the ring cannot fit the span (the caller drops those blocks:
+    nothing queues without bound). Thread-safe: one thread takes, another gives back."""
+
+    def __init__(self, capacity: int, row_bytes: int) -> None:
+        self.rows = allocate_staging(capacity, row_bytes)
+        self.capacity = capacity
+        self._spans: deque[Span] = deque()
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> Span | None:
+        """Reserve ``n`` contiguous rows (``self.rows[span.start:span.stop]``); None if full."""
+        if n < 1:
+            raise ValueError(f"take at least one row, got {n}")
+        with self._lock:
+            if not self._spans:
+                start = 0 if n <= self.capacity else None
+            else:
+                oldest, newest = self._spans[0].start, self._spans[-1].stop
+                wrapped = self._spans[-1].start < oldest
+                if wrapped:
+                    start = newest if newest + n <= oldest else None
+                elif newest + n <= self.capacity:
+                    start = newest
+                else:
+                    start = 0 if n <= oldest else None
+            if start is None:
+                return None
+            span = Span(start, start + n)
+            self._spans.append(span)
+            return span
+
+    def give_back(self, span: Span) -> None:
+        """Return the oldest outstanding span (spans come back in the order taken)."""
+        with self._lock:
+            assert self._spans and self._spans[0] == span, "staging spans return oldest first"
+            self._spans.popleft()
+
+    @property
+    def used_rows(self) -> int:
+        with self._lock:
+            return sum(s.stop - s.start for s in self._spans)
+
+    def check_integrity(self) -> None:
+        """Assert outstanding spans are disjoint, in bounds and in ring order."""
+        with self._lock:
+            spans = list(self._spans)
+        for span in spans:
+            assert 0 <= span.start < span.stop <= self.capacity, f"{span} out of bounds"
+        wraps = sum(1 for a, b in zip(spans, spans[1:]) if b.start < a.start)
+        assert wraps <= 1, "staging ring wrapped twice"
+        for a, b in zip(spans, spans[1:]):
+            assert b.start >= a.stop or b.start < a.start, f"{a} and {b} overlap"
+        if wraps:
+            assert spans[-1].stop <= spans[0].start, "a wrapped span runs into the oldest one"

@@ -1,0 +1,137 @@
+"""TierdHooks against a real daemon: write-through, loads from DRAM, corruption, a missing daemon,
+a full staging ring, and hot-tier reports."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from tierd.connector.engine import EngineConfig, LLMEngine, Request
+from tierd.connector.model import LlamaModel
+from tierd.connector.tierd_hooks import TierdHooks, TierdHooksConfig, layout_for
+from tierd.daemon.arena import ShmArena
+from tierd.daemon.client import TierdClient
+
+BS = 16
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    tokens: list[int] = torch.randint(0, 512, (n,), generator=gen).tolist()
+    return tokens
+
+
+def hooks_for(socket_path: str, **overrides: Any) -> TierdHooks:
+    values: dict[str, Any] = dict(socket_path=socket_path, call_timeout_s=5.0,
+                                  save_staging_bytes=2 << 20, load_staging_bytes=1 << 20,
+                                  reconnect_min_s=0.05, reconnect_max_s=0.2)
+    values.update(overrides)
+    return TierdHooks(TierdHooksConfig(**values))
+
+
+def run(model: LlamaModel, hooks: TierdHooks | None, tokens: list[int],
+        max_tokens: int = 8) -> Request:
+    engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=BS), hooks)
+    request = engine.add_request(tokens, max_tokens)
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
+    return request
+
+
+def test_write_through_then_load_from_dram(tiny_model: LlamaModel, make_daemon: Any) -> None:
+    """A 100-token prompt, 8 tokens: 6 full blocks written through; a fresh engine loads all 6
+    (96 tokens; the last prompt token is always computed) and generates identical tokens."""
+    daemon = make_daemon()
+    tokens = prompt(100, seed=1)
+    want = run(tiny_model, None, tokens).output_token_ids
+    saver = hooks_for(daemon.config.socket_path)
+    assert run(tiny_model, saver, tokens).output_token_ids == want
+    assert saver.flush()
+    assert (saver.stats.saved_blocks, saver.stats.dropped_save_blocks) == (6, 0)
+    saver.close()
+    loader = hooks_for(daemon.config.socket_path)
+    request = run(tiny_model, loader, tokens)
+    assert (request.num_loaded_tokens, request.num_failed_load_blocks) == (96, 0)
+    assert request.output_token_ids == want
+    assert loader.flush()
+    # 100 prompt + 7 fed back = 107 tokens: 6 full blocks, all already stored.
+    assert (loader.stats.loaded_blocks, loader.stats.saved_blocks) == (6, 0)
+    loader.close()
+    daemon.check_integrity()
+
+
+def test_corrupted_arena_slot_is_recomputed(tiny_model: LlamaModel, make_daemon: Any) -> None:
+    """A byte flipped in block 2's arena slot after commit: the load keeps blocks 0-1, the
+    checksum catches block 2, blocks 2-5 are recomputed and the tokens are identical."""
+    daemon = make_daemon()
+    tokens = prompt(100, seed=2)
+    saver = hooks_for(daemon.config.socket_path)
+    want = run(tiny_model, saver, tokens).output_token_ids
+    assert saver.flush()
+    saver.close()
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=BS))
+    hashes = engine.add_request(tokens, 1).block_hashes
+    with TierdClient(socket_path=daemon.config.socket_path) as client:  # same tenant and layout
+        handle = client.register_engine(layout_for(engine.kv_cache.spec))
+        got = client.acquire(handle.engine_id, hashes)
+        arena = ShmArena.attach(handle.arena_name, directory=handle.arena_directory)
+        arena.view(handle.geometry.offset(got.slot_ids[2]) + 100, 1)[0] ^= 0x01
+        arena.close()
+        client.release(handle.engine_id, got.lease_id)
+    loader = hooks_for(daemon.config.socket_path)
+    request = run(tiny_model, loader, tokens)
+    assert (request.num_loaded_tokens, request.num_failed_load_blocks) == (32, 4)
+    assert (loader.stats.checksum_failures, loader.stats.loaded_blocks) == (1, 2)
+    assert request.output_token_ids == want
+    loader.close()
+
+
+def test_daemon_absent_then_started(tiny_model: LlamaModel, workdir: str,
+                                    make_daemon: Any) -> None:
+    """No daemon at start: the engine runs as with NullHooks (identical tokens, nothing looked
+    up); the daemon then starts on that socket and the hooks reconnect and write through."""
+    socket_path = os.path.join(workdir, "tierd.sock")
+    tokens = prompt(70, seed=3)
+    want = run(tiny_model, None, tokens).output_token_ids
+    hooks = hooks_for(socket_path)
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=BS), hooks)
+    assert not hooks.connected
+    assert engine.generate([tokens], 8)[0] == want
+    assert (hooks.stats.lookups, hooks.stats.saved_blocks) == (0, 0)
+    make_daemon()
+    assert hooks.wait_connected(timeout=30)
+    other = prompt(70, seed=4)
+    engine.generate([other], 8)
+    assert hooks.flush()
+    assert hooks.stats.saved_blocks == 4  # 70 + 7 = 77 tokens: 4 full blocks of the new prompt
+    hooks.close()
+
+
+def test_full_staging_ring_drops_and_counts(tiny_model: LlamaModel, make_daemon: Any) -> None:
+    """A one-block staging ring cannot take a 4-block save: the 4 blocks are dropped, counted,
+    the tokens unchanged and nothing reaches the daemon."""
+    daemon = make_daemon()
+    tokens = prompt(70, seed=5)
+    want = run(tiny_model, None, tokens).output_token_ids
+    hooks = hooks_for(daemon.config.socket_path, save_staging_bytes=32 << 10)
+    assert run(tiny_model, hooks, tokens).output_token_ids == want
+    assert hooks.flush()
+    assert (hooks.stats.dropped_save_blocks, hooks.stats.saved_blocks) == (4, 0)
+    hooks.close()
+
+
+def test_hot_tier_events_reach_the_daemon(tiny_model: LlamaModel, make_daemon: Any) -> None:
+    """With block events attached, the daemon's stats show the engine's 4 cached HBM blocks."""
+    daemon = make_daemon()
+    hooks = hooks_for(daemon.config.socket_path)
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=BS), hooks)
+    hooks.attach_block_events(engine.manager.take_events)
+    engine.generate([prompt(70, seed=6)], 8)
+    assert hooks.flush()
+    with TierdClient(socket_path=daemon.config.socket_path) as client:
+        engines = client.stats().engines
+    assert [e.hbm_blocks for e in engines] == [4]
+    hooks.close()

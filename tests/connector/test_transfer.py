@@ -1,0 +1,82 @@
+"""Block transfers between a real shared-memory arena and a paged pool: exact bytes, checksum
+verification, chunking, and the bounded staging ring."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tierd.checksum import block_checksum
+from tierd.connector.transfer import ArenaSlots, Span, StagingRing, allocate_staging, \
+    load_blocks, row_checksums, save_blocks
+from tierd.daemon.arena import ShmArena
+from tierd.daemon.slots import SlotGeometry
+
+
+@pytest.fixture
+def arena(tmp_path: object) -> Iterator[ShmArena]:
+    made = ShmArena.create("tierd-transfer-test", 4096, directory=str(tmp_path), prefault=False)
+    yield made
+    made.unlink()
+
+
+def _rows(n: int, width: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n, width), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("geometry", [SlotGeometry(1024, 256, 4), SlotGeometry(1000, 96, 10)],
+                         ids=["slab-multiple", "slab-remainder"])
+def test_write_then_read_slots_exact(arena: ShmArena, geometry: SlotGeometry) -> None:
+    """Rows written to slots 5, 0, 9 land at SlotGeometry.offset and read back bit-exact."""
+    slots = ArenaSlots(arena.as_tensor(), geometry)
+    rows = _rows(3, geometry.slot_bytes, seed=1)
+    checksums = save_blocks(slots, [5, 0, 9], rows)
+    assert checksums == [block_checksum(r.numpy().tobytes()) for r in rows]
+    for slot, row in zip([5, 0, 9], rows):
+        off = geometry.offset(slot)
+        assert bytes(arena.view(off, geometry.slot_bytes)) == row.numpy().tobytes()
+    out = torch.empty(3, geometry.slot_bytes, dtype=torch.uint8)
+    slots.read([9, 5, 0], out)
+    assert torch.equal(out, rows[[2, 0, 1]])
+    with pytest.raises(ValueError, match="slot ids must lie in"):
+        slots.read([slots.num_slots], out[:1])
+
+
+def test_load_verifies_and_stops_at_first_mismatch(arena: ShmArena) -> None:
+    """Five blocks through a two-row staging buffer; block 3's slot is corrupted: blocks 0-2 are
+    placed in pool rows 7, 2, 4, pool rows 5 and 6 stay untouched, the call returns 3."""
+    geometry = SlotGeometry(1024, 128, 8)
+    slots = ArenaSlots(arena.as_tensor(), geometry)
+    rows = _rows(5, 128, seed=2)
+    checksums = save_blocks(slots, [0, 1, 2, 3, 4], rows)
+    arena.view(geometry.offset(3), 1)[0] ^= 0xFF
+    pool = torch.zeros(8, 128, dtype=torch.uint8)
+    got = load_blocks(slots, [0, 1, 2, 3, 4], checksums, pool, [7, 2, 4, 5, 6],
+                      allocate_staging(2, 128))
+    assert got == 3
+    assert torch.equal(pool[[7, 2, 4]], rows[:3])
+    assert int(pool[[0, 1, 3, 5, 6]].sum()) == 0
+    assert row_checksums(pool[[7, 2, 4]].contiguous()) == checksums[:3]
+
+
+def test_staging_ring_bounds_wraps_and_returns_in_order() -> None:
+    """A 10-row ring: spans of 4, 4, then 3 does not fit (None); after the first span returns,
+    3 wraps to rows 0-3; a span of 2 then does not fit before the oldest (None)."""
+    ring = StagingRing(10, 8)
+    a, b = ring.take(4), ring.take(4)
+    assert (a, b, ring.take(3)) == (Span(0, 4), Span(4, 8), None)
+    assert a is not None and b is not None
+    ring.give_back(a)
+    c = ring.take(3)
+    assert c == Span(0, 3)
+    assert ring.take(2) is None and ring.take(1) == Span(3, 4)
+    ring.check_integrity()
+    assert ring.used_rows == 8
+    with pytest.raises(AssertionError, match="oldest first"):
+        ring.give_back(c)
+    ring.give_back(b)
+    assert ring.take(11) is None
+    ring.check_integrity()
