@@ -10,11 +10,16 @@ already be in the cache (``reshape_and_cache`` first); the new tokens are its la
 prefix + new tokens). ``block_tables[i, k]`` is the pool block holding tokens
 ``[k * block_size, (k + 1) * block_size)``; entries past a sequence's length are ignored.
 
-How it is computed: blocks are gathered by block table into contiguous K/V, moving the cache's
-16-byte ``x`` vectors as single units (one index op plus one transposing copy), then
-- decode: batched matmuls over chunks of sequences (keeping each chunk's gathered K/V in cache),
-  a length mask and an fp32 softmax (max-subtracted, so it never overflows);
-- prefill: one ``scaled_dot_product_attention`` per sequence with a causal-offset mask.
+How it is computed (Torch path): only whole 16-byte ``x`` vectors and whole rows are moved,
+and nothing is upcast in bulk (fp32 only for logits and softmax).
+- decode: chunks of sequences sorted by length (each chunk's gathered K/V, ~16 MiB, stays
+  cache-warm). K is gathered as (block, head) slabs already token-major (the transposition
+  rides inside the one index op) for one batched matmul; V is gathered as rows and never
+  transposed: P.V is a matmul per (block, head) over its tokens, summed over blocks by a
+  matmul with ones. Length mask, fp32 softmax (max-subtracted, so it never overflows).
+- prefill: per sequence, gathered K/V. On CPU, flash attention over the cached prefix (no
+  mask) and over the new tokens (``is_causal``, skipping the masked half), merged by their
+  log-sum-exps; elsewhere one SDPA with a causal-offset mask.
 """
 
 from __future__ import annotations
@@ -178,62 +183,32 @@ def _units(t: torch.Tensor) -> torch.Tensor:
 
 
 def gather_k(
-    k_cache: torch.Tensor,
-    table: torch.Tensor,
-    dtype: torch.dtype,
-    k_scale: float,
-    work: tuple[torch.Tensor, torch.Tensor] | None = None,
+    k_cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype, k_scale: float
 ) -> torch.Tensor:
     """K of the blocks in ``table`` [n, blocks] as contiguous ``[n, heads, blocks * B, D]``.
 
-    Moves whole 16-byte x-vectors: one row gather, then one transposing copy of units. ``work``
-    (from :func:`_gather_buffers`) lets a caller reuse the two staging buffers across chunks.
+    Moves whole 16-byte x-vectors: one row gather, then one transposing copy of units.
     """
     n, nb = table.shape
     _, h, d_over_x, b, x = k_cache.shape
     units = _units(k_cache).squeeze(-1)  # [N, H, D/x, B] of 16-byte units
-    rows, out = work if work is not None else (None, None)
-    rows = units.new_empty(n * nb, h, d_over_x, b) if rows is None else rows[: n * nb]
-    out = units.new_empty(n, h, nb, b, d_over_x) if out is None else out[:n]
-    torch.index_select(units, 0, table.reshape(-1), out=rows)
-    out.copy_(rows.view(n, nb, h, d_over_x, b).permute(0, 2, 1, 4, 3))
+    rows = units.index_select(0, table.reshape(-1)).view(n, nb, h, d_over_x, b)
+    out = units.new_empty(n, h, nb, b, d_over_x).copy_(rows.permute(0, 2, 1, 4, 3))
     k = out.view(k_cache.dtype).view(n, h, nb * b, d_over_x * x)
     return dequantize(k, k_scale, dtype) if k.dtype != dtype else k
 
 
 def gather_v(
-    v_cache: torch.Tensor,
-    table: torch.Tensor,
-    dtype: torch.dtype,
-    v_scale: float,
-    work: tuple[torch.Tensor, torch.Tensor] | None = None,
+    v_cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype, v_scale: float
 ) -> torch.Tensor:
     """V of the blocks in ``table`` as contiguous ``[n, heads, D, blocks * B]`` (token-minor)."""
     n, nb = table.shape
     _, h, d, b = v_cache.shape
     units = _units(v_cache)  # [N, H, D, U]
-    u = units.shape[-1]
-    rows, out = work if work is not None else (None, None)
-    rows = units.new_empty(n * nb, h, d, u) if rows is None else rows[: n * nb]
-    out = units.new_empty(n, h, d, nb, u) if out is None else out[:n]
-    torch.index_select(units, 0, table.reshape(-1), out=rows)
-    out.copy_(rows.view(n, nb, h, d, u).permute(0, 2, 3, 1, 4))
+    rows = units.index_select(0, table.reshape(-1)).view(n, nb, h, d, -1)
+    out = units.new_empty(n, h, d, nb, units.shape[-1]).copy_(rows.permute(0, 2, 3, 1, 4))
     v = out.view(v_cache.dtype).view(n, h, d, nb * b)
     return dequantize(v, v_scale, dtype) if v.dtype != dtype else v
-
-
-def _gather_buffers(
-    cache: torch.Tensor, n: int, nb: int, is_key: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Staging buffers for gathering ``n`` sequences of ``nb`` blocks, reused across chunks
-    (fresh multi-MiB CPU buffers cost a page fault per 4 KiB on every call)."""
-    units = _units(cache) if not is_key else _units(cache).squeeze(-1)
-    rows = units.new_empty(n * nb, *units.shape[1:])
-    if is_key:
-        _, h, d_over_x, b = units.shape
-        return rows, units.new_empty(n, h, nb, b, d_over_x)
-    _, h, d, u = units.shape
-    return rows, units.new_empty(n, h, d, nb, u)
 
 
 def _decode(
@@ -248,29 +223,79 @@ def _decode(
     k_scale: float,
     v_scale: float,
 ) -> None:
-    """One query token per sequence in ``seqs``; ``query``/``out`` rows follow ``seqs``."""
+    """One query token per sequence in ``seqs``; ``query``/``out`` rows follow ``seqs``.
+
+    Per chunk of sequences (sorted by length, so a chunk's width fits its longest member):
+    - K: one gather of whole (block, head) slabs through a ``[B, D/x]`` view of x-vectors, so
+      the transposition to token-major rows rides inside the gather; then one batched matmul
+      per (sequence, head) and an fp32 softmax.
+    - V: one row gather, no transposition: P.V is a batched matmul per (block, head)
+      ``[D, B] @ [B, G]`` (V's tokens are already its innermost axis) and a matmul with a
+      ones vector sums the per-block partial outputs.
+    """
     num_kv_heads, head_size = k_cache.shape[1], query.shape[2]
     group = query.shape[1] // num_kv_heads
-    lens = torch.tensor([batch.seq_lens[i] for i in seqs], device=query.device)
-    width = -(-int(lens.max()) // batch.block_size)
-    table = tables[torch.tensor(seqs, device=tables.device), :width]
-    keys = width * batch.block_size
-    per_seq = 2 * num_kv_heads * keys * head_size * max(query.element_size(), 2)
+    b, dev = batch.block_size, query.device
+    order = sorted(range(len(seqs)), key=lambda j: batch.seq_lens[seqs[j]], reverse=True)
+    lengths = [batch.seq_lens[seqs[j]] for j in order]
+    table = tables[torch.tensor([seqs[j] for j in order], device=tables.device)]
+    rows = None if order == sorted(order) else torch.tensor(order, device=dev)
+    q = query if rows is None else query.index_select(0, rows)
+    q = q.reshape(len(seqs), num_kv_heads, group, head_size)
+    direct = rows is None and out.is_contiguous()  # write results straight into ``out``
+    o = out.view(q.shape) if direct else torch.empty_like(q)
+    per_seq = 2 * num_kv_heads * table.shape[1] * b * head_size * k_cache.element_size()
     chunk = min(len(seqs), max(1, DECODE_CHUNK_BYTES // per_seq))
-    k_work = _gather_buffers(k_cache, chunk, width, is_key=True)
-    v_work = _gather_buffers(v_cache, chunk, width, is_key=False)
-    q = query.view(len(seqs), num_kv_heads, group, head_size)
-    o = out.view(len(seqs), num_kv_heads, group, head_size)
-    positions = torch.arange(keys, device=query.device)
+    k_slabs, slabs_per_block = _key_slabs(k_cache)  # [slabs, B, D/x] x-vectors
+    v_units = _units(v_cache)  # [N, Hk, D, U]
+    head_offsets = torch.arange(num_kv_heads, device=dev).view(1, -1, 1)
+    k_rows = k_slabs.new_empty(chunk * num_kv_heads * table.shape[1], *k_slabs.shape[1:])
+    v_rows = v_units.new_empty(chunk * table.shape[1], *v_units.shape[1:])
     for s0 in range(0, len(seqs), chunk):
         s1 = min(len(seqs), s0 + chunk)
-        k = gather_k(k_cache, table[s0:s1], query.dtype, k_scale, k_work)  # [n, Hk, L, D]
-        v = gather_v(v_cache, table[s0:s1], query.dtype, v_scale, v_work)  # [n, Hk, D, L]
-        scores = torch.matmul(q[s0:s1], k.transpose(-1, -2)).float().mul_(scale)
-        past_end = positions >= lens[s0:s1].view(-1, 1)  # [n, L]
-        scores.masked_fill_(past_end.view(s1 - s0, 1, 1, keys), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(query.dtype)
-        torch.matmul(probs, v.transpose(-1, -2), out=o[s0:s1])
+        n, width = s1 - s0, -(-lengths[s0] // b)
+        blocks = table[s0:s1, :width]
+        slabs = (blocks.unsqueeze(1) * slabs_per_block + head_offsets).view(-1)
+        k = torch.index_select(k_slabs, 0, slabs, out=k_rows[: slabs.numel()])
+        k = k.view(k_cache.dtype).view(n, num_kv_heads, width * b, head_size)
+        k = dequantize(k, k_scale, query.dtype) if k.dtype != query.dtype else k
+        scores = torch.matmul(q[s0:s1], k.transpose(-1, -2))  # [n, Hk, G, width * B]
+        logits = torch.mul(scores, scale, out=torch.empty(scores.shape, device=dev))
+        if lengths[s1 - 1] < width * b:
+            lens = torch.tensor(lengths[s0:s1], device=dev).view(-1, 1)
+            past_end = torch.arange(width * b, device=dev) >= lens
+            logits.masked_fill_(past_end.view(n, 1, 1, -1), float("-inf"))
+        probs = torch.softmax(logits, dim=-1).view(n, num_kv_heads, group, width, b)
+        p = torch.empty(n, width, num_kv_heads, group, b, dtype=query.dtype, device=dev)
+        p.copy_(probs.permute(0, 3, 1, 2, 4))
+        v = torch.index_select(v_units, 0, blocks.reshape(-1), out=v_rows[: n * width])
+        v = v.view(v_cache.dtype).view(n, width, num_kv_heads, head_size, b)
+        v = dequantize(v, v_scale, query.dtype) if v.dtype != query.dtype else v
+        partial = torch.matmul(v, p.transpose(-1, -2))  # [n, width, Hk, D, G]
+        ones = torch.ones(1, width, dtype=query.dtype, device=dev)
+        summed = torch.matmul(ones, partial.view(n, width, -1))  # [n, 1, Hk * D * G]
+        o[s0:s1] = summed.view(n, num_kv_heads, head_size, group).transpose(-1, -2)
+    if rows is not None:
+        out.index_copy_(0, rows, o.view(out.shape))
+    elif not direct:
+        out.copy_(o.view(out.shape))
+
+
+def _key_slabs(k_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """K as ``[slabs, B, D/x]`` 16-byte units, one slab per (block, head), token-major.
+
+    Slab ``block * per_block + head`` is that head's K in that block. It is a view over the
+    cache's own memory when heads are contiguous within a block (always, for a pool's
+    layer views); otherwise over a contiguous copy. Returns the view and ``per_block``.
+    """
+    units = _units(k_cache).squeeze(-1)  # [N, Hk, D/x, B]
+    num_blocks, heads, d_over_x, b = units.shape
+    slab = d_over_x * b
+    if units.stride()[1:] != (slab, b, 1) or units.stride(0) % slab:
+        units = units.contiguous()
+    per_block = units.stride(0) // slab
+    count = (num_blocks - 1) * per_block + heads
+    return torch.as_strided(units, (count, b, d_over_x), (slab, 1, b)), per_block
 
 
 def _prefill(
@@ -285,11 +310,14 @@ def _prefill(
     k_scale: float,
     v_scale: float,
 ) -> None:
-    """Several query tokens per sequence: one SDPA per sequence with a causal-offset mask.
+    """Several query tokens per sequence: SDPA per sequence over its gathered K/V.
 
     One call per sequence, not a padded batch: query lengths are ragged, padding would spend
     ``(max_q - q_i) * L`` work per sequence, and one sequence's SDPA (all heads, hundreds of
-    tokens) already fills the cores. The query and output are views, never copied.
+    tokens) already fills the cores. On CPU the keys split at the cached prefix: the prefix
+    is visible to every query (no mask) and the new tokens are causal among themselves
+    (``is_causal``, which skips the masked half), and the two partial results merge by their
+    log-sum-exps. Elsewhere one SDPA with a causal-offset mask.
     """
     for i in seqs:
         n, q_len, start = batch.seq_lens[i], batch.query_lens[i], batch.query_starts[i]
@@ -299,10 +327,34 @@ def _prefill(
         v = gather_v(v_cache, table, query.dtype, v_scale)[:, :, :, :n]
         v = v.transpose(-1, -2).contiguous()  # [1, Hk, n, D]
         q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        rows = out[start : start + q_len].transpose(0, 1).unsqueeze(0)
+        cached = n - q_len
+        if query.device.type == "cpu":
+            new, new_lse = _flash_cpu(q, k[:, :, cached:], v[:, :, cached:], scale, causal=True)
+            if cached == 0:
+                rows.copy_(new)
+                continue
+            old, old_lse = _flash_cpu(q, k[:, :, :cached], v[:, :, :cached], scale, causal=False)
+            # Weights of the two parts: exp(lse_part - lse_all); the new part's is a sigmoid.
+            weight = torch.sigmoid(new_lse - old_lse).unsqueeze(-1).to(query.dtype)
+            torch.lerp(old, new, weight, out=rows)
+            continue
         # Query j sits at position (n - q_len) + j and sees keys at or before it.
-        rows = torch.arange(q_len, device=query.device).view(-1, 1) + (n - q_len)
-        mask = torch.arange(n, device=query.device) <= rows
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
-        )
-        out[start : start + q_len] = o[0].transpose(0, 1)
+        positions = torch.arange(q_len, device=query.device).view(-1, 1) + cached
+        mask = torch.arange(n, device=query.device) <= positions
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        rows.copy_(o)
+
+
+def _flash_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU flash attention returning ``(output, logsumexp)``; GQA by head groups.
+
+    ``is_causal`` here is top-left aligned, which is right only for a square block of
+    queries and keys (the new tokens among themselves).
+    """
+    output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale
+    )
+    return output, lse

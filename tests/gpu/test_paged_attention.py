@@ -115,3 +115,21 @@ def test_bad_arguments_raise_before_any_work(build_paged) -> None:  # type: igno
         paged_attention(q, k, v, table, torch.tensor([0, 20]), 0.1)
     with pytest.raises(ValueError, match="backend='cupy'"):
         paged_attention(q, k, v, table, lens, 0.1, backend="cupy")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_chunked_prefill_half_precision_matches_dense(build_paged, dtype) -> None:  # type: ignore[no-untyped-def]
+    """Chunked prefill (70 cached + 30 new) and full prefill (33) in fp16/bf16, GQA 8/2 heads:
+    the cached-prefix and causal-new parts, merged by log-sum-exp, match dense SDPA."""
+    lens, q_lens = [100, 33], [30, 33]
+    batch = build_paged(lens, head_size=128, block_size=16, dtype=dtype, seed=8)
+    q = torch.randn(sum(q_lens), 8, 128, generator=torch.Generator().manual_seed(9)).to(dtype)
+    loc = torch.tensor([0, 30, 63], dtype=torch.int32)
+    out = paged_attention(
+        q, batch.cache.k_caches[0], batch.cache.v_caches[0], batch.block_tables, batch.seq_lens,
+        128**-0.5, query_start_loc=loc,
+    )  # fmt: skip
+    for i in range(2):
+        rows = slice(int(loc[i]), int(loc[i + 1]))
+        ref = _dense(q[rows], batch.keys[i], batch.values[i], 128**-0.5)
+        torch.testing.assert_close(out[rows].float(), ref, **TOL[dtype])

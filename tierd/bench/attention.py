@@ -6,6 +6,9 @@ The dense side runs ``scaled_dot_product_attention`` on the same K/V laid out co
 prefill with the same causal-offset mask). Paged and dense runs alternate, so machine noise hits
 both alike; the verdict is the ratio of medians against the target (CPU: decode <= 2x,
 prefill <= 1.25x). The CuPy kernel runs only on a CUDA machine with CuPy installed.
+``--threads N`` pins both sides to N intra-op threads: on a small shared host another
+process's load stalls every parallel region of the many-op paged path far more than the
+single-op dense SDPA, so ``--threads 1`` gives the steadier ratio there.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     # Resolved in run(): configure() must not import torch (`tierd --help` stays instant).
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument(
+        "--threads", type=int, default=0,
+        help="torch intra-op threads for both sides (default: torch's own); on a shared host, "
+        "1 keeps other processes' load from stalling every parallel region",
+    )  # fmt: skip
 
 
 def _cuda() -> bool:
@@ -68,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
     from tierd.gpu import allocate_kv_cache, paged_attention
     from tierd.gpu.attention import gather_k, gather_v
 
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     reps = 3 if args.quick else args.reps
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device or ("cuda" if _cuda() else "cpu"))
