@@ -28,7 +28,7 @@ def test_flags_win_over_env_over_file(tmp_path: str) -> None:
     path = os.path.join(tmp_path, "tierd.toml")
     with open(path, "w") as f:
         f.write('dram_bytes = "256MiB"\nssd_bytes = "1GiB"\nlease_seconds = 5\n')
-    env = {"TIERD_SSD_BYTES": "2GiB", "TIERD_DRAM_BYTES": "512MiB", "TIERD_REDIS_URL": "x"}
+    env = {"TIERD_SSD_BYTES": "2GiB", "TIERD_DRAM_BYTES": "512MiB", "TIERD_CONNECTOR_MODE": "x"}
     config = load_config(path, env=env, overrides={"dram_bytes": "128MiB", "ssd_dir": None})
     assert (config.dram_bytes, config.ssd_bytes, config.lease_seconds) == (128 << 20, 2 << 30, 5.0)
 

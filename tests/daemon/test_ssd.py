@@ -310,3 +310,77 @@ def test_measure_raw_disk(tmp_path: Path) -> None:
     write_gbps, read_gbps = measure_raw_disk(tmp_path, 4 << 20)
     assert write_gbps > 0 and read_gbps > 0
     assert list(tmp_path.iterdir()) == []
+
+
+async def test_read_many_mixed_batch(store: SsdStore) -> None:
+    """One batch: intact blocks read back bit-exact, a missing one and a corrupt one are misses
+    (the corrupt record deleted and counted), in request order."""
+    for i in range(4):
+        assert await store.write(NS, h(i), payload(i), block_checksum(payload(i))) is not None
+    path = record_path(store, NS, h(2))
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_BYTES + 7] ^= 0x01
+    path.write_bytes(raw)
+    keys = [h(0), h(9), h(2), h(1), h(3)]
+    into = [bytearray(BLOCK) for _ in keys]
+    futures = store.read_many([(NS, k, memoryview(b)) for k, b in zip(keys, into)])
+    assert await asyncio.gather(*futures) == [True, False, False, True, True]
+    assert [bytes(into[i]) for i in (0, 3, 4)] == [bytes(payload(i)) for i in (0, 1, 3)]
+    assert (store.checksum_failures, path.exists(), len(store)) == (1, False, 3)
+    store.check_integrity(disk=True)
+
+
+async def test_read_many_past_the_read_ahead_window(tmp_path: Path) -> None:
+    """A batch longer than the read-ahead window (40 records, window 32) reads every record;
+    one record grown past its recorded size is caught without an fstat."""
+    store = SsdStore(tmp_path, 1 << 20)
+    store.open()
+    n, size = 40, 4096
+    entries = await store.write_many([(NS, h(i), payload(i, size),
+                                       block_checksum(payload(i, size))) for i in range(n)])
+    assert all(entries)
+    with open(record_path(store, NS, h(17)), "ab") as f:
+        f.write(b"x")
+    into = [bytearray(size) for _ in range(n)]
+    ok = await asyncio.gather(*store.read_many([(NS, h(i), memoryview(b))
+                                                for i, b in enumerate(into)]))
+    assert ok == [i != 17 for i in range(n)]
+    assert all(bytes(into[i]) == bytes(payload(i, size)) for i in range(n) if i != 17)
+    assert (store.checksum_failures, len(store)) == (1, n - 1)
+    store.check_integrity(disk=True)
+    store.close()
+
+
+async def test_read_many_bad_target_starts_nothing(store: SsdStore) -> None:
+    """A wrong-sized target anywhere in the batch raises before any read starts."""
+    await store.write(NS, h(0), payload(0), block_checksum(payload(0)))
+    good = bytearray(BLOCK)
+    with pytest.raises(ValueError, match="exactly one slot"):
+        store.read_many([(NS, h(0), memoryview(good)), (NS, h(0), memoryview(bytearray(7)))])
+    assert good == bytes(BLOCK)
+    store.check_integrity(disk=True)
+
+
+async def test_write_many_mixed_batch(tmp_path: Path) -> None:
+    """One call: new blocks stored, a stored one returns its entry, a repeat within the call,
+    a bad checksum, a block past the bound and one whose name is blocked by a directory get
+    None; the others are unaffected and accounting matches the disk."""
+    store = SsdStore(tmp_path, 5 * (HEADER_BYTES + BLOCK))
+    store.open()
+    first = await store.write(NS, h(0), payload(0), block_checksum(payload(0)))
+    record_path(store, NS, h(5)).mkdir()
+    blocks = [(NS, h(i), payload(i), block_checksum(payload(i))) for i in (0, 1, 2, 5)]
+    blocks.insert(2, (NS, h(1), payload(1), block_checksum(payload(1))))  # repeat of h(1)
+    blocks.append((NS, h(3), payload(3), block_checksum(payload(3)) ^ 1))  # bad checksum
+    blocks.append((NS, h(4), payload(4), block_checksum(payload(4))))  # past the bound
+    got = await store.write_many(blocks)
+    assert [e is not None for e in got] == [True, True, False, True, False, False, False]
+    assert got[0] == first
+    assert (store.checksum_failures, store.write_errors, store.healthy) == (1, 1, False)
+    record_path(store, NS, h(5)).rmdir()
+    assert sorted(e.block_hash for e in (got[1], got[3]) if e) == [h(1), h(2)]
+    assert store.used_bytes == 3 * (HEADER_BYTES + BLOCK)
+    for i in (0, 1, 2):
+        assert await read_back(store, NS, h(i)) == bytes(payload(i))
+    store.check_integrity(disk=True)
+    store.close()

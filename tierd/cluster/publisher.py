@@ -14,6 +14,7 @@ dropped and replaced by one full re-publish (removals it held then expire with t
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -174,16 +175,21 @@ class Publisher:
         return True
 
     async def _flush_pending(self) -> bool:
+        # A batch leaves the pending set *before* its round trip: a key changed again while
+        # the batch is in flight is marked anew and goes out in a later batch (popping it
+        # afterwards would lose that change until the next TTL refresh).
         node_id = self.config.node.node_id
         while self._pending:
-            batch = list(self._pending)[:self.config.batch_size]
+            batch = list(itertools.islice(self._pending, self.config.batch_size))
+            for key in batch:
+                del self._pending[key]
             held = [(k, best_tier(self._held[k])) for k in batch if k in self._held]
             gone = [k for k in batch if k not in self._held]
             if not (await self.directory.publish(node_id, held)
                     and await self.directory.unpublish(node_id, gone)):
+                self._pending.clear()       # the batch is lost: re-publish everything
+                self._resync = True
                 return False
-            for key in batch:
-                self._pending.pop(key, None)
         return True
 
     async def run(self) -> None:

@@ -1,13 +1,20 @@
-"""`tierd route`: rank the cluster's nodes for a prompt by the prefix they hold, straight from Redis.
+"""`tierd route`: rank the cluster's nodes for a prompt by the prefix they hold, from Redis or
+through a daemon's ``Locate`` RPC.
 
     tierd route --tokens 0,1,2,...,63 --tenant acme --num-layers 32 --num-kv-heads 8 \\
         --head-size 128 --dtype bfloat16 --redis-url redis://redis:6379/0
     tierd route --hashes dc918a88...,7f3a... --namespace 0123456789abcdef0123456789abcdef --json
+    tierd route --tokens - --num-layers 32 --num-kv-heads 8 --head-size 128 \\
+        --socket /run/tierd/tierd.sock
 
 The chain comes from token ids (hashed like vLLM: ``--block-size``, ``--hash-algo``,
 ``--cache-salt``, ``--lora-name``) or from hex block hashes; the namespace from a tenant and
 the engine's layout fields, or as 32 hex digits. One Redis round trip (the directory's locate
 script); a Redis that cannot be reached exits 1 with the URL and the fix.
+
+With ``--socket`` (or ``--address`` and ``--token``) the daemon asks its own Redis. The tenant
+is then the connection's (the token's, or the daemon's default tenant), never ``--tenant``, and
+the layout fields are required: a caller cannot name another tenant's namespace.
 """
 
 from __future__ import annotations
@@ -16,12 +23,15 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierd import hashing
 from tierd.types import BlockHash, Namespace
 
-HELP = "Rank cluster nodes by the prefix of a prompt they hold (asks Redis directly)."
+if TYPE_CHECKING:
+    from tierd.daemon.layout import Layout
+
+HELP = "Rank cluster nodes by the prefix of a prompt they hold (asks Redis, or a daemon)."
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +61,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the cluster's Redis (default redis://127.0.0.1:6379/0)")
     parser.add_argument("--key-prefix", default="tierd:", help="directory key prefix")
     parser.add_argument("--timeout", type=float, default=2.0, help="Redis timeout, seconds")
+    parser.add_argument("--socket", metavar="PATH", default=None,
+                        help="ask the daemon on this Unix socket (Locate) instead of Redis")
+    parser.add_argument("--address", metavar="HOST:PORT", default=None,
+                        help="ask the daemon at this TCP address (needs --token)")
+    parser.add_argument("--token", default=None, help="bearer token for the daemon (its tenant)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -70,9 +85,21 @@ def parse_hashes(text: str) -> list[BlockHash]:
     return out
 
 
+def resolve_layout(args: argparse.Namespace) -> Layout:
+    """The engine layout from the layout flags (``ValueError`` naming the missing ones)."""
+    from tierd.daemon.layout import Layout
+
+    missing = [f"--{n.replace('_', '-')}" for n in ("num_layers", "num_kv_heads", "head_size")
+               if getattr(args, n) is None]
+    if missing:
+        raise ValueError(f"give --namespace HEX, or the engine layout: missing {', '.join(missing)}")
+    return Layout(args.num_layers, args.num_kv_heads, args.head_size, args.dtype,
+                  args.block_size, args.tp_rank, args.tp_size)
+
+
 def resolve_namespace(args: argparse.Namespace) -> Namespace:
     """The namespace from ``--namespace`` hex, or from the tenant and the layout fields."""
-    from tierd.daemon.layout import NAMESPACE_LEN, Layout, namespace_for
+    from tierd.daemon.layout import NAMESPACE_LEN, namespace_for
 
     if args.namespace is not None:
         try:
@@ -83,13 +110,7 @@ def resolve_namespace(args: argparse.Namespace) -> Namespace:
             raise ValueError(f"--namespace must be {2 * NAMESPACE_LEN} hex digits, "
                              f"got {args.namespace!r}")
         return Namespace(raw)
-    missing = [f"--{n.replace('_', '-')}" for n in ("num_layers", "num_kv_heads", "head_size")
-               if getattr(args, n) is None]
-    if missing:
-        raise ValueError(f"give --namespace HEX, or the engine layout: missing {', '.join(missing)}")
-    layout = Layout(args.num_layers, args.num_kv_heads, args.head_size, args.dtype,
-                    args.block_size, args.tp_rank, args.tp_size)
-    return namespace_for(args.tenant, layout)
+    return namespace_for(args.tenant, resolve_layout(args))
 
 
 def chain_of(args: argparse.Namespace) -> list[BlockHash]:
@@ -116,6 +137,34 @@ def _summary(tiers: Sequence[str]) -> str:
     return " ".join(f"{tier}x{n}" for tier, n in runs)
 
 
+def _via_daemon(args: argparse.Namespace, chain: list[BlockHash]) -> tuple[int, list[Any]]:
+    """Ask a daemon's Locate: (exit status, placements); errors printed with their fix."""
+    import grpc
+
+    from tierd.daemon.client import TierdClient
+
+    if args.namespace is not None:
+        raise ValueError("--namespace cannot be used with a daemon (it takes the tenant from "
+                         "the connection): give the layout flags instead")
+    layout = resolve_layout(args)
+    where = args.address or args.socket
+    try:
+        with TierdClient(socket_path=args.socket, address=args.address, token=args.token,
+                         timeout=args.timeout) as client:
+            located = client.locate(None, chain, layout=layout)
+    except grpc.RpcError as exc:
+        hint = ("start tierd serve, or pass --socket PATH"
+                if exc.code() == grpc.StatusCode.UNAVAILABLE else exc.details())
+        print(f"tierd route: error: daemon at {where}: {exc.code().name}: {hint}",
+              file=sys.stderr)
+        return 1, []
+    if located.stale:
+        print(f"tierd route: error: the daemon at {where} cannot reach its Redis right now "
+              "(directory stale); retry, or check its redis_url", file=sys.stderr)
+        return 1, []
+    return 0, located.nodes
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
@@ -124,8 +173,11 @@ def run(args: argparse.Namespace) -> int:
 
     logging.getLogger("tierd.cluster").setLevel(logging.ERROR)   # the error below says it all
 
-    namespace = resolve_namespace(args)
     chain = chain_of(args)
+    if args.socket is not None or args.address is not None:
+        status, placements = _via_daemon(args, chain)
+        return status or _print(args, None, chain, placements)
+    namespace = resolve_namespace(args)
 
     async def locate() -> tuple[bool, str, list[Any]]:
         directory = Directory(DirectoryConfig(redis_url=args.redis_url,
@@ -144,8 +196,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"tierd route: error: cannot reach Redis at {args.redis_url} ({error}); start "
               "Redis or pass --redis-url redis://HOST:PORT/DB", file=sys.stderr)
         return 1
+    return _print(args, namespace, chain, placements)
+
+
+def _print(args: argparse.Namespace, namespace: Namespace | None, chain: list[BlockHash],
+           placements: list[Any]) -> int:
+    """The ranking as JSON or a table (``namespace`` None: the daemon resolved it)."""
+    shown = namespace.hex() if namespace is not None else "of the daemon's tenant"
     if args.json:
-        print(json.dumps({"namespace": namespace.hex(), "chain_blocks": len(chain),
+        print(json.dumps({"namespace": namespace.hex() if namespace is not None else None,
+                          "chain_blocks": len(chain),
                           "nodes": [{"node_id": p.node_id, "address": p.address,
                                      "prefix_blocks": p.prefix_blocks, "tiers": list(p.tiers),
                                      "score": p.score, "capacity_bytes": p.capacity_bytes,
@@ -155,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{len(chain)}-block chain in namespace {namespace.hex()}")
+    table = Table(title=f"{len(chain)}-block chain in namespace {shown}")
     for column in ("rank", "node", "address", "prefix", "tiers", "score", "heartbeat"):
         table.add_column(column, justify="right" if column in ("rank", "prefix", "score")
                          else "left")

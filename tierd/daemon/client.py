@@ -31,14 +31,14 @@ import grpc
 
 from tierd.daemon import convert
 from tierd.daemon.config import client_socket_path
-from tierd.daemon.convert import AcquiredBlocks, DaemonStats, EngineHandle, ReservedSlots
+from tierd.daemon.convert import AcquiredBlocks, DaemonStats, EngineHandle, Located, ReservedSlots
 from tierd.daemon.layout import Layout
 from tierd.types import BlockHash, Tier
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
 
-__all__ = ["AcquiredBlocks", "AsyncTierdClient", "DaemonStats", "EngineHandle", "ReservedSlots",
-           "TierdClient", "target_for"]
+__all__ = ["AcquiredBlocks", "AsyncTierdClient", "DaemonStats", "EngineHandle", "Located",
+           "ReservedSlots", "TierdClient", "target_for"]
 
 DEFAULT_TIMEOUT = 30.0
 """Seconds before a call fails with DEADLINE_EXCEEDED (an Acquire may read from SSD)."""
@@ -76,6 +76,15 @@ class _Requests:
                checksums: Sequence[int | None]) -> pb.CommitRequest:
         return pb.CommitRequest(engine_id=engine_id, lease_id=lease_id,
                                 blocks=convert.checksums_to_pb(checksums))
+
+    @staticmethod
+    def locate(engine_id: str | None, hashes: Sequence[BlockHash],
+               layout: Layout | None) -> pb.LocateRequest:
+        if (engine_id is None) == (layout is None):
+            raise ValueError("locate needs exactly one of engine_id and layout")
+        if layout is not None:
+            return pb.LocateRequest(block_hashes=hashes, layout=convert.layout_to_pb(layout))
+        return pb.LocateRequest(engine_id=engine_id, block_hashes=hashes)
 
     @staticmethod
     def hot(engine_id: str, stored: Sequence[BlockHash], removed: Sequence[BlockHash],
@@ -146,6 +155,15 @@ class TierdClient:
         """Tell the daemon which blocks entered / left the engine's GPU pool (``cleared``
         first empties the engine's HBM set)."""
         self._call("ReportHotBlocks", _Requests.hot(engine_id, stored, removed, cleared))
+
+    def locate(self, engine_id: str | None, hashes: Sequence[BlockHash], *,
+               layout: Layout | None = None) -> Located:
+        """Rank the cluster's nodes by the prefix of ``hashes`` they hold, in the namespace of
+        ``engine_id`` or (``engine_id`` None) of ``layout`` under the caller's tenant. One Redis
+        round trip on the daemon's side; ``stale`` when Redis could not be asked.
+        FAILED_PRECONDITION if the daemon has no cluster (no redis_url)."""
+        return convert.located_from_pb(
+            self._call("Locate", _Requests.locate(engine_id, hashes, layout)))
 
     def stats(self) -> DaemonStats:
         """Occupancy and counters of every tier, and the caller's engines."""
@@ -224,6 +242,12 @@ class AsyncTierdClient:
                                 removed: Sequence[BlockHash] = (), cleared: bool = False) -> None:
         """See ``TierdClient.report_hot_blocks``."""
         await self._call("ReportHotBlocks", _Requests.hot(engine_id, stored, removed, cleared))
+
+    async def locate(self, engine_id: str | None, hashes: Sequence[BlockHash], *,
+                     layout: Layout | None = None) -> Located:
+        """See ``TierdClient.locate``."""
+        return convert.located_from_pb(
+            await self._call("Locate", _Requests.locate(engine_id, hashes, layout)))
 
     async def stats(self) -> DaemonStats:
         """See ``TierdClient.stats``."""

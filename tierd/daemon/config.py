@@ -13,6 +13,7 @@ import dataclasses
 import ipaddress
 import os
 import re
+import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -86,7 +87,33 @@ class TierdConfig:
     maintain_seconds: float = dataclasses.field(default=1.0, metadata={
         "help": "Period of the background pass that expires leases and demotes."})
     metrics_port: int | None = dataclasses.field(default=None, metadata={
-        "help": "Serve Prometheus metrics on 127.0.0.1 at this port (0 = any free port)."})
+        "help": "Serve Prometheus metrics at this port (0 = any free port)."})
+    metrics_host: str = dataclasses.field(default="127.0.0.1", metadata={
+        "help": "Address of the metrics server (0.0.0.0 in a pod, so Prometheus can scrape)."})
+    redis_url: str = dataclasses.field(default="", metadata={
+        "help": "Redis of the cluster directory, e.g. redis://redis:6379/0 ('' = no cluster)."})
+    node_id: str = dataclasses.field(default_factory=socket.gethostname, metadata={
+        "help": "This node's name in the cluster directory (default: the host name)."})
+    node_address: str = dataclasses.field(default="", metadata={
+        "help": "Where routers reach this daemon, as published ('' = tcp HOST:PORT if "
+                "listening on TCP, else unix:SOCKET_PATH)."})
+    cluster_heartbeat_seconds: float = dataclasses.field(default=5.0, metadata={
+        "help": "Period of the node's heartbeat in the directory."})
+    cluster_node_ttl_seconds: float = dataclasses.field(default=15.0, metadata={
+        "help": "A node silent this long is dead for Locate (> heartbeat)."})
+    cluster_block_ttl_seconds: float = dataclasses.field(default=600.0, metadata={
+        "help": "Lifetime of a published block entry; refreshed every third of it while held."})
+    remote_tier: bool = dataclasses.field(default=False, metadata={
+        "help": "Share blocks evicted from this node through Redis and fetch remote hits "
+                "(needs redis_url)."})
+    remote_tier_bytes: int = dataclasses.field(default=1 * _GIB, metadata={
+        "help": "Byte budget of the shared remote tier in Redis (LRU beyond it)."})
+    remote_queue_bytes: int = dataclasses.field(default=64 * _MIB, metadata={
+        "help": "Bound of evicted blocks waiting for the maintain pass to put them remote "
+                "(past it, evicted blocks are not shared)."})
+    recompute_tokens_per_second: float = dataclasses.field(default=10_000.0, metadata={
+        "help": "Prefill speed of the engines, to judge a remote fetch against recomputing "
+                "(a 7-8B model on one H100 prefills ~10-20k tokens/s)."})
     log_level: str = dataclasses.field(default="INFO", metadata={
         "help": "Logging level: DEBUG, INFO, WARNING, ERROR."})
 
@@ -119,6 +146,34 @@ class TierdConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.default_tenant:
             raise ValueError("default_tenant must not be empty")
+        self._validate_cluster()
+
+    def _validate_cluster(self) -> None:
+        if self.remote_tier and not self.redis_url:
+            raise ValueError("remote_tier needs the cluster: set redis_url (--redis-url)")
+        if not self.redis_url:
+            return
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url {self.redis_url!r} must start with redis://, rediss:// "
+                             "or unix:// (e.g. redis://redis:6379/0)")
+        if not self.node_id:
+            raise ValueError("node_id must not be empty with redis_url set (use the host name)")
+        if not 0 < self.cluster_heartbeat_seconds < self.cluster_node_ttl_seconds:
+            raise ValueError("need 0 < cluster_heartbeat_seconds < cluster_node_ttl_seconds, "
+                             f"got {self.cluster_heartbeat_seconds} and "
+                             f"{self.cluster_node_ttl_seconds}")
+        for name in ("cluster_block_ttl_seconds", "remote_tier_bytes", "remote_queue_bytes",
+                     "recompute_tokens_per_second"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def published_address(self, tcp_port: int | None) -> str:
+        """``node_address``, or where this daemon listens (``tcp_port``: the bound port)."""
+        if self.node_address:
+            return self.node_address
+        if tcp_port is not None:
+            return f"{self.tcp_host}:{tcp_port}"
+        return f"unix:{self.socket_path}"
 
 
 def _is_loopback(host: str) -> bool:
@@ -146,7 +201,8 @@ def parse_bytes(value: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-_BYTE_KEYS = {"dram_bytes", "slab_bytes", "ssd_bytes", "max_message_bytes"}
+_BYTE_KEYS = {"dram_bytes", "slab_bytes", "ssd_bytes", "max_message_bytes", "remote_tier_bytes",
+              "remote_queue_bytes"}
 
 
 def _coerce(name: str, raw: Any) -> Any:

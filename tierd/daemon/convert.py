@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
+from tierd.cluster.directory import Placement
 from tierd.daemon.layout import Layout
 from tierd.daemon.slots import SlotGeometry
 from tierd.types import TIERS, BlockHash, Tier
@@ -45,6 +46,15 @@ class EngineHandle:
     geometry: SlotGeometry      # slot id -> arena offset for this layout's block size
     lease_seconds: float        # lifetime of leases and reservations
     max_blocks_per_request: int
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """What Locate answered: the nodes holding a prefix of the chain, best first, and whether
+    the directory was stale (Redis unreachable: ``nodes`` is then empty and means nothing)."""
+
+    nodes: list[Placement]
+    stale: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +224,13 @@ def stats_to_pb(stats: NodeStats, engines: dict[str, OwnedEngine]) -> pb.StatsRe
     return reply
 
 
+def locate_to_pb(placements: Sequence[Placement], stale: bool) -> pb.LocateResponse:
+    return pb.LocateResponse(stale=stale, nodes=[pb.NodePlacement(
+        node_id=p.node_id, address=p.address, prefix_blocks=p.prefix_blocks,
+        tiers=tiers_to_pb(p.tiers), score=p.score, capacity_bytes=p.capacity_bytes,
+        heartbeat_age_seconds=p.heartbeat_age_s) for p in placements])
+
+
 # -- client side: replies -> plain values -------------------------------------------------------
 
 def engine_handle_from_pb(msg: pb.RegisterEngineResponse) -> EngineHandle:
@@ -232,6 +249,13 @@ def reserved_from_pb(msg: pb.ReserveResponse) -> ReservedSlots:
     return ReservedSlots(lease_id=msg.lease_id, seconds_left=msg.seconds_left,
                          slot_ids=[s.slot_id if s.HasField("slot_id") else None for s in msg.slots],
                          already_stored=[s.already_stored for s in msg.slots])
+
+
+def located_from_pb(msg: pb.LocateResponse) -> Located:
+    return Located(nodes=[Placement(
+        node_id=n.node_id, address=n.address, prefix_blocks=n.prefix_blocks,
+        tiers=tuple(tiers_from_pb(n.tiers)), score=n.score, capacity_bytes=n.capacity_bytes,
+        heartbeat_age_s=n.heartbeat_age_seconds) for n in msg.nodes], stale=msg.stale)
 
 
 def stats_from_pb(msg: pb.StatsResponse) -> DaemonStats:

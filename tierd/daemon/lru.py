@@ -5,6 +5,10 @@ per-block metadata). ``TierIndex`` holds both with the arena's allocator and the
 the only code that drops a copy of a block. The node store decides *when* (leases, watermarks);
 this module decides *which* (least recently used, never pinned). Times come from the node
 store's clock (monotonic seconds).
+
+A ``TierListener`` (the cluster link, when the daemon has one) is told of every change of what
+the node holds, with namespaced keys, at the moment it happens: the events above carry no
+namespace, so they cannot feed a cluster directory.
 """
 
 from __future__ import annotations
@@ -12,14 +16,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from tierd.daemon.metrics import NodeCounts, NodeMetrics, TierStats
 from tierd.daemon.slots import SlabAllocator
-from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog
-from tierd.types import BlockHash, Namespace, NamespacedKey, make_key
+from tierd.daemon.ssdrecord import FLAG_LZ4, HEADER_BYTES, RecordHeader, read_record, record_name
+from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEvent
+from tierd.types import BlockHash, Namespace, NamespacedKey, Tier, make_key
 
 if TYPE_CHECKING:
     from tierd.daemon.arena import ShmArena
@@ -60,6 +65,26 @@ class SsdBlock:
 
 
 E = TypeVar("E", DramBlock, SsdBlock)
+
+
+class TierListener(Protocol):
+    """Told of every change of what the node holds, synchronously, on the event loop, as it
+    happens. Implementations must not block or do I/O (queue the work instead)."""
+
+    def stored(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
+        """These blocks gained a copy in ``tier`` (for "hbm": one more engine reports them)."""
+
+    def removed(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
+        """These blocks lost their copy in ``tier`` (for "hbm": one engine fewer)."""
+
+    def cleared(self, tier: Tier) -> None:
+        """Every block of ``tier`` is gone (the SSD went unhealthy)."""
+
+    def evicted(self, key: NamespacedKey, checksum: int, nbytes: int,
+                payload: Callable[[], bytes | None]) -> None:
+        """The block's last copy is leaving the node by eviction (not corruption). ``payload()``
+        returns its ``nbytes`` bytes (None if they cannot be read); valid only during this
+        call, and it costs a copy (DRAM) or a synchronous read (SSD): call it only to keep it."""
 
 
 class LruIndex(Generic[E]):
@@ -107,30 +132,60 @@ class HbmIndex:
     """Per engine, the block hashes it reports in its GPU pool (an insertion-ordered set, at most
     ``cap`` per engine: past it the oldest reported are forgotten)."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, listener: TierListener | None = None) -> None:
         self.cap = cap
         self._held: dict[str, dict[BlockHash, None]] = {}
+        self._listener = listener
+        self._namespaces: dict[str, Namespace] = {}     # engine -> namespace, for the listener
 
     def held(self, engine_id: str) -> dict[BlockHash, None]:
         """The engine's set (read only; empty if it never reported)."""
         return self._held.get(engine_id, {})
 
     def report(self, engine_id: str, stored: Iterable[BlockHash], removed: Iterable[BlockHash],
-               cleared: bool) -> None:
-        """Apply a batch: ``cleared`` first, then ``stored``, then ``removed``."""
+               cleared: bool, namespace: Namespace | None = None) -> None:
+        """Apply a batch: ``cleared`` first, then ``stored``, then ``removed``. The listener
+        hears exactly what changed in this engine's set (``namespace`` scopes the keys)."""
         held = self._held.setdefault(engine_id, {})
+        listener = self._listener if namespace is not None else None
+        added: list[BlockHash] = []
+        gone: list[BlockHash] = []
+        if namespace is not None:
+            self._namespaces[engine_id] = namespace
         if cleared:
+            if listener is not None:
+                self._tell(engine_id, list(held), removed=True)
             held.clear()
         for block_hash in stored:
-            held.pop(block_hash, None)
+            if held.pop(block_hash, 0) is not None:
+                added.append(block_hash)
             held[block_hash] = None
         for block_hash in removed:
-            held.pop(block_hash, None)
+            if held.pop(block_hash, 0) is None:
+                gone.append(block_hash)
         for _ in range(len(held) - self.cap):
-            del held[next(iter(held))]
+            oldest = next(iter(held))
+            del held[oldest]
+            gone.append(oldest)
+        if listener is not None:
+            self._tell(engine_id, added, removed=False)
+            self._tell(engine_id, gone, removed=True)
 
     def drop(self, engine_id: str) -> None:
-        self._held.pop(engine_id, None)
+        held = self._held.pop(engine_id, None)
+        if held:
+            self._tell(engine_id, list(held), removed=True)
+        self._namespaces.pop(engine_id, None)
+
+    def _tell(self, engine_id: str, hashes: list[BlockHash], *, removed: bool) -> None:
+        namespace = self._namespaces.get(engine_id)
+        if self._listener is None or namespace is None or not hashes:
+            return
+        keys = [make_key(namespace, h) for h in hashes]
+        if removed:
+            self._listener.removed(keys, "hbm")
+        else:
+            self._listener.stored(keys, "hbm")
 
     def counts(self) -> dict[str, int]:
         return {engine: len(held) for engine, held in self._held.items()}
@@ -152,9 +207,10 @@ class TierIndex:
 
     def __init__(self, arena: ShmArena, allocator: SlabAllocator, ssd: SsdStore | None,
                  metrics: NodeMetrics, events: EventLog, ghost_entries: int,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], listener: TierListener | None = None) -> None:
         self.arena, self.alloc, self.ssd = arena, allocator, ssd
         self.metrics, self.events, self._clock = metrics, events, clock
+        self.listener = listener
         self.dram: LruIndex[DramBlock] = LruIndex()
         self.disk: LruIndex[SsdBlock] = LruIndex()
         self.classes: set[int] = set()          # slot sizes of every layout ever registered
@@ -170,9 +226,27 @@ class TierIndex:
             self.disk.add(make_key(e.namespace, e.block_hash), SsdBlock(
                 e.namespace, e.block_hash, e.payload_len, e.stored_bytes, e.checksum,
                 created=now, last_access=now))
+        if self.listener is not None and entries:
+            self.listener.stored([make_key(e.namespace, e.block_hash) for e in entries], "ssd")
         if self.ssd is not None:
             self.make_ssd_room([], now)
         self.check_ssd()
+
+    def emit(self, event: KVEvent, namespace: Namespace | None = None) -> None:
+        """Record a tier event and tell the listener (``namespace`` scopes the event's hashes;
+        needed for ``BlockStored`` / ``BlockRemoved``)."""
+        self.events.append(event)
+        if self.listener is None:
+            return
+        if isinstance(event, AllBlocksCleared):
+            self.listener.cleared(event.tier)
+            return
+        assert namespace is not None, "a block event for the listener needs its namespace"
+        keys = [make_key(namespace, h) for h in event.block_hashes]
+        if isinstance(event, BlockStored):
+            self.listener.stored(keys, event.tier)
+        else:
+            self.listener.removed(keys, event.tier)
 
     @property
     def ssd_up(self) -> bool:
@@ -205,9 +279,13 @@ class TierIndex:
         """Remove an unpinned DRAM copy and free its slot (a demotion if an SSD copy remains)."""
         block = self.dram.pop(key)
         assert block.pins == 0 and not block.demoting, f"{key.hex()}: dropping a pinned block"
+        last = not (self.ssd_up and key in self.disk)
+        if last and self.listener is not None:
+            view = self.arena.view(self._offset(block), block.slot_bytes)
+            self.listener.evicted(key, block.checksum, block.slot_bytes, lambda: bytes(view))
         self.alloc.free(block.slot_bytes, block.slot_id)
-        self.events.append(BlockRemoved((block.block_hash,), "dram"))
-        if self.ssd_up and key in self.disk:
+        self.emit(BlockRemoved((block.block_hash,), "dram"), block.namespace)
+        if not last:
             self.counts.demotions += 1
             self.metrics.demotions.inc()
         else:
@@ -220,9 +298,12 @@ class TierIndex:
         corrupt record (not an eviction: counted as a checksum failure by the caller)."""
         entry = self.disk.pop(key)
         assert entry.pins == 0 or record_gone, f"{key.hex()}: dropping a pinned SSD block"
+        if not record_gone and key not in self.dram and self.listener is not None:
+            self.listener.evicted(key, entry.checksum, entry.payload_len,
+                                  lambda: self._read_now(entry))
         if not record_gone and self.ssd is not None:
             self.ssd.remove(entry.namespace, entry.block_hash)
-        self.events.append(BlockRemoved((entry.block_hash,), "ssd"))
+        self.emit(BlockRemoved((entry.block_hash,), "ssd"), entry.namespace)
         if not record_gone:
             self.counts.evictions["ssd"] += 1
             self.metrics.evictions.labels("ssd").inc()
@@ -248,16 +329,16 @@ class TierIndex:
         writes = writes[:self.make_ssd_room([b.slot_bytes for _, b in writes], now)]
         for _, block in writes:
             block.demoting = True
-        results = await asyncio.gather(*(self.ssd.write(
+        results = await self.ssd.write_many([(
             b.namespace, b.block_hash, self.arena.view(self._offset(b), b.slot_bytes),
-            b.checksum) for _, b in writes))
+            b.checksum) for _, b in writes])
         for (key, block), entry in zip(writes, results):
             block.demoting = False
             if entry is not None:
                 self.disk.add(key, SsdBlock(block.namespace, block.block_hash, entry.payload_len,
                                             entry.stored_bytes, entry.checksum, block.created,
                                             block.last_access, block.hits))
-                self.events.append(BlockStored((block.block_hash,), None, "ssd"))
+                self.emit(BlockStored((block.block_hash,), None, "ssd"), block.namespace)
         self.check_ssd()
         if probe and not self.ssd_up:
             return
@@ -301,11 +382,13 @@ class TierIndex:
         if not up:
             log.warning("SSD tier unhealthy: serving DRAM only (%d SSD blocks hidden)",
                         len(self.disk))
-            self.events.append(AllBlocksCleared("ssd"))
+            self.emit(AllBlocksCleared("ssd"))
         elif len(self.disk):
             log.warning("SSD tier healthy again: %d SSD blocks served", len(self.disk))
             hashes = tuple(e.block_hash for _, e in self.disk.oldest_first())
             self.events.append(BlockStored(hashes, None, "ssd"))
+            if self.listener is not None:
+                self.listener.stored([k for k, _ in self.disk.oldest_first()], "ssd")
 
     def stats(self, reserved: int) -> dict[str, TierStats]:
         """DRAM and SSD ``TierStats``; ``reserved``: slots held by write leases and promotions
@@ -351,6 +434,17 @@ class TierIndex:
             assert total == self.ssd.used_bytes, (
                 f"SSD index holds {total} bytes, the store accounts {self.ssd.used_bytes}")
         assert len(self.ghosts) <= self._ghost_entries, "ghost table over its bound"
+
+    def _read_now(self, entry: SsdBlock) -> bytes | None:
+        """The block's record, read and verified synchronously (the remote tier's copy of an
+        evicted block, taken just before its record is deleted). None if it does not verify."""
+        assert self.ssd is not None
+        stored_len = entry.stored_bytes - HEADER_BYTES
+        head = RecordHeader(FLAG_LZ4 if stored_len < entry.payload_len else 0, entry.namespace,
+                            entry.block_hash, entry.payload_len, stored_len, entry.checksum)
+        into = bytearray(entry.payload_len)
+        path = str(self.ssd.directory / record_name(entry.namespace, entry.block_hash))
+        return None if read_record(path, head, memoryview(into)) is not None else bytes(into)
 
     def _offset(self, block: DramBlock) -> int:
         return self.alloc.geometry(block.slot_bytes).offset(block.slot_id)

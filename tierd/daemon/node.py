@@ -25,6 +25,7 @@ Policy (documented in docs/daemon.md):
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
 from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.leases import LeaseTable, ReadLease, WriteLease, new_lease_id
-from tierd.daemon.lru import DramBlock, HbmIndex, SsdBlock, TierIndex
+from tierd.daemon.lru import DramBlock, HbmIndex, SsdBlock, TierIndex, TierListener
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
 from tierd.daemon.slots import SlabAllocator, SlotGeometry
 from tierd.events import BlockStored, EventLog, KVEvent
@@ -142,20 +143,20 @@ class NodeStore:
     """The node's block index, leases and tier policy. Not thread-safe: one event loop."""
 
     def __init__(self, arena: ShmArena, allocator: SlabAllocator, ssd: SsdStore | None,
-                 config: NodeConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+                 config: NodeConfig, *, clock: Callable[[], float] = time.monotonic,
+                 listener: TierListener | None = None) -> None:
         config.validate()
         self._arena, self._ssd, self._config, self._clock = arena, ssd, config, clock
-        self.metrics = NodeMetrics()
-        self._events = EventLog()
+        self.metrics, self._events = NodeMetrics(), EventLog()
         self._t = TierIndex(arena, allocator, ssd, self.metrics, self._events,
-                            config.ghost_entries, clock)
+                            config.ghost_entries, clock, listener)
         self._n = self._t.counts
         self._engines: dict[str, EngineInfo] = {}
         self._leases = LeaseTable()
         self._writing: dict[NamespacedKey, str] = {}   # reserved key -> its write lease id
         self._promoting: dict[NamespacedKey, _Promotion] = {}
         self._inflight_pins: Counter[NamespacedKey] = Counter()  # pins of acquires in progress
-        self._hbm = HbmIndex(config.hbm_max_blocks_per_engine)
+        self._hbm = HbmIndex(config.hbm_max_blocks_per_engine, listener)
         self._maintaining = asyncio.Lock()
         self.metrics.ssd_healthy.set(0.0)
 
@@ -233,6 +234,7 @@ class NodeStore:
         now = self._clock()
         self._expire(now)
         plan: list[tuple[NamespacedKey, _Promotion | None]] = []  # None: already in DRAM
+        reads: list[tuple[_Promotion, memoryview]] = []  # started here: one batched SSD read
         waits = False        # once a promotion is planned, DRAM hits are pinned while we wait
         for key in keys:
             block = self._t.dram.get(key)
@@ -244,7 +246,7 @@ class NodeStore:
                     waits = True
                     for planned, _ in plan:
                         self._pin_inflight(planned)
-                promotion = self._promoting.get(key) or self._promote(key, info, now)
+                promotion = self._promoting.get(key) or self._promote(key, info, now, reads)
                 if promotion is None:
                     break
                 plan.append((key, promotion))
@@ -252,12 +254,15 @@ class NodeStore:
             if waits:
                 self._pin_inflight(key)
             plan.append((key, None))
+        self._read_promotions(reads)
         if not waits:
             return self._pin_prefix(info, plan, now, waited=False)
         return await asyncio.shield(asyncio.ensure_future(self._promoted(info, plan, now)))
 
-    def _promote(self, key: NamespacedKey, info: EngineInfo, now: float) -> _Promotion | None:
-        """Start reading an SSD block into a new slot; None if not on SSD or no room."""
+    def _promote(self, key: NamespacedKey, info: EngineInfo, now: float,
+                 reads: list[tuple[_Promotion, memoryview]]) -> _Promotion | None:
+        """Stage an SSD block's promotion into a new slot, its read added to ``reads`` (start
+        them with ``_read_promotions``); None if not on SSD or no room."""
         source = self._t.disk.get(key) if self._t.ssd_up else None
         if source is None:
             return None
@@ -269,12 +274,21 @@ class NodeStore:
         loop = asyncio.get_running_loop()
         p = _Promotion(key, source, info.geometry.slot_bytes, slot, loop.create_future())
         self._promoting[key] = p
-        view = self._arena.view(info.geometry.offset(slot), p.slot_bytes)
-        read = loop.create_task(self._ssd.read(source.namespace, source.block_hash, view))
-        read.add_done_callback(lambda task: self._land(p, task))
+        reads.append((p, self._arena.view(info.geometry.offset(slot), p.slot_bytes)))
         return p
 
-    def _land(self, p: _Promotion, read: asyncio.Task[bool]) -> None:
+    def _read_promotions(self, reads: list[tuple[_Promotion, memoryview]]) -> None:
+        """Start the staged promotions' SSD reads as one batch (``SsdStore.read_many``: a few
+        I/O tasks with read-ahead rather than one per block); each lands on its own."""
+        if not reads:
+            return
+        assert self._ssd is not None
+        futures = self._ssd.read_many([(p.source.namespace, p.source.block_hash, view)
+                                       for p, view in reads])
+        for (p, _), read in zip(reads, futures):
+            read.add_done_callback(functools.partial(self._land, p))
+
+    def _land(self, p: _Promotion, read: asyncio.Future[bool]) -> None:
         """A promotion's read finished: the block becomes an unpinned DRAM block (``BlockStored``
         "dram"), or its slot is freed and the bad record's entry dropped (a checksum failure).
         A key an engine is writing meanwhile (reserved while the SSD was hidden) is not landed."""
@@ -291,7 +305,7 @@ class NodeStore:
                 self._t.disk.touch(p.key)
             self._n.promotions += 1
             self.metrics.promotions.inc()
-            self._events.append(BlockStored((s.block_hash,), None, "dram"))
+            self._t.emit(BlockStored((s.block_hash,), None, "dram"), s.namespace)
         else:
             self._t.alloc.free(p.slot_bytes, p.slot_id)
         if not ok:
@@ -417,7 +431,7 @@ class NodeStore:
         self._leases.finish(lease_id, "committed")
         run: list[BlockHash] = []
         parent: BlockHash | None = None
-        count = 0
+        count, ns = 0, lease.namespace
         for i, (block_hash, slot, checksum) in enumerate(zip(lease.hashes, lease.slots,
                                                             checksums)):
             if slot is not None:
@@ -434,10 +448,10 @@ class NodeStore:
                     count += 1
                     continue
             if run:
-                self._events.append(BlockStored(tuple(run), parent, "dram", lease.block_size))
+                self._t.emit(BlockStored(tuple(run), parent, "dram", lease.block_size), ns)
                 run = []
         if run:
-            self._events.append(BlockStored(tuple(run), parent, "dram", lease.block_size))
+            self._t.emit(BlockStored(tuple(run), parent, "dram", lease.block_size), ns)
         return count
 
     def abort(self, lease_id: str) -> None:
@@ -457,7 +471,7 @@ class NodeStore:
         ``removed``. At most ``hbm_max_blocks_per_engine`` hashes are kept (oldest dropped)."""
         info = self._engine(engine_id)
         self._keys(info, [*stored, *removed], limit=False)
-        self._hbm.report(engine_id, stored, removed, cleared)
+        self._hbm.report(engine_id, stored, removed, cleared, info.namespace)
 
     # -- upkeep --------------------------------------------------------------------------------
 

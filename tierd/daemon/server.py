@@ -7,6 +7,11 @@ converts the request (``convert``), calls one ``NodeStore`` method and converts 
 Everything runs on one asyncio event loop; ``NodeStore`` is not thread-safe and is only touched
 from it. The only catch-all of the daemon is ``ErrorInterceptor``: a bug in one call becomes
 INTERNAL with a logged traceback, and the daemon keeps serving.
+
+With ``redis_url`` set the daemon is a cluster node (``cluster_link.ClusterLink``): the store's
+tier changes are published to the Redis directory by a background task, ``Locate`` asks the
+directory, and with ``remote_tier`` evicted blocks are shared through Redis. A Redis failure is
+never an RPC error: it makes the directory stale and the node serves locally.
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ from grpc_reflection.v1alpha import reflection
 
 from tierd.daemon import convert
 from tierd.daemon.arena import ShmArena
+from tierd.cluster.directory import NodeRecord
 from tierd.daemon.auth import Authenticator, EngineOwners, OwnedEngine, TokenTable
+from tierd.daemon.cluster_link import ClusterLink, LinkConfig
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, Unauthenticated
-from tierd.daemon.layout import Layout
+from tierd.daemon.layout import NAMESPACE_LEN, Layout, namespace_for
 from tierd.daemon.node import NodeConfig, NodeStore
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd import SsdStore
@@ -112,11 +119,14 @@ class TierdServicer(pb_grpc.TierdServicer):
     """The Tierd service: one NodeStore call per RPC, conversion at the edge, nothing else."""
 
     def __init__(self, store: NodeStore, arena: ShmArena, allocator: SlabAllocator,
-                 ssd: SsdStore | None, node_config: NodeConfig, auth: Authenticator) -> None:
+                 ssd: SsdStore | None, node_config: NodeConfig, auth: Authenticator,
+                 cluster: ClusterLink | None = None) -> None:
         self._store, self._arena, self._allocator, self._ssd = store, arena, allocator, ssd
         self._node_config = node_config
         self._auth = auth
         self._owners = EngineOwners()
+        self._cluster = cluster
+        self._acquire = store.acquire if cluster is None else cluster.acquire
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
         return self._auth.tenant(context.peer(), context.invocation_metadata() or ())
@@ -133,6 +143,8 @@ class TierdServicer(pb_grpc.TierdServicer):
         info = self._store.register_engine(tenant, layout, request.engine_name)
         self._owners.bind(info.engine_id, OwnedEngine(tenant, request.engine_name,
                                                       layout.block_size, layout.block_bytes))
+        if self._cluster is not None:
+            self._cluster.engine_registered(info)
         _log.info("engine %s (%r, tenant %s) registered: %s", info.engine_id,
                   request.engine_name, tenant, describe_capacity(layout, self._allocator,
                                                                  self._ssd))
@@ -147,6 +159,8 @@ class TierdServicer(pb_grpc.TierdServicer):
                                context: grpc.aio.ServicerContext) -> pb.UnregisterEngineResponse:
         self._store.unregister_engine(self._engine(context, request.engine_id))
         self._owners.unbind(request.engine_id)
+        if self._cluster is not None:
+            self._cluster.engine_unregistered(request.engine_id)
         return pb.UnregisterEngineResponse()
 
     async def Lookup(self, request: pb.LookupRequest,
@@ -158,7 +172,7 @@ class TierdServicer(pb_grpc.TierdServicer):
     async def Acquire(self, request: pb.AcquireRequest,
                       context: grpc.aio.ServicerContext) -> pb.AcquireResponse:
         engine_id = self._engine(context, request.engine_id)
-        lease = await self._store.acquire(engine_id, convert.hashes_from_pb(request.block_hashes))
+        lease = await self._acquire(engine_id, convert.hashes_from_pb(request.block_hashes))
         return pb.AcquireResponse(lease_id=lease.lease_id,
                                   seconds_left=lease.ttl_seconds,
                                   slot_ids=lease.slot_ids, checksums=lease.checksums)
@@ -200,6 +214,25 @@ class TierdServicer(pb_grpc.TierdServicer):
                     context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         engines = self._owners.engines_of(self._tenant(context))
         return convert.stats_to_pb(self._store.stats(), engines)
+
+    async def Locate(self, request: pb.LocateRequest,
+                     context: grpc.aio.ServicerContext) -> pb.LocateResponse:
+        if self._cluster is None:
+            raise FailedPrecondition("this daemon runs without a cluster: start it with "
+                                     "--redis-url redis://HOST:PORT/DB (TIERD_REDIS_URL)")
+        hashes = convert.hashes_from_pb(request.block_hashes)
+        if len(hashes) > self._node_config.max_blocks_per_request:
+            raise ResourceExhausted(f"{len(hashes)} blocks in one Locate; at most "
+                                    f"{self._node_config.max_blocks_per_request}")
+        if request.engine_id:
+            namespace = self._cluster.namespace_of(self._engine(context, request.engine_id))
+        elif request.HasField("layout"):
+            namespace = namespace_for(self._tenant(context),
+                                      convert.layout_from_pb(request.layout))
+        else:
+            raise ValueError("Locate needs engine_id, or a layout to ask without registering")
+        placements, stale = await self._cluster.locate(namespace, hashes)
+        return convert.locate_to_pb(placements, stale)
 
 
 def describe_capacity(layout: Layout, allocator: SlabAllocator, ssd: SsdStore | None) -> str:
@@ -265,8 +298,11 @@ class Daemon:
     """
 
     def __init__(self, config: TierdConfig, arena: ShmArena, store: NodeStore,
-                 server: grpc.aio.Server, health: HealthServicer, tcp_port: int | None) -> None:
+                 server: grpc.aio.Server, health: HealthServicer, tcp_port: int | None,
+                 cluster: ClusterLink | None = None) -> None:
         self.config, self.arena, self.store = config, arena, store
+        self.cluster = cluster
+        """The cluster link (directory, publisher, remote tier), None without ``redis_url``."""
         self._server, self._health = server, health
         self.tcp_port = tcp_port
         """The bound TCP port (the real one when the config asked for 0), None without TCP."""
@@ -304,7 +340,13 @@ class Daemon:
                                  dram_low_watermark=config.dram_low_watermark,
                                  ssd_min_hits=config.ssd_min_hits,
                                  max_blocks_per_request=config.max_blocks_per_request)
-        store = NodeStore(arena, allocator, ssd, node_config)
+        cluster = None
+        if config.redis_url:
+            cluster = ClusterLink(_link_config(config), NAMESPACE_LEN)
+        store = NodeStore(arena, allocator, ssd, node_config, listener=cluster)
+        if cluster is not None:
+            cluster.bind(store, arena)
+            cluster.register_metrics(store.metrics.registry)
         store.open()
         latency = store.metrics.rpc_latency
         server = grpc.aio.server(
@@ -314,7 +356,7 @@ class Daemon:
                      ("grpc.so_reuseport", 0)])
         auth = Authenticator(TokenTable.load(config.token_file), config.default_tenant)
         pb_grpc.add_TierdServicer_to_server(  # type: ignore[no-untyped-call]
-            TierdServicer(store, arena, allocator, ssd, node_config, auth), server)
+            TierdServicer(store, arena, allocator, ssd, node_config, auth, cluster), server)
         server.add_generic_rpc_handlers(list(extra_handlers))
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -330,28 +372,42 @@ class Daemon:
         await server.start()
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        daemon = cls(config, arena, store, server, health, tcp_port)
+        daemon = cls(config, arena, store, server, health, tcp_port, cluster)
         daemon._maintainer = asyncio.create_task(daemon._maintain_loop())
         if config.metrics_port is not None:
             from prometheus_client import start_http_server
             daemon._metrics_http, _ = start_http_server(
-                config.metrics_port, addr="127.0.0.1", registry=store.metrics.registry)
+                config.metrics_port, addr=config.metrics_host, registry=store.metrics.registry)
             daemon.metrics_port = daemon._metrics_http.server_port
+        if cluster is not None:
+            cluster.set_address(config.published_address(tcp_port))
+            cluster.start()
+            _log.info("cluster node %s (%s): directory %s, remote tier %s", config.node_id,
+                      cluster.config.node.address, config.redis_url,
+                      f"on, {config.remote_tier_bytes >> 20} MiB" if config.remote_tier
+                      else "off")
         _log.info("tierd serving: arena %s (%d MiB, slabs of %d MiB), SSD %s, %s%s%s",
                   arena.path, config.dram_bytes >> 20, config.slab_bytes >> 20,
                   f"{config.ssd_dir} bound {config.ssd_bytes >> 20} MiB" if ssd is not None else "off",
                   f"unix:{config.socket_path}" if config.socket_path else "",
                   f" tcp {config.tcp_host}:{tcp_port}" if tcp_port is not None else "",
-                  f" metrics http://127.0.0.1:{daemon.metrics_port}/metrics"
+                  f" metrics http://{config.metrics_host}:{daemon.metrics_port}/metrics"
                   if daemon.metrics_port is not None else "")
         return daemon
 
+    async def maintain(self) -> None:
+        """One upkeep pass: ``NodeStore.maintain`` (lease expiry, demotion), then the blocks it
+        and the request path evicted go to the remote tier (when on)."""
+        await self.store.maintain()
+        if self.cluster is not None:
+            await self.cluster.flush_remote()
+
     async def _maintain_loop(self) -> None:
-        """Every ``maintain_seconds``: one ``NodeStore.maintain`` pass (lease expiry, demotion)."""
+        """Every ``maintain_seconds``: one ``maintain`` pass."""
         while True:
             await asyncio.sleep(self.config.maintain_seconds)
             try:
-                await self.store.maintain()
+                await self.maintain()
             except Exception:  # a failed pass must not end maintenance for good
                 _log.exception("maintain pass failed; retrying in %.1f s",
                                self.config.maintain_seconds)
@@ -370,12 +426,26 @@ class Daemon:
         if self._maintainer is not None:
             self._maintainer.cancel()
             await asyncio.gather(self._maintainer, return_exceptions=True)
+        if self.cluster is not None:
+            await self.cluster.close()
         await self.store.close()
         self.arena.close()
         self.arena.unlink()
         if self.config.socket_path and os.path.exists(self.config.socket_path):
             os.unlink(self.config.socket_path)
         _log.info("tierd stopped: SSD index flushed, arena and socket removed")
+
+
+def _link_config(config: TierdConfig) -> LinkConfig:
+    """The cluster link's settings (the address is filled in once the listeners are bound)."""
+    return LinkConfig(
+        redis_url=config.redis_url,
+        node=NodeRecord(config.node_id, config.node_address,
+                        config.dram_bytes + (config.ssd_bytes if config.ssd_dir else 0)),
+        heartbeat_s=config.cluster_heartbeat_seconds, node_ttl_s=config.cluster_node_ttl_seconds,
+        block_ttl_s=config.cluster_block_ttl_seconds, remote_tier=config.remote_tier,
+        remote_tier_bytes=config.remote_tier_bytes, queue_bytes=config.remote_queue_bytes,
+        recompute_tokens_per_second=config.recompute_tokens_per_second)
 
 
 def _bracket(host: str) -> str:

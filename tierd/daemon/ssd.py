@@ -11,12 +11,16 @@ pass and no segment index to persist, and a torn write cannot damage its neighbo
 
 After a write or a read the file's pages are dropped from the page cache (``POSIX_FADV_DONTNEED``):
 the shared-memory arena is the DRAM tier; the page cache must not become a second, unbounded one
-competing with it (and SSD numbers stay honest).
+competing with it (and SSD numbers stay honest). A read batch holds at most its read-ahead window
+(``ssdrecord.PREFETCH_BYTES``) in the page cache at a time.
 
 I/O runs in a ``ThreadPoolExecutor`` (``os.pwritev``/``os.preadv`` straight from and into the
-caller's memoryview, no copy), never on the event loop. Measured on the project machines: one file
-per block read by 8 threads ~1.6-1.8 GB/s (about raw disk); ``aiofiles`` (also a thread pool, plus
-a copy through a bytes object) 0.4-1.2 GB/s.
+caller's memoryview, no copy in Python), never on the event loop, in batches: ``read_many`` and
+``write_many`` hand a few tasks to the pool, not one per block. Per-block tasks were the cost of
+small blocks: 128 reads of 64 KiB as 128 tasks took 19-24 ms on 2 shared cores (thread hand-offs,
+GIL handovers, a queue only as deep as the thread count), as 4 batches that ask the kernel to
+read ahead 8-10 ms, against 4-5 ms of raw sequential disk for the same bytes. Writes share one
+directory sync per batch.
 
 Not thread-safe: call it from one thread (the daemon's event loop); only file I/O is offloaded.
 """
@@ -25,12 +29,15 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import functools
 import logging
 import os
 import secrets
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from tierd.daemon.layout import NAMESPACE_LEN
 from tierd.daemon.ssdrecord import (
@@ -41,9 +48,10 @@ from tierd.daemon.ssdrecord import (
     TMP_SUFFIX,
     Compression,
     RecordHeader,
-    read_record,
+    WriteJob,
+    read_records,
     record_name,
-    write_record,
+    write_records,
 )
 from tierd.types import BlockHash, Namespace
 
@@ -201,53 +209,62 @@ class SsdStore:
         was removed while being written; or the disk failed (``healthy`` False, warning logged,
         ``write_errors`` counted). ValueError on a namespace or hash of the wrong length.
         """
-        key = (namespace, block_hash)
-        _check_key(namespace, block_hash)
-        if len(payload) == 0:
-            raise ValueError("an SSD record needs a non-empty payload")
-        existing = self._index.get(key)
-        if existing is not None:
-            return _entry(existing)
-        bound = self.record_bytes(len(payload))
-        if (self._pool is None or key in self._pending
-                or self.used_bytes + self._reserved + bound > self.capacity_bytes):
-            return None
-        name = record_name(namespace, block_hash)
-        final = os.path.join(self.directory, name)
-        tmp = os.path.join(self.directory, f".{name}.{secrets.token_hex(4)}{TMP_SUFFIX}")
-        assert self._dir_fd is not None, "open store without a directory fd"
-        self._pending[key] = False
-        self._reserved += bound
-        done = asyncio.get_running_loop().run_in_executor(
-            self._pool, write_record, final, tmp, self._dir_fd, namespace, block_hash, payload,
-            checksum, self.compression)
+        return (await self.write_many([(namespace, block_hash, payload, checksum)]))[0]
+
+    async def write_many(self, blocks: Sequence[tuple[Namespace, BlockHash, memoryview, int]]
+                         ) -> list[SsdEntry | None]:
+        """``write`` of several blocks (namespace, hash, payload, checksum) at once: one entry or
+        None each, in order, on the same terms. The blocks are split, in order, into batches of
+        about ``WRITE_BATCH_BYTES`` (a large block is a batch of its own); each batch is one task
+        in the I/O pool that syncs the directory once for all its records (group commit). Every
+        payload stays unchanged until this returns. ValueError (nothing written) on a bad key
+        or an empty payload. A block later in the list than a copy of itself gets None."""
+        for namespace, block_hash, payload, _ in blocks:
+            _check_key(namespace, block_hash)
+            if len(payload) == 0:
+                raise ValueError("an SSD record needs a non-empty payload")
+        results: list[SsdEntry | None] = [None] * len(blocks)
+        writes: list[_Write] = []
+        for i, (namespace, block_hash, payload, checksum) in enumerate(blocks):
+            key = (namespace, block_hash)
+            existing = self._index.get(key)
+            if existing is not None:
+                results[i] = _entry(existing)
+                continue
+            bound = self.record_bytes(len(payload))
+            if (self._pool is None or key in self._pending
+                    or self.used_bytes + self._reserved + bound > self.capacity_bytes):
+                continue
+            name = record_name(namespace, block_hash)
+            tmp = f".{name}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+            job = WriteJob(os.path.join(self.directory, name), os.path.join(self.directory, tmp),
+                           namespace, block_hash, payload, checksum)
+            self._pending[key] = False
+            self._reserved += bound
+            writes.append(_Write(i, key, bound, job))
+        if not writes:
+            return results
+        assert self._pool is not None and self._dir_fd is not None, "open store without a pool"
+        loop = asyncio.get_running_loop()
+        batches = _batches(writes, [w.bound for w in writes], WRITE_BATCH_BYTES, len(writes))
+        done = asyncio.gather(*(loop.run_in_executor(
+            self._pool, write_records, [w.job for w in batch], self._dir_fd, self.compression)
+            for batch in batches), return_exceptions=True)
         try:
-            result: int | None = await asyncio.shield(done)
-        except asyncio.CancelledError:  # the thread still finishes: settle and drop it then
-            done.add_done_callback(lambda fut: self._abandon(key, bound, final, fut))
+            outcomes: list[list[int | OSError] | BaseException] = await asyncio.shield(done)
+        except asyncio.CancelledError:  # the threads still finish: settle and drop them then
+            done.add_done_callback(lambda _: self._abandon(batches, done))
             raise
-        except OSError as exc:
-            self._note_write_error(f"write of {name}", exc)
-            result = None
-        removed = self._settle(key, bound)
-        if result is None:
-            return None
-        if result == -1:
-            self.checksum_failures += 1
-            _log.warning("SSD write of %s refused: payload does not match its checksum", name)
-            return None
-        if removed:
-            self._unlink(final)
-            return None
-        stored_len = result - HEADER_BYTES
-        flags = FLAG_LZ4 if stored_len < len(payload) else 0
-        head = self._index[key] = RecordHeader(flags, namespace, block_hash, len(payload),
-                                               stored_len, checksum)
-        self.used_bytes += result
-        if not self.healthy:
-            _log.warning("SSD tier %s healthy again after a successful write", self.directory)
-            self.healthy = True
-        return _entry(head)
+        unexpected: BaseException | None = None
+        for batch, outcome in zip(batches, outcomes):
+            for w, result in zip(batch, _per_job(outcome, len(batch))):
+                if not isinstance(result, OSError) and isinstance(result, BaseException):
+                    unexpected = result  # a bug, not the disk: raised once all are settled
+                    result = OSError(repr(result))
+                results[w.index] = self._written(w, result, len(w.job.payload))
+        if unexpected is not None:
+            raise unexpected
+        return results
 
     async def read(self, namespace: Namespace, block_hash: BlockHash, into: memoryview) -> bool:
         """Copy one block into ``into`` (exactly its payload length; e.g. a DRAM slot) and verify
@@ -260,25 +277,44 @@ class SsdStore:
         cancelled, the copy into ``into`` still completes on its thread: keep the slot reserved
         until the store is closed, or do not cancel reads.
         """
-        key = (namespace, block_hash)
-        head = self._index.get(key)
-        if head is None or self._pool is None:
-            return False
-        if len(into) != head.payload_len:
-            raise ValueError(f"read target of {len(into)} bytes for a block of "
-                             f"{head.payload_len}: pass a view of exactly one slot")
-        path = os.path.join(self.directory, record_name(namespace, block_hash))
+        return await self.read_many([(namespace, block_hash, into)])[0]
+
+    def read_many(self, requests: Sequence[tuple[Namespace, BlockHash, memoryview]]
+                  ) -> list[asyncio.Future[bool]]:
+        """Start ``read`` of several blocks (namespace, hash, target); one future each, in
+        order, resolving to ``read``'s outcome when the batch holding it is done (a block not
+        indexed resolves False at once). Call it on the event loop's thread.
+
+        The requests are split, in order, into at most ``io_threads`` batches of about
+        ``READ_BATCH_BYTES`` or more; each batch is one task in the I/O pool that reads its records
+        with the kernel fetching ahead (``read_records``). A 128-block prefix thus costs a few
+        thread hand-offs instead of 128, and the disk sees a deep queue. ValueError, nothing
+        started, if a target's length differs from its block's payload length. Every target
+        stays written to until its future resolves, even if the future is cancelled.
+        """
         loop = asyncio.get_running_loop()
-        fault = await loop.run_in_executor(self._pool, read_record, path, head, into)
-        if fault is None:
-            return True
-        if self._index.get(key) is head:  # not removed or replaced meanwhile
-            del self._index[key]
-            self.used_bytes -= HEADER_BYTES + head.stored_len
-            self.checksum_failures += 1
-            self._unlink(path)
-            _log.warning("SSD record %s dropped: %s", path, fault)
-        return False
+        reads: list[_Read] = []
+        futures: list[asyncio.Future[bool]] = []
+        for namespace, block_hash, into in requests:
+            head = self._index.get((namespace, block_hash))
+            if head is not None and len(into) != head.payload_len:
+                raise ValueError(f"read target of {len(into)} bytes for a block of "
+                                 f"{head.payload_len}: pass a view of exactly one slot")
+        for namespace, block_hash, into in requests:
+            future: asyncio.Future[bool] = loop.create_future()
+            futures.append(future)
+            head = self._index.get((namespace, block_hash))
+            if head is None or self._pool is None:
+                future.set_result(False)
+                continue
+            path = os.path.join(self.directory, record_name(namespace, block_hash))
+            reads.append(_Read((namespace, block_hash), head, path, into, future))
+        for batch in _batches(reads, [HEADER_BYTES + r.head.stored_len for r in reads],
+                              READ_BATCH_BYTES, self._io_threads):
+            done = loop.run_in_executor(self._pool, read_records, [r.path for r in batch],
+                                        [r.head for r in batch], [r.into for r in batch])
+            done.add_done_callback(functools.partial(self._settle_reads, batch))
+        return futures
 
     def remove(self, namespace: Namespace, block_hash: BlockHash) -> None:
         """Delete the block's record and free its bytes at once (an ``unlink`` on the calling
@@ -319,17 +355,62 @@ class SsdStore:
 
     # -- internals -----------------------------------------------------------------------------
 
+    def _written(self, w: _Write, result: int | OSError, payload_len: int) -> SsdEntry | None:
+        """Settle one finished write (``write_records``'s result for it): index it or not."""
+        removed = self._settle(w.key, w.bound)
+        name = os.path.basename(w.job.final)
+        if isinstance(result, OSError):
+            self._note_write_error(f"write of {name}", result)
+            return None
+        if result == -1:
+            self.checksum_failures += 1
+            _log.warning("SSD write of %s refused: payload does not match its checksum", name)
+            return None
+        if removed:
+            self._unlink(w.job.final)
+            return None
+        stored_len = result - HEADER_BYTES
+        flags = FLAG_LZ4 if stored_len < payload_len else 0
+        head = self._index[w.key] = RecordHeader(flags, w.key[0], w.key[1], payload_len,
+                                                 stored_len, w.job.checksum)
+        self.used_bytes += result
+        if not self.healthy:
+            _log.warning("SSD tier %s healthy again after a successful write", self.directory)
+            self.healthy = True
+        return _entry(head)
+
     def _settle(self, key: _Key, bound: int) -> bool:
         """End a write's reservation; whether the block was removed while it was written."""
         self._reserved -= bound
         return self._pending.pop(key)
 
-    def _abandon(self, key: _Key, bound: int, final: str,
-                 done: asyncio.Future[int]) -> None:
-        """A cancelled write's thread finished: settle it and delete what it wrote."""
-        self._settle(key, bound)
-        if not done.cancelled() and done.exception() is None and done.result() > 0:
-            self._unlink(final)
+    def _abandon(self, batches: list[list[_Write]],
+                 done: asyncio.Future[list[list[int | OSError] | BaseException]]) -> None:
+        """A cancelled ``write_many``'s threads finished: settle them and delete what they
+        wrote."""
+        outcomes = done.result()
+        for batch, outcome in zip(batches, outcomes):
+            for w, result in zip(batch, _per_job(outcome, len(batch))):
+                self._settle(w.key, w.bound)
+                if isinstance(result, int) and result > 0:
+                    self._unlink(w.job.final)
+
+    def _settle_reads(self, batch: list[_Read], done: asyncio.Future[list[str | None]]) -> None:
+        """A read batch finished: drop the records that failed, resolve every future."""
+        if done.cancelled() or done.exception() is not None:
+            for r in batch:
+                if not r.future.done():
+                    r.future.set_exception(done.exception() or asyncio.CancelledError())
+            return
+        for r, fault in zip(batch, done.result()):
+            if fault is not None and self._index.get(r.key) is r.head:  # not replaced meanwhile
+                del self._index[r.key]
+                self.used_bytes -= HEADER_BYTES + r.head.stored_len
+                self.checksum_failures += 1
+                self._unlink(r.path)
+                _log.warning("SSD record %s dropped: %s", r.path, fault)
+            if not r.future.done():
+                r.future.set_result(fault is None)
 
     def _scan_record(self, dirent: os.DirEntry[str]) -> RecordHeader | None:
         """The header of a record found by ``open``, or None if it cannot be trusted."""
@@ -362,6 +443,59 @@ class SsdStore:
             _log.warning("SSD tier %s unhealthy (serving DRAM only until a write succeeds): "
                          "%s failed: %s", self.directory, what, exc)
         self.healthy = False
+
+
+@dataclass(slots=True)
+class _Write:
+    """A record ``write_many`` is writing, for the block at ``index`` of its list."""
+
+    index: int
+    key: _Key
+    bound: int  # bytes reserved against the bound until it settles
+    job: WriteJob
+
+
+@dataclass(slots=True)
+class _Read:
+    """A record ``read_many`` is reading into ``into``; ``future`` gets the outcome."""
+
+    key: _Key
+    head: RecordHeader  # what the index expected when the read started
+    path: str
+    into: memoryview
+    future: asyncio.Future[bool]
+
+
+READ_BATCH_BYTES = 2 << 20
+"""Smallest read batch worth its own I/O task (and at most ``io_threads`` of them): a batch reads
+ahead, so one thread already keeps the disk busy; each more thread costs a hand-off and GIL
+contention (measured on 2 cores: 128 x 64 KiB in 8-10 ms as 4 batches, 19-24 ms as 128 tasks)."""
+
+WRITE_BATCH_BYTES = 1 << 20
+"""Write batches hold about this many bytes, as many batches as that makes: small records share
+one directory sync (64 KiB: 128 records 1.4-2x faster), large ones each get their own task so
+their syncs overlap (2 MiB: batches of 16 were 0.31 of raw disk against 0.52-0.56 alone)."""
+
+T = TypeVar("T")
+
+
+def _batches(items: list[T], sizes: list[int], least_bytes: int, most: int) -> list[list[T]]:
+    """``items`` split, in order, into at most ``most`` runs of about equal bytes, each of about
+    ``least_bytes`` or more (one run if they add up to less)."""
+    total = sum(sizes)
+    count = max(1, min(most, len(items), total // least_bytes))
+    runs: list[list[T]] = [[] for _ in range(count)]
+    seen = 0
+    for item, size in zip(items, sizes):
+        runs[min(count - 1, seen * count // max(total, 1))].append(item)
+        seen += size
+    return [run for run in runs if run]
+
+
+def _per_job(outcome: list[int | OSError] | BaseException, n: int
+             ) -> list[int | OSError] | list[BaseException]:
+    """One batch's results, one per job (the batch's exception for each if it raised)."""
+    return [outcome] * n if isinstance(outcome, BaseException) else outcome
 
 
 def _check_key(namespace: Namespace, block_hash: BlockHash) -> None:

@@ -275,3 +275,39 @@ class StatsResponse(_message.Message):
     reuse_gap_p90_seconds: float
     idle_before_evict_p50_seconds: float
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., reading: _Optional[str] = ..., checksum_failures: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., ssd_healthy: _Optional[bool] = ..., reuse_gap_p90_seconds: _Optional[float] = ..., idle_before_evict_p50_seconds: _Optional[float] = ...) -> None: ...
+
+class LocateRequest(_message.Message):
+    __slots__ = ("engine_id", "block_hashes", "layout")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    layout: Layout
+    def __init__(self, engine_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ...) -> None: ...
+
+class NodePlacement(_message.Message):
+    __slots__ = ("node_id", "address", "prefix_blocks", "tiers", "score", "capacity_bytes", "heartbeat_age_seconds")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    prefix_blocks: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    score: float
+    capacity_bytes: int
+    heartbeat_age_seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., prefix_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., score: _Optional[float] = ..., capacity_bytes: _Optional[int] = ..., heartbeat_age_seconds: _Optional[float] = ...) -> None: ...
+
+class LocateResponse(_message.Message):
+    __slots__ = ("nodes", "stale")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodePlacement]
+    stale: bool
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodePlacement, _Mapping]]] = ..., stale: _Optional[bool] = ...) -> None: ...

@@ -85,6 +85,11 @@ class TierdStub:
                 request_serializer=tierd_dot_v1_dot_tierd__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tierd_dot_v1_dot_tierd__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Locate = channel.unary_unary(
+                '/tierd.v1.Tierd/Locate',
+                request_serializer=tierd_dot_v1_dot_tierd__pb2.LocateRequest.SerializeToString,
+                response_deserializer=tierd_dot_v1_dot_tierd__pb2.LocateResponse.FromString,
+                _registered_method=True)
 
 
 class TierdServicer:
@@ -167,6 +172,16 @@ class TierdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Locate(self, request, context):
+        """Ranks the cluster's live nodes by the prefix of a hash chain they hold (longest consecutive
+        prefix, weighted by tier), in one Redis round trip. A down or slow Redis is not an error: the
+        answer is empty with stale set. FAILED_PRECONDITION if the daemon runs without a cluster
+        (no redis_url).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TierdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -219,6 +234,11 @@ def add_TierdServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=tierd_dot_v1_dot_tierd__pb2.StatsRequest.FromString,
                     response_serializer=tierd_dot_v1_dot_tierd__pb2.StatsResponse.SerializeToString,
+            ),
+            'Locate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Locate,
+                    request_deserializer=tierd_dot_v1_dot_tierd__pb2.LocateRequest.FromString,
+                    response_serializer=tierd_dot_v1_dot_tierd__pb2.LocateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -492,6 +512,33 @@ class Tierd:
             '/tierd.v1.Tierd/Stats',
             tierd_dot_v1_dot_tierd__pb2.StatsRequest.SerializeToString,
             tierd_dot_v1_dot_tierd__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Locate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierd.v1.Tierd/Locate',
+            tierd_dot_v1_dot_tierd__pb2.LocateRequest.SerializeToString,
+            tierd_dot_v1_dot_tierd__pb2.LocateResponse.FromString,
             options,
             channel_credentials,
             insecure,
