@@ -39,92 +39,23 @@ from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.leases import LeaseTable, ReadLease, WriteLease, new_lease_id
 from tierd.daemon.lru import DramBlock, HbmIndex, SsdBlock, TierIndex, TierListener
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
-from tierd.daemon.slots import SlabAllocator, SlotGeometry
+from tierd.daemon.node_types import EngineInfo, Lease, LookupResult, NodeConfig, Reservation
+from tierd.daemon.slots import SlabAllocator
 from tierd.events import BlockStored, EventLog, KVEvent
-from tierd.types import BlockHash, Namespace, NamespacedKey, Tier, make_key
+from tierd.types import BlockHash, NamespacedKey, Tier, make_key
 
 if TYPE_CHECKING:
     from tierd.daemon.arena import ShmArena
     from tierd.daemon.ssd import SsdStore
 
+# The store and the values it takes and returns (defined in node_types), importable from here.
+__all__ = ["HASH_LENGTHS", "EngineInfo", "Lease", "LookupResult", "NodeConfig", "NodeStore",
+           "Reservation"]
+
 log = logging.getLogger(__name__)
 
 HASH_LENGTHS = (32, 16)
 """sha256_cbor and xxhash_cbor digests; anything else is a client bug."""
-
-
-@dataclass(frozen=True, slots=True)
-class NodeConfig:
-    """The store's policy knobs (the daemon's TierdConfig passes these through)."""
-
-    lease_seconds: float = 30.0
-    dram_high_watermark: float = 0.90    # fraction of arena bytes; maintain demotes above it
-    dram_low_watermark: float = 0.75     # ... until at or below this
-    ssd_min_hits: int = 0                # acquires a block needs to be demoted (else evicted)
-    max_blocks_per_request: int = 4096   # more: ResourceExhausted
-    hbm_max_blocks_per_engine: int = 1_000_000  # past it, the oldest reported hashes are dropped
-    ghost_entries: int = 65_536          # evicted keys remembered to measure reuse gaps
-
-    def validate(self) -> None:
-        """ValueError naming the field to fix."""
-        if not self.lease_seconds > 0:
-            raise ValueError(f"lease_seconds must be > 0, got {self.lease_seconds}")
-        if not 0.0 < self.dram_low_watermark <= self.dram_high_watermark <= 1.0:
-            raise ValueError("watermarks need 0 < dram_low_watermark <= dram_high_watermark <= 1,"
-                             f" got {self.dram_low_watermark} and {self.dram_high_watermark}")
-        for name in ("max_blocks_per_request", "hbm_max_blocks_per_engine", "ghost_entries"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.ssd_min_hits < 0:
-            raise ValueError(f"ssd_min_hits must be >= 0, got {self.ssd_min_hits}")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineInfo:
-    """A registered engine: its namespace and where its blocks lie in the arena."""
-
-    engine_id: str
-    tenant: str
-    namespace: Namespace
-    layout: Layout
-    geometry: SlotGeometry
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    """Tier of each hash of the longest consecutive prefix held (fastest tier first: "hbm" if
-    the calling engine reported it in its GPU pool)."""
-
-    tiers: list[Tier]
-
-    @property
-    def num_hit_blocks(self) -> int:
-        return len(self.tiers)
-
-
-@dataclass(frozen=True, slots=True)
-class Lease:
-    """A read lease: ``slot_ids[i]`` holds prefix block i in the arena, pinned until ``release``
-    or ``deadline`` (the store's clock); ``ttl_seconds`` is the time left at issue (for the
-    wire). Verify ``checksums[i]`` after copying out."""
-
-    lease_id: str
-    deadline: float
-    slot_ids: list[int]
-    checksums: list[int]
-    ttl_seconds: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    """A write lease: copy block i into ``slot_ids[i]`` then ``commit``; None where nothing is to
-    be written (``already_stored[i]``, or no room, or another engine is writing it now)."""
-
-    lease_id: str
-    deadline: float
-    slot_ids: list[int | None]
-    already_stored: list[bool]
-    ttl_seconds: float = 0.0
 
 
 @dataclass(slots=True)
