@@ -158,10 +158,82 @@ async def _bench(url: str, args: argparse.Namespace) -> int:
     return 0 if ratio <= LOCATE_LIMIT else 1
 
 
+def _bench_rpc(url: str, args: argparse.Namespace) -> None:
+    """The Locate RPC end to end (engine -> daemon over its Unix socket -> Redis -> back) beside
+    a local Lookup RPC of the same chain (the gRPC round trip alone) and the same pipelined
+    EXISTS: what a router pays, and how much of it is the daemon's hop."""
+    import redis as sync_redis
+
+    from tierd.commands.demo import EmbeddedDaemon, embedded_config
+    from tierd.daemon.client import TierdClient
+    from tierd.daemon.layout import Layout, namespace_for
+    from tierd.cluster.directory import Directory, DirectoryConfig, NodeRecord
+    from tierd.cluster.publisher import Publisher, PublisherConfig
+
+    layout = Layout(num_layers=2, num_kv_heads=2, head_size=64, dtype="float16", block_size=16)
+    chain = [BlockHash(hashlib.sha256(b"rpc" + i.to_bytes(4, "big")).digest())
+             for i in range(args.chain)]
+    with tempfile.TemporaryDirectory(prefix="tierd-bench-cluster-") as workdir:
+        config = embedded_config(workdir, dram_bytes=16 << 20, ssd_bytes=0, ssd_dir="",
+                                 redis_url=url, node_id="bench-node")
+        daemon = EmbeddedDaemon(config).start()
+        try:
+            with TierdClient(socket_path=config.socket_path) as client:
+                engine = client.register_engine(layout, "bench")
+                keys = [make_key(namespace_for(config.default_tenant, layout), h) for h in chain]
+
+                async def publish() -> list[bytes]:
+                    """Another node holds the whole chain; returns its blocks' Redis keys."""
+                    pub = Publisher(Directory(DirectoryConfig(redis_url=url)),
+                                    PublisherConfig(NodeRecord("bench-peer", "peer:1")))
+                    pub.stored(keys, "dram")
+                    assert await pub.step(), f"publishing to {url} failed"
+                    block_keys = [pub.directory.block_key(k) for k in keys]
+                    await pub.directory.close()
+                    return block_keys
+
+                block_keys = asyncio.run(publish())
+                located = client.locate(None, chain, layout=layout)
+                assert [n.prefix_blocks for n in located.nodes][:1] == [args.chain], located
+                sync = sync_redis.Redis.from_url(url)
+
+                def exists() -> object:
+                    pipe = sync.pipeline(transaction=False)
+                    for key in block_keys:
+                        pipe.exists(key)
+                    return pipe.execute()
+
+                def timed(op: Callable[[], object]) -> list[float]:
+                    op()
+                    samples = []
+                    for _ in range(args.repeat):
+                        start = time.perf_counter()
+                        op()
+                        samples.append(time.perf_counter() - start)
+                    return samples
+
+                rpc = statistics.median(
+                    timed(lambda: client.locate(None, chain, layout=layout))) * 1e3
+                lookup = statistics.median(timed(lambda: client.lookup(engine.engine_id, chain))) * 1e3
+                raw = statistics.median(timed(exists)) * 1e3
+                sync.close()
+        finally:
+            daemon.stop()
+    print(f"Locate RPC {args.chain}-block chain: p50 {rpc:.3f} ms; local Lookup RPC (gRPC hop) "
+          f"{lookup:.3f} ms; sync pipelined EXISTS {raw:.3f} ms")
+    print(f"Locate RPC / EXISTS = {rpc / raw:.2f}x; (Locate RPC - gRPC hop) / EXISTS = "
+          f"{max(rpc - lookup, 0.0) / raw:.2f}x (limit {LOCATE_LIMIT}x applies to the directory "
+          f"call above; the RPC adds one gRPC round trip)")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.chain <= 0 or args.nodes <= 0 or args.repeat < 2 or args.publish_blocks <= 0:
         raise ValueError("--chain, --nodes, --publish-blocks must be positive, --repeat >= 2")
     if args.redis_url is not None:
-        return asyncio.run(_bench(args.redis_url, args))
+        status = asyncio.run(_bench(args.redis_url, args))
+        _bench_rpc(args.redis_url, args)
+        return status
     with private_redis() as url:
-        return asyncio.run(_bench(url, args))
+        status = asyncio.run(_bench(url, args))
+        _bench_rpc(url, args)
+        return status
