@@ -26,6 +26,7 @@ from tierd.daemon.cluster_link import ClusterLink
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.server import Daemon
+from tierd.daemon.ssdrecord import HEADER_BYTES
 from tierd.types import BlockHash, make_key
 
 T = TypeVar("T")
@@ -276,7 +277,7 @@ def test_dead_node_entries_expire(cluster: Callable[..., Node], redis_server: An
 def test_ssd_eviction_feeds_the_remote_tier(cluster: Callable[..., Node]) -> None:
     """A's SSD holds 2 records: demoting 2 more evicts the oldest record (p0), whose bytes are
     read back and put remote by the maintain pass; B then acquires p0 from the remote tier."""
-    record = 128 + 4096
+    record = HEADER_BYTES + 4096
     a = cluster("node-a", dram_bytes=128 << 10, ssd_bytes=2 * record, remote_tier=True,
                 dram_high_watermark=0.05, dram_low_watermark=0.05)   # DRAM keeps 1 block
     b = cluster("node-b", remote_tier=True)

@@ -24,6 +24,7 @@ from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
 from tierd.daemon.node import EngineInfo, NodeConfig, NodeStore, Reservation
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd import SsdStore
+from tierd.daemon.ssdrecord import HEADER_BYTES
 from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored
 from tierd.types import BlockHash
 
@@ -31,7 +32,7 @@ LAYOUT = Layout(num_layers=1, num_kv_heads=1, head_size=16, dtype="float16", blo
 BLOCK = LAYOUT.block_bytes            # 1024 bytes
 ARENA = 8 * BLOCK                     # 8 slots: 2 slabs of 4
 SLAB = 4 * BLOCK
-SSD = 4 * (BLOCK + 128)               # 4 records (128-byte header each)
+SSD = 4 * (BLOCK + HEADER_BYTES)      # 4 records (512-byte header each)
 
 
 class FakeClock:
@@ -272,7 +273,7 @@ async def test_full_ssd_drops_its_lru_blocks(rig: Rig) -> None:
         BlockRemoved((hashes[4],), "dram"), BlockRemoved((hashes[5],), "dram")]
     stats = rig.node.stats()
     assert stats.tiers["ssd"].evictions == 2 and stats.tiers["ssd"].used_blocks == 4
-    assert stats.tiers["ssd"].used_bytes == 4 * (BLOCK + 128) == stats.tiers["ssd"].capacity_bytes
+    assert stats.tiers["ssd"].used_bytes == SSD == stats.tiers["ssd"].capacity_bytes
     rig.node.check_integrity()
 
 
@@ -452,10 +453,11 @@ async def test_corrupt_ssd_record_is_a_miss(rig: Rig) -> None:
     hashes = chain(8)
     rig.store(hashes)
     await rig.node.maintain()                                  # 0, 1 -> SSD
-    path = next(p for p in (rig.ssd.directory).iterdir() if hashes[1].hex() in p.name)
-    raw = bytearray(path.read_bytes())
-    raw[-1] ^= 0xFF
-    path.write_bytes(raw)
+    span = rig.ssd.locate(rig.engine.namespace, hashes[1])
+    assert span is not None
+    raw = bytearray(span.path.read_bytes())
+    raw[span.offset + span.size - 1] ^= 0xFF               # the record's last payload byte
+    span.path.write_bytes(raw)
     rig.node.take_events()
     lease = await rig.node.acquire(rig.engine.engine_id, hashes)
     assert len(lease.slot_ids) == 1
@@ -621,16 +623,14 @@ def test_histogram_quantile_interpolates_within_a_bucket() -> None:
 
 async def test_restart_with_a_smaller_bound_drops_the_oldest_records(make_rig: MakeRig,
                                                                      tmp_path: Path) -> None:
-    """Reopened with room for one record, the node keeps the newest (by file time) and deletes
+    """Reopened with room for one record, the node keeps the newest (append order) and drops
     the other."""
     first = make_rig(ssd_dir=str(tmp_path / "shared"))
     hashes = chain(8)
     first.store(hashes)
     await first.node.maintain()                                # 0, 1 written
     await first.node.close()
-    oldest = next(p for p in (tmp_path / "shared").iterdir() if hashes[0].hex() in p.name)
-    os.utime(oldest, (1, 1))
-    second = make_rig(ssd_dir=str(tmp_path / "shared"), ssd_bytes=BLOCK + 128)
+    second = make_rig(ssd_dir=str(tmp_path / "shared"), ssd_bytes=BLOCK + HEADER_BYTES)
     assert second.tiers(hashes[1:2]) == ["ssd"] and second.tiers(hashes[:1]) == []
     assert second.node.take_events()[-1] == BlockRemoved((hashes[0],), "ssd")
     second.ssd.check_integrity(disk=True)

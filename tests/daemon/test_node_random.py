@@ -21,11 +21,12 @@ from tierd.daemon.layout import Layout
 from tierd.daemon.node import EngineInfo, Lease, NodeConfig, NodeStore, Reservation
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd import SsdStore
+from tierd.daemon.ssdrecord import HEADER_BYTES
 from tierd.types import BlockHash
 
 SMALL = Layout(num_layers=1, num_kv_heads=1, head_size=16, dtype="float16", block_size=16)
 WIDE = Layout(num_layers=1, num_kv_heads=2, head_size=16, dtype="float16", block_size=16)
-ARENA, SLAB, SSD = 16 << 10, 4 << 10, 6 * (1024 + 128)
+ARENA, SLAB, SSD = 16 << 10, 4 << 10, 6 * (1024 + HEADER_BYTES)
 
 
 class FakeClock:
@@ -122,7 +123,7 @@ class World:
         elif op == "sick":                 # as after a disk error; a good write heals it
             self.ssd.healthy = False
         elif op == "corrupt":
-            records = sorted(self.ssd.directory.glob("*.kvb"))
+            records = sorted(self.ssd.directory.glob("seg-*.kvs"))
             if records:
                 path = rng.choice(records)
                 raw = bytearray(path.read_bytes())

@@ -60,9 +60,9 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 def test_kill_9_and_restart_finds_ssd_blocks(workdir: str, kit: Any,
                                              processes: list[subprocess.Popen[bytes]]) -> None:
-    """Six blocks demoted to SSD, kill -9, a torn temp record left behind: the restarted daemon
-    finds all six on SSD, they copy out bit-exact, the torn file is gone, SSD bytes match the disk,
-    and the dead daemon's arena file is removed."""
+    """Six blocks demoted to SSD, kill -9, a torn record left at the end of the last segment:
+    the restarted daemon finds all six on SSD, they copy out bit-exact, the torn tail is cut
+    off, SSD bytes match the disk, and the dead daemon's arena file is removed."""
     hashes = kit.chain(6)
     first = serve(workdir)
     processes.append(first)
@@ -78,9 +78,10 @@ def test_kill_9_and_restart_finds_ssd_blocks(workdir: str, kit: Any,
     old_arena = os.path.join(engine.arena_directory, engine.arena_name)
     assert os.path.exists(old_arena) and os.path.exists(os.path.join(workdir, "tierd.sock"))
     ssd_dir = os.path.join(workdir, "ssd")
-    torn = os.path.join(ssd_dir, ".deadbeef-cafe.kvb.0123abcd.tmp")
-    with open(torn, "wb") as f:
-        f.write(b"TKVB" + bytes(60))
+    last = max(e.path for e in os.scandir(ssd_dir) if e.name.endswith(".kvs"))
+    intact = os.path.getsize(last)
+    with open(last, "ab") as f:
+        f.write(b"TKVB" + bytes(600))
 
     second = serve(workdir)
     processes.append(second)
@@ -96,10 +97,10 @@ def test_kill_9_and_restart_finds_ssd_blocks(workdir: str, kit: Any,
         client.release(engine.engine_id, got.lease_id)
         arena.close()
         ssd = client.stats().tiers[2]
-    records = [e for e in os.scandir(ssd_dir) if e.name.endswith(".kvb")]
-    assert not os.path.exists(torn) and not os.path.exists(old_arena)
-    assert (ssd.tier, ssd.used_blocks, len(records)) == ("ssd", 6, 6)
-    assert ssd.used_bytes == sum(e.stat().st_size for e in records)
+    segments = [e for e in os.scandir(ssd_dir) if e.name.endswith(".kvs")]
+    assert os.path.getsize(last) == intact and not os.path.exists(old_arena)
+    assert (ssd.tier, ssd.used_blocks) == ("ssd", 6)
+    assert ssd.used_bytes == sum(e.stat().st_size for e in segments)
     second.send_signal(signal.SIGTERM)
     assert second.wait(timeout=30) == 0
 

@@ -1,4 +1,5 @@
-"""The SSD tier on real files: round trips, the bound, corruption, restart, a sick disk."""
+"""The SSD tier on real segment files: round trips, the bound, coalesced reads, compaction,
+corruption, restart after a real SIGKILL, a sick disk."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import mmap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,8 +37,25 @@ def payload(i: int, size: int = BLOCK) -> memoryview:
     return memoryview(random.Random(i).randbytes(size))
 
 
-def record_path(store: SsdStore, ns: Namespace, bh: BlockHash) -> Path:
-    return store.directory / f"{ns.hex()}-{bh.hex()}.kvb"
+def flip(store: SsdStore, bh: BlockHash, at: int, mask: int = 0x40) -> None:
+    """Flip bits of the byte ``at`` bytes into the block's record, in its segment file."""
+    span = store.locate(NS, bh)
+    assert span is not None and at < span.size
+    with open(span.path, "r+b") as f:
+        f.seek(span.offset + at)
+        byte = f.read(1)
+        f.seek(span.offset + at)
+        f.write(bytes([byte[0] ^ mask]))
+
+
+def segments(directory: Path) -> dict[str, int]:
+    """Segment file name -> size."""
+    return {p.name: p.stat().st_size for p in sorted(directory.glob("seg-*.kvs")) if p.is_file()}
+
+
+def aligned(nbytes: int) -> memoryview:
+    """Page-aligned writable memory, like a DRAM slot (O_DIRECT capable)."""
+    return memoryview(mmap.mmap(-1, nbytes))
 
 
 @pytest.fixture
@@ -96,7 +115,8 @@ async def test_checksum_mismatch_on_write_refused(store: SsdStore) -> None:
 
 
 async def test_byte_bound_refuses_then_accepts_after_remove(tmp_path: Path) -> None:
-    """A write that would pass the bound returns None; after a remove it fits."""
+    """A write that would pass the bound returns None; after a remove it fits: the removed
+    record stays in its segment as garbage until compaction."""
     store = SsdStore(tmp_path, 2 * (HEADER_BYTES + BLOCK))
     store.open()
     for i in range(2):
@@ -107,24 +127,33 @@ async def test_byte_bound_refuses_then_accepts_after_remove(tmp_path: Path) -> N
     store.remove(NS, h(0))
     store.remove(NS, h(0))  # idempotent
     assert await store.write(NS, h(2), payload(2), block_checksum(payload(2))) is not None
-    assert sorted(p.name[-8:] for p in tmp_path.iterdir()) == ["0001.kvb", "0002.kvb"]
+    assert store.used_bytes == 2 * (HEADER_BYTES + BLOCK)
+    assert segments(tmp_path) == {"seg-0000000000000000.kvs": 3 * (HEADER_BYTES + BLOCK)}
+    assert store.physical_bytes == 3 * (HEADER_BYTES + BLOCK)
     store.check_integrity(disk=True)
     store.close()
 
 
 async def test_corrupt_payload_byte(store: SsdStore) -> None:
-    """One flipped payload byte: read False, counted, record deleted, later a plain miss."""
+    """One flipped payload byte inside a segment: read False, counted, dropped from the index,
+    later a plain miss; its neighbour in the segment still reads."""
+    for i in range(2):
+        await store.write(NS, h(i), payload(i), block_checksum(payload(i)))
+    flip(store, h(0), HEADER_BYTES + 1000)
+    assert await read_back(store, NS, h(0)) is None
+    assert (store.checksum_failures, store.contains(NS, h(0))) == (1, False)
+    assert await read_back(store, NS, h(0)) is None
+    assert await read_back(store, NS, h(1)) == bytes(payload(1))
+    assert (store.checksum_failures, store.used_bytes) == (1, HEADER_BYTES + BLOCK)
+    store.check_integrity(disk=True)
+
+
+async def test_corrupt_header_byte(store: SsdStore) -> None:
+    """A flipped header byte fails the header checksum: a counted miss."""
     await store.write(NS, h(0), payload(0), block_checksum(payload(0)))
-    path = record_path(store, NS, h(0))
-    with open(path, "r+b") as f:
-        f.seek(HEADER_BYTES + 1000)
-        byte = f.read(1)
-        f.seek(HEADER_BYTES + 1000)
-        f.write(bytes([byte[0] ^ 0x40]))
+    flip(store, h(0), 20)
     assert await read_back(store, NS, h(0)) is None
-    assert (store.checksum_failures, path.exists(), store.contains(NS, h(0))) == (1, False, False)
-    assert await read_back(store, NS, h(0)) is None
-    assert (store.checksum_failures, store.used_bytes) == (1, 0)
+    assert (store.checksum_failures, len(store), store.used_bytes) == (1, 0, 0)
     store.check_integrity(disk=True)
 
 
@@ -135,109 +164,124 @@ async def test_corrupt_compressed_payload(tmp_path: Path) -> None:
     text = memoryview(bytes(range(256)) * (BLOCK // 256))
     entry = await store.write(NS, h(0), text, block_checksum(text))
     assert entry is not None and entry.stored_bytes < BLOCK
-    path = record_path(store, NS, h(0))
-    raw = bytearray(path.read_bytes())
-    raw[HEADER_BYTES + 5 : HEADER_BYTES + 40] = bytes(35)
-    path.write_bytes(raw)
+    for at in range(HEADER_BYTES + 5, HEADER_BYTES + 40):
+        flip(store, h(0), at, 0xFF)
     assert await read_back(store, NS, h(0)) is None
-    assert (store.checksum_failures, path.exists()) == (1, False)
+    assert (store.checksum_failures, store.contains(NS, h(0))) == (1, False)
     store.check_integrity(disk=True)
     store.close()
 
 
-async def test_truncated_record(store: SsdStore) -> None:
-    """A record cut short is detected on read, deleted and counted."""
+async def test_truncated_segment(store: SsdStore) -> None:
+    """A segment cut short under a record: the read is short, a counted miss."""
     await store.write(NS, h(0), payload(0), block_checksum(payload(0)))
-    path = record_path(store, NS, h(0))
-    os.truncate(path, HEADER_BYTES + BLOCK // 2)
+    span = store.locate(NS, h(0))
+    assert span is not None
+    os.truncate(span.path, span.offset + HEADER_BYTES + BLOCK // 2)
     assert await read_back(store, NS, h(0)) is None
-    assert (store.checksum_failures, path.exists(), store.used_bytes) == (1, False, 0)
-    store.check_integrity(disk=True)
+    assert (store.checksum_failures, store.used_bytes) == (1, 0)
+    store.check_integrity()
 
 
 async def test_header_naming_another_block(store: SsdStore) -> None:
-    """A file whose header names another hash is never served for this one."""
+    """A record whose header names another hash is never served for this one."""
     for i in range(2):
         await store.write(NS, h(i), payload(i), block_checksum(payload(i)))
-    record_path(store, NS, h(1)).write_bytes(record_path(store, NS, h(0)).read_bytes())
+    a, b = store.locate(NS, h(0)), store.locate(NS, h(1))
+    assert a is not None and b is not None and a.path == b.path
+    raw = a.path.read_bytes()
+    with open(b.path, "r+b") as f:
+        f.seek(b.offset)
+        f.write(raw[a.offset:a.offset + a.size])
     assert await read_back(store, NS, h(1)) is None
     assert await read_back(store, NS, h(0)) == bytes(payload(0))
     assert (store.checksum_failures, len(store)) == (1, 1)
     store.check_integrity(disk=True)
 
 
-async def test_restart_keeps_intact_records_and_drops_torn_ones(tmp_path: Path) -> None:
-    """Reopening after a crash finds exactly the intact records, oldest first, deletes a torn
-    temp file, a half-written record, a garbage header and a record under another block's name,
-    and accounts bytes like the disk."""
-    first = SsdStore(tmp_path, 1 << 20)
+async def test_restart_cuts_torn_tail_and_keeps_later_duplicate(tmp_path: Path) -> None:
+    """Reopening finds exactly the intact records in append order, cuts a torn tail (half a
+    record) and everything after a garbage header, keeps a block's later record, and accounts
+    bytes like the disk; payloads read back bit-exact."""
+    first = SsdStore(tmp_path, 1 << 20, segment_bytes=4 * (HEADER_BYTES + 1024))
     first.open()
-    for i in range(5):
+    for i in range(5):  # odd sizes: padded records; 4 per segment
         p = payload(i, 1000 + i)
         assert await first.write(NS, h(i, 16), p, block_checksum(p)) is not None
-    for i in range(5):  # distinct mtimes, i oldest first
-        os.utime(record_path(first, NS, h(i, 16)), ns=(10**18 + i, 10**18 + i))
+    first.remove(NS, h(0, 16))
+    p = payload(0, 1000)
+    assert await first.write(NS, h(0, 16), p, block_checksum(p)) is not None  # in segment 1
+    span = first.locate(NS, h(1, 16))
+    assert span is not None
+    record = span.path.read_bytes()[span.offset:span.offset + span.size]
     first.close()
-    (tmp_path / f".{NS.hex()}-{h(9).hex()}.kvb.1a2b3c4d.tmp").write_bytes(b"torn")
-    half = record_path(first, NS, h(5, 16))
-    half.write_bytes(record_path(first, NS, h(0, 16)).read_bytes()[:600])  # cut mid-record
-    (tmp_path / f"{NS.hex()}-{h(6).hex()}.kvb").write_bytes(os.urandom(300))
-    misnamed = record_path(first, NS, h(7, 16))
-    misnamed.write_bytes(record_path(first, NS, h(1, 16)).read_bytes())  # header names h(1)
-    (tmp_path / "unrelated.txt").write_text("left alone")
+    seg0, seg1 = sorted(tmp_path.glob("seg-*.kvs"))
+    with open(seg1, "ab") as f:
+        f.write(record[:600])  # a torn write: a valid header, half the payload
+    with open(seg0, "ab") as f:
+        f.write(os.urandom(HEADER_BYTES) + record)  # garbage header, then a record never seen
+    sizes = {p.name: p.stat().st_size for p in (seg0, seg1)}
 
     second = SsdStore(tmp_path, 1 << 20)
     entries = second.open()
-    assert [(e.block_hash, e.payload_len) for e in entries] == [(h(i, 16), 1000 + i)
-                                                               for i in range(5)]
-    files = sorted(p.name for p in tmp_path.iterdir())
-    assert len(files) == 6 and files[-1] == "unrelated.txt"
-    disk = sum(p.stat().st_size for p in tmp_path.iterdir() if p.suffix == ".kvb")
-    assert second.used_bytes == disk == sum(HEADER_BYTES + 1000 + i for i in range(5))
-    assert second.checksum_failures == 3
+    assert [(e.block_hash, e.payload_len) for e in entries] == [
+        (h(i, 16), 1000 + i) for i in (1, 2, 3, 4, 0)]
+    assert second.torn_bytes == 600 + HEADER_BYTES + len(record)
+    on_disk = segments(tmp_path)
+    assert sum(on_disk.values()) == sum(sizes.values()) - second.torn_bytes
+    assert second.used_bytes == sum(e.stored_bytes for e in entries) == sum(
+        HEADER_BYTES + 1024 for _ in range(5))
+    assert second.physical_bytes == sum(on_disk.values()) == second.used_bytes + HEADER_BYTES + 1024
     for i in range(5):
         assert await read_back(second, NS, h(i, 16), 1000 + i) == bytes(payload(i, 1000 + i))
+    assert second.checksum_failures == 0
     second.check_integrity(disk=True)
     second.close()
 
 
-def test_restart_after_kill_9(tmp_path: Path) -> None:
-    """A real writer process killed with SIGKILL mid-stream: every block it saw acknowledged is
-    found again intact, and accounting equals the disk."""
+def test_restart_after_sigkill_mid_batch(tmp_path: Path) -> None:
+    """A real writer process appending batches of 4 blocks is killed with SIGKILL halfway
+    through its third batch's write: every acknowledged block is found intact, the torn record
+    is cut off (100 bytes past the batch's second record), and accounting equals the disk."""
     writer = textwrap.dedent(f"""
-        import asyncio, random, sys
+        import asyncio, os, random, signal
         from tierd.checksum import block_checksum
         from tierd.daemon.ssd import SsdStore
+        real, calls = os.pwritev, []
+        def pwritev(fd, bufs, offset):
+            calls.append(1)
+            if len(calls) == 3:  # the third batch: half of it, then a real SIGKILL
+                data = b"".join(bytes(b) for b in bufs)
+                os.pwrite(fd, data[:len(data) // 2 + 100], offset)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(fd, bufs, offset)
+        os.pwritev = pwritev
         async def main():
             s = SsdStore({str(tmp_path)!r}, 1 << 40)
             s.open()
-            for i in range(100000):
-                p = memoryview(random.Random(i).randbytes({BLOCK}))
-                assert await s.write({bytes(NS)!r}, i.to_bytes(32, "big"), p, block_checksum(p))
-                print(i, flush=True)
+            for b in range(100):
+                blocks = []
+                for i in range(4 * b, 4 * b + 4):
+                    p = memoryview(random.Random(i).randbytes({BLOCK}))
+                    blocks.append(({bytes(NS)!r}, i.to_bytes(32, "big"), p, block_checksum(p)))
+                assert all(await s.write_many(blocks))
+                print(b, flush=True)
         asyncio.run(main())
     """)
-    proc = subprocess.Popen([sys.executable, "-c", writer], cwd=REPO, stdout=subprocess.PIPE,
-                            text=True)
-    assert proc.stdout is not None
-    acked = [int(proc.stdout.readline()) for _ in range(20)]
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    assert acked == list(range(20))
+    proc = subprocess.run([sys.executable, "-c", writer], cwd=REPO, stdout=subprocess.PIPE,
+                          text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert proc.stdout.split() == ["0", "1"]
     store = SsdStore(tmp_path, 1 << 40)
-    found = {e.block_hash for e in store.open()}
-    assert {h(i) for i in acked} <= found
-    assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
-    assert store.used_bytes == sum(p.stat().st_size for p in tmp_path.iterdir())
-    for bh in sorted(found):
-        assert await_read(store, bh) == bytes(payload(int.from_bytes(bh, "big")))
+    found = [int.from_bytes(e.block_hash, "big") for e in store.open()]
+    assert found == list(range(10))  # 8 acknowledged, 2 whole records of the torn batch
+    assert store.torn_bytes == 100
+    assert store.used_bytes == store.physical_bytes == sum(segments(tmp_path).values())
+    for i in found:
+        assert asyncio.run(read_back(store, NS, h(i))) == bytes(payload(i))
     assert store.checksum_failures == 0
     store.check_integrity(disk=True)
     store.close()
-
-
-def await_read(store: SsdStore, bh: BlockHash) -> bytes | None:
-    return asyncio.run(read_back(store, NS, bh))
 
 
 async def test_unusable_directory(tmp_path: Path) -> None:
@@ -261,23 +305,23 @@ async def test_unusable_directory(tmp_path: Path) -> None:
 
 
 async def test_write_error_degrades_then_recovers(store: SsdStore) -> None:
-    """A disk error during a write (the record's name is taken by a directory) returns None,
-    sets healthy False, counts it, leaves no temp file; the next good write heals the store."""
-    blocker = record_path(store, NS, h(0))
+    """A disk error during a write (the new segment's name is taken by a directory) returns
+    None, sets healthy False, counts it; the next write goes to the next segment and heals
+    the store."""
+    blocker = store.directory / "seg-0000000000000000.kvs"
     blocker.mkdir()
     assert await store.write(NS, h(0), payload(0), block_checksum(payload(0))) is None
     assert (store.healthy, store.write_errors, store.used_bytes) == (False, 1, 0)
-    assert sorted(p.name for p in store.directory.iterdir()) == [blocker.name]
-    blocker.rmdir()
     store.check_integrity(disk=True)
     assert await store.write(NS, h(1), payload(1), block_checksum(payload(1))) is not None
     assert (store.healthy, store.write_errors) == (True, 1)
+    assert segments(store.directory) == {"seg-0000000000000001.kvs": HEADER_BYTES + BLOCK}
     store.check_integrity(disk=True)
 
 
 async def test_concurrent_writes_reads_and_remove_during_write(store: SsdStore) -> None:
-    """Many writes and reads in flight at once; a block removed while being written is not kept;
-    a second write of a stored block returns the existing entry."""
+    """Many writes and reads in flight at once; a block removed while being written is not kept
+    (its record is garbage); a second write of a stored block returns the existing entry."""
     entries = await asyncio.gather(*(store.write(NS, h(i), payload(i), block_checksum(payload(i)))
                                      for i in range(12)))
     assert all(entries)
@@ -289,6 +333,7 @@ async def test_concurrent_writes_reads_and_remove_during_write(store: SsdStore) 
     reads = await asyncio.gather(*(read_back(store, NS, h(i)) for i in range(12)))
     assert reads == [bytes(payload(i)) for i in range(12)]
     assert len(store) == 12
+    assert store.physical_bytes - store.used_bytes == HEADER_BYTES + BLOCK
     store.check_integrity(disk=True)
 
 
@@ -314,39 +359,54 @@ def test_measure_raw_disk(tmp_path: Path) -> None:
 
 async def test_read_many_mixed_batch(store: SsdStore) -> None:
     """One batch: intact blocks read back bit-exact, a missing one and a corrupt one are misses
-    (the corrupt record deleted and counted), in request order."""
+    (the corrupt record dropped and counted), in request order."""
     for i in range(4):
         assert await store.write(NS, h(i), payload(i), block_checksum(payload(i))) is not None
-    path = record_path(store, NS, h(2))
-    raw = bytearray(path.read_bytes())
-    raw[HEADER_BYTES + 7] ^= 0x01
-    path.write_bytes(raw)
+    flip(store, h(2), HEADER_BYTES + 7, 0x01)
     keys = [h(0), h(9), h(2), h(1), h(3)]
     into = [bytearray(BLOCK) for _ in keys]
     futures = store.read_many([(NS, k, memoryview(b)) for k, b in zip(keys, into)])
     assert await asyncio.gather(*futures) == [True, False, False, True, True]
     assert [bytes(into[i]) for i in (0, 3, 4)] == [bytes(payload(i)) for i in (0, 1, 3)]
-    assert (store.checksum_failures, path.exists(), len(store)) == (1, False, 3)
+    assert (store.checksum_failures, store.contains(NS, h(2)), len(store)) == (1, False, 3)
     store.check_integrity(disk=True)
 
 
-async def test_read_many_past_the_read_ahead_window(tmp_path: Path) -> None:
-    """A batch longer than the read-ahead window (40 records, window 32) reads every record;
-    one record grown past its recorded size is caught without an fstat."""
-    store = SsdStore(tmp_path, 1 << 20)
+@pytest.mark.parametrize("target", ["aligned", "bytearray"])
+async def test_read_many_coalesces_adjacent_records(tmp_path: Path, target: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """24 records written as one batch and one written later, not adjacent, requested
+    shuffled: the batch's records are one run read by one preadv (straight into page-aligned
+    slots or into plain buffers), the late one a second; every block bit-exact."""
+    store = SsdStore(tmp_path, 4 << 20)
     store.open()
-    n, size = 40, 4096
-    entries = await store.write_many([(NS, h(i), payload(i, size),
-                                       block_checksum(payload(i, size))) for i in range(n)])
-    assert all(entries)
-    with open(record_path(store, NS, h(17)), "ab") as f:
-        f.write(b"x")
-    into = [bytearray(size) for _ in range(n)]
-    ok = await asyncio.gather(*store.read_many([(NS, h(i), memoryview(b))
-                                                for i, b in enumerate(into)]))
-    assert ok == [i != 17 for i in range(n)]
-    assert all(bytes(into[i]) == bytes(payload(i, size)) for i in range(n) if i != 17)
-    assert (store.checksum_failures, len(store)) == (1, n - 1)
+    n = 24  # 1.5 MiB: within RUN_BYTES
+    src = aligned(n * BLOCK)
+    for i in range(n):
+        src[i * BLOCK:(i + 1) * BLOCK] = payload(i)
+    blocks = [(NS, h(i), src[i * BLOCK:(i + 1) * BLOCK], block_checksum(payload(i)))
+              for i in range(n)]
+    assert all(await store.write_many(blocks))
+    for i in (n + 1, n):  # n + 1 is never read: n is not adjacent to the batch
+        assert await store.write(NS, h(i), payload(i), block_checksum(payload(i)))
+    order = list(range(n + 1))
+    random.Random(7).shuffle(order)
+    dst = aligned((n + 1) * BLOCK)
+    into = ([dst[i * BLOCK:(i + 1) * BLOCK] for i in range(n + 1)] if target == "aligned"
+            else [memoryview(bytearray(BLOCK)) for _ in range(n + 1)])
+    calls: list[int] = []
+    real = os.preadv
+
+    def counting(fd: int, buffers: list[memoryview], offset: int) -> int:
+        calls.append(len(buffers))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", counting)
+    ok = await asyncio.gather(*store.read_many([(NS, h(i), into[i]) for i in order]))
+    monkeypatch.undo()
+    assert ok == [True] * (n + 1)
+    assert all(bytes(into[i]) == bytes(payload(i)) for i in range(n + 1))
+    assert sorted(calls) == [2, 2 * n]  # header + payload per record (64 KiB: no padding)
     store.check_integrity(disk=True)
     store.close()
 
@@ -362,25 +422,86 @@ async def test_read_many_bad_target_starts_nothing(store: SsdStore) -> None:
 
 
 async def test_write_many_mixed_batch(tmp_path: Path) -> None:
-    """One call: new blocks stored, a stored one returns its entry, a repeat within the call,
-    a bad checksum, a block past the bound and one whose name is blocked by a directory get
-    None; the others are unaffected and accounting matches the disk."""
+    """One call: new blocks stored in one segment, a stored one returns its entry, a repeat
+    within the call, a bad checksum and a block past the bound get None; accounting matches
+    the disk."""
     store = SsdStore(tmp_path, 5 * (HEADER_BYTES + BLOCK))
     store.open()
     first = await store.write(NS, h(0), payload(0), block_checksum(payload(0)))
-    record_path(store, NS, h(5)).mkdir()
     blocks = [(NS, h(i), payload(i), block_checksum(payload(i))) for i in (0, 1, 2, 5)]
     blocks.insert(2, (NS, h(1), payload(1), block_checksum(payload(1))))  # repeat of h(1)
     blocks.append((NS, h(3), payload(3), block_checksum(payload(3)) ^ 1))  # bad checksum
     blocks.append((NS, h(4), payload(4), block_checksum(payload(4))))  # past the bound
     got = await store.write_many(blocks)
-    assert [e is not None for e in got] == [True, True, False, True, False, False, False]
+    assert [e is not None for e in got] == [True, True, False, True, True, False, False]
     assert got[0] == first
-    assert (store.checksum_failures, store.write_errors, store.healthy) == (1, 1, False)
-    record_path(store, NS, h(5)).rmdir()
-    assert sorted(e.block_hash for e in (got[1], got[3]) if e) == [h(1), h(2)]
-    assert store.used_bytes == 3 * (HEADER_BYTES + BLOCK)
-    for i in (0, 1, 2):
+    assert (store.checksum_failures, store.write_errors, store.healthy) == (1, 0, True)
+    assert store.used_bytes == 4 * (HEADER_BYTES + BLOCK) == store.physical_bytes
+    for i in (0, 1, 2, 5):
         assert await read_back(store, NS, h(i)) == bytes(payload(i))
+    store.check_integrity(disk=True)
+    store.close()
+
+
+REC = HEADER_BYTES + BLOCK
+
+
+async def test_dead_segment_unlinked_and_compaction_frees_garbage(tmp_path: Path) -> None:
+    """Segments of 4 records, capacity 32: a sealed segment whose records are all removed is
+    unlinked at once; when garbage passes 25% of capacity, the next write compacts the segments
+    with the most garbage: every live record reads back bit-exact, their garbage is freed, the
+    physical bound holds, and a restart finds the same live records."""
+    store = SsdStore(tmp_path, 32 * REC, segment_bytes=4 * REC)
+    store.open()
+    for b in range(6):
+        batch = [(NS, h(i), payload(i), block_checksum(payload(i))) for i in range(4 * b, 4 * b + 4)]
+        assert all(await store.write_many(batch))
+    assert len(segments(tmp_path)) == 6
+    for i in range(4):  # segment 0 entirely
+        store.remove(NS, h(i))
+    assert len(segments(tmp_path)) == 5 and store.physical_bytes == 20 * REC
+    for i in (4, 5, 6, 8, 9, 10, 12, 13, 16):  # 3 dead in segments 1 and 2, 2 in 3, 1 in 4
+        store.remove(NS, h(i))
+    assert store.physical_bytes - store.used_bytes == 9 * REC  # more than 25% of 32
+    live = {i for i in range(24) if store.contains(NS, h(i))}
+    assert await store.write(NS, h(99), payload(99), block_checksum(payload(99)))
+    live.add(99)
+    # Segments 1 and 2 (3 dead each) were copied out, leaving 3 <= 25% / 2 of 32 records dead.
+    assert store.physical_bytes - store.used_bytes == 3 * REC
+    assert store.used_bytes == len(live) * REC
+    assert store.physical_bytes <= 32 * REC * 1.25 + 2 * 4 * REC
+    for i in sorted(live):
+        assert await read_back(store, NS, h(i)) == bytes(payload(i)), i
+    store.check_integrity(disk=True)
+    store.close()
+    again = SsdStore(tmp_path, 32 * REC)
+    found = {int.from_bytes(e.block_hash, "big") for e in again.open()}
+    assert found == live | {12, 13, 16}  # removed records of a live segment may come back
+    assert again.used_bytes == again.physical_bytes == sum(segments(tmp_path).values())
+    again.check_integrity(disk=True)
+    again.close()
+
+
+async def test_compaction_does_not_disturb_reads_in_flight(tmp_path: Path) -> None:
+    """Reads started before a compaction moves their records complete from the old copy; reads
+    after it find the new one; the old segment goes once the reads are done."""
+    store = SsdStore(tmp_path, 16 * REC, segment_bytes=4 * REC, garbage_fraction=0.1)
+    store.open()
+    for b in range(3):
+        batch = [(NS, h(i), payload(i), block_checksum(payload(i))) for i in range(4 * b, 4 * b + 4)]
+        assert all(await store.write_many(batch))
+    for i in (0, 1, 4, 5):
+        store.remove(NS, h(i))
+    before = store.locate(NS, h(2))
+    into = [bytearray(BLOCK) for _ in (2, 3, 6)]
+    futures = store.read_many([(NS, h(i), memoryview(b)) for i, b in zip((2, 3, 6), into)])
+    assert await store.compact() == 4 * REC
+    after = store.locate(NS, h(2))
+    assert before is not None and after is not None and before.path != after.path
+    assert await asyncio.gather(*futures) == [True, True, True]
+    assert [bytes(b) for b in into] == [bytes(payload(i)) for i in (2, 3, 6)]
+    for i in (2, 3, 6, 7, 8):
+        assert await read_back(store, NS, h(i)) == bytes(payload(i))
+    assert not before.path.exists()
     store.check_integrity(disk=True)
     store.close()

@@ -6,8 +6,10 @@
 2. Engine-side copy of the acquired blocks out of the shared-memory DRAM arena, beside a plain
    memcpy of the same bytes in the same block-sized pieces between private buffers.
    Target: >= 70% of memcpy.
-3. SSD tier write and read of the same blocks (``SsdStore``: crash-safe records, checksums, a
-   thread pool), beside raw sequential disk bandwidth for the same bytes in the same directory
+3. SSD tier write and read of the same blocks (``SsdStore.write_many`` / ``read_many``, as the
+   daemon's demotion and promotion call them: one batch each way, from and into page-aligned
+   memory like the DRAM arena's slots; crash-safe records appended to segments, checksums),
+   beside raw sequential disk bandwidth for the same bytes in the same directory
    (``tierd.daemon.rawdisk.measure_raw_disk``). Target: >= 70% of raw, each direction.
 
 Noise only ever adds time, so copies keep the best of a few runs. Short by default (~10-20 s).
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -240,7 +243,9 @@ def _best_interleaved(fns: dict[str, Any], repeat: int) -> dict[str, float]:
 async def _ssd_figures(workdir: str, hashes: list[Any], payloads: list[bytes],
                        rounds: int) -> dict[str, float]:
     """GB/s of the SSD tier writing then reading every block, and of raw sequential disk I/O of
-    the same bytes in the same directory; best of ``rounds`` rounds, each of both in turn."""
+    the same bytes in the same directory; best of ``rounds`` rounds, each of both in turn. One
+    store serves every round (its blocks removed after each), as in a running daemon: the first
+    round also pays for creating a segment file, later ones append to it."""
     from tierd.checksum import block_checksum
     from tierd.daemon import ssd as ssd_module
     from tierd.daemon.rawdisk import measure_raw_disk
@@ -249,28 +254,36 @@ async def _ssd_figures(workdir: str, hashes: list[Any], payloads: list[bytes],
     total = sum(len(p) for p in payloads)
     namespace = Namespace(bytes(16))
     checksums = [block_checksum(p) for p in payloads]
-    into = [bytearray(len(p)) for p in payloads]
+    src, dst = memoryview(mmap.mmap(-1, total)), memoryview(mmap.mmap(-1, total))  # like slots
+    slots: list[memoryview] = []
+    into: list[memoryview] = []
+    at = 0
+    for p in payloads:
+        src[at:at + len(p)] = p
+        slots.append(src[at:at + len(p)])
+        into.append(dst[at:at + len(p)])
+        at += len(p)
     best = {"ssd_write": float("inf"), "ssd_read": float("inf"), "raw_write": 0.0,
             "raw_read": 0.0}
-    for round_ in range(rounds):
-        store = ssd_module.SsdStore(os.path.join(workdir, f"ssd{round_}"), 2 * total + (64 << 20))
-        store.open()
+    store = ssd_module.SsdStore(os.path.join(workdir, "ssd"), 2 * total + (64 << 20))
+    store.open()
+    for _ in range(rounds):
         start = time.perf_counter()
-        written = await asyncio.gather(*(store.write(namespace, h, memoryview(p), c)
-                                         for h, p, c in zip(hashes, payloads, checksums)))
+        written = await store.write_many([(namespace, h, p, c)
+                                          for h, p, c in zip(hashes, slots, checksums)])
         best["ssd_write"] = min(best["ssd_write"], time.perf_counter() - start)
         assert all(e is not None for e in written), "every SSD write must succeed"
         start = time.perf_counter()
-        ok = await asyncio.gather(*(store.read(namespace, h, memoryview(b))
-                                    for h, b in zip(hashes, into)))
+        ok = await asyncio.gather(*store.read_many([(namespace, h, b)
+                                                    for h, b in zip(hashes, into)]))
         best["ssd_read"] = min(best["ssd_read"], time.perf_counter() - start)
-        assert all(ok) and into[0] == payloads[0], "every SSD read must verify"
+        assert all(ok) and bytes(into[0]) == payloads[0], "every SSD read must verify"
         for h in hashes:
             store.remove(namespace, h)
-        store.close()
         raw_write, raw_read = measure_raw_disk(workdir, total)
         best["raw_write"] = max(best["raw_write"], raw_write)
         best["raw_read"] = max(best["raw_read"], raw_read)
+    store.close()
     return {"ssd_write_gbps": total / best["ssd_write"] / 1e9,
             "ssd_read_gbps": total / best["ssd_read"] / 1e9,
             "raw_write_gbps": best["raw_write"], "raw_read_gbps": best["raw_read"]}

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from tierd.daemon.metrics import NodeCounts, NodeMetrics, TierStats
 from tierd.daemon.slots import SlabAllocator
-from tierd.daemon.ssdrecord import FLAG_LZ4, HEADER_BYTES, RecordHeader, read_record, record_name
 from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEvent
 from tierd.types import BlockHash, Namespace, NamespacedKey, Tier, make_key
 
@@ -439,12 +438,7 @@ class TierIndex:
         """The block's record, read and verified synchronously (the remote tier's copy of an
         evicted block, taken just before its record is deleted). None if it does not verify."""
         assert self.ssd is not None
-        stored_len = entry.stored_bytes - HEADER_BYTES
-        head = RecordHeader(FLAG_LZ4 if stored_len < entry.payload_len else 0, entry.namespace,
-                            entry.block_hash, entry.payload_len, stored_len, entry.checksum)
-        into = bytearray(entry.payload_len)
-        path = str(self.ssd.directory / record_name(entry.namespace, entry.block_hash))
-        return None if read_record(path, head, memoryview(into)) is not None else bytes(into)
+        return self.ssd.read_blocking(entry.namespace, entry.block_hash)
 
     def _offset(self, block: DramBlock) -> int:
         return self.alloc.geometry(block.slot_bytes).offset(block.slot_id)

@@ -1,26 +1,23 @@
-"""The SSD (cold) tier: one crash-safe file per block in a directory with a byte bound.
+"""The SSD (cold) tier: append-only segment files in a directory with a byte bound.
 
-Records (header layout, write and read paths) are in ``tierd.daemon.ssdrecord``. A write goes to
-``.<name>.<random>.tmp``, is renamed into place, then the file is fdatasync'ed and the directory
-fsync'ed before the write is acknowledged, so an acknowledged block survives ``kill -9`` and a
-power cut. A crash mid-write leaves a ``.tmp`` file (``open`` deletes it) or, before the syncs, a
-torn record that the header checksum and size check at ``open`` or the payload checksum at
-``read`` drops. One file per block rather than append-only segments because the tier's unit of
-eviction is one block: removal is an ``unlink`` that frees its bytes at once, with no compaction
-pass and no segment index to persist, and a torn write cannot damage its neighbours.
+Records (header, padding) are in ``tierd.daemon.ssdrecord``; segment files and the blocking I/O
+on them in ``tierd.daemon.ssdsegment``. The index lives in memory: key -> (segment, offset,
+header). A demotion pass (``write_many``) appends its records to the current segment with one
+vectored write and one ``fdatasync`` (a directory ``fsync`` only when it creates a segment), on a
+single writer thread, then acknowledges them. ``read_many`` sorts its records by (segment,
+offset) and reads each run of adjacent records with one ``preadv`` straight into the targets.
 
-After a write or a read the file's pages are dropped from the page cache (``POSIX_FADV_DONTNEED``):
-the shared-memory arena is the DRAM tier; the page cache must not become a second, unbounded one
-competing with it (and SSD numbers stay honest). A read batch holds at most its read-ahead window
-(``ssdrecord.PREFETCH_BYTES``) in the page cache at a time.
+Removal marks a record dead: ``used_bytes`` (what counts against the bound) is the live records'
+bytes; the files also hold garbage. A segment whose records are all dead is unlinked at once;
+before a batch is appended, if the sealed segments' garbage passes ``garbage_fraction`` of the
+capacity, ``compact`` re-appends the live records of the segments with the most garbage (on the
+writer thread, so it is ordered with appends) and unlinks them, until their garbage is at most
+half that. Hence on disk, records no larger than a segment:
 
-I/O runs in a ``ThreadPoolExecutor`` (``os.pwritev``/``os.preadv`` straight from and into the
-caller's memoryview, no copy in Python), never on the event loop, in batches: ``read_many`` and
-``write_many`` hand a few tasks to the pool, not one per block. Per-block tasks were the cost of
-small blocks: 128 reads of 64 KiB as 128 tasks took 19-24 ms on 2 shared cores (thread hand-offs,
-GIL handovers, a queue only as deep as the thread count), as 4 batches that ask the kernel to
-read ahead 8-10 ms, against 4-5 ms of raw sequential disk for the same bytes. Writes share one
-directory sync per batch.
+    physical bytes <= capacity * (1 + garbage_fraction) + 2 * segment_bytes
+
+(the current segment's garbage, and the live bytes of a segment being copied), except after a
+reopen with a smaller capacity until the caller has removed the excess.
 
 Not thread-safe: call it from one thread (the daemon's event loop); only file I/O is offloaded.
 """
@@ -32,26 +29,26 @@ import fcntl
 import functools
 import logging
 import os
-import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from tierd.daemon.layout import NAMESPACE_LEN
-from tierd.daemon.ssdrecord import (
-    FLAG_LZ4,
-    HASH_LENS,
-    HEADER_BYTES,
-    RECORD_SUFFIX,
-    TMP_SUFFIX,
-    Compression,
-    RecordHeader,
-    WriteJob,
-    read_records,
-    record_name,
-    write_records,
+from tierd.daemon.rawdisk import o_direct_supported
+from tierd.daemon.ssdrecord import Compression, RecordHeader, check_key, footprint
+from tierd.daemon.ssdsegment import (
+    SEGMENT_SUFFIX,
+    AppendJob,
+    Placed,
+    SegmentWriter,
+    Source,
+    WriterReport,
+    open_segment,
+    read_runs,
+    scan_segment,
+    segment_id,
+    segment_name,
 )
 from tierd.types import BlockHash, Namespace
 
@@ -67,64 +64,102 @@ class SsdEntry:
     namespace: Namespace
     block_hash: BlockHash
     payload_len: int  # uncompressed block bytes
-    stored_bytes: int  # bytes on disk (file size), header included: what counts against the bound
+    stored_bytes: int  # the record's bytes in its segment: what counts against the bound
     checksum: int  # block_checksum of the uncompressed payload
 
 
+@dataclass(frozen=True, slots=True)
+class RecordSpan:
+    """Where a record lies on disk (for tools and tests)."""
+
+    path: Path
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Loc:
+    """An indexed record; compared by identity to tell a moved or rewritten record apart."""
+
+    segment: int
+    offset: int
+    head: RecordHeader
+
+
+@dataclass(slots=True)
+class _Segment:
+    id: int
+    path: str
+    fd: int  # read fds, open until the segment is unlinked and no I/O uses them
+    dfd: int | None  # O_DIRECT
+    size: int = 0  # bytes in the file: records, dead or alive, and any failed batch
+    live: int = 0  # bytes of indexed records
+    busy: int = 0  # reads and copies in flight on the fds
+    compacting: bool = False
+    unlinked: bool = False
+
+
 def _entry(head: RecordHeader) -> SsdEntry:
-    return SsdEntry(head.namespace, head.block_hash, head.payload_len,
-                    HEADER_BYTES + head.stored_len, head.checksum)
+    return SsdEntry(head.namespace, head.block_hash, head.payload_len, head.size, head.checksum)
 
 
 class SsdStore:
-    """A directory with a byte bound. One record per block, crash safe (temporary name, fsync,
-    rename), header: magic, version, namespace, hash, payload length, compression flag, checksum.
-    Reads and writes run in a thread pool and never block the event loop. The store does not
-    choose what to evict: the caller frees room (remove) before writing.
+    """A directory with a byte bound, of append-only segments of crash-safe records (header:
+    magic, version, namespace, hash, lengths, compression flag, payload checksum, header
+    checksum). Reads and writes run in threads and never block the event loop. The store does
+    not choose what to evict: the caller frees room (remove) before writing.
 
-    Counters: ``checksum_failures`` (records found corrupt, truncated, mismatched or missing, on
-    read or by ``open``; each is deleted), ``write_errors`` (OSErrors from the disk; each also sets
-    ``healthy = False`` until a later write succeeds). A directory that cannot be opened leaves
-    the store unhealthy and inert: writes return None, reads False.
+    Counters: ``checksum_failures`` (records found corrupt or mismatched on read or copy; each is
+    dropped from the index), ``write_errors`` (OSErrors from the disk; each also sets ``healthy
+    = False`` until a later write succeeds), ``torn_bytes`` (cut off torn tails at ``open``). A
+    directory that cannot be opened leaves the store unhealthy and inert.
     """
 
     def __init__(self, directory: str | os.PathLike[str], capacity_bytes: int, *,
-                 compression: Compression = "off", io_threads: int = 8) -> None:
-        """No I/O until ``open``. ValueError on a bound <= 0, an unknown compression or
-        ``io_threads`` < 1."""
-        if capacity_bytes <= 0:
-            raise ValueError(f"SSD capacity must be > 0 bytes, got {capacity_bytes}")
+                 compression: Compression = "off", io_threads: int = 8,
+                 segment_bytes: int = 64 << 20, garbage_fraction: float = 0.25,
+                 direct_io: bool = True) -> None:
+        """No I/O until ``open``. ValueError on a bound or segment size <= 0, an unknown
+        compression, ``io_threads`` < 1 or ``garbage_fraction`` outside (0, 1]."""
+        if capacity_bytes <= 0 or segment_bytes <= 0:
+            raise ValueError(f"SSD capacity and segment size must be > 0 bytes, got "
+                             f"{capacity_bytes} and {segment_bytes}")
         if compression not in ("off", "lz4", "auto"):
             raise ValueError(f"compression must be 'off', 'lz4' or 'auto', got {compression!r}")
-        if io_threads < 1:
-            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        if io_threads < 1 or not 0 < garbage_fraction <= 1:
+            raise ValueError(f"need io_threads >= 1 and 0 < garbage_fraction <= 1, got "
+                             f"{io_threads} and {garbage_fraction}")
         self.directory = Path(directory)
-        self.capacity_bytes = capacity_bytes
+        self.capacity_bytes, self.segment_bytes = capacity_bytes, segment_bytes
+        self.garbage_fraction = garbage_fraction
         self.compression: Compression = compression
         self.used_bytes = 0
         self.healthy = False
-        self.checksum_failures = 0
-        self.write_errors = 0
-        self._io_threads = io_threads
-        self._index: dict[_Key, RecordHeader] = {}  # what each record must say
+        self.checksum_failures = self.write_errors = self.torn_bytes = 0
+        self._io_threads, self._direct_io = io_threads, direct_io
+        self._index: dict[_Key, _Loc] = {}
+        self._segments: dict[int, _Segment] = {}
+        self._sealed_below = 0  # segments with smaller ids are never appended to again
         self._pending: dict[_Key, bool] = {}  # key -> removed meanwhile
         self._reserved = 0  # record_bytes of writes in flight
         self._dir_fd: int | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None  # reads
+        self._wpool: ThreadPoolExecutor | None = None  # the writer: appends and copies, in order
+        self._writer: SegmentWriter | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def open(self) -> list[SsdEntry]:
         """Create the directory if needed, lock it (one daemon per directory) and rebuild the
-        index from the records on disk. Blocks for one small read per record.
+        index by scanning every segment's headers in order. Blocks for one small read per record.
 
-        Temporary files of torn writes are deleted; records with a bad header, a size that
-        disagrees with it, or a name that disagrees with it are deleted and counted in
-        ``checksum_failures``. Payload checksums are verified on read, not here. Returns the
-        intact entries oldest first (by modification time: a fair starting LRU order). If the
-        directory is unusable (not creatable, not a directory, locked by another daemon): logs a
-        warning, leaves ``healthy`` False and returns []. ``used_bytes`` may exceed the bound
-        if it shrank since the last run; the caller removes entries until it fits.
+        A segment ends at its first header that does not verify or record that runs past the
+        file (a torn batch from a crash): the tail is cut off and counted in ``torn_bytes``. A
+        key found twice keeps its later record. Payload checksums are verified on read, not
+        here. Returns the entries oldest first (append order: a fair starting LRU order). If
+        the directory is unusable (not creatable, not a directory, locked by another daemon):
+        logs a warning, leaves ``healthy`` False and returns []. ``used_bytes`` may exceed the
+        bound if it shrank since the last run; the caller removes entries until it fits.
         """
         if self._dir_fd is not None:
             raise ValueError(f"SSD store {self.directory} is already open")
@@ -142,35 +177,37 @@ class SsdStore:
                          self.directory, exc)
             return []
         self._dir_fd = dir_fd
+        direct = self._direct_io and o_direct_supported(self.directory)
+        ids = sorted(i for i in map(segment_id, os.listdir(self.directory)) if i is not None)
+        for sid in ids:
+            path = os.path.join(self.directory, segment_name(sid))
+            if os.path.isfile(path):
+                self._load_segment(sid, path, direct)
+        self._sealed_below = ids[-1] + 1 if ids else 0
+        self._reap_all()
         self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="tierd-ssd")
-        found: list[tuple[int, RecordHeader]] = []
-        dropped = torn = 0
-        with os.scandir(self.directory) as it:
-            for dirent in it:
-                if dirent.name.endswith(TMP_SUFFIX) and dirent.is_file(follow_symlinks=False):
-                    torn += self._unlink(dirent.path)
-                elif dirent.name.endswith(RECORD_SUFFIX) and dirent.is_file(follow_symlinks=False):
-                    head = self._scan_record(dirent)
-                    if head is None:
-                        dropped += self._unlink(dirent.path)
-                    else:
-                        found.append((dirent.stat().st_mtime_ns, head))
-        found.sort(key=lambda pair: pair[0])
-        for _, head in found:
-            self._index[(head.namespace, head.block_hash)] = head
-            self.used_bytes += HEADER_BYTES + head.stored_len
-        self.checksum_failures += dropped
+        self._wpool = ThreadPoolExecutor(1, thread_name_prefix="tierd-ssd-writer")
+        self._writer = SegmentWriter(str(self.directory), dir_fd, self.segment_bytes,
+                                     self._sealed_below, direct)
         self.healthy = True
-        _log.info("SSD tier %s: %d records, %d bytes of %d; dropped %d corrupt, %d torn",
-                  self.directory, len(found), self.used_bytes, self.capacity_bytes, dropped, torn)
-        return [_entry(head) for _, head in found]
+        _log.info("SSD tier %s: %d records, %d bytes of %d in %d segments (%d on disk); cut %d "
+                  "torn bytes", self.directory, len(self._index), self.used_bytes,
+                  self.capacity_bytes, len(self._segments), self.physical_bytes, self.torn_bytes)
+        return [_entry(loc.head) for loc in self._index.values()]
 
     def close(self) -> None:
-        """Wait for I/O in flight, release the directory lock. Idempotent. Every acknowledged
-        write is already durable; nothing is flushed here."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Wait for I/O in flight, close the segments, release the directory lock; reads then
+        miss. Idempotent. Every acknowledged write is already durable; nothing is flushed
+        here."""
+        for pool in (self._pool, self._wpool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._pool = self._wpool = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        for seg in self._segments.values():
+            _close(seg)
         if self._dir_fd is not None:
             os.close(self._dir_fd)
             self._dir_fd = None
@@ -181,7 +218,12 @@ class SsdStore:
     def record_bytes(self, payload_len: int) -> int:
         """Upper bound of ``stored_bytes`` for a block of ``payload_len`` bytes (compression is
         only kept when it is smaller)."""
-        return HEADER_BYTES + payload_len
+        return footprint(payload_len)
+
+    @property
+    def physical_bytes(self) -> int:
+        """Bytes of the segment files: live records plus garbage."""
+        return sum(s.size for s in self._segments.values() if not s.unlinked)
 
     def contains(self, namespace: Namespace, block_hash: BlockHash) -> bool:
         """Whether an acknowledged record of the block is indexed (not yet verified)."""
@@ -189,8 +231,15 @@ class SsdStore:
 
     def entry(self, namespace: Namespace, block_hash: BlockHash) -> SsdEntry | None:
         """The indexed entry of the block, or None."""
-        head = self._index.get((namespace, block_hash))
-        return _entry(head) if head else None
+        loc = self._index.get((namespace, block_hash))
+        return _entry(loc.head) if loc else None
+
+    def locate(self, namespace: Namespace, block_hash: BlockHash) -> RecordSpan | None:
+        """Where the block's record lies on disk, or None."""
+        loc = self._index.get((namespace, block_hash))
+        if loc is None:
+            return None
+        return RecordSpan(Path(self._segments[loc.segment].path), loc.offset, loc.head.size)
 
     def __len__(self) -> int:
         return len(self._index)
@@ -199,243 +248,352 @@ class SsdStore:
 
     async def write(self, namespace: Namespace, block_hash: BlockHash, payload: memoryview,
                     checksum: int) -> SsdEntry | None:
-        """Store one block durably; the entry once the record is on disk and indexed.
-
-        Runs in the I/O pool; ``payload`` must stay unchanged until this returns (the caller
-        keeps the DRAM slot pinned). Returns the existing entry if the block is already stored.
-        None, never raising, when: ``block_checksum(payload) != checksum`` (counted in
-        ``checksum_failures``: the DRAM copy is bad); the record would pass the bound (free room
-        with ``remove`` first); the same block is being written now; the store is not open; it
-        was removed while being written; or the disk failed (``healthy`` False, warning logged,
-        ``write_errors`` counted). ValueError on a namespace or hash of the wrong length.
-        """
+        """``write_many`` of one block."""
         return (await self.write_many([(namespace, block_hash, payload, checksum)]))[0]
 
     async def write_many(self, blocks: Sequence[tuple[Namespace, BlockHash, memoryview, int]]
                          ) -> list[SsdEntry | None]:
-        """``write`` of several blocks (namespace, hash, payload, checksum) at once: one entry or
-        None each, in order, on the same terms. The blocks are split, in order, into batches of
-        about ``WRITE_BATCH_BYTES`` (a large block is a batch of its own); each batch is one task
-        in the I/O pool that syncs the directory once for all its records (group commit). Every
-        payload stays unchanged until this returns. ValueError (nothing written) on a bad key
-        or an empty payload. A block later in the list than a copy of itself gets None."""
+        """Store blocks (namespace, hash, payload, checksum) durably: per block, in order, its
+        entry once its record is on disk and indexed, or None. Runs ``compact`` if due, then
+        appends the new records on the writer thread (one write, one sync per segment).
+
+        Every payload stays unchanged until this returns (the caller keeps the DRAM slots
+        pinned). A block already stored returns its entry. None, never raising, when: the
+        payload does not match its checksum (counted in ``checksum_failures``: the DRAM copy is
+        bad); the record would pass the bound (free room with ``remove`` first); the same block
+        is being written now or earlier in the list; the store is not open; it was removed while
+        being written; or the disk failed (``healthy`` False, warning, ``write_errors``).
+        ValueError (nothing written) on a bad key or an empty payload."""
         for namespace, block_hash, payload, _ in blocks:
-            _check_key(namespace, block_hash)
+            check_key(namespace, block_hash)
             if len(payload) == 0:
                 raise ValueError("an SSD record needs a non-empty payload")
         results: list[SsdEntry | None] = [None] * len(blocks)
-        writes: list[_Write] = []
-        for i, (namespace, block_hash, payload, checksum) in enumerate(blocks):
+        writes: list[tuple[int, _Key, int]] = []  # (index in blocks, key, bytes reserved)
+        for i, (namespace, block_hash, payload, _) in enumerate(blocks):
             key = (namespace, block_hash)
             existing = self._index.get(key)
             if existing is not None:
-                results[i] = _entry(existing)
+                results[i] = _entry(existing.head)
                 continue
             bound = self.record_bytes(len(payload))
-            if (self._pool is None or key in self._pending
+            if (self._writer is None or key in self._pending
                     or self.used_bytes + self._reserved + bound > self.capacity_bytes):
                 continue
-            name = record_name(namespace, block_hash)
-            tmp = f".{name}.{secrets.token_hex(4)}{TMP_SUFFIX}"
-            job = WriteJob(os.path.join(self.directory, name), os.path.join(self.directory, tmp),
-                           namespace, block_hash, payload, checksum)
             self._pending[key] = False
             self._reserved += bound
-            writes.append(_Write(i, key, bound, job))
+            writes.append((i, key, bound))
         if not writes:
             return results
-        assert self._pool is not None and self._dir_fd is not None, "open store without a pool"
-        loop = asyncio.get_running_loop()
-        batches = _batches(writes, [w.bound for w in writes], WRITE_BATCH_BYTES, len(writes))
-        done = asyncio.gather(*(loop.run_in_executor(
-            self._pool, write_records, [w.job for w in batch], self._dir_fd, self.compression)
-            for batch in batches), return_exceptions=True)
         try:
-            outcomes: list[list[int | OSError] | BaseException] = await asyncio.shield(done)
-        except asyncio.CancelledError:  # the threads still finish: settle and drop them then
-            done.add_done_callback(lambda _: self._abandon(batches, done))
+            await self.compact()
+        except BaseException:
+            self._unreserve(writes)
             raise
-        unexpected: BaseException | None = None
-        for batch, outcome in zip(batches, outcomes):
-            for w, result in zip(batch, _per_job(outcome, len(batch))):
-                if not isinstance(result, OSError) and isinstance(result, BaseException):
-                    unexpected = result  # a bug, not the disk: raised once all are settled
-                    result = OSError(repr(result))
-                results[w.index] = self._written(w, result, len(w.job.payload))
-        if unexpected is not None:
-            raise unexpected
+        assert self._writer is not None, "the store was closed during compaction"
+        done = self._submit(functools.partial(self._writer.append, [
+            AppendJob(*blocks[i]) for i, _, _ in writes], self.compression))
+        try:
+            report = await asyncio.shield(done)
+        except asyncio.CancelledError:  # the writer still finishes: its records become garbage
+            done.add_done_callback(lambda _: self._abandon(writes, done))
+            raise
+        except BaseException:
+            self._abandon(writes, done)
+            raise
+        self._absorb(report)
+        for (i, key, bound), result in zip(writes, report.results):
+            results[i] = self._written(key, bound, result)
+        self._reap_all()
         return results
 
     async def read(self, namespace: Namespace, block_hash: BlockHash, into: memoryview) -> bool:
-        """Copy one block into ``into`` (exactly its payload length; e.g. a DRAM slot) and verify
-        it. Runs in the I/O pool; ``into`` must stay reserved for it until this returns.
-
-        True only if the record exists, is intact and its checksum verifies. A record that is
-        corrupt, truncated, missing or names another block is deleted, counted in
-        ``checksum_failures``, and the read returns False (a miss; ``into`` holds garbage).
-        ValueError if ``len(into)`` differs from the block's payload length. If the caller is
-        cancelled, the copy into ``into`` still completes on its thread: keep the slot reserved
-        until the store is closed, or do not cancel reads.
-        """
+        """``read_many`` of one block."""
         return await self.read_many([(namespace, block_hash, into)])[0]
 
     def read_many(self, requests: Sequence[tuple[Namespace, BlockHash, memoryview]]
                   ) -> list[asyncio.Future[bool]]:
-        """Start ``read`` of several blocks (namespace, hash, target); one future each, in
-        order, resolving to ``read``'s outcome when the batch holding it is done (a block not
-        indexed resolves False at once). Call it on the event loop's thread.
+        """Start reading blocks (namespace, hash, target of exactly the payload length, e.g. a
+        DRAM slot); one future each, in order, resolving True once the block is in its target
+        and verified (header, lz4, payload checksum), False for a miss: not indexed (at once),
+        or corrupt, truncated or mismatched (the record is dropped from the index and counted in
+        ``checksum_failures``; the target holds garbage). Call it on the event loop's thread.
 
-        The requests are split, in order, into at most ``io_threads`` batches of about
-        ``READ_BATCH_BYTES`` or more; each batch is one task in the I/O pool that reads its records
-        with the kernel fetching ahead (``read_records``). A 128-block prefix thus costs a few
-        thread hand-offs instead of 128, and the disk sees a deep queue. ValueError, nothing
-        started, if a target's length differs from its block's payload length. Every target
-        stays written to until its future resolves, even if the future is cancelled.
-        """
+        Records are sorted by (segment, offset); adjacent ones form runs read with one
+        ``preadv`` each, the runs shared among at most ``io_threads`` tasks of at least
+        ``READ_BATCH_BYTES``. ValueError, nothing started, if a target's length differs from
+        its block's payload length. Every target stays written to until its future resolves,
+        even if the future is cancelled."""
         loop = asyncio.get_running_loop()
-        reads: list[_Read] = []
-        futures: list[asyncio.Future[bool]] = []
         for namespace, block_hash, into in requests:
-            head = self._index.get((namespace, block_hash))
-            if head is not None and len(into) != head.payload_len:
+            loc = self._index.get((namespace, block_hash))
+            if loc is not None and len(into) != loc.head.payload_len:
                 raise ValueError(f"read target of {len(into)} bytes for a block of "
-                                 f"{head.payload_len}: pass a view of exactly one slot")
+                                 f"{loc.head.payload_len}: pass a view of exactly one slot")
+        futures: list[asyncio.Future[bool]] = []
+        reads: list[_Read] = []
         for namespace, block_hash, into in requests:
-            future: asyncio.Future[bool] = loop.create_future()
-            futures.append(future)
-            head = self._index.get((namespace, block_hash))
-            if head is None or self._pool is None:
-                future.set_result(False)
-                continue
-            path = os.path.join(self.directory, record_name(namespace, block_hash))
-            reads.append(_Read((namespace, block_hash), head, path, into, future))
-        for batch in _batches(reads, [HEADER_BYTES + r.head.stored_len for r in reads],
-                              READ_BATCH_BYTES, self._io_threads):
-            done = loop.run_in_executor(self._pool, read_records, [r.path for r in batch],
-                                        [r.head for r in batch], [r.into for r in batch])
-            done.add_done_callback(functools.partial(self._settle_reads, batch))
+            futures.append(loop.create_future())
+            loc = self._index.get((namespace, block_hash))
+            if loc is None or self._pool is None:
+                futures[-1].set_result(False)
+            else:
+                reads.append(_Read((namespace, block_hash), loc, into, futures[-1]))
+        runs = _runs(reads)
+        for task in _batches(runs, [sum(r.loc.head.size for r in run) for run in runs],
+                             READ_BATCH_BYTES, self._io_threads):
+            sources = [[self._source(r.loc) for r in run] for run in task]
+            for run in task:
+                self._segments[run[0].loc.segment].busy += 1
+            done = loop.run_in_executor(self._pool, read_runs, sources,
+                                        [[r.into for r in run] for run in task])
+            done.add_done_callback(functools.partial(self._settle_reads, task))
         return futures
 
+    def read_blocking(self, namespace: Namespace, block_hash: BlockHash) -> bytes | None:
+        """The block's payload, read and verified on the calling thread (blocks); None if not
+        indexed or it does not verify (the record is left to the caller)."""
+        loc = self._index.get((namespace, block_hash))
+        if loc is None or self._pool is None:
+            return None
+        into = bytearray(loc.head.payload_len)
+        faults = read_runs([[self._source(loc)]], [[memoryview(into)]])[0]
+        return bytes(into) if faults == [None] else None
+
     def remove(self, namespace: Namespace, block_hash: BlockHash) -> None:
-        """Delete the block's record and free its bytes at once (an ``unlink`` on the calling
-        thread). No-op if absent; a write in flight for it is discarded when it completes."""
+        """Mark the block's record dead and free its bytes from ``used_bytes`` at once (its
+        segment is unlinked when all its records are dead, else compacted later). No-op if
+        absent; a write in flight for it is discarded when it completes. A removed record may
+        come back after a crash and restart (its content is still that block's)."""
         key = (namespace, block_hash)
         if key in self._pending:
             self._pending[key] = True
-        head = self._index.pop(key, None)
-        if head is not None:
-            self.used_bytes -= HEADER_BYTES + head.stored_len
-            self._unlink(os.path.join(self.directory, record_name(namespace, block_hash)))
+        loc = self._index.pop(key, None)
+        if loc is not None:
+            self._drop(loc)
+
+    async def compact(self) -> int:
+        """If the sealed segments' garbage passes ``garbage_fraction`` of the capacity: copy the
+        live records of those with the most garbage to the current segment (on the writer
+        thread; reads of a moved record started earlier still read its old copy, whose segment
+        stays open until they finish) and unlink them, until the garbage is at most half that.
+        Returns the garbage bytes freed."""
+        limit = self.garbage_fraction * self.capacity_bytes
+        sealed = [s for s in self._segments.values()
+                  if s.id < self._sealed_below and not (s.unlinked or s.compacting)]
+        garbage = sum(s.size - s.live for s in sealed)
+        if self._writer is None or garbage <= limit:
+            return 0
+        victims: list[_Segment] = []
+        for seg in sorted(sealed, key=lambda s: s.live - s.size):
+            if garbage <= limit / 2:
+                break
+            victims.append(seg)
+            garbage -= seg.size - seg.live
+            seg.compacting, seg.busy = True, seg.busy + 1
+        ids = {v.id for v in victims}
+        moves = sorted(((k, loc) for k, loc in self._index.items() if loc.segment in ids),
+                       key=lambda m: (m[1].segment, m[1].offset))
+        runs = _runs([_Read(k, loc, memoryview(b""), None) for k, loc in moves])
+        assert self._writer is not None, "compaction needs the writer"
+        done = self._submit(functools.partial(self._writer.copy, [
+            [self._source(r.loc) for r in run] for run in runs]))
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:  # the copy still finishes: settle it then
+            done.add_done_callback(lambda _: self._compacted(victims, moves, done))
+            raise
+        return self._compacted(victims, moves, done)
+
+    def _compacted(self, victims: list[_Segment], moves: list[tuple[_Key, _Loc]],
+                   done: asyncio.Future[WriterReport]) -> int:
+        """A compaction's copy finished: move the index entries, unlink the victims."""
+        for v in victims:
+            v.compacting, v.busy = False, v.busy - 1
+        if done.cancelled() or done.exception() is not None:
+            for v in victims:
+                self._reap(v)
+            return 0
+        report = done.result()
+        freed = sum(v.size - v.live for v in victims)
+        self._absorb(report)
+        for (key, loc), result in zip(moves, report.results):
+            if self._index.get(key) is not loc:
+                continue  # removed meanwhile: the copy, if any, is garbage
+            if isinstance(result, Placed):
+                self._index[key] = moved = _Loc(result.segment, result.offset, result.head)
+                self._segments[loc.segment].live -= loc.head.size
+                self._segments[moved.segment].live += loc.head.size
+            elif isinstance(result, str):
+                self._corrupt(key, loc, result)
+            elif isinstance(result, OSError):
+                self._note_write_error("compaction", result)
+        self._reap_all()
+        _log.info("SSD tier %s compacted %d segments, %d garbage bytes freed", self.directory,
+                  len(victims), freed)
+        return freed
 
     def check_integrity(self, *, disk: bool = False) -> None:
-        """Assert the byte accounting equals the sum of the entries; with ``disk`` also that the
-        directory holds exactly the indexed records at their recorded sizes and no temporary file
-        (call it with no write in flight)."""
-        total = sum(HEADER_BYTES + head.stored_len for head in self._index.values())
+        """Assert the byte accounting equals the sum of the entries, per segment and in all, and
+        records lie inside their segments without overlapping; with ``disk`` also that the
+        directory holds exactly the known segments at their recorded sizes (call it with no
+        write in flight)."""
+        total = sum(loc.head.size for loc in self._index.values())
         assert self.used_bytes == total, f"used_bytes {self.used_bytes} != entries' sum {total}"
         assert self._reserved >= 0, f"negative reservation {self._reserved}"
-        for (ns, bh), head in self._index.items():
-            assert (head.namespace, head.block_hash) == (ns, bh), f"{head} filed under {bh.hex()}"
-            assert 0 < head.stored_len <= head.payload_len, f"{head}: stored bytes out of range"
-            assert bool(head.flags & FLAG_LZ4) == (head.stored_len < head.payload_len), (
-                f"{head}: compression flag disagrees with its size")
+        spans: dict[int, list[tuple[int, int]]] = {sid: [] for sid in self._segments}
+        for (ns, bh), loc in self._index.items():
+            assert (loc.head.namespace, loc.head.block_hash) == (ns, bh), f"{loc} filed wrongly"
+            assert loc.segment in self._segments, f"{bh.hex()} in unknown segment {loc.segment}"
+            spans[loc.segment].append((loc.offset, loc.offset + loc.head.size))
+        for sid, seg in self._segments.items():
+            ranges = sorted(spans[sid])
+            assert seg.live == sum(e - s for s, e in ranges), f"segment {sid}: live bytes off"
+            assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:])), f"{sid}: overlap"
+            assert not ranges or ranges[-1][1] <= seg.size, f"segment {sid}: record past its end"
+            assert not seg.unlinked or seg.live == 0, f"segment {sid} unlinked with live records"
         if not disk or self._dir_fd is None:
             return
-        on_disk: dict[str, int] = {}
-        with os.scandir(self.directory) as it:
-            for d in it:
-                assert not d.name.endswith(TMP_SUFFIX) or self._pending, f"stray temp {d.name}"
-                if d.name.endswith(RECORD_SUFFIX):
-                    on_disk[d.name] = d.stat().st_size
-        expected = {record_name(ns, bh): HEADER_BYTES + head.stored_len
-                    for (ns, bh), head in self._index.items()}
-        assert on_disk == expected, (
-            f"disk and index disagree: only on disk {sorted(set(on_disk) - set(expected))}, "
-            f"only indexed {sorted(set(expected) - set(on_disk))}, or sizes differ")
+        on_disk = {d.name: d.stat().st_size for d in os.scandir(self.directory)
+                   if d.name.endswith(SEGMENT_SUFFIX) and d.is_file()}
+        known = {segment_name(s.id): s.size for s in self._segments.values() if not s.unlinked}
+        assert on_disk == known, f"disk and index disagree: {on_disk} vs {known}"
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _written(self, w: _Write, result: int | OSError, payload_len: int) -> SsdEntry | None:
-        """Settle one finished write (``write_records``'s result for it): index it or not."""
-        removed = self._settle(w.key, w.bound)
-        name = os.path.basename(w.job.final)
+    def _load_segment(self, sid: int, path: str, direct: bool) -> None:
+        """``open``: scan one segment, cut a torn tail, index its records."""
+        fd, dfd = open_segment(path, direct=direct)
+        seg = self._segments[sid] = _Segment(sid, path, fd, dfd, os.fstat(fd).st_size)
+        records, end = scan_segment(fd, seg.size)
+        if end < seg.size:
+            _log.warning("SSD segment %s: cutting a torn tail of %d bytes at %d", path,
+                         seg.size - end, end)
+            self.torn_bytes += seg.size - end
+            os.ftruncate(fd, end)
+            os.fsync(fd)
+            seg.size = end
+        for offset, head in records:
+            old = self._index.pop((head.namespace, head.block_hash), None)
+            if old is not None:
+                self._drop(old, reap=False)
+            self._index[(head.namespace, head.block_hash)] = _Loc(sid, offset, head)
+            seg.live += head.size
+            self.used_bytes += head.size
+
+    def _submit(self, job: Callable[[], WriterReport]) -> asyncio.Future[WriterReport]:
+        """Run a writer job on the writer thread, after those submitted before it."""
+        assert self._wpool is not None, "store not open"
+        return asyncio.get_running_loop().run_in_executor(self._wpool, job)
+
+    def _absorb(self, report: WriterReport) -> None:
+        """Take in a writer job's segments: new ones opened for reads, sizes, what is sealed."""
+        for sid, end in report.ends.items():
+            seg = self._segments.get(sid)
+            if seg is None:
+                path = os.path.join(self.directory, segment_name(sid))
+                try:
+                    fd, dfd = open_segment(path, direct=self._writer is not None
+                                           and self._writer.direct)
+                except OSError as exc:  # its records are lost to us: count them as garbage
+                    self._note_write_error(f"open of {path}", exc)
+                    continue
+                seg = self._segments[sid] = _Segment(sid, path, fd, dfd)
+            seg.size = end
+        self._sealed_below = report.sealed_below
+
+    def _reap_all(self) -> None:
+        for seg in list(self._segments.values()):
+            self._reap(seg)
+
+    def _written(self, key: _Key, bound: int, result: Placed | int | OSError | str
+                 ) -> SsdEntry | None:
+        """Settle one finished write: index it or not."""
+        self._reserved -= bound
+        removed = self._pending.pop(key)
         if isinstance(result, OSError):
-            self._note_write_error(f"write of {name}", result)
+            self._note_write_error(f"write of {key[1].hex()}", result)
             return None
-        if result == -1:
+        if not isinstance(result, Placed):
             self.checksum_failures += 1
-            _log.warning("SSD write of %s refused: payload does not match its checksum", name)
+            _log.warning("SSD write of %s refused: payload does not match its checksum",
+                         key[1].hex())
             return None
-        if removed:
-            self._unlink(w.job.final)
+        seg = self._segments.get(result.segment)
+        if removed or seg is None:
             return None
-        stored_len = result - HEADER_BYTES
-        flags = FLAG_LZ4 if stored_len < payload_len else 0
-        head = self._index[w.key] = RecordHeader(flags, w.key[0], w.key[1], payload_len,
-                                                 stored_len, w.job.checksum)
-        self.used_bytes += result
+        self._index[key] = _Loc(result.segment, result.offset, result.head)
+        seg.live += result.head.size
+        self.used_bytes += result.head.size
         if not self.healthy:
             _log.warning("SSD tier %s healthy again after a successful write", self.directory)
             self.healthy = True
-        return _entry(head)
+        return _entry(result.head)
 
-    def _settle(self, key: _Key, bound: int) -> bool:
-        """End a write's reservation; whether the block was removed while it was written."""
-        self._reserved -= bound
-        return self._pending.pop(key)
+    def _abandon(self, writes: list[tuple[int, _Key, int]],
+                 done: asyncio.Future[WriterReport]) -> None:
+        """A cancelled or failed ``write_many``'s writer job finished: end its reservations;
+        what it wrote is garbage."""
+        self._unreserve(writes)
+        if not done.cancelled() and done.exception() is None:
+            self._absorb(done.result())
+            self._reap_all()
 
-    def _abandon(self, batches: list[list[_Write]],
-                 done: asyncio.Future[list[list[int | OSError] | BaseException]]) -> None:
-        """A cancelled ``write_many``'s threads finished: settle them and delete what they
-        wrote."""
-        outcomes = done.result()
-        for batch, outcome in zip(batches, outcomes):
-            for w, result in zip(batch, _per_job(outcome, len(batch))):
-                self._settle(w.key, w.bound)
-                if isinstance(result, int) and result > 0:
-                    self._unlink(w.job.final)
+    def _unreserve(self, writes: list[tuple[int, _Key, int]]) -> None:
+        for _, key, bound in writes:
+            self._reserved -= bound
+            self._pending.pop(key)
 
-    def _settle_reads(self, batch: list[_Read], done: asyncio.Future[list[str | None]]) -> None:
-        """A read batch finished: drop the records that failed, resolve every future."""
-        if done.cancelled() or done.exception() is not None:
-            for r in batch:
-                if not r.future.done():
-                    r.future.set_exception(done.exception() or asyncio.CancelledError())
+    def _settle_reads(self, task: list[list[_Read]],
+                      done: asyncio.Future[list[list[str | None]]]) -> None:
+        """A read task finished: drop the records that failed, resolve every future."""
+        error = done.exception() if not done.cancelled() else asyncio.CancelledError()
+        for k, run in enumerate(task):
+            faults = [None] * len(run) if error is not None else done.result()[k]
+            for r, fault in zip(run, faults):
+                if fault is not None and self._index.get(r.key) is r.loc:
+                    self._corrupt(r.key, r.loc, fault)
+                assert r.future is not None, "a read without a future"
+                if r.future.done():
+                    continue
+                if error is not None:
+                    r.future.set_exception(error)
+                else:
+                    r.future.set_result(fault is None)
+            seg = self._segments[run[0].loc.segment]
+            seg.busy -= 1
+            self._reap(seg)
+
+    def _source(self, loc: _Loc) -> Source:
+        seg = self._segments[loc.segment]
+        return Source(seg.fd, seg.dfd, loc.offset, loc.head)
+
+    def _corrupt(self, key: _Key, loc: _Loc, fault: str) -> None:
+        del self._index[key]
+        self._drop(loc)
+        self.checksum_failures += 1
+        _log.warning("SSD record %s-%s dropped: %s", key[0].hex(), key[1].hex(), fault)
+
+    def _drop(self, loc: _Loc, *, reap: bool = True) -> None:
+        seg = self._segments[loc.segment]
+        seg.live -= loc.head.size
+        self.used_bytes -= loc.head.size
+        if reap:
+            self._reap(seg)
+
+    def _reap(self, seg: _Segment) -> None:
+        """Unlink a sealed segment with no live record; close it once no I/O uses it."""
+        if seg.live or seg.id >= self._sealed_below or seg.compacting:
             return
-        for r, fault in zip(batch, done.result()):
-            if fault is not None and self._index.get(r.key) is r.head:  # not replaced meanwhile
-                del self._index[r.key]
-                self.used_bytes -= HEADER_BYTES + r.head.stored_len
-                self.checksum_failures += 1
-                self._unlink(r.path)
-                _log.warning("SSD record %s dropped: %s", r.path, fault)
-            if not r.future.done():
-                r.future.set_result(fault is None)
-
-    def _scan_record(self, dirent: os.DirEntry[str]) -> RecordHeader | None:
-        """The header of a record found by ``open``, or None if it cannot be trusted."""
-        try:
-            size = dirent.stat(follow_symlinks=False).st_size
-            with open(dirent.path, "rb", buffering=0) as f:
-                head = RecordHeader.unpack(f.read(HEADER_BYTES))
-        except OSError:
-            return None
-        if (head is None or size != HEADER_BYTES + head.stored_len
-                or dirent.name != record_name(head.namespace, head.block_hash)):
-            _log.warning("SSD record %s has a bad header or size; dropping it", dirent.path)
-            return None
-        return head
-
-    def _unlink(self, path: str) -> int:
-        """Delete ``path``: 1 if it was there, 0 if not; an OSError marks the store unhealthy."""
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return 0
-        except OSError as exc:
-            self._note_write_error(f"unlink of {path}", exc)
-            return 0
-        return 1
+        if not seg.unlinked:
+            seg.unlinked = True
+            try:
+                os.unlink(seg.path)
+            except OSError as exc:
+                _log.warning("SSD segment %s not unlinked: %s", seg.path, exc)
+        if seg.busy == 0:
+            _close(seg)
+            del self._segments[seg.id]
 
     def _note_write_error(self, what: str, exc: OSError) -> None:
         self.write_errors += 1
@@ -446,37 +604,46 @@ class SsdStore:
 
 
 @dataclass(slots=True)
-class _Write:
-    """A record ``write_many`` is writing, for the block at ``index`` of its list."""
-
-    index: int
-    key: _Key
-    bound: int  # bytes reserved against the bound until it settles
-    job: WriteJob
-
-
-@dataclass(slots=True)
 class _Read:
-    """A record ``read_many`` is reading into ``into``; ``future`` gets the outcome."""
+    """A record being read into ``into``; ``future`` gets the outcome (None: a copy)."""
 
     key: _Key
-    head: RecordHeader  # what the index expected when the read started
-    path: str
+    loc: _Loc  # what the index held when the read started
     into: memoryview
-    future: asyncio.Future[bool]
+    future: asyncio.Future[bool] | None
+
+
+def _close(seg: _Segment) -> None:
+    for fd in (seg.fd, seg.dfd):
+        if fd is not None and fd >= 0:
+            os.close(fd)
+    seg.fd, seg.dfd = -1, None
 
 
 READ_BATCH_BYTES = 2 << 20
-"""Smallest read batch worth its own I/O task (and at most ``io_threads`` of them): a batch reads
-ahead, so one thread already keeps the disk busy; each more thread costs a hand-off and GIL
-contention (measured on 2 cores: 128 x 64 KiB in 8-10 ms as 4 batches, 19-24 ms as 128 tasks)."""
+"""Smallest read task worth its own thread (at most ``io_threads`` of them): one ``preadv`` of a
+run already gives the disk a deep queue; each more thread costs a hand-off and GIL contention."""
 
-WRITE_BATCH_BYTES = 1 << 20
-"""Write batches hold about this many bytes, as many batches as that makes: small records share
-one directory sync (64 KiB: 128 records 1.4-2x faster), large ones each get their own task so
-their syncs overlap (2 MiB: batches of 16 were 0.31 of raw disk against 0.52-0.56 alone)."""
+RUN_BYTES = 2 << 20
+"""Largest run of adjacent records read with one ``preadv`` (at most 300 records: IOV_MAX)."""
 
 T = TypeVar("T")
+
+
+def _runs(reads: list[_Read]) -> list[list[_Read]]:
+    """``reads`` sorted by (segment, offset) and cut into runs of adjacent records."""
+    runs: list[list[_Read]] = []
+    size = 0
+    for r in sorted(reads, key=lambda r: (r.loc.segment, r.loc.offset)):
+        last = runs[-1][-1].loc if runs else None
+        if (last is None or last.segment != r.loc.segment or len(runs[-1]) >= 300
+                or last.offset + last.head.size != r.loc.offset
+                or size + r.loc.head.size > RUN_BYTES):
+            runs.append([])
+            size = 0
+        runs[-1].append(r)
+        size += r.loc.head.size
+    return runs
 
 
 def _batches(items: list[T], sizes: list[int], least_bytes: int, most: int) -> list[list[T]]:
@@ -490,16 +657,3 @@ def _batches(items: list[T], sizes: list[int], least_bytes: int, most: int) -> l
         runs[min(count - 1, seen * count // max(total, 1))].append(item)
         seen += size
     return [run for run in runs if run]
-
-
-def _per_job(outcome: list[int | OSError] | BaseException, n: int
-             ) -> list[int | OSError] | list[BaseException]:
-    """One batch's results, one per job (the batch's exception for each if it raised)."""
-    return [outcome] * n if isinstance(outcome, BaseException) else outcome
-
-
-def _check_key(namespace: Namespace, block_hash: BlockHash) -> None:
-    if len(namespace) != NAMESPACE_LEN or len(block_hash) not in HASH_LENS:
-        raise ValueError(f"namespace must be {NAMESPACE_LEN} bytes and block hash 16 or 32 bytes, "
-                         f"got {len(namespace)} and {len(block_hash)}")
-
