@@ -3,12 +3,15 @@
 Per engine step (see ``tierd.connector.hooks`` for the call order)::
 
     lookup   one Lookup round trip for the chain past the hot-tier hit -> loadable blocks
-    load     Acquire (pins the prefix; SSD hits are staged into DRAM by the daemon), one batched
-             copy arena -> staging, checksum of each block, one batched copy of the verified
-             run into the pool; the Release is queued to the worker (it never delays compute)
+    load     Acquire (pins the prefix; SSD hits are staged into DRAM by the daemon), checksum of
+             each block where it lies in the arena, one batched copy of the verified run straight
+             into a host pool (through staging for a device pool or a lease about to lapse); the
+             Release is queued to the worker (it never delays compute)
     save     one batched copy pool -> staging ring (the pool block may be reused right after);
-             the worker then Reserves (blocks the node already holds are skipped), copies staging
-             -> arena slots, and Commits with the checksums
+             the worker gathers saves for up to ``save_batch_s``, then makes one Reserve (blocks
+             the node already holds are skipped), copies staging -> arena slots with plain host
+             memcpys (no torch op: no second OpenMP team beside the engine's), and one Commit
+             with the checksums. The worker runs at a lower priority (``worker_nice``).
     step_end the engine's hot-tier (HBM) BlockStored/BlockRemoved events, batched, are queued for
              ReportHotBlocks (when ``attach_block_events`` was called)
 
@@ -27,7 +30,9 @@ dropped, never applied to the next one.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +43,7 @@ import torch
 
 from tierd.connector.engine import Request
 from tierd.connector.transfer import ArenaSlots, Span, StagingRing, allocate_staging, \
-    load_blocks, save_blocks, words
+    load_blocks, prefault, words, write_through
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import EngineHandle, TierdClient
 from tierd.daemon.layout import Dtype, Layout
@@ -54,6 +59,8 @@ _DTYPES: dict[torch.dtype, Dtype] = {
 }
 _LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED)
 """Codes that mean the session is gone (no daemon, or a restarted one that forgot us)."""
+_DIRECT_LOAD_MARGIN_S = 1.0
+"""A load copies straight from the arena (no staging) only if the lease has this long left."""
 
 
 def layout_for(spec: KVCacheSpec, tp_rank: int = 0, tp_size: int = 1) -> Layout:
@@ -82,6 +89,15 @@ class TierdHooksConfig:
     load_staging_bytes: int = 16 << 20
     """Staging for loads; a longer load is copied in several chunks."""
     max_queued_jobs: int = 256
+    save_batch_s: float = 0.25
+    """The worker gathers saves for up to this long (or until half the staging ring is
+    waiting, or ``flush``) and writes them with one Reserve and one Commit: fewer round trips
+    and wake-ups beside the engine's compute, at the price of other engines seeing the blocks
+    that much later. 0: write each step's saves at once."""
+    worker_nice: int = 10
+    """Niceness added to the worker thread (Linux; 0: none). The worker only does background
+    work (copies into the arena, round trips), so on a busy host it runs in the gaps the
+    engine's compute leaves instead of taking a core from it."""
     reconnect_min_s: float = 0.2
     reconnect_max_s: float = 5.0
     tp_rank: int = 0
@@ -90,6 +106,10 @@ class TierdHooksConfig:
     def __post_init__(self) -> None:
         if self.call_timeout_s <= 0 or self.reconnect_min_s <= 0:
             raise ValueError("call_timeout_s and reconnect_min_s must be positive")
+        if not 0 <= self.worker_nice <= 19:
+            raise ValueError(f"worker_nice={self.worker_nice} must lie in [0, 19]")
+        if self.save_batch_s < 0:
+            raise ValueError(f"save_batch_s={self.save_batch_s} must be >= 0 (0: no batching)")
         if self.reconnect_max_s < self.reconnect_min_s or self.max_queued_jobs < 1:
             raise ValueError("need reconnect_max_s >= reconnect_min_s and max_queued_jobs >= 1")
 
@@ -107,6 +127,8 @@ class TierdHooksStats:
     dropped_save_blocks: int = 0
     dropped_jobs: int = 0
     # worker thread:
+    save_batches: int = 0
+    """Reserve/Commit round trips made for saves (each carries every save gathered)."""
     saved_blocks: int = 0
     skipped_stored_blocks: int = 0
     unsaved_blocks: int = 0
@@ -130,6 +152,7 @@ class _SaveJob:
     session: _Session
     hashes: list[BlockHash]
     span: Span
+    queued: float  # time.monotonic() at save
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +192,7 @@ class TierdHooks:
         self._events: Callable[[], list[KVEvent]] | None = None
         self._hot_cleared = False
         self._closing = threading.Event()
+        self._flushing = threading.Event()
         self._worker: threading.Thread | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -205,8 +229,17 @@ class TierdHooks:
     def flush(self, timeout: float = 30.0) -> bool:
         """Block until every queued save, release and report has been sent (or dropped)."""
         deadline = time.monotonic() + timeout
-        while self._jobs.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.005)
+        if self._jobs.unfinished_tasks and self._worker is not None and not self._closing.is_set():
+            self._flushing.set()  # the worker stops gathering saves and sends them now
+            try:
+                self._jobs.put_nowait(None)  # wake it if it waits for more saves
+            except queue.Full:
+                pass  # a full queue ends the gathering anyway
+        done = self._jobs.all_tasks_done  # queue.Queue's condition, notified as tasks end
+        with done:
+            done.wait_for(lambda: not self._jobs.unfinished_tasks,
+                          max(0.0, deadline - time.monotonic()))
+        self._flushing.clear()
         return not self._jobs.unfinished_tasks
 
     def close(self) -> None:
@@ -261,8 +294,10 @@ class TierdHooks:
             return [False] * n
         assert self._kv is not None and self._load_staging is not None
         try:
+            # Straight from the arena while the lease surely outlives the copy, else staged.
             good = load_blocks(session.slots, got.slot_ids, got.checksums, self._kv.pool,
-                               block_ids, self._load_staging)
+                               block_ids, self._load_staging,
+                               direct=got.seconds_left > _DIRECT_LOAD_MARGIN_S)
         except ValueError as exc:  # slots outside the arena we mapped: a daemon bug, a miss here
             log.warning("tierd load rejected: %s", exc)
             good = 0
@@ -293,7 +328,7 @@ class TierdHooks:
         ids = torch.tensor([b for b, _ in todo], dtype=torch.int64, device=self._kv.pool.device)
         staged = ring.rows[span.start:span.stop]
         torch.index_select(words(self._kv.pool), 0, ids, out=words(staged))
-        self._put(_SaveJob(session, [h for _, h in todo], span))
+        self._put(_SaveJob(session, [h for _, h in todo], span, time.monotonic()))
 
     def request_finished(self, request: Request) -> None:
         pass  # no per-request state: leases end inside ``load``
@@ -345,15 +380,15 @@ class TierdHooks:
                              timeout=cfg.call_timeout_s)
         try:
             engine = client.register_engine(self._layout, cfg.engine_name)
-            # Map every page now (page tables only: ~0.1 s per GiB), not on the first load.
-            arena = ShmArena.attach(engine.arena_name, directory=engine.arena_directory,
-                                    prefault=True)
+            arena = ShmArena.attach(engine.arena_name, directory=engine.arena_directory)
         except (grpc.RpcError, OSError, ValueError) as exc:
             client.close()
             log.info("tierd not reachable at %s (%s): running without it", client.target,
                      exc.code().name if isinstance(exc, grpc.RpcError) else exc)
             return None
-        slots = ArenaSlots(arena.as_tensor(), engine.geometry)
+        tensor = arena.as_tensor()
+        prefault(tensor)  # page tables of our mapping now, not a fault per page on each copy
+        slots = ArenaSlots(tensor, engine.geometry)
         self.stats.connects += 1
         self._hot_cleared = True
         log.info("tierd connected at %s: engine %s", client.target, engine.engine_id)
@@ -385,7 +420,11 @@ class TierdHooks:
 
     def _run(self) -> None:
         """Worker: send queued jobs in order; reconnect with backoff while disconnected."""
+        if self.config.worker_nice and sys.platform == "linux":  # per thread on Linux only
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                           os.getpriority(os.PRIO_PROCESS, 0) + self.config.worker_nice)
         backoff, next_try = self.config.reconnect_min_s, 0.0
+        held: list[_Job] = []  # taken off the queue while batching saves, not yet done
         while not self._closing.is_set():
             if self._session is None and time.monotonic() >= next_try:
                 session = self._connect()
@@ -397,25 +436,59 @@ class TierdHooks:
                     self._session = session
             wait = max(0.0, next_try - time.monotonic()) if self._session is None else None
             try:
-                job = self._jobs.get(timeout=wait if wait is not None else 1.0)
+                job = held.pop() if held else self._jobs.get(
+                    timeout=wait if wait is not None else 1.0)
             except queue.Empty:
                 continue
+            batch = [job]
+            if isinstance(job, _SaveJob):
+                held += self._gather_saves(batch)
             try:
-                self._do(job)
+                self._do(batch)
             finally:
-                self._jobs.task_done()
+                for _ in batch:
+                    self._jobs.task_done()
 
-    def _do(self, job: _Job) -> None:
+    def _gather_saves(self, batch: list[_Job]) -> list[_Job]:
+        """Append to ``batch`` (one ``_SaveJob``) the saves of the same session queued within
+        ``save_batch_s`` of it, up to half the staging ring; returns the non-save job that ended
+        the gathering, if any (it is done next)."""
+        first = batch[0]
+        assert isinstance(first, _SaveJob) and self._ring is not None
+        deadline, rows = first.queued + self.config.save_batch_s, len(first.hashes)
+        while rows < self._ring.capacity // 2 and not self._flushing.is_set():
+            try:
+                job = self._jobs.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if not isinstance(job, _SaveJob) or job.session is not first.session:
+                return [job]
+            batch.append(job)
+            rows += len(job.hashes)
+        while True:  # whatever is queued already goes along
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return []
+            if not isinstance(job, _SaveJob) or job.session is not first.session:
+                return [job]
+            batch.append(job)
+
+    def _do(self, batch: list[_Job]) -> None:
+        job = batch[0]
         if job is None:
             return
         if isinstance(job, _SaveJob):
+            saves = [j for j in batch if isinstance(j, _SaveJob)]
             try:
-                self._write_through(job)
+                self._write_through(saves)
             finally:
                 with self._lock:
-                    self._pending.difference_update(job.hashes)
+                    for save in saves:
+                        self._pending.difference_update(save.hashes)
                 assert self._ring is not None
-                self._ring.give_back(job.span)
+                for save in saves:
+                    self._ring.give_back(save.span)
             return
         if job.session is not self._session:
             return  # the daemon that held this lease or HBM view is gone
@@ -430,30 +503,36 @@ class TierdHooks:
             self.stats.rpc_errors += 1
             self._failed(job.session, exc)
 
-    def _write_through(self, job: _SaveJob) -> None:
-        """Reserve, copy the reserved rows into their slots, commit with checksums."""
-        session, n = job.session, len(job.hashes)
+    def _write_through(self, saves: list[_SaveJob]) -> None:
+        """One Reserve for every queued save, host memcpys of the staged rows into the
+        reserved slots (with checksums), one Commit."""
+        session = saves[0].session
+        hashes = [h for save in saves for h in save.hashes]
+        n = len(hashes)
         if session is not self._session:
             self.stats.unsaved_blocks += n
             return
         client, engine_id = session.client, session.engine.engine_id
         assert self._ring is not None
-        rows = self._ring.rows[job.span.start:job.span.stop]
         try:
-            reserved = client.reserve(engine_id, job.hashes)
-            picks = [i for i, s in enumerate(reserved.slot_ids) if s is not None]
-            checksums: list[int | None] = [None] * n
-            if picks:
-                slots = [s for s in reserved.slot_ids if s is not None]
-                chosen = rows if len(picks) == n else rows[torch.tensor(picks)]
-                for i, c in zip(picks, save_blocks(session.slots, slots, chosen)):
-                    checksums[i] = c
+            reserved = client.reserve(engine_id, hashes)
+            self.stats.save_batches += 1
+            checksums: list[int | None] = []
+            try:
+                for save in saves:
+                    slots = reserved.slot_ids[len(checksums):len(checksums) + len(save.hashes)]
+                    rows = self._ring.rows[save.span.start:save.span.stop]
+                    checksums += write_through(session.slots, slots, rows)
+            except ValueError as exc:  # slots outside the arena we mapped: a daemon bug
+                log.warning("tierd save rejected: %s", exc)
+                checksums = [None] * n  # the commit frees every reserved slot
             stored = client.commit(engine_id, reserved.lease_id, checksums)
         except grpc.RpcError as exc:
             self.stats.rpc_errors += 1
             self.stats.unsaved_blocks += n
             self._failed(session, exc)
             return
+        already = sum(reserved.already_stored)
         self.stats.saved_blocks += stored
-        self.stats.skipped_stored_blocks += sum(reserved.already_stored)
-        self.stats.unsaved_blocks += n - stored - sum(reserved.already_stored)
+        self.stats.skipped_stored_blocks += already
+        self.stats.unsaved_blocks += n - stored - already

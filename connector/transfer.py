@@ -4,17 +4,22 @@ Engine-agnostic: a *pool* is any 2-D uint8 tensor ``[num_blocks, block_bytes]`` 
 block ``b`` of every layer (``tierd.gpu.layout.KVCache.pool``; an adapter for another engine
 passes a view of the same shape), on CPU or a GPU. An arena slot holds exactly one such row.
 
-Every copy is one batched torch op per direction (``index_select`` / ``index_copy_`` /
-``index_put_`` over a uint8 view of the arena), never a Python loop per block; only the
-checksums (xxh3-64, ``tierd.checksum.block_checksum``) are computed block by block, over memory
-that is already in place.
+Copies on the engine thread are one batched torch op each (``index_select`` / ``index_copy_``
+over an int64-word view of the arena), never a Python loop per block; the checksums (xxh3-64,
+``tierd.checksum.block_checksum``, ~30 GB/s) are computed block by block over memory already in
+place.
 
-Load (``load_blocks``): arena slots -> pre-touched host staging (one gather) -> verify each row's
-checksum there -> pool rows (one scatter) for the leading run that verified. Wrong bytes never
-reach the pool: a mismatch makes that block and every later one a miss.
+Load (``load_blocks``), host pool: verify each slot's checksum where it lies in the arena (pinned
+by the caller's lease) -> one gather of the leading run that verified straight into the pool
+rows (one copy, as a memcpy would). Device pool (or a lease about to lapse): arena slots ->
+private pre-touched host staging (one gather) -> verify there -> pool rows (one scatter).
+Either way wrong bytes never reach the pool: a mismatch makes that block and every later one a
+miss.
 
-Save (``save_blocks``): rows already copied out of the pool into staging (``StagingRing``, taken
-on the engine thread so the pool may be reused at once) -> checksums -> reserved arena slots.
+Save (``save_blocks``, ``write_through``): rows already copied out of the pool into staging
+(``StagingRing``, one gather on the engine thread so the pool may be reused at once) ->
+checksums -> reserved arena slots, by plain host memcpys of runs of adjacent slots (no torch op,
+so a background thread does not start a second OpenMP team beside the engine's).
 
 Staging memory is allocated and zero-filled once (first touch of fresh pages costs ~2.5 s/GiB on
 these hosts; a per-call temporary would pay it on every transfer).
@@ -22,7 +27,9 @@ these hosts; a per-call temporary would pay it on every transfer).
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -32,6 +39,27 @@ import torch
 
 from tierd.checksum import block_checksum
 from tierd.daemon.slots import SlotGeometry
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module does not name it
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def prefault(tensor: torch.Tensor) -> bool:
+    """Map every page of a host tensor's memory into this process for writing, now
+    (``MADV_POPULATE_WRITE``: page tables only, contents unchanged, ~0.1 s per GiB; the GIL is
+    dropped meanwhile). Returns False where the kernel lacks it (then pages fault on first use).
+
+    Call it once on the arena tensor (``ShmArena.as_tensor`` is a mapping of its own, which the
+    ``ShmArena`` pre-fault does not cover): otherwise the first copy through each page of it
+    takes a page fault, ~7 ms per 8 MiB, on the engine thread for loads and beside it for
+    saves."""
+    assert tensor.device.type == "cpu", "only host memory is mapped"
+    page = mmap.PAGESIZE
+    start = -(-tensor.data_ptr() // page) * page
+    stop = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+    return stop <= start or _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start),
+                                          _MADV_POPULATE_WRITE) == 0
 
 
 class ArenaSlots:
@@ -61,43 +89,102 @@ class ArenaSlots:
         self._g = math.gcd(geometry.slab_bytes, geometry.slot_bytes) // unit
         rows = (base.numel() - width) // self._g + 1 if base.numel() >= width else 0
         self._read_rows = base.as_strided((rows, width), (self._g, 1))
-        # Writes need a view without internal overlap: slabs x slots x words.
-        num_slabs = size // geometry.slab_bytes
-        self._write_view = base.as_strided(
-            (num_slabs, geometry.slots_per_slab, width),
-            (geometry.slab_bytes // unit, width, 1))
+        self._bytes = arena.numpy()  # the same mapping, for plain memcpys (``write``)
 
-    def _check(self, slot_ids: Sequence[int]) -> torch.Tensor:
-        ids = torch.tensor(list(slot_ids), dtype=torch.int64)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_slots):
+    def _check(self, slot_ids: Sequence[int]) -> None:
+        if slot_ids and (min(slot_ids) < 0 or max(slot_ids) >= self.num_slots):
             raise ValueError(f"slot ids must lie in [0, {self.num_slots}): a stale geometry or a "
                              "slot id from another daemon")
-        return ids
 
     def read(self, slot_ids: Sequence[int], out: torch.Tensor) -> None:
         """Copy slots ``slot_ids`` into rows of ``out`` (contiguous uint8 ``[n, slot_bytes]``,
         host memory) in one ``index_select``. Blocks until done."""
-        ids = self._check(slot_ids)
-        if tuple(out.shape) != (ids.numel(), self.slot_bytes) or out.dtype != torch.uint8:
-            raise ValueError(f"out must be uint8 [{ids.numel()}, {self.slot_bytes}], "
+        self._check(slot_ids)
+        if tuple(out.shape) != (len(slot_ids), self.slot_bytes) or out.dtype != torch.uint8:
+            raise ValueError(f"out must be uint8 [{len(slot_ids)}, {self.slot_bytes}], "
                              f"got {out.dtype} {tuple(out.shape)}")
-        offsets = torch.tensor([self.geometry.offset(int(s)) for s in ids], dtype=torch.int64)
+        offsets = torch.tensor([self.geometry.offset(s) for s in slot_ids], dtype=torch.int64)
         torch.index_select(self._read_rows, 0, offsets // self._unit // self._g,
                            out=words(out) if self._unit == 8 else out)
 
-    def write(self, slot_ids: Sequence[int], rows: torch.Tensor) -> None:
-        """Copy ``rows`` (uint8 ``[n, slot_bytes]``, any device) into distinct slots ``slot_ids``
-        in one ``index_put_``. Blocks until done."""
-        ids = self._check(slot_ids)
-        if tuple(rows.shape) != (ids.numel(), self.slot_bytes) or rows.dtype != torch.uint8:
-            raise ValueError(f"rows must be uint8 [{ids.numel()}, {self.slot_bytes}], "
+    def verified(self, slot_ids: Sequence[int], checksums: Sequence[int]) -> int:
+        """How many leading slots hold bytes whose ``block_checksum`` is ``checksums[i]``,
+        hashed where they lie in the arena (no copy; stops at the first mismatch)."""
+        self._check(slot_ids)
+        offset_of, width, data = self.geometry.offset, self.slot_bytes, self._bytes
+        for i, (slot, want) in enumerate(zip(slot_ids, checksums)):
+            offset = offset_of(slot)
+            if block_checksum(data[offset:offset + width].data) != want:
+                return i
+        return len(slot_ids)
+
+    def read_into(self, slot_ids: Sequence[int], pool: torch.Tensor,
+                  block_ids: Sequence[int]) -> bool:
+        """Copy slot ``slot_ids[i]`` into row ``block_ids[i]`` of a host ``pool`` (contiguous
+        uint8 ``[num_blocks, slot_bytes]``) with no staging: one ``index_select`` straight into
+        the pool per run of consecutive block ids (a fresh allocation is one run). Returns False,
+        having copied nothing, if the pool is not on the host or not addressable in the arena's
+        copy unit (then go through staging: ``read``). Blocks until done."""
+        if len(slot_ids) != len(block_ids):
+            raise ValueError("need one pool block per slot")
+        target = words(pool) if self._unit == 8 else pool
+        if (pool.device.type != "cpu" or not pool.is_contiguous()
+                or target.dtype != self._read_rows.dtype):
+            return False
+        self._check(slot_ids)
+        offset_of, unit_g = self.geometry.offset, self._unit * self._g
+        rows = torch.tensor([offset_of(s) // unit_g for s in slot_ids], dtype=torch.int64)
+        start = 0
+        for i in range(1, len(block_ids) + 1):
+            if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
+                first = block_ids[start]
+                torch.index_select(self._read_rows, 0, rows[start:i],
+                                   out=target[first:first + i - start])
+                start = i
+        return True
+
+    def write(self, slot_ids: Sequence[int | None], rows: torch.Tensor) -> None:
+        """Copy row ``i`` of ``rows`` (uint8 ``[n, slot_bytes]``, any device) into slot
+        ``slot_ids[i]`` (slots distinct; None: row ``i`` is not copied). Blocks until done.
+
+        Meant for a background thread: one plain memcpy per run of rows that lie back to back
+        in the arena (numpy, which drops the GIL while it copies; a slab allocator hands out
+        adjacent slots, so a write is a few memcpys), never a torch op: a torch op started from
+        a second thread brings up a second OpenMP team that fights the engine's for the cores."""
+        if tuple(rows.shape) != (len(slot_ids), self.slot_bytes) or rows.dtype != torch.uint8:
+            raise ValueError(f"rows must be uint8 [{len(slot_ids)}, {self.slot_bytes}], "
                              f"got {rows.dtype} {tuple(rows.shape)}")
-        if torch.unique(ids).numel() != ids.numel():
+        given = [s for s in slot_ids if s is not None]
+        self._check(given)
+        if len(set(given)) != len(given):
             raise ValueError("slot ids must be distinct: a slot written twice is a race")
-        per_slab = self.geometry.slots_per_slab
-        host = rows.to("cpu").contiguous()
-        self._write_view.index_put_((ids // per_slab, ids % per_slab),
-                                    words(host) if self._unit == 8 else host)
+        src = rows.to("cpu").contiguous().numpy().reshape(-1)
+        width = self.slot_bytes
+        for first, stop, offset in self._runs(slot_ids):
+            n = (stop - first) * width
+            self._bytes[offset:offset + n] = src[first * width:first * width + n]
+
+    def _runs(self, slot_ids: Sequence[int | None]) -> list[tuple[int, int, int]]:
+        """``(first, stop, offset)``: rows ``first..stop-1`` go to ``[offset, offset + (stop -
+        first) * slot_bytes)`` of the arena, back to back. Rows without a slot are skipped."""
+        out: list[tuple[int, int, int]] = []
+        offset_of, width = self.geometry.offset, self.slot_bytes
+        first, start, end = 0, 0, -1
+        for i, slot in enumerate(slot_ids):
+            if slot is None:
+                if end >= 0:
+                    out.append((first, i, start))
+                end = -1
+                continue
+            offset = offset_of(slot)
+            if offset != end:
+                if end >= 0:
+                    out.append((first, i, start))
+                first, start = i, offset
+            end = offset + width
+        if end >= 0:
+            out.append((first, len(slot_ids), start))
+        return out
 
 
 def words(rows: torch.Tensor) -> torch.Tensor:
@@ -136,13 +223,18 @@ def allocate_staging(num_rows: int, row_bytes: int) -> torch.Tensor:
 
 
 def load_blocks(arena: ArenaSlots, slot_ids: Sequence[int], checksums: Sequence[int],
-                pool: torch.Tensor, block_ids: Sequence[int], staging: torch.Tensor) -> int:
-    """Copy arena slots into pool rows through ``staging``, verifying every block; returns how
-    many leading blocks are now in the pool and verified (the rest must be recomputed).
+                pool: torch.Tensor, block_ids: Sequence[int], staging: torch.Tensor, *,
+                direct: bool = True) -> int:
+    """Copy arena slots into pool rows, verifying every block; returns how many leading blocks
+    are now in the pool and verified (the rest must be recomputed). Only verified bytes are
+    ever written to the pool.
 
     ``slot_ids[i]``/``checksums[i]`` describe the block that goes to ``block_ids[i]``; extra
-    ``block_ids`` (past ``len(slot_ids)``) are left alone. Per chunk of ``len(staging)`` blocks:
-    one gather from the arena, the checksums, one scatter of the verified rows into the pool.
+    ``block_ids`` (past ``len(slot_ids)``) are left alone. ``direct`` (host pools): checksum the
+    slots where they lie, then copy the verified run straight into the pool (one copy; safe
+    while the caller's lease pins the slots, so pass False when the lease may lapse during the
+    call). Otherwise, per chunk of ``len(staging)`` blocks: one gather from the arena into
+    private staging, the checksums there, one scatter of the verified rows into the pool.
     The caller keeps the slots pinned (a lease) until this returns; blocks until done."""
     if len(slot_ids) != len(checksums) or len(slot_ids) > len(block_ids):
         raise ValueError("need one checksum per slot and a pool block for each slot")
@@ -150,6 +242,10 @@ def load_blocks(arena: ArenaSlots, slot_ids: Sequence[int], checksums: Sequence[
         raise ValueError(f"pool must be uint8 [num_blocks, {arena.slot_bytes}] to match the slots")
     if staging.shape[1] != arena.slot_bytes:
         raise ValueError("staging rows must be one slot wide")
+    if direct and pool.device.type == "cpu":
+        good = arena.verified(slot_ids, checksums)
+        if arena.read_into(slot_ids[:good], pool, block_ids[:good]):
+            return good
     done, chunk = 0, staging.shape[0]
     while done < len(slot_ids):
         n = min(chunk, len(slot_ids) - done)
@@ -166,9 +262,23 @@ def load_blocks(arena: ArenaSlots, slot_ids: Sequence[int], checksums: Sequence[
 
 
 def save_blocks(arena: ArenaSlots, slot_ids: Sequence[int], rows: torch.Tensor) -> list[int]:
-    """Write staged ``rows`` into reserved arena slots (one batched copy) and return their
-    checksums, computed on the staged bytes, for ``commit``."""
+    """Write staged ``rows`` into reserved arena slots and return their checksums, computed on
+    the staged bytes, for ``commit``."""
     checksums = row_checksums(rows)
+    arena.write(slot_ids, rows)
+    return checksums
+
+
+def write_through(arena: ArenaSlots, slot_ids: Sequence[int | None], rows: torch.Tensor
+                  ) -> list[int | None]:
+    """``save_blocks`` for a reservation: row ``i`` goes to ``slot_ids[i]``; rows without a
+    slot (already stored, or no room) are skipped and get None, as ``commit`` expects. Host
+    memcpys and xxh3 only (no torch op): safe to run beside the engine's compute."""
+    assert rows.device.type == "cpu" and rows.is_contiguous(), "staged rows are host rows"
+    flat, width = rows.numpy().data.cast("B"), rows.shape[1]
+    checksums: list[int | None] = [
+        None if s is None else block_checksum(flat[i * width:(i + 1) * width])
+        for i, s in enumerate(slot_ids)]
     arena.write(slot_ids, rows)
     return checksums
 

@@ -4,6 +4,7 @@ a full staging ring, and hot-tier reports."""
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -134,4 +135,32 @@ def test_hot_tier_events_reach_the_daemon(tiny_model: LlamaModel, make_daemon: A
     with TierdClient(socket_path=daemon.config.socket_path) as client:
         engines = client.stats().engines
     assert [e.hbm_blocks for e in engines] == [4]
+    hooks.close()
+
+
+def test_saves_of_several_steps_share_one_reservation(tiny_model: LlamaModel,
+                                                      make_daemon: Any) -> None:
+    """With a long batching window, two prompts' 4 + 6 blocks (saved in different steps) wait
+    in staging until ``flush``, then go in one Reserve/Commit: 10 blocks stored, 1 batch."""
+    daemon = make_daemon()
+    hooks = hooks_for(daemon.config.socket_path, save_batch_s=3600.0)
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=BS), hooks)
+    engine.generate([prompt(70, seed=7)], 8)
+    engine.generate([prompt(100, seed=8)], 8)
+    assert (hooks.stats.save_batches, hooks.stats.saved_blocks) == (0, 0)
+    assert hooks.flush()
+    assert (hooks.stats.save_batches, hooks.stats.saved_blocks) == (1, 10)
+    hooks.close()
+
+
+def test_worker_runs_at_lower_priority(make_daemon: Any, tiny_model: LlamaModel) -> None:
+    """The worker thread's niceness is the process's plus ``worker_nice`` (Linux)."""
+    daemon = make_daemon()
+    hooks = hooks_for(daemon.config.socket_path, worker_nice=7)
+    LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=BS), hooks)
+    assert hooks.wait_connected(timeout=30) and hooks._worker is not None
+    assert hooks.flush()  # the worker has started and set its niceness
+    if sys.platform == "linux":
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, hooks._worker.native_id or 0) == base + 7
     hooks.close()

@@ -10,7 +10,7 @@ import torch
 
 from tierd.checksum import block_checksum
 from tierd.connector.transfer import ArenaSlots, Span, StagingRing, allocate_staging, \
-    load_blocks, row_checksums, save_blocks
+    load_blocks, prefault, row_checksums, save_blocks, write_through
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.slots import SlotGeometry
 
@@ -45,9 +45,10 @@ def test_write_then_read_slots_exact(arena: ShmArena, geometry: SlotGeometry) ->
         slots.read([slots.num_slots], out[:1])
 
 
-def test_load_verifies_and_stops_at_first_mismatch(arena: ShmArena) -> None:
-    """Five blocks through a two-row staging buffer; block 3's slot is corrupted: blocks 0-2 are
-    placed in pool rows 7, 2, 4, pool rows 5 and 6 stay untouched, the call returns 3."""
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+def test_load_verifies_and_stops_at_first_mismatch(arena: ShmArena, direct: bool) -> None:
+    """Five blocks, directly or through a two-row staging buffer; block 3's slot is corrupted:
+    blocks 0-2 are placed in pool rows 7, 2, 4, pool rows 5 and 6 stay untouched, returns 3."""
     geometry = SlotGeometry(1024, 128, 8)
     slots = ArenaSlots(arena.as_tensor(), geometry)
     rows = _rows(5, 128, seed=2)
@@ -55,7 +56,7 @@ def test_load_verifies_and_stops_at_first_mismatch(arena: ShmArena) -> None:
     arena.view(geometry.offset(3), 1)[0] ^= 0xFF
     pool = torch.zeros(8, 128, dtype=torch.uint8)
     got = load_blocks(slots, [0, 1, 2, 3, 4], checksums, pool, [7, 2, 4, 5, 6],
-                      allocate_staging(2, 128))
+                      allocate_staging(2, 128), direct=direct)
     assert got == 3
     assert torch.equal(pool[[7, 2, 4]], rows[:3])
     assert int(pool[[0, 1, 3, 5, 6]].sum()) == 0
@@ -80,3 +81,44 @@ def test_staging_ring_bounds_wraps_and_returns_in_order() -> None:
     ring.give_back(b)
     assert ring.take(11) is None
     ring.check_integrity()
+
+
+def test_write_through_skips_rows_without_a_slot(arena: ShmArena) -> None:
+    """Rows 0-3 to slots 4, None, 5, 9: checksums for rows 0, 2, 3 and None for row 1; slots 4,
+    5 and 9 hold rows 0, 2, 3 bit-exact and slot 6 (between them) stays zero."""
+    geometry = SlotGeometry(1024, 128, 8)
+    slots = ArenaSlots(arena.as_tensor(), geometry)
+    rows = _rows(4, 128, seed=3)
+    got = write_through(slots, [4, None, 5, 9], rows)
+    want = [block_checksum(rows[i].numpy().tobytes()) for i in (0, 2, 3)]
+    assert got == [want[0], None, want[1], want[2]]
+    for slot, row in ((4, 0), (5, 2), (9, 3)):
+        assert bytes(arena.view(geometry.offset(slot), 128)) == rows[row].numpy().tobytes()
+    assert bytes(arena.view(geometry.offset(6), 128)) == bytes(128)
+    with pytest.raises(ValueError, match="distinct"):
+        write_through(slots, [4, 4, None, None], rows)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+def test_load_paths_place_the_same_bytes(arena: ShmArena, direct: bool) -> None:
+    """Slots 3, 4, 0, 1 (two arena runs) into pool rows 2, 3, 4, 6 (two pool runs), directly or
+    through a one-row staging buffer: the same 4 rows land, rows 0, 1, 5, 7 stay zero."""
+    geometry = SlotGeometry(1024, 128, 8)
+    slots = ArenaSlots(arena.as_tensor(), geometry)
+    rows = _rows(4, 128, seed=4)
+    checksums = save_blocks(slots, [3, 4, 0, 1], rows)
+    pool = torch.zeros(8, 128, dtype=torch.uint8)
+    got = load_blocks(slots, [3, 4, 0, 1], checksums, pool, [2, 3, 4, 6],
+                      allocate_staging(1, 128), direct=direct)
+    assert got == 4
+    assert torch.equal(pool[[2, 3, 4, 6]], rows)
+    assert int(pool[[0, 1, 5, 7]].sum()) == 0
+    assert slots.verified([3, 4, 0, 1], [checksums[0], checksums[1], 0, checksums[3]]) == 2
+
+
+def test_prefault_keeps_the_arena_contents(arena: ShmArena) -> None:
+    """Pre-faulting a second mapping of the arena succeeds and changes no byte."""
+    arena.view(0, 4)[:] = b"kv!!"
+    tensor = arena.as_tensor()
+    assert prefault(tensor)
+    assert bytes(tensor[:4].numpy()) == b"kv!!" and int(tensor[4:].sum()) == 0
