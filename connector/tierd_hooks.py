@@ -43,7 +43,7 @@ import torch
 
 from tierd.connector.engine import Request
 from tierd.connector.transfer import ArenaSlots, Span, StagingRing, allocate_staging, \
-    load_blocks, prefault, words, write_through
+    load_blocks, words, write_through
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import EngineHandle, TierdClient
 from tierd.daemon.layout import Dtype, Layout
@@ -386,8 +386,7 @@ class TierdHooks:
             log.info("tierd not reachable at %s (%s): running without it", client.target,
                      exc.code().name if isinstance(exc, grpc.RpcError) else exc)
             return None
-        tensor = arena.as_tensor()
-        prefault(tensor)  # page tables of our mapping now, not a fault per page on each copy
+        tensor = arena.as_tensor()  # pre-faulted: no page fault per page on the first copies
         slots = ArenaSlots(tensor, engine.geometry)
         self.stats.connects += 1
         self._hot_cleared = True

@@ -27,9 +27,7 @@ these hosts; a per-call temporary would pay it on every transfer).
 
 from __future__ import annotations
 
-import ctypes
 import math
-import mmap
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -39,27 +37,6 @@ import torch
 
 from tierd.checksum import block_checksum
 from tierd.daemon.slots import SlotGeometry
-
-
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module does not name it
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def prefault(tensor: torch.Tensor) -> bool:
-    """Map every page of a host tensor's memory into this process for writing, now
-    (``MADV_POPULATE_WRITE``: page tables only, contents unchanged, ~0.1 s per GiB; the GIL is
-    dropped meanwhile). Returns False where the kernel lacks it (then pages fault on first use).
-
-    Call it once on the arena tensor (``ShmArena.as_tensor`` is a mapping of its own, which the
-    ``ShmArena`` pre-fault does not cover): otherwise the first copy through each page of it
-    takes a page fault, ~7 ms per 8 MiB, on the engine thread for loads and beside it for
-    saves."""
-    assert tensor.device.type == "cpu", "only host memory is mapped"
-    page = mmap.PAGESIZE
-    start = -(-tensor.data_ptr() // page) * page
-    stop = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
-    return stop <= start or _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start),
-                                          _MADV_POPULATE_WRITE) == 0
 
 
 class ArenaSlots:

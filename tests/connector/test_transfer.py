@@ -10,7 +10,7 @@ import torch
 
 from tierd.checksum import block_checksum
 from tierd.connector.transfer import ArenaSlots, Span, StagingRing, allocate_staging, \
-    load_blocks, prefault, row_checksums, save_blocks, write_through
+    load_blocks, row_checksums, save_blocks, write_through
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.slots import SlotGeometry
 
@@ -116,9 +116,3 @@ def test_load_paths_place_the_same_bytes(arena: ShmArena, direct: bool) -> None:
     assert slots.verified([3, 4, 0, 1], [checksums[0], checksums[1], 0, checksums[3]]) == 2
 
 
-def test_prefault_keeps_the_arena_contents(arena: ShmArena) -> None:
-    """Pre-faulting a second mapping of the arena succeeds and changes no byte."""
-    arena.view(0, 4)[:] = b"kv!!"
-    tensor = arena.as_tensor()
-    assert prefault(tensor)
-    assert bytes(tensor[:4].numpy()) == b"kv!!" and int(tensor[4:].sum()) == 0

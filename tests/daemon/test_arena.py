@@ -127,3 +127,14 @@ def test_tensor_outlives_close_and_unlink(name: str) -> None:
     arena.unlink()
     tensor[0] = 3
     assert tensor[[0, 10, 20]].tolist() == [3, 9, 5]
+
+
+def test_as_tensor_prefault_keeps_contents(name: str) -> None:
+    """as_tensor() pre-faults its own mapping (the default) without changing a byte."""
+    arena = ShmArena.create(name, 1 << 20, prefault=False)
+    arena.view(0, 4)[:] = b"kv!!"
+    for prefault in (True, False):
+        tensor = arena.as_tensor(prefault=prefault)
+        assert bytes(tensor[:4].numpy()) == b"kv!!" and int(tensor[4:].sum()) == 0
+    arena.close()
+    arena.unlink()
