@@ -1,5 +1,6 @@
 """Segment files of the SSD tier and the blocking I/O on them (run on the store's threads; the
-store and its index are in ``tierd.daemon.ssd``, the record format in ``tierd.daemon.ssdrecord``).
+store is in ``tierd.daemon.ssd``, its index in ``tierd.daemon.ssdindex``, the record format in
+``tierd.daemon.ssdrecord``).
 
 A segment ``seg-<id, 16 hex digits>.kvs`` is records appended back to back; ids only grow. One
 ``SegmentWriter``, owned by a single thread, appends: a batch of records is one vectored write
