@@ -2,11 +2,14 @@
 
 Per engine step (see ``tierd.connector.hooks`` for the call order)::
 
-    lookup   one Lookup round trip for the chain past the hot-tier hit -> loadable blocks
-    load     Acquire (pins the prefix; SSD hits are staged into DRAM by the daemon), checksum of
-             each block where it lies in the arena, one batched copy of the verified run straight
-             into a host pool (through staging for a device pool or a lease about to lapse); the
-             Release is queued to the worker (it never delays compute)
+    lookup   one Acquire round trip for the chain past the hot-tier hit (``count_lookup``: the
+             daemon counts it as a Lookup): pins the loadable prefix under a lease (SSD hits are
+             staged into DRAM by the daemon), kept per request until its ``load``
+    load     no round trip: checksum of each block where it lies in the arena under that lease,
+             one batched copy of the verified run straight into a host pool (through staging for
+             a device pool or a lease about to lapse); the Release is queued to the worker (it
+             never delays compute). A lease whose ``load`` never comes (allocation failed,
+             request finished) is released the same way at ``request_finished`` / ``step_end``
     save     one batched copy pool -> staging ring (the pool block may be reused right after);
              the worker gathers saves for up to ``save_batch_s``, then makes one Reserve (blocks
              the node already holds are skipped), copies staging -> arena slots with plain host
@@ -45,7 +48,7 @@ from tierd.connector.engine import Request
 from tierd.connector.transfer import ArenaSlots, Span, StagingRing, allocate_staging, \
     load_blocks, words, write_through
 from tierd.daemon.arena import ShmArena
-from tierd.daemon.client import EngineHandle, TierdClient
+from tierd.daemon.client import AcquiredBlocks, EngineHandle, TierdClient
 from tierd.daemon.layout import Dtype, Layout
 from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from tierd.gpu.layout import KVCache, KVCacheSpec
@@ -162,6 +165,18 @@ class _ReleaseJob:
 
 
 @dataclass(frozen=True, slots=True)
+class _Held:
+    """A prefix ``lookup`` pinned for one request: its lease lives until that request's
+    ``load`` (or ``request_finished`` / ``step_end``, whichever comes first) queues the
+    Release."""
+
+    session: _Session
+    hashes: list[BlockHash]     # the acquired blocks' hashes, chain order
+    got: AcquiredBlocks
+    deadline: float             # time.monotonic() by which the daemon may end the lease
+
+
+@dataclass(frozen=True, slots=True)
 class _HotJob:
     session: _Session
     stored: list[BlockHash]
@@ -188,6 +203,7 @@ class TierdHooks:
         self._ring: StagingRing | None = None
         self._load_staging: torch.Tensor | None = None
         self._pending: set[BlockHash] = set()  # queued for save; guarded by _lock
+        self._held: dict[str, _Held] = {}  # request id -> its looked-up lease (engine thread)
         self._lock = threading.Lock()
         self._events: Callable[[], list[KVEvent]] | None = None
         self._hot_cleared = False
@@ -246,6 +262,7 @@ class TierdHooks:
         """Send what is queued (up to ``call_timeout_s``), stop the worker, unregister. Idempotent."""
         if self._worker is None or self._closing.is_set():
             return
+        self._release_all()
         self.flush(self.config.call_timeout_s)
         self._closing.set()
         self._put(None)
@@ -261,50 +278,63 @@ class TierdHooks:
     # -- KVTransferHooks -----------------------------------------------------------------------
 
     def lookup(self, request: Request) -> int:
-        """Blocks of ``request`` past the hot hit the node holds (one Lookup round trip)."""
+        """Blocks of ``request`` past the hot hit now pinned for its ``load``: one Acquire
+        round trip, counted by the daemon as a Lookup. The lease is kept per request (a repeated
+        lookup of the same request releases the previous one first)."""
+        self._release(self._held.pop(request.request_id, None))
         session = self._session
         start = request.num_computed_tokens // self._block_size
         hashes = request.block_hashes[start:]
         if session is None or not hashes:
             return 0
         self.stats.lookups += 1
-        try:
-            tiers = session.client.lookup(session.engine.engine_id, hashes)
-        except grpc.RpcError as exc:
-            self._failed(session, exc)
+        acquired = self._acquire(session, hashes, count_lookup=True)
+        if acquired is None:
             return 0
-        count = next((i for i, t in enumerate(tiers) if t == "remote"), len(tiers))
-        self.stats.lookup_hit_blocks += count
-        return count
+        got, deadline = acquired
+        if got.num_blocks:
+            self._held[request.request_id] = _Held(session, hashes[:got.num_blocks], got,
+                                                   deadline)
+        self.stats.lookup_hit_blocks += got.num_blocks
+        return got.num_blocks
 
     def load(self, request: Request, block_ids: Sequence[int],
              block_hashes: Sequence[BlockHash]) -> list[bool]:
-        """Acquire, copy and verify; True for each leading block now in the pool."""
+        """Copy and verify under the lease ``lookup`` took (Acquire now if there is none for
+        these hashes); True for each leading block now in the pool. The lease's Release is
+        queued to the worker."""
         n = len(block_ids)
+        held = self._held.pop(request.request_id, None)
         session = self._session
+        if held is not None and (held.session is not session
+                                 or held.hashes[:n] != list(block_hashes)):
+            self._release(held)  # pinned for another chain or a lost session: not usable
+            held = None
         if session is None or not n:
+            self._release(held)
             self.stats.failed_load_blocks += n
             return [False] * n
         self.stats.loads += 1
-        try:
-            got = session.client.acquire(session.engine.engine_id, block_hashes)
-        except grpc.RpcError as exc:
-            self._failed(session, exc)
-            self.stats.failed_load_blocks += n
-            return [False] * n
+        if held is None:
+            acquired = self._acquire(session, block_hashes, count_lookup=False)
+            if acquired is None:
+                self.stats.failed_load_blocks += n
+                return [False] * n
+            held = _Held(session, list(block_hashes[:acquired[0].num_blocks]), *acquired)
+        got = held.got
         assert self._kv is not None and self._load_staging is not None
+        m = min(n, got.num_blocks)
         try:
             # Straight from the arena while the lease surely outlives the copy, else staged.
-            good = load_blocks(session.slots, got.slot_ids, got.checksums, self._kv.pool,
+            good = load_blocks(session.slots, got.slot_ids[:m], got.checksums[:m], self._kv.pool,
                                block_ids, self._load_staging,
-                               direct=got.seconds_left > _DIRECT_LOAD_MARGIN_S)
+                               direct=held.deadline - time.monotonic() > _DIRECT_LOAD_MARGIN_S)
         except ValueError as exc:  # slots outside the arena we mapped: a daemon bug, a miss here
             log.warning("tierd load rejected: %s", exc)
             good = 0
         finally:  # always release, even if the copy failed
-            if got.num_blocks:
-                self._put(_ReleaseJob(session, got.lease_id))
-        self.stats.checksum_failures += good < got.num_blocks
+            self._release(held)
+        self.stats.checksum_failures += good < m
         self.stats.loaded_blocks += good
         self.stats.failed_load_blocks += n - good
         return [i < good for i in range(n)]
@@ -331,10 +361,14 @@ class TierdHooks:
         self._put(_SaveJob(session, [h for _, h in todo], span, time.monotonic()))
 
     def request_finished(self, request: Request) -> None:
-        pass  # no per-request state: leases end inside ``load``
+        """Release the request's looked-up lease if its ``load`` never came."""
+        self._release(self._held.pop(request.request_id, None))
 
     def step_end(self) -> None:
-        """Batch this step's hot-tier events into one queued report."""
+        """Release every lease looked up this step whose ``load`` did not come (the admission
+        failed: a later lookup pins afresh); batch this step's hot-tier events into one queued
+        report."""
+        self._release_all()
         session, take = self._session, self._events
         if take is None:
             return
@@ -363,6 +397,29 @@ class TierdHooks:
     def _block_size(self) -> int:
         assert self._kv is not None, "register_kv_caches first"
         return int(self._kv.spec.block_size)
+
+    def _acquire(self, session: _Session, hashes: Sequence[BlockHash], *,
+                 count_lookup: bool) -> tuple[AcquiredBlocks, float] | None:
+        """Acquire on the engine thread: the pinned prefix and the monotonic time by which its
+        lease may end; None (counted, the session dropped if lost) on a failed call."""
+        start = time.monotonic()
+        try:
+            got = session.client.acquire(session.engine.engine_id, hashes,
+                                         count_lookup=count_lookup)
+        except grpc.RpcError as exc:
+            self._failed(session, exc)
+            return None
+        return got, start + got.seconds_left
+
+    def _release(self, held: _Held | None) -> None:
+        """Queue the Release of a held lease (the worker sends it; nothing for an empty one)."""
+        if held is not None and held.got.num_blocks:
+            self._put(_ReleaseJob(held.session, held.got.lease_id))
+
+    def _release_all(self) -> None:
+        held, self._held = self._held, {}
+        for h in held.values():
+            self._release(h)
 
     def _put(self, job: _Job) -> bool:
         try:

@@ -63,6 +63,7 @@ class ArenaSlots:
         # Reads: every slot offset is a multiple of g, so one 2-D (possibly overlapping) row view
         # with row stride g reaches every slot; index_select reads it without a temporary.
         self._unit = unit
+        self._base, self._width = base, width
         self._g = math.gcd(geometry.slab_bytes, geometry.slot_bytes) // unit
         rows = (base.numel() - width) // self._g + 1 if base.numel() >= width else 0
         self._read_rows = base.as_strided((rows, width), (self._g, 1))
@@ -98,26 +99,27 @@ class ArenaSlots:
     def read_into(self, slot_ids: Sequence[int], pool: torch.Tensor,
                   block_ids: Sequence[int]) -> bool:
         """Copy slot ``slot_ids[i]`` into row ``block_ids[i]`` of a host ``pool`` (contiguous
-        uint8 ``[num_blocks, slot_bytes]``) with no staging: one ``index_select`` straight into
-        the pool per run of consecutive block ids (a fresh allocation is one run). Returns False,
-        having copied nothing, if the pool is not on the host or not addressable in the arena's
-        copy unit (then go through staging: ``read``). Blocks until done."""
+        uint8 ``[num_blocks, slot_bytes]``) with no staging: one plain ``copy_`` (a memcpy) per
+        run of slots adjacent in the arena going to consecutive pool rows (a slab allocator hands
+        out adjacent slots and a fresh allocation is one run, so a load is a few memcpys).
+        Returns False, having copied nothing, if the pool is not on the host or not addressable
+        in the arena's copy unit (then go through staging: ``read``). Blocks until done."""
         if len(slot_ids) != len(block_ids):
             raise ValueError("need one pool block per slot")
         target = words(pool) if self._unit == 8 else pool
         if (pool.device.type != "cpu" or not pool.is_contiguous()
-                or target.dtype != self._read_rows.dtype):
+                or target.dtype != self._base.dtype):
             return False
         self._check(slot_ids)
-        offset_of, unit_g = self.geometry.offset, self._unit * self._g
-        rows = torch.tensor([offset_of(s) // unit_g for s in slot_ids], dtype=torch.int64)
-        start = 0
-        for i in range(1, len(block_ids) + 1):
-            if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
-                first = block_ids[start]
-                torch.index_select(self._read_rows, 0, rows[start:i],
-                                   out=target[first:first + i - start])
-                start = i
+        width, unit = self._width, self._unit
+        for first, stop, offset in self._runs(slot_ids):
+            start = first
+            for i in range(first + 1, stop + 1):
+                if i == stop or block_ids[i] != block_ids[i - 1] + 1:
+                    n, row = i - start, block_ids[start]
+                    at = (offset + (start - first) * self.slot_bytes) // unit
+                    target[row:row + n].copy_(self._base[at:at + n * width].view(n, width))
+                    start = i
         return True
 
     def write(self, slot_ids: Sequence[int | None], rows: torch.Tensor) -> None:

@@ -164,3 +164,27 @@ def test_worker_runs_at_lower_priority(make_daemon: Any, tiny_model: LlamaModel)
         base = os.getpriority(os.PRIO_PROCESS, 0)
         assert os.getpriority(os.PRIO_PROCESS, hooks._worker.native_id or 0) == base + 7
     hooks.close()
+
+
+def test_lookup_without_load_releases_its_lease(tiny_model: LlamaModel, make_daemon: Any) -> None:
+    """A lookup pins the 6 stored blocks of a 100-token prompt under a lease; no load comes
+    (as when allocation fails): after step_end the daemon shows 0 pinned blocks."""
+    daemon = make_daemon()
+    tokens = prompt(100, seed=9)
+    saver = hooks_for(daemon.config.socket_path)
+    run(tiny_model, saver, tokens)
+    assert saver.flush()
+    saver.close()
+    hooks = hooks_for(daemon.config.socket_path)
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=BS), hooks)
+    request = engine.add_request(tokens, 1)
+    with TierdClient(socket_path=daemon.config.socket_path) as client:
+        def pinned() -> int:
+            return next(t.pinned_blocks for t in client.stats().tiers if t.tier == "dram")
+
+        assert hooks.lookup(request) == 6
+        assert pinned() == 6
+        hooks.step_end()
+        assert hooks.flush()
+        assert pinned() == 0
+    hooks.close()

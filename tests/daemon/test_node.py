@@ -635,3 +635,29 @@ async def test_restart_with_a_smaller_bound_drops_the_oldest_records(make_rig: M
     assert second.node.take_events()[-1] == BlockRemoved((hashes[0],), "ssd")
     second.ssd.check_integrity(disk=True)
     second.node.check_integrity()
+
+
+async def test_acquire_with_count_lookup_counts_like_a_lookup(make_rig: MakeRig,
+                                                              tmp_path: Path) -> None:
+    """Two identical rigs (8 blocks stored, 0-1 demoted to SSD, block 8 missing): a lookup of
+    9 blocks on one and an acquire with count_lookup on the other count the same 9 * 16 query
+    tokens and 2 * 16 SSD + 6 * 16 DRAM hit tokens; an acquire without it counts nothing."""
+    counted = []
+    for use_acquire in (False, True):
+        rig = make_rig(ssd_dir=str(tmp_path / f"ssd-{use_acquire}"))
+        hashes = chain(9)
+        rig.store(hashes[:8])
+        await rig.node.maintain()                              # 0, 1 -> SSD
+        if use_acquire:
+            lease = await rig.node.acquire(rig.engine.engine_id, hashes, count_lookup=True)
+            assert len(lease.slot_ids) == 8
+            rig.node.release(lease.lease_id)
+            before = {t: (s.queries, s.hits) for t, s in rig.node.stats().tiers.items()}
+            rig.node.release((await rig.node.acquire(rig.engine.engine_id, hashes)).lease_id)
+            assert {t: (s.queries, s.hits) for t, s in rig.node.stats().tiers.items()} == before
+        else:
+            assert rig.tiers(hashes) == ["ssd", "ssd"] + ["dram"] * 6
+        counted.append({t: (s.queries, s.hits) for t, s in rig.node.stats().tiers.items()})
+        rig.node.check_integrity()
+    assert counted[0] == counted[1]
+    assert (counted[0]["dram"], counted[0]["ssd"][1]) == ((9 * 16, 6 * 16), 2 * 16)

@@ -72,6 +72,12 @@ class _Requests:
         return kind(engine_id=engine_id, block_hashes=hashes)
 
     @staticmethod
+    def acquire(engine_id: str, hashes: Sequence[BlockHash],
+                count_lookup: bool) -> pb.AcquireRequest:
+        return pb.AcquireRequest(engine_id=engine_id, block_hashes=hashes,
+                                 count_lookup=count_lookup)
+
+    @staticmethod
     def commit(engine_id: str, lease_id: str,
                checksums: Sequence[int | None]) -> pb.CommitRequest:
         return pb.CommitRequest(engine_id=engine_id, lease_id=lease_id,
@@ -125,10 +131,13 @@ class TierdClient:
         reply = self._call("Lookup", _Requests.chain(pb.LookupRequest, engine_id, hashes))
         return convert.tiers_from_pb(reply.tiers)
 
-    def acquire(self, engine_id: str, hashes: Sequence[BlockHash]) -> AcquiredBlocks:
+    def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                count_lookup: bool = False) -> AcquiredBlocks:
         """Pin the longest held prefix in DRAM (SSD hits staged first) until ``release`` or the
-        lease deadline; returns slot ids and checksums to copy and verify."""
-        reply = self._call("Acquire", _Requests.chain(pb.AcquireRequest, engine_id, hashes))
+        lease deadline; returns slot ids and checksums to copy and verify. ``count_lookup``:
+        the daemon also counts the chain as a Lookup would (hit ratio), for a load made without
+        a Lookup first."""
+        reply = self._call("Acquire", _Requests.acquire(engine_id, hashes, count_lookup))
         return convert.acquired_from_pb(reply)
 
     def release(self, engine_id: str, lease_id: str) -> None:
@@ -214,9 +223,10 @@ class AsyncTierdClient:
         reply = await self._call("Lookup", _Requests.chain(pb.LookupRequest, engine_id, hashes))
         return convert.tiers_from_pb(reply.tiers)
 
-    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash]) -> AcquiredBlocks:
+    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                      count_lookup: bool = False) -> AcquiredBlocks:
         """See ``TierdClient.acquire``."""
-        reply = await self._call("Acquire", _Requests.chain(pb.AcquireRequest, engine_id, hashes))
+        reply = await self._call("Acquire", _Requests.acquire(engine_id, hashes, count_lookup))
         return convert.acquired_from_pb(reply)
 
     async def release(self, engine_id: str, lease_id: str) -> None:

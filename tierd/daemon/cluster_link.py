@@ -207,12 +207,14 @@ class ClusterLink:
                 self.stats.remote_puts_failed += 1
         return stored
 
-    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash]) -> Lease:
+    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                      count_lookup: bool = False) -> Lease:
         """``NodeStore.acquire``, extended by the remote tier's leading run of hits when that
-        is predicted to beat recomputing (see the module doc). Same errors as the store's."""
+        is predicted to beat recomputing (see the module doc). Same errors as the store's;
+        ``count_lookup`` counts the chain once, on the first local acquire."""
         store = self._store
         assert store is not None and self._arena is not None, "bind the link before serving"
-        lease = await store.acquire(engine_id, hashes)
+        lease = await store.acquire(engine_id, hashes, count_lookup=count_lookup)
         hit = len(lease.slot_ids)
         info = self._engines.get(engine_id)
         if self.remote is None or hit == len(hashes) or info is None:

@@ -61,13 +61,17 @@ HASH_LENGTHS = (32, 16)
 @dataclass(slots=True)
 class _Promotion:
     """An SSD read into a staged DRAM slot; lands (or fails) in a done-callback, then ``done``
-    resolves with the outcome for every acquire waiting on it."""
+    resolves with the outcome for every acquire waiting on it. The landed block carries one
+    in-flight pin per waiting acquire (``waiters``), so no demotion or eviction can take it
+    between landing and the acquire's lease."""
 
     key: NamespacedKey
     source: SsdBlock
     slot_bytes: int
     slot_id: int
     done: asyncio.Future[bool]
+    waiters: int = 0
+    landed: bool = False  # the read became this DRAM block, pinned once per waiter
 
 
 class NodeStore:
@@ -130,8 +134,13 @@ class NodeStore:
         """The longest consecutive prefix of ``hashes`` held on this node, with the fastest tier
         of each block. Pins nothing, changes no LRU order; counts queried and hit tokens."""
         info = self._engine(engine_id)
-        keys = self._keys(info, hashes)
-        hbm = self._hbm.held(engine_id)
+        return LookupResult(self._query(info, hashes, self._keys(info, hashes)))
+
+    def _query(self, info: EngineInfo, hashes: Sequence[BlockHash],
+               keys: Sequence[NamespacedKey]) -> list[Tier]:
+        """The tiers of the held prefix (``lookup``'s answer), counted as queried and hit
+        tokens."""
+        hbm = self._hbm.held(info.engine_id)
         ssd_up = self._t.ssd_up
         tiers: list[Tier] = []
         for block_hash, key in zip(hashes, keys):
@@ -149,9 +158,10 @@ class NodeStore:
         for tier, count in Counter(tiers).items():
             self._n.hits[tier] += count * tokens
             self.metrics.hits.labels(tier).inc(count * tokens)
-        return LookupResult(tiers)
+        return tiers
 
-    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash]) -> Lease:
+    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                      count_lookup: bool = False) -> Lease:
         """Pin the longest consecutive prefix held in DRAM or SSD and return its slots.
 
         SSD hits are read into fresh DRAM slots, all at once (a block another acquire is
@@ -159,9 +169,13 @@ class NodeStore:
         ends before it. A failed SSD read ends the prefix there (a miss). Every returned block
         stays pinned until ``release`` or the deadline; each counts a hit and its reuse gap.
         Awaits SSD reads only; a cancelled caller's lease still completes and simply expires.
+        ``count_lookup``: first count the chain exactly as ``lookup`` would (queried tokens, hit
+        tokens per tier as held now), for callers that acquire without looking up first.
         """
         info = self._engine(engine_id)
         keys = self._keys(info, hashes)
+        if count_lookup:
+            self._query(info, hashes, keys)
         now = self._clock()
         self._expire(now)
         plan: list[tuple[NamespacedKey, _Promotion | None]] = []  # None: already in DRAM
@@ -180,6 +194,7 @@ class NodeStore:
                 promotion = self._promoting.get(key) or self._promote(key, info, now, reads)
                 if promotion is None:
                     break
+                promotion.waiters += 1
                 plan.append((key, promotion))
                 continue
             if waits:
@@ -230,8 +245,11 @@ class NodeStore:
         now = self._clock()
         if ok and p.key not in self._t.dram and p.key not in self._writing:
             s = p.source
-            self._t.dram.add(p.key, DramBlock(s.namespace, s.block_hash, p.slot_bytes, p.slot_id,
-                                              s.checksum, s.created, s.last_access, s.hits))
+            block = DramBlock(s.namespace, s.block_hash, p.slot_bytes, p.slot_id, s.checksum,
+                              s.created, s.last_access, s.hits)
+            block.pins, p.landed = p.waiters, True
+            self._inflight_pins[p.key] += p.waiters
+            self._t.dram.add(p.key, block)
             if p.key in self._t.disk:
                 self._t.disk.touch(p.key)
             self._n.promotions += 1
@@ -261,14 +279,14 @@ class NodeStore:
     def _pin_prefix(self, info: EngineInfo, plan: list[tuple[NamespacedKey, _Promotion | None]],
                     start: float, waited: bool) -> Lease:
         """With the plan's promotions done: pin the prefix that made it under a new lease.
-        ``waited``: the plan's DRAM hits carry in-flight pins (kept for the prefix, dropped
-        past its end)."""
+        ``waited``: the plan's DRAM hits and landed promotions carry in-flight pins (kept for
+        the prefix, dropped past its end)."""
         keys: list[NamespacedKey] = []
         slots: list[int] = []
         checksums: list[int] = []
         ended = info.engine_id not in self._engines
         for key, promotion in plan:
-            inflight = waited and promotion is None
+            inflight = waited and (promotion is None or promotion.landed)
             if inflight:
                 self._inflight_pins[key] -= 1
                 if not self._inflight_pins[key]:

@@ -172,7 +172,8 @@ class TierdServicer(pb_grpc.TierdServicer):
     async def Acquire(self, request: pb.AcquireRequest,
                       context: grpc.aio.ServicerContext) -> pb.AcquireResponse:
         engine_id = self._engine(context, request.engine_id)
-        lease = await self._acquire(engine_id, convert.hashes_from_pb(request.block_hashes))
+        lease = await self._acquire(engine_id, convert.hashes_from_pb(request.block_hashes),
+                                    count_lookup=request.count_lookup)
         return pb.AcquireResponse(lease_id=lease.lease_id,
                                   seconds_left=lease.ttl_seconds,
                                   slot_ids=lease.slot_ids, checksums=lease.checksums)

@@ -99,12 +99,14 @@ class LookupResponse(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("engine_id", "block_hashes")
+    __slots__ = ("engine_id", "block_hashes", "count_lookup")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    COUNT_LOOKUP_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, engine_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    count_lookup: bool
+    def __init__(self, engine_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., count_lookup: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "seconds_left", "slot_ids", "checksums")

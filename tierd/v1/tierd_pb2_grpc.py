@@ -123,6 +123,7 @@ class TierdServicer:
         """Pins the longest held prefix in DRAM (staging SSD hits into DRAM first) under a lease and
         returns the slot of each block and its checksum. Blocks stay pinned until Release or until
         the lease deadline passes.
+        With count_lookup it also counts as a Lookup of the chain (one round trip for a load).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
