@@ -21,7 +21,7 @@ from tierd.daemon.arena import ShmArena
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
 from tierd.daemon.layout import Layout
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
-from tierd.daemon.node import EngineInfo, NodeConfig, NodeStore, Reservation
+from tierd.daemon.node import EMPTY_LEASE, EngineInfo, NodeConfig, NodeStore, Reservation
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd import SsdStore
 from tierd.daemon.ssdrecord import HEADER_BYTES
@@ -661,3 +661,13 @@ async def test_acquire_with_count_lookup_counts_like_a_lookup(make_rig: MakeRig,
         rig.node.check_integrity()
     assert counted[0] == counted[1]
     assert (counted[0]["dram"], counted[0]["ssd"][1]) == ((9 * 16, 6 * 16), 2 * 16)
+
+
+async def test_a_miss_pins_nothing_and_holds_no_lease(rig: Rig) -> None:
+    """An acquire of a chain nobody stored returns the empty lease: nothing pinned, nothing
+    tracked (misses under load cannot pile up leases), and releasing it is a no-op."""
+    lease = await rig.node.acquire(rig.engine.engine_id, chain(4))
+    assert (lease.lease_id, lease.slot_ids, lease.checksums) == (EMPTY_LEASE, [], [])
+    rig.node.release(lease.lease_id)
+    rig.node.release(lease.lease_id)
+    assert rig.node.stats().tiers["dram"].pinned_blocks == 0

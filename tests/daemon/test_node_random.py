@@ -18,7 +18,7 @@ from tierd.checksum import block_checksum
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.errors import FailedPrecondition
 from tierd.daemon.layout import Layout
-from tierd.daemon.node import EngineInfo, Lease, NodeConfig, NodeStore, Reservation
+from tierd.daemon.node import EMPTY_LEASE, EngineInfo, Lease, NodeConfig, NodeStore, Reservation
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd import SsdStore
 from tierd.daemon.ssdrecord import HEADER_BYTES
@@ -105,7 +105,7 @@ class World:
                 self.leases.append((lease, engine))
         elif op == "release" and self.leases:
             lease, _ = self.leases.pop(rng.randrange(len(self.leases)))
-            if self.clock.now >= lease.deadline:
+            if self.clock.now >= lease.deadline and lease.lease_id != EMPTY_LEASE:
                 with pytest.raises(FailedPrecondition, match="expired"):
                     node.release(lease.lease_id)
             else:

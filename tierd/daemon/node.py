@@ -49,10 +49,14 @@ if TYPE_CHECKING:
     from tierd.daemon.ssd import SsdStore
 
 # The store and the values it takes and returns (defined in node_types), importable from here.
-__all__ = ["HASH_LENGTHS", "EngineInfo", "Lease", "LookupResult", "NodeConfig", "NodeStore",
+__all__ = ["EMPTY_LEASE", "HASH_LENGTHS", "EngineInfo", "Lease", "LookupResult", "NodeConfig", "NodeStore",
            "Reservation"]
 
 log = logging.getLogger(__name__)
+
+EMPTY_LEASE = ""
+"""The lease id of an acquire that pinned nothing: never stored, so misses cannot pile up leases
+(one per request for ``lease_seconds``) under load."""
 
 HASH_LENGTHS = (32, 16)
 """sha256_cbor and xxhash_cbor digests; anything else is a client bug."""
@@ -311,13 +315,18 @@ class NodeStore:
                 self._unpin(key)
             raise NotFound(f"engine {info.engine_id} was unregistered during acquire")
         deadline = self._clock() + self._config.lease_seconds
+        if not keys:  # a miss pins nothing: no lease to track (release("") is a no-op)
+            return Lease(EMPTY_LEASE, deadline, [], [], self._config.lease_seconds)
         lease = ReadLease(new_lease_id(), info.engine_id, deadline, keys)
         self._leases.add(lease)
         return Lease(lease.lease_id, deadline, slots, checksums, self._config.lease_seconds)
 
     def release(self, lease_id: str) -> None:
         """Unpin a read lease's blocks. NotFound if unknown; FailedPrecondition if it already
-        ended (expired: what was copied may have been overwritten, so verify checksums)."""
+        ended (expired: what was copied may have been overwritten, so verify checksums).
+        The empty lease of an acquire that pinned nothing (``EMPTY_LEASE``) is a no-op."""
+        if lease_id == EMPTY_LEASE:
+            return
         self._expire(self._clock())
         lease = self._leases.get(lease_id)
         if not isinstance(lease, ReadLease):
