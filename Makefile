@@ -28,7 +28,7 @@ bench: venv
 	$(VENV)/bin/tierd bench all
 
 lint: venv
-	$(PY) -m mypy tierd gpu connector
+	bash .ci/mypy $(abspath $(PY))
 
 # Regenerates the committed gRPC stubs (tierd/v1/*_pb2*.py) from proto/.
 proto: venv

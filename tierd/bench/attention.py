@@ -17,6 +17,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Literal
 
 HELP = "Paged attention (Torch, and CuPy on CUDA) beside dense SDPA: decode and prefill ratios."
 
@@ -110,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
     q = torch.randn(batch, heads, head, generator=gen).to(device=device, dtype=dtype)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     kc, vc = cache.k_caches[0], cache.v_caches[0]
-    backends = ["torch"] + (["cupy"] if device.type == "cuda" else [])
+    backends: list[Literal["torch", "cupy"]] = ["torch"]
+    if device.type == "cuda":
+        backends.append("cupy")
     for backend in backends:
         paged_s, dense_s = _time_pair(
             lambda: paged_attention(q, kc, vc, table, lens, scale, backend=backend),
