@@ -140,6 +140,8 @@ class TierdHooksStats:
     connects: int = 0
     disconnects: int = 0
     hot_reports: int = 0
+    corrupt_dropped: int = 0
+    """Blocks this engine found corrupt that the daemon confirmed and dropped."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +164,7 @@ class _SaveJob:
 class _ReleaseJob:
     session: _Session
     lease_id: str
+    corrupt_from: int | None = None  # first block that failed its checksum: the daemon re-checks
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,16 +327,17 @@ class TierdHooks:
         got = held.got
         assert self._kv is not None and self._load_staging is not None
         m = min(n, got.num_blocks)
+        good, corrupt = 0, None
         try:
             # Straight from the arena while the lease surely outlives the copy, else staged.
             good = load_blocks(session.slots, got.slot_ids[:m], got.checksums[:m], self._kv.pool,
                                block_ids, self._load_staging,
                                direct=held.deadline - time.monotonic() > _DIRECT_LOAD_MARGIN_S)
+            corrupt = good if good < m else None  # reported so the daemon drops a bad block
         except ValueError as exc:  # slots outside the arena we mapped: a daemon bug, a miss here
             log.warning("tierd load rejected: %s", exc)
-            good = 0
         finally:  # always release, even if the copy failed
-            self._release(held)
+            self._release(held, corrupt_from=corrupt)
         self.stats.checksum_failures += good < m
         self.stats.loaded_blocks += good
         self.stats.failed_load_blocks += n - good
@@ -411,10 +415,10 @@ class TierdHooks:
             return None
         return got, start + got.seconds_left
 
-    def _release(self, held: _Held | None) -> None:
+    def _release(self, held: _Held | None, *, corrupt_from: int | None = None) -> None:
         """Queue the Release of a held lease (the worker sends it; nothing for an empty one)."""
         if held is not None and held.got.num_blocks:
-            self._put(_ReleaseJob(held.session, held.got.lease_id))
+            self._put(_ReleaseJob(held.session, held.got.lease_id, corrupt_from))
 
     def _release_all(self) -> None:
         held, self._held = self._held, {}
@@ -550,7 +554,9 @@ class TierdHooks:
             return  # the daemon that held this lease or HBM view is gone
         try:
             if isinstance(job, _ReleaseJob):
-                job.session.client.release(job.session.engine.engine_id, job.lease_id)
+                dropped = job.session.client.release(job.session.engine.engine_id, job.lease_id,
+                                                     corrupt_from=job.corrupt_from)
+                self.stats.corrupt_dropped += dropped
             else:
                 job.session.client.report_hot_blocks(job.session.engine.engine_id, job.stored,
                                                      job.removed, job.cleared)

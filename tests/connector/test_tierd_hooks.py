@@ -87,7 +87,17 @@ def test_corrupted_arena_slot_is_recomputed(tiny_model: LlamaModel, make_daemon:
     assert (request.num_loaded_tokens, request.num_failed_load_blocks) == (32, 4)
     assert (loader.stats.checksum_failures, loader.stats.loaded_blocks) == (1, 2)
     assert request.output_token_ids == want
+    assert loader.flush()
+    # The report made the daemon re-check and drop block 2; the recomputed block 2 was then
+    # written through again, so a third engine loads all six blocks with no failure.
+    assert loader.stats.corrupt_dropped == 1
     loader.close()
+    third = hooks_for(daemon.config.socket_path)
+    again = run(tiny_model, third, tokens)
+    assert (again.num_loaded_tokens, again.num_failed_load_blocks) == (96, 0)
+    assert third.stats.checksum_failures == 0 and again.output_token_ids == want
+    third.close()
+    daemon.check_integrity()
 
 
 def test_daemon_absent_then_started(tiny_model: LlamaModel, workdir: str,

@@ -671,3 +671,25 @@ async def test_a_miss_pins_nothing_and_holds_no_lease(rig: Rig) -> None:
     rig.node.release(lease.lease_id)
     rig.node.release(lease.lease_id)
     assert rig.node.stats().tiers["dram"].pinned_blocks == 0
+
+
+async def test_release_reporting_a_corrupt_block_drops_it_after_a_recheck(rig: Rig) -> None:
+    """A report names block 1 of a 3-block lease: a false report (bytes intact) or one while
+    another lease pins it changes nothing; a true one drops exactly that block (a checksum
+    failure, not an eviction), so the chain's held prefix becomes 1 block."""
+    hashes = chain(3)
+    rig.store(hashes)
+    eng = rig.engine.engine_id
+    lease = await rig.node.acquire(eng, hashes)
+    with pytest.raises(ValueError, match="corrupt_from 3 is outside"):
+        rig.node.release(lease.lease_id, corrupt_from=3)
+    assert rig.node.release(lease.lease_id, corrupt_from=1) is False  # intact: nothing dropped
+    offset = rig.engine.geometry.offset(lease.slot_ids[1])
+    rig.arena.view(offset + 7, 1)[0] ^= 0xFF
+    first, second = await rig.node.acquire(eng, hashes), await rig.node.acquire(eng, hashes)
+    assert rig.node.release(first.lease_id, corrupt_from=1) is False  # still pinned by second
+    assert rig.node.release(second.lease_id, corrupt_from=1) is True
+    assert rig.tiers(hashes) == ["dram"]
+    stats = rig.node.stats()
+    assert (stats.checksum_failures, stats.tiers["dram"].evictions) == (1, 0)
+    assert [type(e).__name__ for e in rig.node.take_events()][-1] == "BlockRemoved"

@@ -93,6 +93,10 @@ class _Requests:
         return pb.LocateRequest(engine_id=engine_id, block_hashes=hashes)
 
     @staticmethod
+    def release(engine_id: str, lease_id: str, corrupt_from: int | None) -> pb.ReleaseRequest:
+        return pb.ReleaseRequest(engine_id=engine_id, lease_id=lease_id, corrupt_from=corrupt_from)
+
+    @staticmethod
     def hot(engine_id: str, stored: Sequence[BlockHash], removed: Sequence[BlockHash],
             cleared: bool) -> pb.ReportHotBlocksRequest:
         return pb.ReportHotBlocksRequest(engine_id=engine_id, stored=stored, removed=removed,
@@ -140,9 +144,12 @@ class TierdClient:
         reply = self._call("Acquire", _Requests.acquire(engine_id, hashes, count_lookup))
         return convert.acquired_from_pb(reply)
 
-    def release(self, engine_id: str, lease_id: str) -> None:
-        """Unpin an acquired prefix."""
-        self._call("Release", pb.ReleaseRequest(engine_id=engine_id, lease_id=lease_id))
+    def release(self, engine_id: str, lease_id: str, *, corrupt_from: int | None = None) -> bool:
+        """Unpin an acquired prefix. ``corrupt_from``: index of the first block whose checksum
+        failed after the copy; the daemon re-checks it and drops it if it is corrupt (returns
+        True then)."""
+        return bool(self._call("Release", _Requests.release(engine_id, lease_id, corrupt_from))
+                    .dropped)
 
     def reserve(self, engine_id: str, hashes: Sequence[BlockHash]) -> ReservedSlots:
         """Reserve a slot per block not stored yet; write each, then ``commit`` or ``abort``."""
@@ -229,9 +236,11 @@ class AsyncTierdClient:
         reply = await self._call("Acquire", _Requests.acquire(engine_id, hashes, count_lookup))
         return convert.acquired_from_pb(reply)
 
-    async def release(self, engine_id: str, lease_id: str) -> None:
+    async def release(self, engine_id: str, lease_id: str, *,
+                      corrupt_from: int | None = None) -> bool:
         """See ``TierdClient.release``."""
-        await self._call("Release", pb.ReleaseRequest(engine_id=engine_id, lease_id=lease_id))
+        reply = await self._call("Release", _Requests.release(engine_id, lease_id, corrupt_from))
+        return bool(reply.dropped)
 
     async def reserve(self, engine_id: str, hashes: Sequence[BlockHash]) -> ReservedSlots:
         """See ``TierdClient.reserve``."""

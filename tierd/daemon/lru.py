@@ -274,13 +274,21 @@ class TierIndex:
             slot = self.alloc.allocate(slot_bytes)
         return slot
 
-    def drop_dram(self, key: NamespacedKey, now: float) -> None:
-        """Remove an unpinned DRAM copy and free its slot (a demotion if an SSD copy remains)."""
+    def drop_dram(self, key: NamespacedKey, now: float, *, corrupt: bool = False) -> None:
+        """Remove an unpinned DRAM copy and free its slot (a demotion if an SSD copy remains).
+        ``corrupt``: its bytes no longer match its checksum: counted as a checksum failure, not
+        an eviction, and never handed on (no remote-tier put)."""
         block = self.dram.pop(key)
         assert block.pins == 0 and not block.demoting, f"{key.hex()}: dropping a pinned block"
         last = not (self.ssd_up and key in self.disk)
+        if corrupt:
+            self.alloc.free(block.slot_bytes, block.slot_id)
+            self.emit(BlockRemoved((block.block_hash,), "dram"), block.namespace)
+            self.counts.checksum_failures += 1
+            self.metrics.checksum_failures.labels("dram").inc()
+            return
         if last and self.listener is not None:
-            view = self.arena.view(self._offset(block), block.slot_bytes)
+            view = self.arena.view(self.offset(block), block.slot_bytes)
             self.listener.evicted(key, block.checksum, block.slot_bytes, lambda: bytes(view))
         self.alloc.free(block.slot_bytes, block.slot_id)
         self.emit(BlockRemoved((block.block_hash,), "dram"), block.namespace)
@@ -329,7 +337,7 @@ class TierIndex:
         for _, block in writes:
             block.demoting = True
         results = await self.ssd.write_many([(
-            b.namespace, b.block_hash, self.arena.view(self._offset(b), b.slot_bytes),
+            b.namespace, b.block_hash, self.arena.view(self.offset(b), b.slot_bytes),
             b.checksum) for _, b in writes])
         for (key, block), entry in zip(writes, results):
             block.demoting = False
@@ -421,7 +429,7 @@ class TierIndex:
         self.alloc.check_integrity()
         for key, b in self.dram.oldest_first():
             assert key == make_key(b.namespace, b.block_hash), "DRAM entry under a wrong key"
-            end = self._offset(b) + b.slot_bytes
+            end = self.offset(b) + b.slot_bytes
             assert end <= self.arena.size, f"slot {b.slot_id} ends past the arena ({end})"
         if self.ssd is not None:
             self.ssd.check_integrity()
@@ -440,7 +448,8 @@ class TierIndex:
         assert self.ssd is not None
         return self.ssd.read_blocking(entry.namespace, entry.block_hash)
 
-    def _offset(self, block: DramBlock) -> int:
+    def offset(self, block: DramBlock) -> int:
+        """Byte offset of ``block``'s slot in the arena."""
         return self.alloc.geometry(block.slot_bytes).offset(block.slot_id)
 
     def _spp(self, slot_bytes: int) -> int:

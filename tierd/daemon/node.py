@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tierd.checksum import block_checksum
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
 from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.leases import LeaseTable, ReadLease, WriteLease, new_lease_id
@@ -321,17 +322,38 @@ class NodeStore:
         self._leases.add(lease)
         return Lease(lease.lease_id, deadline, slots, checksums, self._config.lease_seconds)
 
-    def release(self, lease_id: str) -> None:
+    def release(self, lease_id: str, *, corrupt_from: int | None = None) -> bool:
         """Unpin a read lease's blocks. NotFound if unknown; FailedPrecondition if it already
         ended (expired: what was copied may have been overwritten, so verify checksums).
-        The empty lease of an acquire that pinned nothing (``EMPTY_LEASE``) is a no-op."""
+        The empty lease of an acquire that pinned nothing (``EMPTY_LEASE``) is a no-op.
+
+        ``corrupt_from``: index (in the acquired prefix) of the first block whose checksum did
+        not verify on the engine's side. The node re-checks that block's bytes itself and, if
+        they are indeed corrupt and nobody else pins it, drops it (a miss for every engine from
+        now on, instead of a recompute each time); a false report changes nothing. Returns
+        whether a block was dropped."""
         if lease_id == EMPTY_LEASE:
-            return
+            return False
         self._expire(self._clock())
         lease = self._leases.get(lease_id)
         if not isinstance(lease, ReadLease):
             raise FailedPrecondition(f"lease {lease_id} is a reservation: commit or abort it")
+        if corrupt_from is not None and not 0 <= corrupt_from < len(lease.keys):
+            raise ValueError(f"corrupt_from {corrupt_from} is outside the lease's "
+                             f"{len(lease.keys)} blocks: give the index of the failed block")
         self._end(self._leases.finish(lease_id, "released"))
+        if corrupt_from is None:
+            return False
+        key = lease.keys[corrupt_from]
+        block = self._t.dram.get(key)
+        if block is None or block.pins or block.demoting:
+            return False  # gone, or still in use: its readers verify it themselves
+        if block_checksum(self._arena.view(self._t.offset(block), block.slot_bytes)) == \
+                block.checksum:
+            return False
+        log.warning("DRAM block %s failed its checksum: dropped", key.hex())
+        self._t.drop_dram(key, self._clock(), corrupt=True)
+        return True
 
     # -- writes --------------------------------------------------------------------------------
 

@@ -181,8 +181,9 @@ class TierdServicer(pb_grpc.TierdServicer):
     async def Release(self, request: pb.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         self._engine(context, request.engine_id)
-        self._store.release(request.lease_id)
-        return pb.ReleaseResponse()
+        corrupt = request.corrupt_from if request.HasField("corrupt_from") else None
+        return pb.ReleaseResponse(
+            dropped=self._store.release(request.lease_id, corrupt_from=corrupt))
 
     async def Reserve(self, request: pb.ReserveRequest,
                       context: grpc.aio.ServicerContext) -> pb.ReserveResponse:

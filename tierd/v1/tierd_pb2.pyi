@@ -121,16 +121,20 @@ class AcquireResponse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., seconds_left: _Optional[float] = ..., slot_ids: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("engine_id", "lease_id")
+    __slots__ = ("engine_id", "lease_id", "corrupt_from")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FROM_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     lease_id: str
-    def __init__(self, engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    corrupt_from: int
+    def __init__(self, engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., corrupt_from: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: bool
+    def __init__(self, dropped: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("engine_id", "block_hashes")
