@@ -45,103 +45,25 @@ import grpc
 import torch
 
 from tierd.connector.engine import Request
+from tierd.connector.tierd_config import TierdHooksConfig, TierdHooksStats, layout_for
 from tierd.connector.transfer import ArenaSlots, Span, StagingRing, allocate_staging, \
     load_blocks, words, write_through
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import AcquiredBlocks, EngineHandle, TierdClient
-from tierd.daemon.layout import Dtype, Layout
+from tierd.daemon.layout import Layout
 from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from tierd.gpu.layout import KVCache, KVCacheSpec
+from tierd.gpu.layout import KVCache
 from tierd.types import BlockHash
+
+# The hooks and the values they take and report (defined in tierd_config).
+__all__ = ["TierdHooks", "TierdHooksConfig", "TierdHooksStats", "layout_for"]
 
 log = logging.getLogger(__name__)
 
-_DTYPES: dict[torch.dtype, Dtype] = {
-    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-    torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2",
-}
 _LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED)
 """Codes that mean the session is gone (no daemon, or a restarted one that forgot us)."""
 _DIRECT_LOAD_MARGIN_S = 1.0
 """A load copies straight from the arena (no staging) only if the lease has this long left."""
-
-
-def layout_for(spec: KVCacheSpec, tp_rank: int = 0, tp_size: int = 1) -> Layout:
-    """The daemon ``Layout`` of a paged pool: one pool row is one slot."""
-    layout = Layout(spec.num_layers, spec.num_kv_heads, spec.head_size, _DTYPES[spec.cache_dtype],
-                    spec.block_size, tp_rank, tp_size)
-    assert layout.block_bytes == spec.block_bytes, "pool row and daemon slot sizes disagree"
-    return layout
-
-
-@dataclass(frozen=True)
-class TierdHooksConfig:
-    """Where the daemon is and how much the hooks may buffer.
-
-    ``socket_path`` (default: ``tierd serve``'s default socket) or ``address`` ("host:port",
-    needs ``token``); ``token`` selects the tenant. Staging memory is allocated once at
-    ``register_kv_caches``."""
-
-    socket_path: str | None = None
-    address: str | None = None
-    token: str | None = None
-    engine_name: str = "reference-engine"
-    call_timeout_s: float = 5.0
-    save_staging_bytes: int = 32 << 20
-    """Bound of blocks waiting to be written to the daemon; past it new saves are dropped."""
-    load_staging_bytes: int = 16 << 20
-    """Staging for loads; a longer load is copied in several chunks."""
-    max_queued_jobs: int = 256
-    save_batch_s: float = 0.25
-    """The worker gathers saves for up to this long (or until half the staging ring is
-    waiting, or ``flush``) and writes them with one Reserve and one Commit: fewer round trips
-    and wake-ups beside the engine's compute, at the price of other engines seeing the blocks
-    that much later. 0: write each step's saves at once."""
-    worker_nice: int = 10
-    """Niceness added to the worker thread (Linux; 0: none). The worker only does background
-    work (copies into the arena, round trips), so on a busy host it runs in the gaps the
-    engine's compute leaves instead of taking a core from it."""
-    reconnect_min_s: float = 0.2
-    reconnect_max_s: float = 5.0
-    tp_rank: int = 0
-    tp_size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.call_timeout_s <= 0 or self.reconnect_min_s <= 0:
-            raise ValueError("call_timeout_s and reconnect_min_s must be positive")
-        if not 0 <= self.worker_nice <= 19:
-            raise ValueError(f"worker_nice={self.worker_nice} must lie in [0, 19]")
-        if self.save_batch_s < 0:
-            raise ValueError(f"save_batch_s={self.save_batch_s} must be >= 0 (0: no batching)")
-        if self.reconnect_max_s < self.reconnect_min_s or self.max_queued_jobs < 1:
-            raise ValueError("need reconnect_max_s >= reconnect_min_s and max_queued_jobs >= 1")
-
-
-@dataclass(slots=True)
-class TierdHooksStats:
-    """Counters. Engine-thread fields and worker fields are written by one thread each."""
-
-    lookups: int = 0
-    lookup_hit_blocks: int = 0
-    loads: int = 0
-    loaded_blocks: int = 0
-    failed_load_blocks: int = 0
-    checksum_failures: int = 0
-    dropped_save_blocks: int = 0
-    dropped_jobs: int = 0
-    # worker thread:
-    save_batches: int = 0
-    """Reserve/Commit round trips made for saves (each carries every save gathered)."""
-    saved_blocks: int = 0
-    skipped_stored_blocks: int = 0
-    unsaved_blocks: int = 0
-    lease_expiries: int = 0
-    rpc_errors: int = 0
-    connects: int = 0
-    disconnects: int = 0
-    hot_reports: int = 0
-    corrupt_dropped: int = 0
-    """Blocks this engine found corrupt that the daemon confirmed and dropped."""
 
 
 @dataclass(frozen=True, slots=True)
