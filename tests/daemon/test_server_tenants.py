@@ -14,7 +14,7 @@ from tierd.daemon.client import TierdClient
 
 def test_two_tenants_over_tcp_are_isolated(make_daemon: Any, kit: Any, workdir: str) -> None:
     """Team A's stored blocks are misses for team B (same hashes, same layout); B using A's engine
-    id gets NOT_FOUND; each sees only its own engines; no token over TCP is UNAUTHENTICATED."""
+    id or lease ids gets NOT_FOUND; each sees only its own engines; no token over TCP is UNAUTHENTICATED."""
     tokens = os.path.join(workdir, "tokens.toml")
     with open(tokens, "w") as f:
         f.write('"token-a" = "team-a"\n"token-b" = "team-b"\n')
@@ -42,6 +42,18 @@ def test_two_tenants_over_tcp_are_isolated(make_daemon: Any, kit: Any, workdir: 
             with pytest.raises(grpc.RpcError) as info:
                 call()
             assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        # A lease id is bound to the engine that took it: naming it from another tenant's
+        # engine is NOT_FOUND, and the lease is untouched for its owner.
+        lease_a = a.acquire(engine_a.engine_id, hashes)
+        reserved_a = a.reserve(engine_a.engine_id, kit.chain(2, seed=7))
+        for call in (lambda: b.release(engine_b.engine_id, lease_a.lease_id),
+                     lambda: b.commit(engine_b.engine_id, reserved_a.lease_id, [None, None]),
+                     lambda: b.abort(engine_b.engine_id, reserved_a.lease_id)):
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        a.release(engine_a.engine_id, lease_a.lease_id)
+        a.abort(engine_a.engine_id, reserved_a.lease_id)
         with pytest.raises(grpc.RpcError) as info:
             anonymous.stats()
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED

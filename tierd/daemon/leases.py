@@ -79,10 +79,13 @@ class LeaseTable:
                 "one duration per node and a monotonic clock")
         self._live[lease.lease_id] = lease
 
-    def get(self, lease_id: str) -> Lease:
+    def get(self, lease_id: str, owner: str | None = None) -> Lease:
         """The live lease. Raises FailedPrecondition if it already ended (saying how),
-        NotFound if it never existed (or ended too long ago to remember)."""
+        NotFound if it never existed (or ended too long ago to remember) or, with ``owner``,
+        belongs to another engine (the same answer, so lease ids leak nothing across tenants)."""
         lease = self._live.get(lease_id)
+        if lease is not None and owner is not None and lease.engine_id != owner:
+            raise NotFound(f"unknown lease {lease_id!r}")
         if lease is not None:
             return lease
         ending = self._finished.get(lease_id)

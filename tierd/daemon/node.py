@@ -322,10 +322,12 @@ class NodeStore:
         self._leases.add(lease)
         return Lease(lease.lease_id, deadline, slots, checksums, self._config.lease_seconds)
 
-    def release(self, lease_id: str, *, corrupt_from: int | None = None) -> bool:
+    def release(self, lease_id: str, *, engine_id: str | None = None,
+                corrupt_from: int | None = None) -> bool:
         """Unpin a read lease's blocks. NotFound if unknown; FailedPrecondition if it already
         ended (expired: what was copied may have been overwritten, so verify checksums).
         The empty lease of an acquire that pinned nothing (``EMPTY_LEASE``) is a no-op.
+        ``engine_id`` (the gRPC edge always passes it): a lease of another engine is NotFound.
 
         ``corrupt_from``: index (in the acquired prefix) of the first block whose checksum did
         not verify on the engine's side. The node re-checks that block's bytes itself and, if
@@ -335,7 +337,7 @@ class NodeStore:
         if lease_id == EMPTY_LEASE:
             return False
         self._expire(self._clock())
-        lease = self._leases.get(lease_id)
+        lease = self._leases.get(lease_id, engine_id)
         if not isinstance(lease, ReadLease):
             raise FailedPrecondition(f"lease {lease_id} is a reservation: commit or abort it")
         if corrupt_from is not None and not 0 <= corrupt_from < len(lease.keys):
@@ -392,14 +394,16 @@ class NodeStore:
                                     info.layout.block_size, slot_bytes, list(hashes), slots))
         return Reservation(lease_id, deadline, slots, stored, self._config.lease_seconds)
 
-    def commit(self, lease_id: str, checksums: Sequence[int | None]) -> int:
+    def commit(self, lease_id: str, checksums: Sequence[int | None], *,
+               engine_id: str | None = None) -> int:
         """Publish a reservation: each slot with a checksum becomes a DRAM block (one
         ``BlockStored(tier="dram")`` per consecutive run); a None checksum (the engine's copy
-        failed) frees its slot. Returns the blocks stored. NotFound if unknown;
-        FailedPrecondition after expiry, commit or abort; ValueError for bad checksums."""
+        failed) frees its slot. Returns the blocks stored. NotFound if unknown (or, with
+        ``engine_id``, another engine's); FailedPrecondition after expiry, commit or abort;
+        ValueError for bad checksums."""
         now = self._clock()
         self._expire(now)
-        lease = self._leases.get(lease_id)
+        lease = self._leases.get(lease_id, engine_id)
         if not isinstance(lease, WriteLease):
             raise FailedPrecondition(f"lease {lease_id} is a read lease: release it")
         if len(checksums) != len(lease.hashes):
@@ -434,13 +438,13 @@ class NodeStore:
             self._t.emit(BlockStored(tuple(run), parent, "dram", lease.block_size), ns)
         return count
 
-    def abort(self, lease_id: str) -> None:
-        """Free a reservation's slots. Idempotent after abort or expiry; NotFound if unknown;
-        FailedPrecondition after commit."""
+    def abort(self, lease_id: str, *, engine_id: str | None = None) -> None:
+        """Free a reservation's slots. Idempotent after abort or expiry; NotFound if unknown
+        (or, with ``engine_id``, another engine's); FailedPrecondition after commit."""
         self._expire(self._clock())
         if self._leases.ending(lease_id) in ("aborted", "expired", "unregistered"):
             return
-        lease = self._leases.get(lease_id)
+        lease = self._leases.get(lease_id, engine_id)
         if not isinstance(lease, WriteLease):
             raise FailedPrecondition(f"lease {lease_id} is a read lease: release it")
         self._end(self._leases.finish(lease_id, "aborted"))

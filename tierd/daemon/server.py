@@ -180,10 +180,10 @@ class TierdServicer(pb_grpc.TierdServicer):
 
     async def Release(self, request: pb.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
-        self._engine(context, request.engine_id)
+        engine_id = self._engine(context, request.engine_id)
         corrupt = request.corrupt_from if request.HasField("corrupt_from") else None
-        return pb.ReleaseResponse(
-            dropped=self._store.release(request.lease_id, corrupt_from=corrupt))
+        return pb.ReleaseResponse(dropped=self._store.release(
+            request.lease_id, engine_id=engine_id, corrupt_from=corrupt))
 
     async def Reserve(self, request: pb.ReserveRequest,
                       context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
@@ -195,14 +195,15 @@ class TierdServicer(pb_grpc.TierdServicer):
 
     async def Commit(self, request: pb.CommitRequest,
                      context: grpc.aio.ServicerContext) -> pb.CommitResponse:
-        self._engine(context, request.engine_id)
-        stored = self._store.commit(request.lease_id, convert.checksums_from_pb(request.blocks))
+        engine_id = self._engine(context, request.engine_id)
+        stored = self._store.commit(request.lease_id, convert.checksums_from_pb(request.blocks),
+                                    engine_id=engine_id)
         return pb.CommitResponse(stored=stored)
 
     async def Abort(self, request: pb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        self._engine(context, request.engine_id)
-        self._store.abort(request.lease_id)
+        engine_id = self._engine(context, request.engine_id)
+        self._store.abort(request.lease_id, engine_id=engine_id)
         return pb.AbortResponse()
 
     async def ReportHotBlocks(self, request: pb.ReportHotBlocksRequest,
