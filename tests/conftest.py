@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Iterator
+
 import pytest
 
 
@@ -21,3 +24,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Child processes a test starts (e.g. `tierd serve`): any still running is killed at
+    teardown, whatever the test's outcome."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -145,16 +144,6 @@ def wait_until(predicate: Any, what: str) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"gave up waiting for {what}")
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def kill_9(process: subprocess.Popen[bytes]) -> None:

@@ -8,10 +8,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 
 from tierd.checksum import block_checksum
 from tierd.daemon.client import TierdClient
@@ -46,16 +44,6 @@ def wait_until(predicate: Any, what: str) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"gave up waiting for {what}")
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def test_kill_9_and_restart_finds_ssd_blocks(workdir: str, kit: Any,
