@@ -10,7 +10,6 @@ import sys
 import time
 from typing import Any
 
-
 from tierd.checksum import block_checksum
 from tierd.daemon.client import TierdClient
 
