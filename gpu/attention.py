@@ -14,9 +14,11 @@ How it is computed (Torch path): only whole 16-byte ``x`` vectors and whole rows
 and nothing is upcast in bulk (fp32 only for the softmax).
 - decode: chunks of sequences sorted by length (each chunk's gathered K/V, ~16 MiB, stays
   cache-warm). K is gathered as (block, head) slabs already token-major (the transposition
-  rides inside the one index op) for one batched matmul ``K @ q^T``; V is gathered as rows
+  rides inside the one index op) for one batched matmul with ``q``; V is gathered as rows
   and never transposed: P.V is a matmul per (block, head) over its tokens, summed over
-  blocks. Length mask, fp32 softmax (max-subtracted, so it never overflows).
+  blocks. Length mask, fp32 softmax (max-subtracted, so it never overflows). Half-precision
+  queries on a CPU without native half-precision matmuls (AVX2 hosts) compute in fp32: each
+  gathered chunk is upcast in a reused buffer (``compute_dtype``).
 - prefill: per sequence, gathered K/V. On CPU, flash attention over the cached prefix (no
   mask) and over the new tokens (``is_causal``, skipping the masked half), merged by their
   log-sum-exps; elsewhere one SDPA with a causal-offset mask.
@@ -228,11 +230,15 @@ def _decode(
     Per chunk of sequences (sorted by length, so a chunk's width fits its longest member):
     - K: one gather of whole (block, head) slabs through a ``[B, D/x]`` view of x-vectors, so
       the transposition to token-major rows rides inside the gather; then one batched matmul
-      per (sequence, head) ``K [L, D] @ q^T [D, G]`` (the scale is folded into ``q``; on CPU
-      this orientation beats ``q @ K^T``, ~9 vs ~12 ms on one thread for the benchmark's
-      decode) and an fp32 softmax over ``L``.
-    - V: one row gather, no transposition: P.V is a batched matmul per (block, head)
-      ``[D, B] @ [B, G]`` (V's tokens are already its innermost axis), summed over blocks.
+      per (sequence, head): in half precision ``K [L, D] @ q^T [D, G]`` (beats ``q @ K^T`` on
+      a bf16-capable CPU, ~9 vs ~12 ms on one thread for the benchmark's decode), in fp32
+      ``q [G, D] @ K^T [D, L]`` (~2.5x faster than the other on an AVX2 host). The scale is
+      folded into ``q``; an fp32 softmax over ``L``.
+    - V: one row gather, no transposition: P.V is a batched matmul per (block, head), with
+      V's tokens (already its innermost axis) as the reduction (``[D, B] @ [B, G]`` or
+      ``[G, B] @ [B, D]``), summed over blocks.
+    With an fp32 compute dtype (``compute_dtype``) each gathered K and V is upcast into one
+    reused buffer before its matmul; FP8 caches are dequantized the same way.
     Every per-chunk intermediate lives in a buffer allocated once per call: a fresh MiB-sized
     tensor per chunk costs page faults comparable to the matmul it feeds.
     """
@@ -246,10 +252,17 @@ def _decode(
     q = query if rows is None else query.index_select(0, rows)
     q = q.reshape(len(seqs), num_kv_heads, group, head_size)
     # Scaled in fp32 (one rounding to the query dtype), as [S, Hk, D, G] for K @ q^T.
-    q_t = q.float().mul_(scale).to(query.dtype).transpose(-1, -2).contiguous()
+    cdt = compute_dtype(query)
+    # Which operand is wide: fp32 matmuls (MKL sgemm) run fastest with the tokens as the
+    # output's columns (``q @ K^T``, ``P @ V^T``: ~2.5x faster than the other orientation on an
+    # AVX2 host); half-precision ones with the tokens as its rows (``K @ q^T``, ``V @ P^T``).
+    wide = cdt == torch.float32
+    q_s = q.float().mul_(scale).to(cdt)
+    q_c = q_s if wide else q_s.transpose(-1, -2).contiguous()  # [S, Hk, G, D] or [S, Hk, D, G]
     direct = rows is None and out.is_contiguous()  # write results straight into ``out``
     o = out.view(q.shape) if direct else torch.empty_like(q)
-    per_seq = 2 * num_kv_heads * table.shape[1] * b * head_size * k_cache.element_size()
+    per_seq = 2 * num_kv_heads * table.shape[1] * b * head_size
+    per_seq *= k_cache.element_size() + (cdt.itemsize if cdt != k_cache.dtype else 0)
     chunk = min(len(seqs), max(1, DECODE_CHUNK_BYTES // per_seq))
     k_slabs, slabs_per_block = _key_slabs(k_cache)  # [slabs, B, D/x] x-vectors
     v_units = _units(v_cache)  # [N, Hk, D, U]
@@ -257,10 +270,13 @@ def _decode(
     most = chunk * table.shape[1] * num_kv_heads  # (block, head) pairs in a full chunk
     k_rows = k_slabs.new_empty(most, *k_slabs.shape[1:])
     v_rows = v_units.new_empty(most // num_kv_heads, *v_units.shape[1:])
-    scores_buf = query.new_empty(most * b * group)
-    p_buf = query.new_empty(most * b * group)
-    partial_buf = query.new_empty(most * head_size * group)
-    sum_buf = query.new_empty(chunk * num_kv_heads * head_size * group)
+    # Upcast K and V land here when the compute dtype is not the cache's (FP8, or half
+    # precision on a CPU without native half-precision matmuls).
+    up_buf = query.new_empty(most * b * head_size if cdt != k_cache.dtype else 0, dtype=cdt)
+    scores_buf = query.new_empty(most * b * group, dtype=cdt)
+    p_buf = query.new_empty(most * b * group, dtype=cdt)
+    partial_buf = query.new_empty(most * head_size * group, dtype=cdt)
+    sum_buf = query.new_empty(chunk * num_kv_heads * head_size * group, dtype=cdt)
     for s0 in range(0, len(seqs), chunk):
         s1 = min(len(seqs), s0 + chunk)
         n, width = s1 - s0, -(-lengths[s0] // b)
@@ -269,30 +285,63 @@ def _decode(
         slabs = (blocks.unsqueeze(1) * slabs_per_block + head_offsets).view(-1)
         k = torch.index_select(k_slabs, 0, slabs, out=k_rows[:pairs])
         k = k.view(k_cache.dtype).view(n * num_kv_heads, tokens, head_size)
-        k = dequantize(k, k_scale, query.dtype) if k.dtype != query.dtype else k
-        scores = scores_buf[: pairs * b * group].view(n * num_kv_heads, tokens, group)
-        torch.bmm(k, q_t[s0:s1].reshape(-1, head_size, group), out=scores)
-        scores = scores.view(n, num_kv_heads, tokens, group)
+        k = _upcast(k, k_scale, up_buf) if k.dtype != cdt else k
+        q_chunk = q_c[s0:s1].reshape(n * num_kv_heads, *q_c.shape[2:])
+        scores = scores_buf[: pairs * b * group]
+        if wide:  # logits [n, Hk, G, L]
+            torch.bmm(q_chunk, k.transpose(1, 2), out=scores.view(-1, group, tokens))
+            logits = scores.view(n, num_kv_heads, group, tokens)
+        else:
+            torch.bmm(k, q_chunk, out=scores.view(-1, tokens, group))
+            logits = scores.view(n, num_kv_heads, tokens, group).transpose(-1, -2)
         if lengths[s1 - 1] < tokens:
             lens = torch.tensor(lengths[s0:s1], device=dev).view(-1, 1)
             past_end = torch.arange(tokens, device=dev) >= lens
-            scores.masked_fill_(past_end.view(n, 1, -1, 1), float("-inf"))
-        probs = torch.softmax(scores.transpose(-1, -2), dim=-1, dtype=torch.float32)
+            logits.masked_fill_(past_end.view(n, 1, 1, -1), float("-inf"))
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         p = p_buf[: pairs * b * group].view(n, width, num_kv_heads, group, b)
         p.copy_(probs.view(n, num_kv_heads, group, width, b).permute(0, 3, 1, 2, 4))
+        p = p.view(pairs, group, b)
         v = torch.index_select(v_units, 0, blocks.reshape(-1), out=v_rows[: n * width])
         v = v.view(v_cache.dtype).view(pairs, head_size, b)
-        v = dequantize(v, v_scale, query.dtype) if v.dtype != query.dtype else v
-        partial = partial_buf[: pairs * head_size * group].view(pairs, head_size, group)
-        torch.bmm(v, p.view(pairs, group, b).transpose(1, 2), out=partial)  # [n*W*Hk, D, G]
+        v = _upcast(v, v_scale, up_buf) if v.dtype != cdt else v
+        partial = partial_buf[: pairs * head_size * group]
         summed = sum_buf[: n * num_kv_heads * head_size * group]
-        summed = summed.view(n, num_kv_heads, head_size, group)
-        torch.sum(partial.view(n, width, num_kv_heads, head_size, group), 1, out=summed)
-        o[s0:s1] = summed.transpose(-1, -2)
+        if wide:  # per (block, head): P [G, B] @ V^T [B, D]
+            torch.bmm(p, v.transpose(1, 2), out=partial.view(pairs, group, head_size))
+            summed = summed.view(n, num_kv_heads, group, head_size)
+            torch.sum(partial.view(n, width, num_kv_heads, group, head_size), 1, out=summed)
+            o[s0:s1] = summed
+        else:  # per (block, head): V [D, B] @ P^T [B, G]
+            torch.bmm(v, p.transpose(1, 2), out=partial.view(pairs, head_size, group))
+            summed = summed.view(n, num_kv_heads, head_size, group)
+            torch.sum(partial.view(n, width, num_kv_heads, head_size, group), 1, out=summed)
+            o[s0:s1] = summed.transpose(-1, -2)
     if rows is not None:
         out.index_copy_(0, rows, o.view(out.shape))
     elif not direct:
         out.copy_(o.view(out.shape))
+
+
+def compute_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype decode's matmuls run in: the query's, except half precision on a CPU without
+    native half-precision matrix units, where fp32 is several times faster (on an AVX2 host a
+    bf16 ``bmm`` runs ~4x slower than fp32 over the same data, and the upcast is a cache-warm
+    copy)."""
+    if query.device.type != "cpu" or query.dtype == torch.float32:
+        return query.dtype
+    native = {
+        torch.bfloat16: torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported(),
+        torch.float16: torch.cpu._is_amx_fp16_supported(),
+    }
+    return query.dtype if native.get(query.dtype, True) else torch.float32
+
+
+def _upcast(x: torch.Tensor, scale: float, buf: torch.Tensor) -> torch.Tensor:
+    """``x * scale`` in ``buf``'s dtype, written into the front of ``buf`` (reused per chunk:
+    a fresh tensor per chunk would pay page faults comparable to the matmul it feeds)."""
+    out = buf[: x.numel()].view(x.shape).copy_(x)
+    return out if scale == 1.0 else out.mul_(scale)
 
 
 def _key_slabs(k_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -331,16 +380,18 @@ def _prefill(
     tokens) already fills the cores. On CPU the keys split at the cached prefix: the prefix
     is visible to every query (no mask) and the new tokens are causal among themselves
     (``is_causal``, which skips the masked half), and the two partial results merge by their
-    log-sum-exps. Elsewhere one SDPA with a causal-offset mask.
+    log-sum-exps. Elsewhere one SDPA with a causal-offset mask. K/V are gathered in the
+    compute dtype (``compute_dtype``: fp32 for half precision on an AVX2 host).
     """
+    cdt = compute_dtype(query)
     for i in seqs:
         n, q_len, start = batch.seq_lens[i], batch.query_lens[i], batch.query_starts[i]
         width = -(-n // batch.block_size)
         table = tables[i : i + 1, :width]
-        k = gather_k(k_cache, table, query.dtype, k_scale)[:, :, :n]  # [1, Hk, n, D]
-        v = gather_v(v_cache, table, query.dtype, v_scale)[:, :, :, :n]
+        k = gather_k(k_cache, table, cdt, k_scale)[:, :, :n]  # [1, Hk, n, D]
+        v = gather_v(v_cache, table, cdt, v_scale)[:, :, :, :n]
         v = v.transpose(-1, -2).contiguous()  # [1, Hk, n, D]
-        q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        q = query[start : start + q_len].transpose(0, 1).unsqueeze(0).to(cdt)  # [1, H, q_len, D]
         rows = out[start : start + q_len].transpose(0, 1).unsqueeze(0)
         cached = n - q_len
         if query.device.type == "cpu":
@@ -350,8 +401,11 @@ def _prefill(
                 continue
             old, old_lse = _flash_cpu(q, k[:, :, :cached], v[:, :, :cached], scale, causal=False)
             # Weights of the two parts: exp(lse_part - lse_all); the new part's is a sigmoid.
-            weight = torch.sigmoid(new_lse - old_lse).unsqueeze(-1).to(query.dtype)
-            torch.lerp(old, new, weight, out=rows)
+            weight = torch.sigmoid(new_lse - old_lse).unsqueeze(-1).to(cdt)
+            if cdt == query.dtype:
+                torch.lerp(old, new, weight, out=rows)
+            else:
+                rows.copy_(torch.lerp(old, new, weight))
             continue
         # Query j sits at position (n - q_len) + j and sees keys at or before it.
         positions = torch.arange(q_len, device=query.device).view(-1, 1) + cached

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tierd.gpu import paged_attention
-from tierd.gpu.attention import gather_k
+from tierd.gpu import attention, paged_attention
+from tierd.gpu.attention import compute_dtype, gather_k
 
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
@@ -30,8 +30,13 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_size", [64, 128])
-def test_decode_matches_dense(build_paged, dtype, block_size, head_size) -> None:  # type: ignore[no-untyped-def]
-    """Ragged lengths 1, 37, block-aligned and 100 over scattered blocks, GQA 8 query / 2 KV heads."""
+@pytest.mark.parametrize("compute", ["query dtype", "fp32"])
+def test_decode_matches_dense(build_paged, monkeypatch, dtype, block_size, head_size, compute) -> None:  # type: ignore[no-untyped-def]
+    """Ragged lengths 1, 37, block-aligned and 100 over scattered blocks, GQA 8 query / 2 KV
+    heads; both matmul orientations (the compute dtype is forced: which one a host picks
+    depends on its CPU)."""
+    forced = (lambda q: q.dtype) if compute == "query dtype" else (lambda q: torch.float32)
+    monkeypatch.setattr(attention, "compute_dtype", forced)
     lens = [1, 37, 2 * block_size, 100]
     batch = build_paged(lens, head_size=head_size, block_size=block_size, dtype=dtype, seed=3)
     q = torch.randn(len(lens), 8, head_size, generator=torch.Generator().manual_seed(4)).to(dtype)
@@ -133,3 +138,10 @@ def test_chunked_prefill_half_precision_matches_dense(build_paged, dtype) -> Non
         rows = slice(int(loc[i]), int(loc[i + 1]))
         ref = _dense(q[rows], batch.keys[i], batch.values[i], 128**-0.5)
         torch.testing.assert_close(out[rows].float(), ref, **TOL[dtype])
+
+
+def test_compute_dtype_keeps_fp32_and_upcasts_half_only_on_cpu() -> None:
+    """fp32 queries compute in fp32; half-precision ones in their own dtype or in fp32."""
+    assert compute_dtype(torch.zeros(1, 1, 64)) == torch.float32
+    for dtype in (torch.float16, torch.bfloat16):
+        assert compute_dtype(torch.zeros(1, 1, 64, dtype=dtype)) in (dtype, torch.float32)
