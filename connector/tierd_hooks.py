@@ -7,9 +7,10 @@ Per engine step (see ``tierd.connector.hooks`` for the call order)::
              staged into DRAM by the daemon), kept per request until its ``load``
     load     no round trip: checksum of each block where it lies in the arena under that lease,
              one batched copy of the verified run straight into a host pool (through staging for
-             a device pool or a lease about to lapse); the Release is queued to the worker (it
-             never delays compute). A lease whose ``load`` never comes (allocation failed,
-             request finished) is released the same way at ``request_finished`` / ``step_end``
+             a device pool or a lease about to lapse); the Release is queued to the worker at
+             ``step_end`` (after the forward pass, so it never delays compute). A lease whose
+             ``load`` never comes (allocation failed, request finished) is released at
+             ``request_finished`` / ``step_end``
     save     one batched copy pool -> staging ring (the pool block may be reused right after);
              the worker gathers saves for up to ``save_batch_s``, then makes one Reserve (blocks
              the node already holds are skipped), copies staging -> arena slots with plain host
@@ -129,6 +130,7 @@ class TierdHooks:
         self._load_staging: torch.Tensor | None = None
         self._pending: set[BlockHash] = set()  # queued for save; guarded by _lock
         self._held: dict[str, _Held] = {}  # request id -> its looked-up lease (engine thread)
+        self._loaded: list[_ReleaseJob] = []  # Releases of this step's loads (engine thread)
         self._lock = threading.Lock()
         self._events: Callable[[], list[KVEvent]] | None = None
         self._hot_cleared = False
@@ -170,6 +172,7 @@ class TierdHooks:
     def flush(self, timeout: float = 30.0) -> bool:
         """Block until every queued save, release and report has been sent (or dropped)."""
         deadline = time.monotonic() + timeout
+        self._queue_loaded()
         if self._jobs.unfinished_tasks and self._worker is not None and not self._closing.is_set():
             self._flushing.set()  # the worker stops gathering saves and sends them now
             try:
@@ -188,6 +191,7 @@ class TierdHooks:
         if self._worker is None or self._closing.is_set():
             return
         self._release_all()
+        self._queue_loaded()
         self.flush(self.config.call_timeout_s)
         self._closing.set()
         self._put(None)
@@ -227,7 +231,10 @@ class TierdHooks:
              block_hashes: Sequence[BlockHash]) -> list[bool]:
         """Copy and verify under the lease ``lookup`` took (Acquire now if there is none for
         these hashes); True for each leading block now in the pool. The lease's Release is
-        queued to the worker."""
+        queued to the worker at ``step_end``, so its round trip never runs beside the forward
+        pass that computes the request's first token (the lease is held one step longer); one
+        that reports a corrupt block is queued at once, ahead of the step's saves, so the
+        daemon drops the bad copy before the recomputed block is written through."""
         n = len(block_ids)
         held = self._held.pop(request.request_id, None)
         session = self._session
@@ -259,7 +266,10 @@ class TierdHooks:
         except ValueError as exc:  # slots outside the arena we mapped: a daemon bug, a miss here
             log.warning("tierd load rejected: %s", exc)
         finally:  # always release, even if the copy failed
-            self._release(held, corrupt_from=corrupt)
+            if corrupt is not None:  # now: the daemon must drop the block before our re-save
+                self._release(held, corrupt_from=corrupt)
+            elif got.num_blocks:  # after this step's forward pass
+                self._loaded.append(_ReleaseJob(held.session, got.lease_id, None))
         self.stats.checksum_failures += good < m
         self.stats.loaded_blocks += good
         self.stats.failed_load_blocks += n - good
@@ -294,6 +304,7 @@ class TierdHooks:
         """Release every lease looked up this step whose ``load`` did not come (the admission
         failed: a later lookup pins afresh); batch this step's hot-tier events into one queued
         report."""
+        self._queue_loaded()
         self._release_all()
         session, take = self._session, self._events
         if take is None:
@@ -341,6 +352,12 @@ class TierdHooks:
         """Queue the Release of a held lease (the worker sends it; nothing for an empty one)."""
         if held is not None and held.got.num_blocks:
             self._put(_ReleaseJob(held.session, held.got.lease_id, corrupt_from))
+
+    def _queue_loaded(self) -> None:
+        """Queue the Releases of the leases this step's loads are done with."""
+        loaded, self._loaded = self._loaded, []
+        for job in loaded:
+            self._put(job)
 
     def _release_all(self) -> None:
         held, self._held = self._held, {}
