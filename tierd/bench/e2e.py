@@ -144,6 +144,8 @@ def _engine(model: LlamaModel, socket_path: str | None, num_blocks: int
         assert hooks.wait_connected(timeout=10), "the daemon must answer"
     # Warm-up (first-call costs not counted); under one block, so nothing is saved or hit.
     engine.generate([_tokens(model, BLOCK - 1, seed=0)], 1)
+    if hooks is not None:
+        assert hooks.flush(), "the warm-up's hot-tier report must go out before timing starts"
     return engine, hooks
 
 
