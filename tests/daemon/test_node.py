@@ -367,6 +367,9 @@ async def test_lease_and_input_errors(rig: Rig) -> None:
     with pytest.raises(ValueError, match="has 31 bytes"):
         rig.node.reserve(rig.engine.engine_id, [BlockHash(bytes(31))])
     assert rig.tiers([BlockHash(bytes(16))]) == []           # xxhash_cbor length is fine
+    not_bytes: Any = "x" * 32
+    with pytest.raises(ValueError, match="#1 has str bytes"):
+        rig.node.lookup(rig.engine.engine_id, [hashes[0], not_bytes])
     with pytest.raises(ResourceExhausted, match="at most 4096"):
         rig.node.lookup(rig.engine.engine_id, chain(4097))
     with pytest.raises(NotFound, match="unknown engine"):
@@ -568,6 +571,31 @@ async def test_reuse_gap_idle_time_and_pool_too_small(rig: Rig) -> None:
     rig.node.check_integrity()
 
 
+async def test_a_chain_acquire_counts_each_block_and_touches_it_in_chain_order(rig: Rig) -> None:
+    """Blocks 0-1 stored at t=1000 with 4 others, 2-3 at t=1100: acquiring 0-3 at t=1200
+    counts reuse gaps 200, 200, 100, 100 and makes the chain newest in chain order, so 5 new
+    blocks evict the 4 others, then block 0; the engine then holds a 3-block chain from 1."""
+    hashes, others = chain(4), chain(4, "o")
+    rig.store(hashes[:2])
+    rig.store(others)
+    rig.clock.advance(100)
+    rig.store(hashes[2:])                                      # DRAM full: 8 blocks
+    rig.clock.advance(100)
+    lease = await rig.node.acquire(rig.engine.engine_id, hashes)
+    assert rig.copy_out(lease.slot_ids) == [payload(h) for h in hashes]
+    rig.node.release(lease.lease_id)
+    m = rig.node.metrics.registry.get_sample_value
+    assert m("tierd_block_reuse_gap_seconds_sum") == 600.0
+    assert m("tierd_block_reuse_gap_seconds_bucket", {"le": "120.0"}) == 2.0
+    assert m("tierd_block_reuse_gap_seconds_bucket", {"le": "300.0"}) == 4.0
+    rig.node.take_events()
+    rig.store(chain(5, "n"))
+    assert [e for e in rig.node.take_events() if isinstance(e, BlockRemoved)] == [
+        BlockRemoved((h,), "dram") for h in [*others, hashes[0]]]
+    assert rig.tiers(hashes) == [] and rig.tiers(hashes[1:]) == ["dram"] * 3
+    rig.node.check_integrity()
+
+
 async def test_metrics_live_in_the_nodes_own_registry(rig: Rig) -> None:
     """Counters and gauges carry the documented names; a second store's registry is separate."""
     hashes = chain(8)
@@ -619,6 +647,18 @@ def test_histogram_quantile_interpolates_within_a_bucket() -> None:
     assert m("tierd_block_reuse_gap_seconds_bucket", {"le": "10.0"}) == 1.0
     assert m("tierd_block_reuse_gap_seconds_bucket", {"le": "+Inf"}) == 2.0
     assert m("tierd_block_reuse_gap_seconds_count") == 2.0
+
+
+def test_histogram_observe_many_counts_like_one_observe_each() -> None:
+    """A batch with runs of equal values and a negative one counts exactly as one observe per
+    value, the negative as 0."""
+    one, many = NodeMetrics(), NodeMetrics()
+    values = [5.0, 5.0, 5.0, 100.0, -1.0, 100.0, 7200.5, 5.0]
+    for value in values:
+        one.reuse_gap.observe(max(0.0, value))
+    many.reuse_gap.observe_many(values)
+    assert (many.reuse_gap.counts, many.reuse_gap.sum) == (one.reuse_gap.counts, one.reuse_gap.sum)
+    assert sum(many.reuse_gap.counts) == len(values)
 
 
 async def test_restart_with_a_smaller_bound_drops_the_oldest_records(make_rig: MakeRig,

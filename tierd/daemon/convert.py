@@ -138,15 +138,17 @@ class DaemonStats:
 # -- both sides ----------------------------------------------------------------------------
 
 def hashes_from_pb(raw: Sequence[bytes]) -> list[BlockHash]:
-    """Wire hashes -> ``BlockHash``es; ``ValueError`` unless all are 32 or all are 16 bytes."""
-    if not raw:
-        return []
-    size = len(raw[0])
-    if size not in HASH_LENGTHS or any(len(h) != size for h in raw):
-        bad = next(i for i, h in enumerate(raw) if len(h) not in HASH_LENGTHS or len(h) != size)
-        raise ValueError(f"block hash {bad} is {len(raw[bad])} bytes: every hash of a request must "
-                         "be 32 bytes (sha256_cbor) or every hash 16 bytes (xxhash_cbor)")
-    return [BlockHash(bytes(h)) for h in raw]
+    """Wire hashes (a repeated ``bytes`` field: its items are ``bytes`` already) ->
+    ``BlockHash``es; ``ValueError`` unless all are 32 or all are 16 bytes."""
+    hashes = cast("list[BlockHash]", list(raw))
+    if not hashes:
+        return hashes
+    size = len(hashes[0])
+    if size not in HASH_LENGTHS or len(set(map(len, hashes))) != 1:
+        bad = next(i for i, h in enumerate(hashes) if len(h) not in HASH_LENGTHS or len(h) != size)
+        raise ValueError(f"block hash {bad} is {len(hashes[bad])} bytes: every hash of a request "
+                         "must be 32 bytes (sha256_cbor) or every hash 16 bytes (xxhash_cbor)")
+    return hashes
 
 
 def layout_to_pb(layout: Layout) -> pb.Layout:
@@ -242,7 +244,7 @@ def engine_handle_from_pb(msg: pb.RegisterEngineResponse) -> EngineHandle:
 
 def acquired_from_pb(msg: pb.AcquireResponse) -> AcquiredBlocks:
     return AcquiredBlocks(lease_id=msg.lease_id, seconds_left=msg.seconds_left,
-                          slot_ids=list(msg.slot_ids), checksums=list(msg.checksums))
+                          slot_ids=msg.slot_ids[:], checksums=msg.checksums[:])  # new lists
 
 
 def reserved_from_pb(msg: pb.ReserveResponse) -> ReservedSlots:

@@ -89,8 +89,13 @@ class TierListener(Protocol):
 class LruIndex(Generic[E]):
     """Key -> entry, iterated least recently used first. O(1) add, touch, pop."""
 
+    get: Callable[[NamespacedKey], E | None]
+    """The entry, or None; does not change the order. The ordered dict's own ``get`` (no Python
+    frame): hot paths call it once per block of a request."""
+
     def __init__(self) -> None:
         self._entries: OrderedDict[NamespacedKey, E] = OrderedDict()
+        self.get = self._entries.get
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -98,9 +103,16 @@ class LruIndex(Generic[E]):
     def __contains__(self, key: NamespacedKey) -> bool:
         return key in self._entries
 
-    def get(self, key: NamespacedKey) -> E | None:
-        """The entry, or None; does not change the order."""
-        return self._entries.get(key)
+    def prefix(self, keys: Iterable[NamespacedKey]) -> list[E]:
+        """The entries of the longest leading run of ``keys`` held, in order; no reordering."""
+        get = self._entries.get
+        run: list[E] = []
+        for key in keys:
+            entry = get(key)
+            if entry is None:
+                break
+            run.append(entry)
+        return run
 
     def add(self, key: NamespacedKey, entry: E) -> None:
         """Insert a new entry as the most recently used."""
@@ -110,6 +122,12 @@ class LruIndex(Generic[E]):
     def touch(self, key: NamespacedKey) -> None:
         """Make ``key`` the most recently used."""
         self._entries.move_to_end(key)
+
+    def touch_all(self, keys: Iterable[NamespacedKey]) -> None:
+        """Make each of ``keys`` the most recently used, in order: the last ends up newest."""
+        move = self._entries.move_to_end
+        for key in keys:
+            move(key)
 
     def pop(self, key: NamespacedKey) -> E:
         """Remove and return the entry (KeyError if absent: a caller bug)."""
@@ -273,6 +291,23 @@ class TierIndex:
             self.drop_dram(victim, now)
             slot = self.alloc.allocate(slot_bytes)
         return slot
+
+    def count_hits(self, keys: Sequence[NamespacedKey], blocks: Sequence[DramBlock], now: float,
+                   *, pin: bool) -> None:
+        """DRAM blocks an acquire returns (``blocks[i]`` indexed under ``keys[i]``, in chain
+        order): each counts a hit and its reuse gap (since its last access; negative as 0: a
+        later acquire may have touched it first), is accessed ``now`` and becomes the most
+        recently used, the chain's last block newest. ``pin``: also take a pin on each (for
+        the caller's lease to hold)."""
+        gaps: list[float] = []
+        pins = 1 if pin else 0
+        for block in blocks:
+            block.hits += 1
+            gaps.append(now - block.last_access)
+            block.last_access = now
+            block.pins += pins
+        self.metrics.reuse_gap.observe_many(gaps)
+        self.dram.touch_all(keys)
 
     def drop_dram(self, key: NamespacedKey, now: float, *, corrupt: bool = False) -> None:
         """Remove an unpinned DRAM copy and free its slot (a demotion if an SSD copy remains).

@@ -61,6 +61,7 @@ EMPTY_LEASE = ""
 
 HASH_LENGTHS = (32, 16)
 """sha256_cbor and xxhash_cbor digests; anything else is a client bug."""
+_LENGTHS = frozenset(HASH_LENGTHS)
 
 
 @dataclass(slots=True)
@@ -139,19 +140,22 @@ class NodeStore:
         """The longest consecutive prefix of ``hashes`` held on this node, with the fastest tier
         of each block. Pins nothing, changes no LRU order; counts queried and hit tokens."""
         info = self._engine(engine_id)
-        return LookupResult(self._query(info, hashes, self._keys(info, hashes)))
+        keys = self._keys(info, hashes)
+        return LookupResult(self._query(info, hashes, keys, len(self._t.dram.prefix(keys))))
 
     def _query(self, info: EngineInfo, hashes: Sequence[BlockHash],
-               keys: Sequence[NamespacedKey]) -> list[Tier]:
+               keys: Sequence[NamespacedKey], dram_run: int) -> list[Tier]:
         """The tiers of the held prefix (``lookup``'s answer), counted as queried and hit
-        tokens."""
+        tokens. ``dram_run``: how many leading ``keys`` DRAM holds."""
         hbm = self._hbm.held(info.engine_id)
         ssd_up = self._t.ssd_up
-        tiers: list[Tier] = []
-        for block_hash, key in zip(hashes, keys):
+        in_dram = self._t.dram.get
+        tiers: list[Tier] = (["hbm" if h in hbm else "dram" for h in hashes[:dram_run]] if hbm
+                             else ["dram"] * dram_run)
+        for block_hash, key in zip(hashes[dram_run:], keys[dram_run:]):
             if block_hash in hbm:
                 tiers.append("hbm")
-            elif key in self._t.dram:
+            elif in_dram(key) is not None:
                 tiers.append("dram")
             elif ssd_up and key in self._t.disk:
                 tiers.append("ssd")
@@ -160,7 +164,8 @@ class NodeStore:
         tokens = info.layout.block_size
         self._n.queries += len(hashes) * tokens
         self.metrics.queries.inc(len(hashes) * tokens)
-        for tier, count in Counter(tiers).items():
+        for tier in set(tiers):
+            count = tiers.count(tier)
             self._n.hits[tier] += count * tokens
             self.metrics.hits.labels(tier).inc(count * tokens)
         return tiers
@@ -179,35 +184,29 @@ class NodeStore:
         """
         info = self._engine(engine_id)
         keys = self._keys(info, hashes)
+        blocks = self._t.dram.prefix(keys)
+        hit = len(blocks)
         if count_lookup:
-            self._query(info, hashes, keys)
+            self._query(info, hashes, keys, hit)
         now = self._clock()
         self._expire(now)
+        if hit == len(keys) or not (keys[hit] in self._promoting or (
+                self._t.ssd_up and keys[hit] in self._t.disk)):
+            return self._lease(info, keys[:hit], blocks, now, pin=True)  # nothing to read
+        # A promotion may evict unpinned DRAM blocks: the plan's DRAM hits take in-flight pins.
         plan: list[tuple[NamespacedKey, _Promotion | None]] = []  # None: already in DRAM
         reads: list[tuple[_Promotion, memoryview]] = []  # started here: one batched SSD read
-        waits = False        # once a promotion is planned, DRAM hits are pinned while we wait
         for key in keys:
-            block = self._t.dram.get(key)
-            if block is None:
-                if not waits and key not in self._promoting and not (
-                        self._t.ssd_up and key in self._t.disk):
-                    break
-                if not waits:
-                    waits = True
-                    for planned, _ in plan:
-                        self._pin_inflight(planned)
-                promotion = self._promoting.get(key) or self._promote(key, info, now, reads)
-                if promotion is None:
-                    break
-                promotion.waiters += 1
-                plan.append((key, promotion))
-                continue
-            if waits:
+            if self._t.dram.get(key) is not None:
                 self._pin_inflight(key)
-            plan.append((key, None))
+                plan.append((key, None))
+                continue
+            promotion = self._promoting.get(key) or self._promote(key, info, now, reads)
+            if promotion is None:
+                break
+            promotion.waiters += 1
+            plan.append((key, promotion))
         self._read_promotions(reads)
-        if not waits:
-            return self._pin_prefix(info, plan, now, waited=False)
         return await asyncio.shield(asyncio.ensure_future(self._promoted(info, plan, now)))
 
     def _promote(self, key: NamespacedKey, info: EngineInfo, now: float,
@@ -276,22 +275,17 @@ class NodeStore:
 
     async def _promoted(self, info: EngineInfo, plan: list[tuple[NamespacedKey,
                         _Promotion | None]], start: float) -> Lease:
+        """With the plan's promotions done: the prefix that made it, under a new lease. The
+        plan's DRAM hits and landed promotions carry in-flight pins: kept for the prefix,
+        dropped past its end."""
         for _, promotion in plan:
             if promotion is not None:
                 await promotion.done
-        return self._pin_prefix(info, plan, start, waited=True)
-
-    def _pin_prefix(self, info: EngineInfo, plan: list[tuple[NamespacedKey, _Promotion | None]],
-                    start: float, waited: bool) -> Lease:
-        """With the plan's promotions done: pin the prefix that made it under a new lease.
-        ``waited``: the plan's DRAM hits and landed promotions carry in-flight pins (kept for
-        the prefix, dropped past its end)."""
         keys: list[NamespacedKey] = []
-        slots: list[int] = []
-        checksums: list[int] = []
+        blocks: list[DramBlock] = []
         ended = info.engine_id not in self._engines
         for key, promotion in plan:
-            inflight = waited and (promotion is None or promotion.landed)
+            inflight = promotion is None or promotion.landed
             if inflight:
                 self._inflight_pins[key] -= 1
                 if not self._inflight_pins[key]:
@@ -304,23 +298,27 @@ class NodeStore:
                 continue
             if not inflight:
                 block.pins += 1
-            block.hits += 1
-            self.metrics.reuse_gap.observe(max(0.0, start - block.last_access))
-            block.last_access = start
-            self._t.dram.touch(key)
             keys.append(key)
-            slots.append(block.slot_id)
-            checksums.append(block.checksum)
+            blocks.append(block)
         if info.engine_id not in self._engines:
             for key in keys:
                 self._unpin(key)
             raise NotFound(f"engine {info.engine_id} was unregistered during acquire")
+        return self._lease(info, keys, blocks, start, pin=False)
+
+    def _lease(self, info: EngineInfo, keys: list[NamespacedKey], blocks: list[DramBlock],
+               start: float, *, pin: bool) -> Lease:
+        """Put a prefix (``blocks[i]`` under ``keys[i]``; ``pin``: not pinned yet) under a new
+        lease, counting each block's hit and reuse gap as of ``start``. A miss gets the empty
+        lease."""
         deadline = self._clock() + self._config.lease_seconds
         if not keys:  # a miss pins nothing: no lease to track (release("") is a no-op)
             return Lease(EMPTY_LEASE, deadline, [], [], self._config.lease_seconds)
+        self._t.count_hits(keys, blocks, start, pin=pin)
         lease = ReadLease(new_lease_id(), info.engine_id, deadline, keys)
         self._leases.add(lease)
-        return Lease(lease.lease_id, deadline, slots, checksums, self._config.lease_seconds)
+        return Lease(lease.lease_id, deadline, [b.slot_id for b in blocks],
+                     [b.checksum for b in blocks], self._config.lease_seconds)
 
     def release(self, lease_id: str, *, engine_id: str | None = None,
                 corrupt_from: int | None = None) -> bool:
@@ -556,12 +554,14 @@ class NodeStore:
         if limit and len(hashes) > self._config.max_blocks_per_request:
             raise ResourceExhausted(f"{len(hashes)} blocks in one request; at most "
                                     f"{self._config.max_blocks_per_request}: split the request")
-        for i, h in enumerate(hashes):
-            if not isinstance(h, bytes) or len(h) not in HASH_LENGTHS:
-                got = len(h) if isinstance(h, bytes) else type(h).__name__
-                raise ValueError(f"block hash #{i} has {got} bytes; expected 32 (sha256_cbor) "
-                                 "or 16 (xxhash_cbor)")
-        return [make_key(info.namespace, h) for h in hashes]
+        if not (set(map(type, hashes)) <= {bytes} and set(map(len, hashes)) <= _LENGTHS):
+            for i, h in enumerate(hashes):  # find the culprit (a subclass of bytes passes)
+                if not isinstance(h, bytes) or len(h) not in HASH_LENGTHS:
+                    got = len(h) if isinstance(h, bytes) else type(h).__name__
+                    raise ValueError(f"block hash #{i} has {got} bytes; expected 32 "
+                                     "(sha256_cbor) or 16 (xxhash_cbor)")
+        namespace = info.namespace
+        return [make_key(namespace, h) for h in hashes]
 
     def _expire(self, now: float) -> None:
         """End every lease past its deadline, freeing what it held."""
@@ -574,8 +574,11 @@ class NodeStore:
     def _end(self, lease: ReadLease | WriteLease) -> None:
         """Free what an already finished lease held: unpin its blocks or free its slots."""
         if isinstance(lease, ReadLease):
-            for key in lease.keys:
-                self._unpin(key)
+            get = self._t.dram.get
+            for key in lease.keys:  # _unpin, inlined: a lease may hold thousands of blocks
+                block = get(key)
+                assert block is not None and block.pins > 0, f"{key.hex()}: unpin without a pin"
+                block.pins -= 1
             return
         for block_hash, slot in zip(lease.hashes, lease.slots):
             if slot is not None:
