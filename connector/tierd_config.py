@@ -41,11 +41,13 @@ class TierdHooksConfig:
     load_staging_bytes: int = 16 << 20
     """Staging for loads; a longer load is copied in several chunks."""
     max_queued_jobs: int = 256
-    save_batch_s: float = 0.25
-    """The worker gathers saves for up to this long (or until half the staging ring is
-    waiting, or ``flush``) and writes them with one Reserve and one Commit: fewer round trips
-    and wake-ups beside the engine's compute, at the price of other engines seeing the blocks
-    that much later. 0: write each step's saves at once."""
+    save_batch_s: float = 2.0
+    """The worker gathers saves and hot-tier reports for up to this long (or until half the
+    staging ring is waiting, or ``flush``), then writes the saves with one Reserve and one
+    Commit and sends the reports merged into one: fewer round trips beside the engine's
+    compute (a lone round trip costs ~2 ms of CPU, engine and daemon together, on the 2-core
+    hosts), at the price of other engines and routers seeing the blocks up to that much
+    later. 0: send each step's work at once."""
     worker_nice: int = 10
     """Niceness added to the worker thread (Linux; 0: none). The worker only does background
     work (copies into the arena, round trips), so on a busy host it runs in the gaps the

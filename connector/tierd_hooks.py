@@ -11,13 +11,15 @@ Per engine step (see ``tierd.connector.hooks`` for the call order)::
              ``step_end`` (after the forward pass, so it never delays compute). A lease whose
              ``load`` never comes (allocation failed, request finished) is released at
              ``request_finished`` / ``step_end``
-    save     one batched copy pool -> staging ring (the pool block may be reused right after);
-             the worker gathers saves for up to ``save_batch_s``, then makes one Reserve (blocks
-             the node already holds are skipped), copies staging -> arena slots with plain host
-             memcpys (no torch op: no second OpenMP team beside the engine's), and one Commit
-             with the checksums. The worker runs at a lower priority (``worker_nice``).
+    save     one copy pool -> staging ring per run of consecutive pool blocks (the pool block
+             may be reused right after); the worker gathers saves (and hot-tier reports) for up
+             to ``save_batch_s`` or half the ring, then makes one Reserve (blocks the node
+             already holds are skipped), copies staging -> arena slots with plain host memcpys
+             (no torch op: no second OpenMP team beside the engine's), and one Commit with the
+             checksums. The worker runs at a lower priority (``worker_nice``).
     step_end the engine's hot-tier (HBM) BlockStored/BlockRemoved events, batched, are queued for
-             ReportHotBlocks (when ``attach_block_events`` was called)
+             ReportHotBlocks (when ``attach_block_events`` was called); the worker gathers them
+             with the saves and sends the reports of a batch merged into one
 
 Failure is never an exception out of the engine. A failed load (lease expired, checksum mismatch,
 daemon gone, any gRPC error) returns False for that block and all after it, so the engine
@@ -48,7 +50,7 @@ import torch
 from tierd.connector.engine import Request
 from tierd.connector.tierd_config import TierdHooksConfig, TierdHooksStats, layout_for
 from tierd.connector.transfer import ArenaSlots, Span, StagingRing, allocate_staging, \
-    load_blocks, words, write_through
+    gather_rows, load_blocks, write_through
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import AcquiredBlocks, EngineHandle, TierdClient
 from tierd.daemon.layout import Layout
@@ -108,9 +110,29 @@ class _HotJob:
     stored: list[BlockHash]
     removed: list[BlockHash]
     cleared: bool
+    queued: float  # time.monotonic() at step_end
+
+
+def _merged(reports: list[_HotJob]) -> _HotJob:
+    """One report with the net effect of ``reports`` (in order) as the daemon applies each
+    (``cleared``, then ``stored``, then ``removed``): a hash's last event wins."""
+    if len(reports) == 1:
+        return reports[0]
+    held: dict[BlockHash, bool] = {}
+    cleared = False
+    for report in reports:
+        if report.cleared:
+            held.clear()
+            cleared = True
+        held.update(dict.fromkeys(report.stored, True))
+        held.update(dict.fromkeys(report.removed, False))
+    return _HotJob(reports[0].session, [h for h, v in held.items() if v],
+                   [h for h, v in held.items() if not v], cleared, reports[0].queued)
 
 
 _Job = _SaveJob | _ReleaseJob | _HotJob | None  # None: wake up (reconnect or stop)
+_GATHERED = (_SaveJob, _HotJob)
+"""Jobs the worker gathers over ``save_batch_s``; any other job ends a gathering."""
 
 
 class TierdHooks:
@@ -291,9 +313,7 @@ class TierdHooks:
             self.stats.dropped_save_blocks += len(todo)
             return
         assert self._kv is not None
-        ids = torch.tensor([b for b, _ in todo], dtype=torch.int64, device=self._kv.pool.device)
-        staged = ring.rows[span.start:span.stop]
-        torch.index_select(words(self._kv.pool), 0, ids, out=words(staged))
+        gather_rows(self._kv.pool, [b for b, _ in todo], ring.rows[span.start:span.stop])
         self._put(_SaveJob(session, [h for _, h in todo], span, time.monotonic()))
 
     def request_finished(self, request: Request) -> None:
@@ -326,7 +346,8 @@ class TierdHooks:
             elif isinstance(event, AllBlocksCleared):
                 cleared, stored, removed = True, [], []
         if stored or removed or cleared:
-            self._hot_cleared = not self._put(_HotJob(session, stored, removed, cleared))
+            self._hot_cleared = not self._put(_HotJob(session, stored, removed, cleared,
+                                                      time.monotonic()))
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -440,55 +461,62 @@ class TierdHooks:
             except queue.Empty:
                 continue
             batch = [job]
-            if isinstance(job, _SaveJob):
-                held += self._gather_saves(batch)
+            if isinstance(job, _GATHERED):
+                held += self._gather(batch)
             try:
                 self._do(batch)
             finally:
                 for _ in batch:
                     self._jobs.task_done()
 
-    def _gather_saves(self, batch: list[_Job]) -> list[_Job]:
-        """Append to ``batch`` (one ``_SaveJob``) the saves of the same session queued within
-        ``save_batch_s`` of it, up to half the staging ring; returns the non-save job that ended
-        the gathering, if any (it is done next)."""
+    def _gather(self, batch: list[_Job]) -> list[_Job]:
+        """Append to ``batch`` (one ``_SaveJob`` or ``_HotJob``) the saves and hot-tier reports
+        of the same session queued within ``save_batch_s`` of it, up to half the staging ring of
+        saves; returns the other job that ended the gathering, if any (it is done next)."""
         first = batch[0]
-        assert isinstance(first, _SaveJob) and self._ring is not None
-        deadline, rows = first.queued + self.config.save_batch_s, len(first.hashes)
+        assert isinstance(first, _GATHERED) and self._ring is not None
+        deadline = first.queued + self.config.save_batch_s
+        rows = len(first.hashes) if isinstance(first, _SaveJob) else 0
         while rows < self._ring.capacity // 2 and not self._flushing.is_set():
             try:
                 job = self._jobs.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            if not isinstance(job, _SaveJob) or job.session is not first.session:
+            if not isinstance(job, _GATHERED) or job.session is not first.session:
                 return [job]
             batch.append(job)
-            rows += len(job.hashes)
+            rows += len(job.hashes) if isinstance(job, _SaveJob) else 0
         while True:  # whatever is queued already goes along
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 return []
-            if not isinstance(job, _SaveJob) or job.session is not first.session:
+            if not isinstance(job, _GATHERED) or job.session is not first.session:
                 return [job]
             batch.append(job)
 
     def _do(self, batch: list[_Job]) -> None:
+        """One gathered batch (saves and hot-tier reports of one session: one Reserve/Commit,
+        then one merged report) or a single other job."""
         job = batch[0]
         if job is None:
             return
-        if isinstance(job, _SaveJob):
+        if isinstance(job, _GATHERED):
             saves = [j for j in batch if isinstance(j, _SaveJob)]
-            try:
-                self._write_through(saves)
-            finally:
-                with self._lock:
+            reports = [j for j in batch if isinstance(j, _HotJob)]
+            if saves:
+                try:
+                    self._write_through(saves)
+                finally:
+                    with self._lock:
+                        for save in saves:
+                            self._pending.difference_update(save.hashes)
+                    assert self._ring is not None
                     for save in saves:
-                        self._pending.difference_update(save.hashes)
-                assert self._ring is not None
-                for save in saves:
-                    self._ring.give_back(save.span)
-            return
+                        self._ring.give_back(save.span)
+            if not reports:
+                return
+            job = _merged(reports)
         if job.session is not self._session:
             return  # the daemon that held this lease or HBM view is gone
         try:

@@ -5,7 +5,8 @@ block ``b`` of every layer (``tierd.gpu.layout.KVCache.pool``; an adapter for an
 passes a view of the same shape), on CPU or a GPU. An arena slot holds exactly one such row.
 
 Copies on the engine thread are one batched torch op each (``index_select`` / ``index_copy_``
-over an int64-word view of the arena), never a Python loop per block; the checksums (xxh3-64,
+over an int64-word view of the arena) or one ``copy_`` per run of consecutive rows, never a
+Python loop per block; the checksums (xxh3-64,
 ``tierd.checksum.block_checksum``, ~30 GB/s) are computed block by block over memory already in
 place.
 
@@ -17,9 +18,10 @@ Either way wrong bytes never reach the pool: a mismatch makes that block and eve
 miss.
 
 Save (``save_blocks``, ``write_through``): rows already copied out of the pool into staging
-(``StagingRing``, one gather on the engine thread so the pool may be reused at once) ->
-checksums -> reserved arena slots, by plain host memcpys of runs of adjacent slots (no torch op,
-so a background thread does not start a second OpenMP team beside the engine's).
+(``StagingRing``; ``gather_rows`` on the engine thread, a memcpy per run of consecutive pool
+rows, so the pool may be reused at once) -> checksums -> reserved arena slots, by plain host
+memcpys of runs of adjacent slots (no torch op, so a background thread does not start a second
+OpenMP team beside the engine's).
 
 Staging memory is allocated and zero-filled once (first touch of fresh pages costs ~2.5 s/GiB on
 these hosts; a per-call temporary would pay it on every transfer).
@@ -172,6 +174,34 @@ def words(rows: torch.Tensor) -> torch.Tensor:
     if rows.shape[-1] % 8 == 0 and rows.data_ptr() % 8 == 0 and rows.is_contiguous():
         return rows.view(torch.int64)
     return rows
+
+
+_MAX_RUN_COPIES = 8
+"""``gather_rows`` copies run by run up to this many runs, else in one ``index_select``."""
+
+
+def gather_rows(pool: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor) -> None:
+    """Copy pool rows ``block_ids[i]`` into ``out[i]`` (``out``: host uint8 ``[len(block_ids),
+    row_bytes]``, contiguous; the pool on any device). One ``copy_`` per run of consecutive
+    block ids (a fresh request's blocks are mostly handed out in order, so a save is a run or
+    two: plain memcpys, no index tensor), one ``index_select`` when they are scattered. Blocks
+    until done."""
+    if tuple(out.shape) != (len(block_ids), pool.shape[1]) or out.dtype != pool.dtype:
+        raise ValueError(f"out must be {pool.dtype} [{len(block_ids)}, {pool.shape[1]}], "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    starts = [i for i in range(len(block_ids))
+              if i == 0 or block_ids[i] != block_ids[i - 1] + 1]
+    if len(starts) <= _MAX_RUN_COPIES:
+        for first, stop in zip(starts, starts[1:] + [len(block_ids)]):
+            row = block_ids[first]
+            out[first:stop].copy_(pool[row:row + stop - first])
+        return
+    ids = torch.tensor(list(block_ids), dtype=torch.int64, device=pool.device)
+    src, dst = words(pool), words(out)
+    if pool.device == out.device and src.dtype == dst.dtype:
+        torch.index_select(src, 0, ids, out=dst)
+    else:
+        out.copy_(torch.index_select(pool, 0, ids))
 
 
 def row_checksums(rows: torch.Tensor) -> list[int]:

@@ -14,6 +14,8 @@ from tierd.connector.model import LlamaModel
 from tierd.connector.tierd_hooks import TierdHooks, TierdHooksConfig, layout_for
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import TierdClient
+from tierd.events import BlockRemoved, BlockStored, KVEvent
+from tierd.types import BlockHash
 
 BS = 16
 
@@ -145,6 +147,39 @@ def test_hot_tier_events_reach_the_daemon(tiny_model: LlamaModel, make_daemon: A
     with TierdClient(socket_path=daemon.config.socket_path) as client:
         engines = client.stats().engines
     assert [e.hbm_blocks for e in engines] == [4]
+    hooks.close()
+
+
+def test_hot_reports_of_several_steps_merge_into_one(tiny_model: LlamaModel,
+                                                    make_daemon: Any) -> None:
+    """With a long batching window, the hot-tier events of two prompts in a 9-block pool (the
+    second evicts blocks of the first) wait until ``flush`` and go as one merged report; the
+    daemon then counts exactly the blocks the events leave in the pool."""
+    daemon = make_daemon()
+    hooks = hooks_for(daemon.config.socket_path, save_batch_s=3600.0)
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=9, block_size=BS), hooks)
+    seen: list[KVEvent] = []
+
+    def take_events() -> list[KVEvent]:
+        events = engine.manager.take_events()
+        seen.extend(events)
+        return events
+
+    hooks.attach_block_events(take_events)
+    engine.generate([prompt(70, seed=10)], 8)
+    engine.generate([prompt(100, seed=11)], 8)
+    assert hooks.stats.hot_reports == 0
+    assert hooks.flush()
+    assert (hooks.stats.hot_reports, hooks.stats.save_batches) == (1, 1)
+    held: set[BlockHash] = set()
+    for event in seen:
+        if isinstance(event, BlockStored):
+            held.update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            held.difference_update(event.block_hashes)
+    assert any(isinstance(event, BlockRemoved) for event in seen), "the pool must evict"
+    with TierdClient(socket_path=daemon.config.socket_path) as client:
+        assert [e.hbm_blocks for e in client.stats().engines] == [len(held)]
     hooks.close()
 
 

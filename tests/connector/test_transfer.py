@@ -10,7 +10,7 @@ import torch
 
 from tierd.checksum import block_checksum
 from tierd.connector.transfer import ArenaSlots, Span, StagingRing, allocate_staging, \
-    load_blocks, row_checksums, save_blocks, write_through
+    gather_rows, load_blocks, row_checksums, save_blocks, write_through
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.slots import SlotGeometry
 
@@ -116,3 +116,14 @@ def test_load_paths_place_the_same_bytes(arena: ShmArena, direct: bool) -> None:
     assert slots.verified([3, 4, 0, 1], [checksums[0], checksums[1], 0, checksums[3]]) == 2
 
 
+@pytest.mark.parametrize("block_ids", [[3, 4, 5, 9, 10, 0], [14, 1, 12, 3, 10, 5, 8, 7, 6, 0]],
+                         ids=["runs", "scattered"])
+def test_gather_rows_copies_pool_rows_in_order(block_ids: list[int]) -> None:
+    """Pool rows gathered into staging land in the order asked, whether copied run by run
+    (3 runs) or in one indexed gather (10 runs of one row); a mis-shaped destination is refused."""
+    pool = _rows(16, 96, seed=5)
+    out = allocate_staging(len(block_ids), 96)
+    gather_rows(pool, block_ids, out)
+    assert torch.equal(out, pool[block_ids])
+    with pytest.raises(ValueError, match="out must be"):
+        gather_rows(pool, block_ids, out[1:])
