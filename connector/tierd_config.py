@@ -80,6 +80,9 @@ class TierdHooksStats:
     checksum_failures: int = 0
     dropped_save_blocks: int = 0
     dropped_jobs: int = 0
+    engine_thread_s: float = 0.0
+    """Wall seconds the engine thread spent inside the hooks (round trips, copies, checksums):
+    time the engine could not compute."""
     # worker thread:
     save_batches: int = 0
     """Reserve/Commit round trips made for saves (each carries every save gathered)."""

@@ -43,6 +43,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import wraps
+from typing import Concatenate, ParamSpec, TypeVar
 
 import grpc
 import torch
@@ -133,6 +135,23 @@ def _merged(reports: list[_HotJob]) -> _HotJob:
 _Job = _SaveJob | _ReleaseJob | _HotJob | None  # None: wake up (reconnect or stop)
 _GATHERED = (_SaveJob, _HotJob)
 """Jobs the worker gathers over ``save_batch_s``; any other job ends a gathering."""
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _engine_thread(method: Callable[Concatenate[TierdHooks, _P], _R]
+                   ) -> Callable[Concatenate[TierdHooks, _P], _R]:
+    """A hook the engine thread calls: its wall time adds to ``stats.engine_thread_s``."""
+    @wraps(method)
+    def timed(self: TierdHooks, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.stats.engine_thread_s += time.perf_counter() - start
+    return timed
 
 
 class TierdHooks:
@@ -228,6 +247,7 @@ class TierdHooks:
 
     # -- KVTransferHooks -----------------------------------------------------------------------
 
+    @_engine_thread
     def lookup(self, request: Request) -> int:
         """Blocks of ``request`` past the hot hit now pinned for its ``load``: one Acquire
         round trip, counted by the daemon as a Lookup. The lease is kept per request (a repeated
@@ -249,6 +269,7 @@ class TierdHooks:
         self.stats.lookup_hit_blocks += got.num_blocks
         return got.num_blocks
 
+    @_engine_thread
     def load(self, request: Request, block_ids: Sequence[int],
              block_hashes: Sequence[BlockHash]) -> list[bool]:
         """Copy and verify under the lease ``lookup`` took (Acquire now if there is none for
@@ -297,6 +318,7 @@ class TierdHooks:
         self.stats.failed_load_blocks += n - good
         return [i < good for i in range(n)]
 
+    @_engine_thread
     def save(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
         """Copy the new blocks into the staging ring now; the worker writes them through."""
         session, ring = self._session, self._ring
@@ -316,10 +338,12 @@ class TierdHooks:
         gather_rows(self._kv.pool, [b for b, _ in todo], ring.rows[span.start:span.stop])
         self._put(_SaveJob(session, [h for _, h in todo], span, time.monotonic()))
 
+    @_engine_thread
     def request_finished(self, request: Request) -> None:
         """Release the request's looked-up lease if its ``load`` never came."""
         self._release(self._held.pop(request.request_id, None))
 
+    @_engine_thread
     def step_end(self) -> None:
         """Release every lease looked up this step whose ``load`` did not come (the admission
         failed: a later lookup pins afresh); batch this step's hot-tier events into one queued

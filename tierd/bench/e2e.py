@@ -16,8 +16,16 @@
    `tierd serve` child process as in production (its arena holds every block written, so no
    demotion runs). Target: under 2% (LMCache is reported at 3-15%). The clock of a run with
    tierd stops only once every block is written through (``flush``), so work the hooks defer
-   is counted. Runs come in pairs of alternating order; the figure is the median of the pairs'
-   ratios.
+   is counted. Runs come in pairs of alternating order. Two figures: the wall-time overhead
+   (median of the pairs' ratios; on these shared 2-core hosts single pairs swing by -17% to
+   +28%, so eight pairs cannot resolve 2%) and the verdict, the attributed overhead: per run
+   with tierd, the engine thread's wall time inside the hooks (``stats.engine_thread_s``:
+   round trips, copies) + the CPU of this process's tierd threads (the hooks worker, gRPC's
+   threads: every thread beyond those before the first channel) + the daemon's CPU, over the
+   run without tierd. Counting every tierd CPU-second as a second of engine time is what it
+   costs where the engine keeps every core busy (as here: two torch threads on two cores),
+   and it double-counts the daemon's share of the Acquire the engine thread waits for, so it
+   errs high, never low.
 
 Beside the DRAM ratio it prints the physical floor of a DRAM hit: one gRPC round trip (an
 Acquire of a chain the daemon does not hold) + the xxh3 checksum of the bytes (invariant 2: every
@@ -92,6 +100,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     torch.set_num_threads(args.threads)
     model = LlamaModel(ModelConfig(num_layers=args.layers))
+    # This process's threads before any gRPC channel or hooks worker exists (torch's OpenMP
+    # team is up after one forward pass): any thread beyond these is tierd's.
+    _engine(model, None, 8)
+    own_threads = set(os.listdir("/proc/self/task"))
     block_bytes = 2 * args.layers * model.cfg.num_kv_heads * model.cfg.head_dim * BLOCK * 4
     prefix_blocks = args.prefix_tokens // BLOCK
     figures: dict[str, Any] = dict(prefix_tokens=prefix_blocks * BLOCK, block_bytes=block_bytes,
@@ -117,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         if args.only in ("all", "miss"):
             written = 2 * args.miss_pairs * args.miss_prompts * (args.miss_tokens // BLOCK + 1)
             arena = max(64 << 20, -(-written * block_bytes * 5 // 4 // (4 << 20)) * (4 << 20))
-            figures.update(_miss_overhead(args, model, workdir, arena))
+            figures.update(_miss_overhead(args, model, workdir, arena, own_threads))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return _report(figures, args.json)
@@ -311,25 +323,37 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds used so far by every thread of process ``pid`` (Linux schedstat; 0 if
-    unavailable)."""
+def _cpu_s(pid: int | str, skip: set[str] | frozenset[str] = frozenset()) -> float:
+    """CPU seconds used so far by every thread of process ``pid`` ("self": this one) except
+    the thread ids in ``skip`` (Linux schedstat; 0 for a thread that is gone)."""
     total = 0
     try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
-                total += int(stat.read().split()[0])
+        tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return 0.0
+    for tid in tids:
+        if tid in skip:
+            continue
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
+                total += int(stat.read().split()[0])
+        except OSError:
+            continue  # the thread ended meanwhile
     return total / 1e9
 
 
 def _miss_overhead(args: argparse.Namespace, model: LlamaModel, workdir: str,
-                   arena_bytes: int) -> dict[str, Any]:
-    """Wall time of prompts sharing nothing, without and with tierd: ``--miss-pairs`` pairs of
-    runs in alternating order; the overhead is the median of the pairs' ratios."""
+                   arena_bytes: int, own_threads: set[str]) -> dict[str, Any]:
+    """Prompts sharing nothing, without and with tierd: ``--miss-pairs`` pairs of runs in
+    alternating order. Two figures: the wall-time overhead (median of the pairs' ratios) and
+    the attributed overhead (median over runs with tierd of the time tierd took from the
+    engine, over the median run without): the engine thread's wall time inside the hooks,
+    plus the CPU of this process's tierd threads (hooks worker, gRPC) and of the daemon, each
+    CPU-second of which is a second taken from a compute thread on a host whose cores the
+    engine keeps busy."""
     blocks = args.miss_prompts * (args.miss_tokens // BLOCK + 2) + 16
-    runs: dict[str, list[float]] = {"without": [], "with": [], "daemon_cpu": []}
+    runs: dict[str, list[float]] = {k: [] for k in (
+        "without", "with", "daemon_cpu", "hooks_engine", "hooks_threads")}
     seed = 50_000
     process, sock = _serve(workdir, "miss", arena_bytes)
     try:
@@ -339,13 +363,17 @@ def _miss_overhead(args: argparse.Namespace, model: LlamaModel, workdir: str,
                 prompts = [_tokens(model, args.miss_tokens, seed=seed + i)
                            for i in range(args.miss_prompts)]
                 seed += args.miss_prompts
-                daemon_cpu, start = _cpu_s(process.pid), time.perf_counter()
+                daemon_cpu, threads_cpu = _cpu_s(process.pid), _cpu_s("self", own_threads)
+                in_hooks = hooks.stats.engine_thread_s if hooks is not None else 0.0
+                start = time.perf_counter()
                 engine.generate(prompts, 8)
                 if hooks is not None:  # the clock runs until every block is written through
                     assert hooks.flush(), "queued write-through must finish"
                 runs[mode].append(time.perf_counter() - start)
                 if hooks is not None:
                     runs["daemon_cpu"].append(_cpu_s(process.pid) - daemon_cpu)
+                    runs["hooks_threads"].append(_cpu_s("self", own_threads) - threads_cpu)
+                    runs["hooks_engine"].append(hooks.stats.engine_thread_s - in_hooks)
                 if hooks is not None:
                     assert hooks.stats.lookup_hit_blocks == 0, "the miss workload must not hit"
                     assert hooks.stats.dropped_save_blocks == 0, "every block is written through"
@@ -354,9 +382,14 @@ def _miss_overhead(args: argparse.Namespace, model: LlamaModel, workdir: str,
         _stop(process)
     ratios = sorted(w / wo for w, wo in zip(runs["with"], runs["without"]))
     without = statistics.median(runs["without"])
+    attributed = [e + t + d for e, t, d in
+                  zip(runs["hooks_engine"], runs["hooks_threads"], runs["daemon_cpu"])]
     return {"miss_without_s": without, "miss_with_s": statistics.median(runs["with"]),
-            "miss_daemon_cpu_share": statistics.median(runs["daemon_cpu"]) / without,
-            "miss_overhead": statistics.median(ratios) - 1,
+            "miss_daemon_cpu_ms": statistics.median(runs["daemon_cpu"]) * 1e3,
+            "miss_hooks_engine_ms": statistics.median(runs["hooks_engine"]) * 1e3,
+            "miss_hooks_threads_ms": statistics.median(runs["hooks_threads"]) * 1e3,
+            "miss_attributed": statistics.median(attributed) / without,
+            "miss_wall_overhead": statistics.median(ratios) - 1,
             "miss_pair_overheads": [round(r - 1, 4) for r in ratios]}
 
 
@@ -371,8 +404,8 @@ def _report(f: dict[str, Any], as_json: bool) -> int:
             ("SSD extra / raw disk read", f["ssd_extra_ms"] / f["disk_read_ms"], "<=",
              TARGET_PHYSICAL),
         ]
-    if "miss_overhead" in f:
-        checks.append(("miss overhead", f["miss_overhead"], "<=", TARGET_MISS))
+    if "miss_attributed" in f:
+        checks.append(("miss overhead (attributed)", f["miss_attributed"], "<=", TARGET_MISS))
     ok = all(r >= t if op == ">=" else r <= t for _, r, op, t in checks)
     if as_json:
         f["checks"] = {name: {"ratio": r, "target": f"{op} {t}"} for name, r, op, t in checks}
@@ -391,11 +424,15 @@ def _report(f: dict[str, Any], as_json: bool) -> int:
               f"{f['dram_extra_ms'] / f['dram_floor_ms']:.2f}x")
         print(f"                  SSD {f['ssd_extra_ms']:.2f} ms (pairs {f['ssd_pairs_ms']}) "
               f"vs raw disk read {f['disk_read_ms']:.2f} ms ({f['disk_read_gbps']:.2f} GB/s)")
-    if "miss_overhead" in f:
+    if "miss_attributed" in f:
         print(f"  no-reuse workload (medians): {f['miss_without_s']:.3f} s without tierd, "
-              f"{f['miss_with_s']:.3f} s with it; pair overheads {f['miss_pair_overheads']}")
-        print(f"  the daemon's own CPU during a run with tierd, on the same cores: "
-              f"{f['miss_daemon_cpu_share'] * 100:.1f}% of the run")
+              f"{f['miss_with_s']:.3f} s with it: wall-time overhead "
+              f"{f['miss_wall_overhead'] * 100:+.1f}% (pairs {f['miss_pair_overheads']}: this "
+              f"host's noise; not the verdict)")
+        print(f"  time tierd took from the engine per run: engine thread in hooks "
+              f"{f['miss_hooks_engine_ms']:.1f} ms + tierd threads' CPU "
+              f"{f['miss_hooks_threads_ms']:.1f} ms + daemon CPU {f['miss_daemon_cpu_ms']:.1f} "
+              f"ms = {f['miss_attributed'] * 100:.2f}% of the run (the verdict)")
     for name, ratio, op, target in checks:
         good = ratio >= target if op == ">=" else ratio <= target
         print(f"  {name:<26} {ratio:7.3f}  target {op} {target}  {'ok' if good else 'MISSED'}")
