@@ -73,6 +73,8 @@ class TierdHooksStats:
     """Counters. Engine-thread fields and worker fields are written by one thread each."""
 
     lookups: int = 0
+    filtered_lookups: int = 0
+    """Lookups answered from the daemon's presence filter (certain misses): no round trip."""
     lookup_hit_blocks: int = 0
     loads: int = 0
     loaded_blocks: int = 0

@@ -56,9 +56,10 @@ from tierd.connector.transfer import ArenaSlots, Span, StagingRing, allocate_sta
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import AcquiredBlocks, EngineHandle, TierdClient
 from tierd.daemon.layout import Layout
+from tierd.daemon.presence import PresenceView
 from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from tierd.gpu.layout import KVCache
-from tierd.types import BlockHash
+from tierd.types import BlockHash, Namespace, make_key
 
 # The hooks and the values they take and report (defined in tierd_config).
 __all__ = ["TierdHooks", "TierdHooksConfig", "TierdHooksStats", "layout_for"]
@@ -77,6 +78,7 @@ class _Session:
     engine: EngineHandle
     arena: ShmArena
     slots: ArenaSlots
+    presence: PresenceView | None  # the daemon's presence filter, if it publishes one
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +87,7 @@ class _SaveJob:
     hashes: list[BlockHash]
     span: Span
     queued: float  # time.monotonic() at save
+    query_tokens: int = 0  # lookups answered from the presence filter, for the node's count
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +175,7 @@ class TierdHooks:
         self._pending: set[BlockHash] = set()  # queued for save; guarded by _lock
         self._held: dict[str, _Held] = {}  # request id -> its looked-up lease (engine thread)
         self._loaded: list[_ReleaseJob] = []  # Releases of this step's loads (engine thread)
+        self._filtered_tokens = 0  # lookups answered from the presence filter, not yet sent
         self._lock = threading.Lock()
         self._events: Callable[[], list[KVEvent]] | None = None
         self._hot_cleared = False
@@ -259,6 +263,12 @@ class TierdHooks:
         if session is None or not hashes:
             return 0
         self.stats.lookups += 1
+        if session.presence is not None and not session.presence.may_hold(
+                make_key(Namespace(session.engine.namespace), hashes[0])):
+            # A certain miss: no round trip. The node counts it with our next Reserve.
+            self.stats.filtered_lookups += 1
+            self._filtered_tokens += len(hashes) * self._block_size
+            return 0
         acquired = self._acquire(session, hashes, count_lookup=True)
         if acquired is None:
             return 0
@@ -336,7 +346,9 @@ class TierdHooks:
             return
         assert self._kv is not None
         gather_rows(self._kv.pool, [b for b, _ in todo], ring.rows[span.start:span.stop])
-        self._put(_SaveJob(session, [h for _, h in todo], span, time.monotonic()))
+        if self._put(_SaveJob(session, [h for _, h in todo], span, time.monotonic(),
+                              self._filtered_tokens)):
+            self._filtered_tokens = 0
 
     @_engine_thread
     def request_finished(self, request: Request) -> None:
@@ -433,10 +445,16 @@ class TierdHooks:
             return None
         tensor = arena.as_tensor()  # pre-faulted: no page fault per page on the first copies
         slots = ArenaSlots(tensor, engine.geometry)
+        presence = None
+        if engine.presence_name:
+            try:
+                presence = PresenceView(engine.presence_name, engine.arena_directory)
+            except (OSError, ValueError) as exc:  # then every lookup asks: slower, still right
+                log.warning("tierd presence filter not mapped (%s): asking on every lookup", exc)
         self.stats.connects += 1
         self._hot_cleared = True
         log.info("tierd connected at %s: engine %s", client.target, engine.engine_id)
-        return _Session(client, engine, arena, slots)
+        return _Session(client, engine, arena, slots, presence)
 
     def _failed(self, session: _Session, exc: grpc.RpcError) -> None:
         """A call of ``session`` failed: count it; if the session is gone, drop it (the worker
@@ -568,7 +586,8 @@ class TierdHooks:
         client, engine_id = session.client, session.engine.engine_id
         assert self._ring is not None
         try:
-            reserved = client.reserve(engine_id, hashes)
+            reserved = client.reserve(engine_id, hashes, filtered_query_tokens=sum(
+                save.query_tokens for save in saves))
             self.stats.save_batches += 1
             checksums: list[int | None] = []
             try:

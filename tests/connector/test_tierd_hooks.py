@@ -233,3 +233,27 @@ def test_lookup_without_load_releases_its_lease(tiny_model: LlamaModel, make_dae
         assert hooks.flush()
         assert pinned() == 0
     hooks.close()
+
+
+def test_certain_misses_skip_the_round_trip_and_are_still_counted(
+        tiny_model: LlamaModel, make_daemon: Any) -> None:
+    """A chain the daemon's presence filter says it does not hold is looked up with no Acquire;
+    the node counts its tokens as queried (with the next Reserve). A stored chain still loads."""
+    daemon = make_daemon()
+    tokens = prompt(100, seed=11)
+    saver = hooks_for(daemon.config.socket_path)
+    with TierdClient(socket_path=daemon.config.socket_path) as client:
+        before = client.stats()
+        request = run(tiny_model, saver, tokens)
+        assert saver.flush()
+        after = client.stats()
+    assert (saver.stats.lookups, saver.stats.filtered_lookups) == (1, 1)
+    assert request.num_loaded_tokens == 0 and saver.stats.saved_blocks == 6
+    # 100 prompt tokens, none hot: the 6 full blocks (96 tokens) were queried, none hit.
+    assert after.query_tokens - before.query_tokens == 96
+    assert after.hit_tokens == before.hit_tokens
+    saver.close()
+    loader = hooks_for(daemon.config.socket_path)
+    again = run(tiny_model, loader, tokens)
+    assert (loader.stats.filtered_lookups, again.num_loaded_tokens) == (0, 96)
+    loader.close()

@@ -72,6 +72,12 @@ class _Requests:
         return kind(engine_id=engine_id, block_hashes=hashes)
 
     @staticmethod
+    def reserve(engine_id: str, hashes: Sequence[BlockHash],
+                filtered_query_tokens: int) -> pb.ReserveRequest:
+        return pb.ReserveRequest(engine_id=engine_id, block_hashes=hashes,
+                                 filtered_query_tokens=filtered_query_tokens)
+
+    @staticmethod
     def acquire(engine_id: str, hashes: Sequence[BlockHash],
                 count_lookup: bool) -> pb.AcquireRequest:
         return pb.AcquireRequest(engine_id=engine_id, block_hashes=hashes,
@@ -151,9 +157,12 @@ class TierdClient:
         return bool(self._call("Release", _Requests.release(engine_id, lease_id, corrupt_from))
                     .dropped)
 
-    def reserve(self, engine_id: str, hashes: Sequence[BlockHash]) -> ReservedSlots:
-        """Reserve a slot per block not stored yet; write each, then ``commit`` or ``abort``."""
-        reply = self._call("Reserve", _Requests.chain(pb.ReserveRequest, engine_id, hashes))
+    def reserve(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                filtered_query_tokens: int = 0) -> ReservedSlots:
+        """Reserve a slot per block not stored yet; write each, then ``commit`` or ``abort``.
+        ``filtered_query_tokens``: lookups answered from the presence filter since the last
+        Reserve, for the node's hit ratio."""
+        reply = self._call("Reserve", _Requests.reserve(engine_id, hashes, filtered_query_tokens))
         return convert.reserved_from_pb(reply)
 
     def commit(self, engine_id: str, lease_id: str, checksums: Sequence[int | None]) -> int:
@@ -242,9 +251,11 @@ class AsyncTierdClient:
         reply = await self._call("Release", _Requests.release(engine_id, lease_id, corrupt_from))
         return bool(reply.dropped)
 
-    async def reserve(self, engine_id: str, hashes: Sequence[BlockHash]) -> ReservedSlots:
+    async def reserve(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                      filtered_query_tokens: int = 0) -> ReservedSlots:
         """See ``TierdClient.reserve``."""
-        reply = await self._call("Reserve", _Requests.chain(pb.ReserveRequest, engine_id, hashes))
+        reply = await self._call("Reserve", _Requests.reserve(engine_id, hashes,
+                                                              filtered_query_tokens))
         return convert.reserved_from_pb(reply)
 
     async def commit(self, engine_id: str, lease_id: str,

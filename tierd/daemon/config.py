@@ -20,6 +20,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from tierd.daemon.presence import check_cells
+
 Compression = Literal["off", "lz4", "auto"]
 
 _MIB = 1 << 20
@@ -84,6 +86,10 @@ class TierdConfig:
         "help": "Most hashes in one request (RESOURCE_EXHAUSTED above)."})
     max_message_bytes: int = dataclasses.field(default=16 * _MIB, metadata={
         "help": "Largest gRPC message accepted (RESOURCE_EXHAUSTED above)."})
+    presence_cells: int = dataclasses.field(default=1 * _MIB, metadata={
+        "help": "One-byte counters of the presence filter engines read to skip the round trip "
+                "of a certain miss (a power of two >= 1024; 0 = no filter). Not published "
+                "with remote_tier (a local miss may still be fetched)."})
     maintain_seconds: float = dataclasses.field(default=1.0, metadata={
         "help": "Period of the background pass that expires leases and demotes."})
     metrics_port: int | None = dataclasses.field(default=None, metadata={
@@ -146,6 +152,8 @@ class TierdConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.default_tenant:
             raise ValueError("default_tenant must not be empty")
+        if self.presence_cells:
+            check_cells(self.presence_cells)
         self._validate_cluster()
 
     def _validate_cluster(self) -> None:

@@ -46,6 +46,8 @@ class EngineHandle:
     geometry: SlotGeometry      # slot id -> arena offset for this layout's block size
     lease_seconds: float        # lifetime of leases and reservations
     max_blocks_per_request: int
+    presence_name: str = ""     # presence filter file in arena_directory ("" = none)
+    namespace: bytes = b""      # this engine's key prefix in the presence filter
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +241,8 @@ def engine_handle_from_pb(msg: pb.RegisterEngineResponse) -> EngineHandle:
     return EngineHandle(engine_id=msg.engine_id, arena_name=msg.arena_name,
                         arena_directory=msg.arena_directory, arena_bytes=msg.arena_bytes,
                         geometry=geometry_from_pb(msg.geometry), lease_seconds=msg.lease_seconds,
-                        max_blocks_per_request=msg.max_blocks_per_request)
+                        max_blocks_per_request=msg.max_blocks_per_request,
+                        presence_name=msg.presence_name, namespace=msg.namespace)
 
 
 def acquired_from_pb(msg: pb.AcquireResponse) -> AcquiredBlocks:

@@ -86,6 +86,30 @@ class TierListener(Protocol):
         call, and it costs a copy (DRAM) or a synchronous read (SSD): call it only to keep it."""
 
 
+class TierListeners:
+    """One ``TierListener`` that tells each of several others of every change, in order."""
+
+    def __init__(self, listeners: Sequence[TierListener]) -> None:
+        self._all = list(listeners)
+
+    def stored(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
+        for listener in self._all:
+            listener.stored(keys, tier)
+
+    def removed(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
+        for listener in self._all:
+            listener.removed(keys, tier)
+
+    def cleared(self, tier: Tier) -> None:
+        for listener in self._all:
+            listener.cleared(tier)
+
+    def evicted(self, key: NamespacedKey, checksum: int, nbytes: int,
+                payload: Callable[[], bytes | None]) -> None:
+        for listener in self._all:
+            listener.evicted(key, checksum, nbytes, payload)
+
+
 class LruIndex(Generic[E]):
     """Key -> entry, iterated least recently used first. O(1) add, touch, pop."""
 

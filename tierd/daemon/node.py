@@ -136,6 +136,13 @@ class NodeStore:
 
     # -- reads ---------------------------------------------------------------------------------
 
+    def held_keys(self) -> list[NamespacedKey]:
+        """The key of every DRAM copy and every served SSD copy (one entry per copy)."""
+        keys = [k for k, _ in self._t.dram.oldest_first()]
+        if self._t.ssd_up:
+            keys += [k for k, _ in self._t.disk.oldest_first()]
+        return keys
+
     def lookup(self, engine_id: str, hashes: Sequence[BlockHash]) -> LookupResult:
         """The longest consecutive prefix of ``hashes`` held on this node, with the fastest tier
         of each block. Pins nothing, changes no LRU order; counts queried and hit tokens."""
@@ -357,8 +364,11 @@ class NodeStore:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def reserve(self, engine_id: str, hashes: Sequence[BlockHash]) -> Reservation:
+    def reserve(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                filtered_query_tokens: int = 0) -> Reservation:
         """Allocate a slot for each hash not yet on the node (DRAM or SSD), under a write lease.
+        ``filtered_query_tokens`` (lookups the engine answered from the presence filter) are
+        counted as queried tokens, none hit.
 
         Reserved slots are invisible to lookups until ``commit``. A hash already stored gets
         ``already_stored=True`` and no slot; one that another lease is writing, a repeat within
@@ -367,6 +377,9 @@ class NodeStore:
         """
         info = self._engine(engine_id)
         keys = self._keys(info, hashes)
+        if filtered_query_tokens:
+            self._n.queries += filtered_query_tokens
+            self.metrics.queries.inc(filtered_query_tokens)
         now = self._clock()
         self._expire(now)
         lease_id = new_lease_id()

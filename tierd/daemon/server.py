@@ -42,7 +42,9 @@ from tierd.daemon.cluster_link import ClusterLink, LinkConfig
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, Unauthenticated
 from tierd.daemon.layout import NAMESPACE_LEN, Layout, namespace_for
+from tierd.daemon.lru import TierListeners
 from tierd.daemon.node import NodeConfig, NodeStore
+from tierd.daemon.presence import PresenceFilter
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd import SsdStore
 from tierd.v1 import tierd_pb2 as pb
@@ -120,8 +122,10 @@ class TierdServicer(pb_grpc.TierdServicer):
 
     def __init__(self, store: NodeStore, arena: ShmArena, allocator: SlabAllocator,
                  ssd: SsdStore | None, node_config: NodeConfig, auth: Authenticator,
-                 cluster: ClusterLink | None = None) -> None:
+                 cluster: ClusterLink | None = None,
+                 presence: PresenceFilter | None = None) -> None:
         self._store, self._arena, self._allocator, self._ssd = store, arena, allocator, ssd
+        self._presence = presence
         self._node_config = node_config
         self._auth = auth
         self._owners = EngineOwners()
@@ -153,7 +157,9 @@ class TierdServicer(pb_grpc.TierdServicer):
             arena_directory=os.path.dirname(self._arena.path), arena_bytes=self._arena.size,
             geometry=convert.geometry_to_pb(info.geometry),
             lease_seconds=self._node_config.lease_seconds,
-            max_blocks_per_request=self._node_config.max_blocks_per_request)
+            max_blocks_per_request=self._node_config.max_blocks_per_request,
+            presence_name=self._presence.name if self._presence is not None else "",
+            namespace=info.namespace)
 
     async def UnregisterEngine(self, request: pb.UnregisterEngineRequest,
                                context: grpc.aio.ServicerContext) -> pb.UnregisterEngineResponse:
@@ -188,7 +194,8 @@ class TierdServicer(pb_grpc.TierdServicer):
     async def Reserve(self, request: pb.ReserveRequest,
                       context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
         engine_id = self._engine(context, request.engine_id)
-        res = self._store.reserve(engine_id, convert.hashes_from_pb(request.block_hashes))
+        res = self._store.reserve(engine_id, convert.hashes_from_pb(request.block_hashes),
+                                  filtered_query_tokens=request.filtered_query_tokens)
         return pb.ReserveResponse(lease_id=res.lease_id,
                                   seconds_left=res.ttl_seconds,
                                   slots=convert.reserved_to_pb(res.slot_ids, res.already_stored))
@@ -249,7 +256,7 @@ def describe_capacity(layout: Layout, allocator: SlabAllocator, ssd: SsdStore | 
     return ", ".join(parts)
 
 
-_ARENA_NAME = re.compile(r"^tierd-(\d+)-[0-9a-f]+$")
+_ARENA_NAME = re.compile(r"^tierd-(\d+)-[0-9a-f]+(-presence)?$")  # arenas and their filters
 
 
 def remove_stale_arenas(directory: str) -> list[str]:
@@ -302,9 +309,12 @@ class Daemon:
 
     def __init__(self, config: TierdConfig, arena: ShmArena, store: NodeStore,
                  server: grpc.aio.Server, health: HealthServicer, tcp_port: int | None,
-                 cluster: ClusterLink | None = None) -> None:
+                 cluster: ClusterLink | None = None,
+                 presence: PresenceFilter | None = None) -> None:
         self.config, self.arena, self.store = config, arena, store
         self.cluster = cluster
+        self.presence = presence
+        """The presence filter engines read, None when off (or with the remote tier)."""
         """The cluster link (directory, publisher, remote tier), None without ``redis_url``."""
         self._server, self._health = server, health
         self.tcp_port = tcp_port
@@ -346,7 +356,28 @@ class Daemon:
         cluster = None
         if config.redis_url:
             cluster = ClusterLink(_link_config(config), NAMESPACE_LEN)
-        store = NodeStore(arena, allocator, ssd, node_config, listener=cluster)
+        presence = None
+        if config.presence_cells and not config.remote_tier:
+            presence = PresenceFilter.create(arena, config.presence_cells)
+        try:
+            return await cls._serve(config, arena, allocator, ssd, node_config, cluster, presence,
+                                    extra_handlers)
+        except BaseException:
+            if presence is not None:
+                presence.close()
+            raise
+
+    @classmethod
+    async def _serve(cls, config: TierdConfig, arena: ShmArena, allocator: SlabAllocator,
+                     ssd: SsdStore | None, node_config: NodeConfig, cluster: ClusterLink | None,
+                     presence: PresenceFilter | None,
+                     extra_handlers: Sequence[grpc.GenericRpcHandler]) -> Daemon:
+        listeners = [x for x in (cluster, presence) if x is not None]
+        store = NodeStore(arena, allocator, ssd, node_config,
+                          listener=listeners[0] if len(listeners) == 1 else
+                          TierListeners(listeners) if listeners else None)
+        if presence is not None:
+            presence.bind(store.held_keys)
         if cluster is not None:
             cluster.bind(store, arena)
             cluster.register_metrics(store.metrics.registry)
@@ -359,7 +390,8 @@ class Daemon:
                      ("grpc.so_reuseport", 0)])
         auth = Authenticator(TokenTable.load(config.token_file), config.default_tenant)
         pb_grpc.add_TierdServicer_to_server(  # type: ignore[no-untyped-call]
-            TierdServicer(store, arena, allocator, ssd, node_config, auth, cluster), server)
+            TierdServicer(store, arena, allocator, ssd, node_config, auth, cluster, presence),
+            server)
         server.add_generic_rpc_handlers(list(extra_handlers))
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -375,7 +407,7 @@ class Daemon:
         await server.start()
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        daemon = cls(config, arena, store, server, health, tcp_port, cluster)
+        daemon = cls(config, arena, store, server, health, tcp_port, cluster, presence)
         daemon._maintainer = asyncio.create_task(daemon._maintain_loop())
         if config.metrics_port is not None:
             from prometheus_client import start_http_server
@@ -432,6 +464,8 @@ class Daemon:
         if self.cluster is not None:
             await self.cluster.close()
         await self.store.close()
+        if self.presence is not None:
+            self.presence.close()
         self.arena.close()
         self.arena.unlink()
         if self.config.socket_path and os.path.exists(self.config.socket_path):

@@ -57,7 +57,7 @@ class RegisterEngineRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[Layout, _Mapping]] = ..., engine_name: _Optional[str] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
-    __slots__ = ("engine_id", "arena_name", "arena_directory", "arena_bytes", "geometry", "lease_seconds", "max_blocks_per_request")
+    __slots__ = ("engine_id", "arena_name", "arena_directory", "arena_bytes", "geometry", "lease_seconds", "max_blocks_per_request", "presence_name", "namespace")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_NAME_FIELD_NUMBER: _ClassVar[int]
     ARENA_DIRECTORY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,8 @@ class RegisterEngineResponse(_message.Message):
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_NAME_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     arena_name: str
     arena_directory: str
@@ -72,7 +74,9 @@ class RegisterEngineResponse(_message.Message):
     geometry: SlotGeometry
     lease_seconds: float
     max_blocks_per_request: int
-    def __init__(self, engine_id: _Optional[str] = ..., arena_name: _Optional[str] = ..., arena_directory: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., geometry: _Optional[_Union[SlotGeometry, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., max_blocks_per_request: _Optional[int] = ...) -> None: ...
+    presence_name: str
+    namespace: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., arena_name: _Optional[str] = ..., arena_directory: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., geometry: _Optional[_Union[SlotGeometry, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., max_blocks_per_request: _Optional[int] = ..., presence_name: _Optional[str] = ..., namespace: _Optional[bytes] = ...) -> None: ...
 
 class UnregisterEngineRequest(_message.Message):
     __slots__ = ("engine_id",)
@@ -137,12 +141,14 @@ class ReleaseResponse(_message.Message):
     def __init__(self, dropped: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("engine_id", "block_hashes")
+    __slots__ = ("engine_id", "block_hashes", "filtered_query_tokens")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, engine_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    filtered_query_tokens: int
+    def __init__(self, engine_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., filtered_query_tokens: _Optional[int] = ...) -> None: ...
 
 class ReservedSlot(_message.Message):
     __slots__ = ("slot_id", "already_stored")

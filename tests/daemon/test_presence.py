@@ -1,0 +1,148 @@
+"""The presence filter: counts follow the tier index, engines read it from shared memory, and a
+filtered lookup is still counted by the node."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierd.daemon.arena import ShmArena
+from tierd.daemon.presence import PresenceFilter, PresenceView, cell_of
+from tierd.daemon.server import remove_stale_arenas
+from tierd.types import NamespacedKey
+
+CELLS = 1024
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[PresenceFilter, PresenceView]]:
+    """A filter beside a small arena in ``tmp_path``, and an engine's view of it."""
+    arena = ShmArena.create(f"tierd-{os.getpid()}-{secrets.token_hex(4)}", 4096,
+                            directory=str(tmp_path), prefault=False)
+    presence = PresenceFilter.create(arena, CELLS)
+    yield presence, PresenceView(presence.name, str(tmp_path))
+    presence.close()
+    arena.close()
+    arena.unlink()
+
+
+def _keys(n: int, cell: int | None = None) -> list[NamespacedKey]:
+    """``n`` distinct keys; all in ``cell`` if given."""
+    keys: list[NamespacedKey] = []
+    i = 0
+    while len(keys) < n:
+        key = NamespacedKey(b"ns" + i.to_bytes(32, "big"))
+        i += 1
+        if cell is None or cell_of(key, CELLS) == cell:
+            keys.append(key)
+    return keys
+
+
+def test_counts_copies_per_tier_and_ignores_hbm(
+        pair: tuple[PresenceFilter, PresenceView]) -> None:
+    """A key is present while it has a DRAM or SSD copy; HBM reports do not count."""
+    presence, view = pair
+    key = _keys(1)[0]
+    presence.stored([key], "hbm")
+    assert not view.may_hold(key)
+    presence.stored([key], "dram")
+    presence.stored([key], "ssd")
+    presence.removed([key], "dram")
+    assert view.may_hold(key) and presence.may_hold(key)
+    presence.removed([key], "ssd")
+    assert not view.may_hold(key)
+
+
+def test_a_saturated_counter_stays_maybe(pair: tuple[PresenceFilter, PresenceView]) -> None:
+    """300 keys of one cell: past 255 the counter sticks, so removing them all leaves "maybe"
+    (a round trip, never a false "absent")."""
+    presence, view = pair
+    keys = _keys(300, cell=5)
+    presence.stored(keys, "dram")
+    presence.removed(keys, "dram")
+    assert view.may_hold(keys[0])
+    other = _keys(2, cell=6)
+    presence.stored(other, "dram")
+    presence.removed(other[:1], "dram")
+    assert view.may_hold(other[0])  # the cell still counts other[1]
+
+
+def test_a_cleared_tier_is_recounted_from_what_is_held(
+        pair: tuple[PresenceFilter, PresenceView]) -> None:
+    """When the SSD tier goes, the counts are rebuilt from ``held()`` (the DRAM copies)."""
+    presence, view = pair
+    dram, ssd = _keys(4)[:2], _keys(4)[2:]
+    presence.bind(lambda: list(dram))
+    presence.stored(dram, "dram")
+    presence.stored(ssd, "ssd")
+    presence.cleared("ssd")
+    assert [view.may_hold(k) for k in dram + ssd] == [True, True, False, False]
+
+
+def test_bad_cell_counts_are_refused(tmp_path: Path) -> None:
+    arena = ShmArena.create(f"tierd-{os.getpid()}-{secrets.token_hex(4)}", 4096,
+                            directory=str(tmp_path), prefault=False)
+    try:
+        for cells in (0, 1000, 512):
+            with pytest.raises(ValueError, match="power of two"):
+                PresenceFilter.create(arena, cells)
+    finally:
+        arena.close()
+        arena.unlink()
+
+
+def test_stale_filters_of_dead_daemons_are_removed(tmp_path: Path) -> None:
+    """A filter left by a daemon killed with -9 goes with its arena at the next start."""
+    dead = 2**22 + 12345  # above any pid_max: never alive
+    for name in (f"tierd-{dead}-ab12", f"tierd-{dead}-ab12-presence"):
+        (tmp_path / name).write_bytes(b"x")
+    assert sorted(remove_stale_arenas(str(tmp_path))) == [
+        f"tierd-{dead}-ab12", f"tierd-{dead}-ab12-presence"]
+
+
+def test_daemon_filter_tracks_commits_and_demotions(make_daemon: Any, kit: Any) -> None:
+    """Over a real socket: the engine maps the filter RegisterEngine names; a chain is absent
+    until committed, present in DRAM and after demotion to SSD."""
+    daemon = make_daemon(dram_high_watermark=1e-9, dram_low_watermark=1e-9)
+    hashes = kit.chain(4)
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+        assert engine.presence_name == daemon.daemon.presence.name
+        view = PresenceView(engine.presence_name, engine.arena_directory)
+
+        def present() -> list[bool]:
+            return [view.may_hold(NamespacedKey(engine.namespace + h)) for h in hashes]
+
+        assert present() == [False] * 4
+        arena = kit.attach(engine)
+        assert kit.store_blocks(client, engine, arena, hashes[:3]) == 3
+        assert present() == [True, True, True, False]
+        daemon.maintain()
+        assert client.lookup(engine.engine_id, hashes[:3]) == ["ssd"] * 3
+        assert present() == [True, True, True, False]
+        arena.close()
+
+
+def test_filtered_lookups_count_as_queried_tokens(daemon: Any, kit: Any) -> None:
+    """Tokens an engine answered from the filter, sent with its next Reserve, are counted as
+    queried and not hit."""
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+        before = client.stats()
+        reserved = client.reserve(engine.engine_id, kit.chain(1), filtered_query_tokens=640)
+        client.abort(engine.engine_id, reserved.lease_id)
+        after = client.stats()
+    assert (after.query_tokens - before.query_tokens, after.hit_tokens) == (640, before.hit_tokens)
+
+
+def test_no_filter_when_configured_off(make_daemon: Any, kit: Any) -> None:
+    """presence_cells=0: RegisterEngine names no filter, so engines always ask."""
+    daemon = make_daemon(presence_cells=0)
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+    assert engine.presence_name == "" and daemon.daemon.presence is None

@@ -1,0 +1,134 @@
+"""The presence filter: which blocks this node may hold, readable by engines with no round trip.
+
+A shared-memory file beside the arena (``<arena name>-presence``) of ``cells`` one-byte
+counters. A namespaced key maps to one cell (``cell_of``: the low bits of its xxh3-64). The
+daemon keeps, per cell, the number of DRAM and SSD copies of the keys that map to it: the
+filter is a ``TierListener`` of the tier index, so it changes exactly when the index does, on
+the event loop, before the call that caused the change returns. A counter that reaches 255
+stays there (it can no longer count down, so it stays "maybe").
+
+An engine reads the cell of the first block it would ask the daemon for. 0 means the node holds
+no copy of that block, so an Acquire would pin nothing: the engine skips the round trip and
+counts the lookup itself (sent with its next Reserve, so the node's hit ratio still counts it).
+Anything else means "maybe", and the Acquire answers. A collision or a saturated counter only
+costs a round trip; a read racing a store (0 read just as the block lands) is a miss that could
+have hit, i.e. a recompute. Neither can make an engine use wrong KV: every load still verifies
+its checksums (invariant 2). Tenants: cells are indexed by namespaced keys, and a count says
+nothing an Acquire would not (and less: it is shared by every key of the cell).
+
+Only without the remote tier: there, an Acquire that misses locally may fetch from the cluster,
+so the daemon publishes no filter and engines always ask.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+
+import xxhash
+
+from tierd.daemon.arena import ShmArena
+from tierd.types import NamespacedKey, Tier
+
+SUFFIX = "-presence"
+"""Appended to the arena's file name to name the filter's file (same directory)."""
+
+_SATURATED = 255
+_COUNTED: frozenset[Tier] = frozenset(("dram", "ssd"))  # HBM blocks are not acquirable here
+
+
+def cell_of(key: NamespacedKey, cells: int) -> int:
+    """The counter of ``key`` in a filter of ``cells`` (a power of two) counters."""
+    return xxhash.xxh3_64_intdigest(key) & (cells - 1)
+
+
+def check_cells(cells: int) -> None:
+    """ValueError unless ``cells`` is a power of two of at least 1024."""
+    if cells < 1024 or cells & (cells - 1):
+        raise ValueError(f"presence filter cells={cells} must be a power of two >= 1024")
+
+
+class PresenceFilter:
+    """Daemon side: the counters, kept by the tier index's listener calls."""
+
+    def __init__(self, shm: ShmArena) -> None:
+        """Internal: use ``create``."""
+        self.shm = shm
+        self.cells = shm.size
+        self._counts = shm.view(0, shm.size)
+        self._held: Callable[[], Iterable[NamespacedKey]] = list
+
+    @classmethod
+    def create(cls, arena: ShmArena, cells: int) -> PresenceFilter:
+        """Create the zeroed file beside ``arena`` (ValueError if it exists or ``cells`` is
+        not a power of two >= 1024)."""
+        check_cells(cells)
+        shm = ShmArena.create(arena.name + SUFFIX, cells, directory=os.path.dirname(arena.path),
+                              prefault=False)
+        return cls(shm)
+
+    def bind(self, held: Callable[[], Iterable[NamespacedKey]]) -> None:
+        """``held()`` lists the key of every DRAM copy and every served SSD copy (one entry
+        per copy; ``NodeStore.held_keys``): called only when a whole tier is cleared, to
+        recount from scratch."""
+        self._held = held
+
+    @property
+    def name(self) -> str:
+        return self.shm.name
+
+    def may_hold(self, key: NamespacedKey) -> bool:
+        return self._counts[cell_of(key, self.cells)] != 0
+
+    # -- TierListener --------------------------------------------------------------------------
+
+    def stored(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
+        if tier not in _COUNTED:
+            return
+        counts, mask = self._counts, self.cells - 1
+        for key in keys:
+            cell = xxhash.xxh3_64_intdigest(key) & mask
+            if counts[cell] != _SATURATED:
+                counts[cell] += 1
+
+    def removed(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
+        if tier not in _COUNTED:
+            return
+        counts, mask = self._counts, self.cells - 1
+        for key in keys:
+            cell = xxhash.xxh3_64_intdigest(key) & mask
+            if counts[cell] not in (0, _SATURATED):
+                counts[cell] -= 1
+
+    def cleared(self, tier: Tier) -> None:
+        """A whole tier went (the SSD turned unhealthy): recount what is still held."""
+        if tier not in _COUNTED:
+            return
+        self._counts[:] = bytes(self.cells)
+        self.stored(list(self._held()), "dram")
+
+    def evicted(self, key: NamespacedKey, checksum: int, nbytes: int,
+                payload: Callable[[], bytes | None]) -> None:
+        """Nothing to do: the index reports the copy's removal separately."""
+
+    def close(self) -> None:
+        """Unmap and remove the file (engines still attached keep their mapping)."""
+        self._counts.release()
+        self.shm.close()
+        self.shm.unlink()
+
+
+class PresenceView:
+    """Engine side: a read-only look at a daemon's filter (``EngineHandle.presence_name``)."""
+
+    def __init__(self, name: str, directory: str) -> None:
+        """Map the filter file; OSError if it is gone, ValueError if it is not a filter."""
+        self._shm = ShmArena.attach(name, directory=directory)
+        check_cells(self._shm.size)
+        self.cells = self._shm.size
+        self._counts = self._shm.view(0, self._shm.size)
+
+    def may_hold(self, key: NamespacedKey) -> bool:
+        """False only if the node held no DRAM or SSD copy of ``key`` when last counted."""
+        return self._counts[xxhash.xxh3_64_intdigest(key) & (self.cells - 1)] != 0
+
