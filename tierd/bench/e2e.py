@@ -8,9 +8,9 @@
 2. Each hit's extra time over a hot hit, against the time to move the same KV bytes at memcpy
    speed (DRAM) and raw sequential disk read speed (SSD; ``tierd.daemon.rawdisk``), both measured
    in this run on this machine. Target: within 2x. Each extra comes from pairs measured back to
-   back in one fresh engine (the tier hit, then a hot hit of the same prefix; for DRAM then a
-   memcpy of the same bytes): extra = median of (tier hit - hot hit), against the median memcpy
-   (or the median raw read).
+   back in one fresh engine (the tier hit, then a hot hit of the same prefix; then a memcpy of
+   the same bytes for DRAM, a raw read of as many bytes from a fresh file for SSD): extra =
+   median of (tier hit - hot hit), against the median memcpy (or the median raw read).
 3. Miss overhead: prompts that share nothing, run by an engine without tierd and by one with
    ``TierdHooks`` attached (every lookup misses, every block is written through), against a
    `tierd serve` child process as in production (its arena holds every block written, so no
@@ -119,13 +119,12 @@ def run(args: argparse.Namespace) -> int:
                 ssd = _serve(workdir, "ssd", arena, "--dram-high-watermark", "1e-9",
                              "--dram-low-watermark", "1e-9", "--maintain-seconds", "0.05")
                 try:
-                    figures.update(_ttfts(args, model, dram[1], ssd[1],
+                    figures.update(_ttfts(args, model, workdir, dram[1], ssd[1],
                                           prefix_blocks * block_bytes))
                 finally:
                     _stop(ssd[0])
             finally:
                 _stop(dram[0])
-            figures.update(_disk(workdir, prefix_blocks * block_bytes, args.repeat))
         if args.only in ("all", "miss"):
             written = 2 * args.miss_pairs * args.miss_prompts * (args.miss_tokens // BLOCK + 1)
             arena = max(64 << 20, -(-written * block_bytes * 5 // 4 // (4 << 20)) * (4 << 20))
@@ -183,14 +182,15 @@ def _memcpy_s(src: Any, dst: Any) -> float:
     return time.perf_counter() - start
 
 
-def _ttfts(args: argparse.Namespace, model: LlamaModel, dram_sock: str, ssd_sock: str,
-           kv_bytes: int) -> dict[str, Any]:
+def _ttfts(args: argparse.Namespace, model: LlamaModel, workdir: str, dram_sock: str,
+           ssd_sock: str, kv_bytes: int) -> dict[str, Any]:
     """Median TTFTs over rounds (each a new random prefix): cold and hot in one engine on the
     DRAM daemon (and the prefix seeded into the SSD daemon), then ``--dram-pairs`` times a fresh
     engine that loads the prefix from DRAM and hits it hot right after (plus a memcpy, a
     checksum and an empty Acquire: the floor), interleaved with one that loads it from SSD (once
-    the SSD daemon has demoted it) and hits it hot right after. Extra = median of (tier hit -
-    hot hit)."""
+    the SSD daemon has demoted it) and hits it hot right after (plus a raw disk read of the
+    same bytes, measured then: disk speed on these hosts swings 2x within minutes). Extra =
+    median of (tier hit - hot hit)."""
     import torch
 
     from tierd.checksum import block_checksum
@@ -221,7 +221,8 @@ def _ttfts(args: argparse.Namespace, model: LlamaModel, dram_sock: str, ssd_sock
         return time.perf_counter() - start
 
     times: dict[str, list[float]] = {k: [] for k in (
-        "cold", "hot", "dram", "ssd", "memcpy", "dram_extra", "ssd_extra", "rtt", "checksum")}
+        "cold", "hot", "dram", "ssd", "memcpy", "dram_extra", "ssd_extra", "rtt", "checksum",
+        "disk")}
     try:
         round_trip_s()
         for r in range(args.repeat):
@@ -254,6 +255,8 @@ def _ttfts(args: argparse.Namespace, model: LlamaModel, dram_sock: str, ssd_sock
                         times["memcpy"].append(_memcpy_s(src, dst))
                         times["checksum"].append(checksum_s())
                         times["rtt"].append(statistics.median(round_trip_s() for _ in range(5)))
+                    else:
+                        times["disk"].append(_disk_read_s(workdir, kv_bytes))
                     _done(hooks)
     finally:
         probe.close()
@@ -265,7 +268,8 @@ def _ttfts(args: argparse.Namespace, model: LlamaModel, dram_sock: str, ssd_sock
             "rtt_ms": med["rtt"] * 1e3, "checksum_ms": med["checksum"] * 1e3,
             "dram_floor_ms": (med["rtt"] + med["checksum"] + med["memcpy"]) * 1e3,
             "dram_pairs_ms": [round(x * 1e3, 2) for x in times["dram_extra"]],
-            "ssd_pairs_ms": [round(x * 1e3, 2) for x in times["ssd_extra"]]}
+            "ssd_pairs_ms": [round(x * 1e3, 2) for x in times["ssd_extra"]],
+            "disk_read_ms": med["disk"] * 1e3, "disk_read_gbps": kv_bytes / med["disk"] / 1e9}
 
 
 def _wait_demoted(sock: str, blocks: int, timeout: float = 60.0) -> None:
@@ -283,12 +287,12 @@ def _wait_demoted(sock: str, blocks: int, timeout: float = 60.0) -> None:
             time.sleep(0.02)
 
 
-def _disk(workdir: str, nbytes: int, repeat: int) -> dict[str, Any]:
-    """Raw sequential disk read time of ``nbytes``, measured now (median of ``repeat``)."""
+def _disk_read_s(workdir: str, nbytes: int) -> float:
+    """Seconds to read ``nbytes`` sequentially from the disk of ``workdir`` at the raw speed
+    measured now (``tierd.daemon.rawdisk``: a fresh file, O_DIRECT where supported)."""
     from tierd.daemon.rawdisk import measure_raw_disk
 
-    read_gbps = statistics.median(measure_raw_disk(workdir, nbytes)[1] for _ in range(repeat))
-    return {"disk_read_ms": nbytes / read_gbps / 1e6, "disk_read_gbps": read_gbps}
+    return nbytes / (measure_raw_disk(workdir, nbytes)[1] * 1e9)
 
 
 def _serve(workdir: str, name: str, arena_bytes: int, *extra: str
