@@ -2,9 +2,11 @@
 
 Per engine step (see ``tierd.connector.hooks`` for the call order)::
 
-    lookup   one Acquire round trip for the chain past the hot-tier hit (``count_lookup``: the
-             daemon counts it as a Lookup): pins the loadable prefix under a lease (SSD hits are
-             staged into DRAM by the daemon), kept per request until its ``load``
+    lookup   none if the daemon's presence filter (shared memory) says it holds no copy of the
+             first block past the hot-tier hit (the tokens go with the next Reserve, for the
+             node's count); else one Acquire round trip for the chain past the hot-tier hit
+             (``count_lookup``: the daemon counts it as a Lookup): pins the loadable prefix under
+             a lease (SSD hits are staged into DRAM by the daemon), kept until its ``load``
     load     no round trip: checksum of each block where it lies in the arena under that lease,
              one batched copy of the verified run straight into a host pool (through staging for
              a device pool or a lease about to lapse); the Release is queued to the worker at
@@ -29,7 +31,7 @@ the hooks behave like ``NullHooks`` and the worker reconnects with exponential b
 re-registering the engine and attaching the new arena.
 
 Threads: hook methods run on the engine thread; one worker thread does the queued round trips and
-the reconnects. Every arena and lease belongs to one ``_Session``; work for a lost session is
+the reconnects. Every arena and lease belongs to one ``Session``; work for a lost session is
 dropped, never applied to the next one.
 """
 
@@ -42,7 +44,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import wraps
 from typing import Concatenate, ParamSpec, TypeVar
 
@@ -51,10 +52,12 @@ import torch
 
 from tierd.connector.engine import Request
 from tierd.connector.tierd_config import TierdHooksConfig, TierdHooksStats, layout_for
-from tierd.connector.transfer import ArenaSlots, Span, StagingRing, allocate_staging, \
-    gather_rows, load_blocks, write_through
+from tierd.connector.tierd_jobs import GATHERED, Held, HotJob, Job, ReleaseJob, SaveJob, Session, \
+    merged_reports
+from tierd.connector.transfer import ArenaSlots, StagingRing, allocate_staging, gather_rows, \
+    load_blocks, write_through
 from tierd.daemon.arena import ShmArena
-from tierd.daemon.client import AcquiredBlocks, EngineHandle, TierdClient
+from tierd.daemon.client import AcquiredBlocks, TierdClient
 from tierd.daemon.layout import Layout
 from tierd.daemon.presence import PresenceView
 from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -72,72 +75,6 @@ _DIRECT_LOAD_MARGIN_S = 1.0
 """A load copies straight from the arena (no staging) only if the lease has this long left."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Session:
-    client: TierdClient
-    engine: EngineHandle
-    arena: ShmArena
-    slots: ArenaSlots
-    presence: PresenceView | None  # the daemon's presence filter, if it publishes one
-
-
-@dataclass(frozen=True, slots=True)
-class _SaveJob:
-    session: _Session
-    hashes: list[BlockHash]
-    span: Span
-    queued: float  # time.monotonic() at save
-    query_tokens: int = 0  # lookups answered from the presence filter, for the node's count
-
-
-@dataclass(frozen=True, slots=True)
-class _ReleaseJob:
-    session: _Session
-    lease_id: str
-    corrupt_from: int | None = None  # first block that failed its checksum: the daemon re-checks
-
-
-@dataclass(frozen=True, slots=True)
-class _Held:
-    """A prefix ``lookup`` pinned for one request: its lease lives until that request's
-    ``load`` (or ``request_finished`` / ``step_end``, whichever comes first) queues the
-    Release."""
-
-    session: _Session
-    hashes: list[BlockHash]     # the acquired blocks' hashes, chain order
-    got: AcquiredBlocks
-    deadline: float             # time.monotonic() by which the daemon may end the lease
-
-
-@dataclass(frozen=True, slots=True)
-class _HotJob:
-    session: _Session
-    stored: list[BlockHash]
-    removed: list[BlockHash]
-    cleared: bool
-    queued: float  # time.monotonic() at step_end
-
-
-def _merged(reports: list[_HotJob]) -> _HotJob:
-    """One report with the net effect of ``reports`` (in order) as the daemon applies each
-    (``cleared``, then ``stored``, then ``removed``): a hash's last event wins."""
-    if len(reports) == 1:
-        return reports[0]
-    held: dict[BlockHash, bool] = {}
-    cleared = False
-    for report in reports:
-        if report.cleared:
-            held.clear()
-            cleared = True
-        held.update(dict.fromkeys(report.stored, True))
-        held.update(dict.fromkeys(report.removed, False))
-    return _HotJob(reports[0].session, [h for h, v in held.items() if v],
-                   [h for h, v in held.items() if not v], cleared, reports[0].queued)
-
-
-_Job = _SaveJob | _ReleaseJob | _HotJob | None  # None: wake up (reconnect or stop)
-_GATHERED = (_SaveJob, _HotJob)
-"""Jobs the worker gathers over ``save_batch_s``; any other job ends a gathering."""
 
 
 _P = ParamSpec("_P")
@@ -168,13 +105,13 @@ class TierdHooks:
         self.stats = TierdHooksStats()
         self._kv: KVCache | None = None
         self._layout: Layout | None = None
-        self._session: _Session | None = None
-        self._jobs: queue.Queue[_Job] = queue.Queue(self.config.max_queued_jobs + 1)
+        self._session: Session | None = None
+        self._jobs: queue.Queue[Job] = queue.Queue(self.config.max_queued_jobs + 1)
         self._ring: StagingRing | None = None
         self._load_staging: torch.Tensor | None = None
         self._pending: set[BlockHash] = set()  # queued for save; guarded by _lock
-        self._held: dict[str, _Held] = {}  # request id -> its looked-up lease (engine thread)
-        self._loaded: list[_ReleaseJob] = []  # Releases of this step's loads (engine thread)
+        self._held: dict[str, Held] = {}  # request id -> its looked-up lease (engine thread)
+        self._loaded: list[ReleaseJob] = []  # Releases of this step's loads (engine thread)
         self._filtered_tokens = 0  # lookups answered from the presence filter, not yet sent
         self._lock = threading.Lock()
         self._events: Callable[[], list[KVEvent]] | None = None
@@ -274,7 +211,7 @@ class TierdHooks:
             return 0
         got, deadline = acquired
         if got.num_blocks:
-            self._held[request.request_id] = _Held(session, hashes[:got.num_blocks], got,
+            self._held[request.request_id] = Held(session, hashes[:got.num_blocks], got,
                                                    deadline)
         self.stats.lookup_hit_blocks += got.num_blocks
         return got.num_blocks
@@ -305,7 +242,7 @@ class TierdHooks:
             if acquired is None:
                 self.stats.failed_load_blocks += n
                 return [False] * n
-            held = _Held(session, list(block_hashes[:acquired[0].num_blocks]), *acquired)
+            held = Held(session, list(block_hashes[:acquired[0].num_blocks]), *acquired)
         got = held.got
         assert self._kv is not None and self._load_staging is not None
         m = min(n, got.num_blocks)
@@ -322,7 +259,7 @@ class TierdHooks:
             if corrupt is not None:  # now: the daemon must drop the block before our re-save
                 self._release(held, corrupt_from=corrupt)
             elif got.num_blocks:  # after this step's forward pass
-                self._loaded.append(_ReleaseJob(held.session, got.lease_id, None))
+                self._loaded.append(ReleaseJob(held.session, got.lease_id, None))
         self.stats.checksum_failures += good < m
         self.stats.loaded_blocks += good
         self.stats.failed_load_blocks += n - good
@@ -346,7 +283,7 @@ class TierdHooks:
             return
         assert self._kv is not None
         gather_rows(self._kv.pool, [b for b, _ in todo], ring.rows[span.start:span.stop])
-        if self._put(_SaveJob(session, [h for _, h in todo], span, time.monotonic(),
+        if self._put(SaveJob(session, [h for _, h in todo], span, time.monotonic(),
                               self._filtered_tokens)):
             self._filtered_tokens = 0
 
@@ -382,7 +319,7 @@ class TierdHooks:
             elif isinstance(event, AllBlocksCleared):
                 cleared, stored, removed = True, [], []
         if stored or removed or cleared:
-            self._hot_cleared = not self._put(_HotJob(session, stored, removed, cleared,
+            self._hot_cleared = not self._put(HotJob(session, stored, removed, cleared,
                                                       time.monotonic()))
 
     # -- internals -----------------------------------------------------------------------------
@@ -392,7 +329,7 @@ class TierdHooks:
         assert self._kv is not None, "register_kv_caches first"
         return int(self._kv.spec.block_size)
 
-    def _acquire(self, session: _Session, hashes: Sequence[BlockHash], *,
+    def _acquire(self, session: Session, hashes: Sequence[BlockHash], *,
                  count_lookup: bool) -> tuple[AcquiredBlocks, float] | None:
         """Acquire on the engine thread: the pinned prefix and the monotonic time by which its
         lease may end; None (counted, the session dropped if lost) on a failed call."""
@@ -405,10 +342,10 @@ class TierdHooks:
             return None
         return got, start + got.seconds_left
 
-    def _release(self, held: _Held | None, *, corrupt_from: int | None = None) -> None:
+    def _release(self, held: Held | None, *, corrupt_from: int | None = None) -> None:
         """Queue the Release of a held lease (the worker sends it; nothing for an empty one)."""
         if held is not None and held.got.num_blocks:
-            self._put(_ReleaseJob(held.session, held.got.lease_id, corrupt_from))
+            self._put(ReleaseJob(held.session, held.got.lease_id, corrupt_from))
 
     def _queue_loaded(self) -> None:
         """Queue the Releases of the leases this step's loads are done with."""
@@ -421,7 +358,7 @@ class TierdHooks:
         for h in held.values():
             self._release(h)
 
-    def _put(self, job: _Job) -> bool:
+    def _put(self, job: Job) -> bool:
         try:
             self._jobs.put_nowait(job)
             return True
@@ -429,7 +366,7 @@ class TierdHooks:
             self.stats.dropped_jobs += 1
             return False
 
-    def _connect(self) -> _Session | None:
+    def _connect(self) -> Session | None:
         """Register the engine and attach the arena; None (logged) if the daemon is not there."""
         cfg = self.config
         assert self._layout is not None
@@ -454,9 +391,9 @@ class TierdHooks:
         self.stats.connects += 1
         self._hot_cleared = True
         log.info("tierd connected at %s: engine %s", client.target, engine.engine_id)
-        return _Session(client, engine, arena, slots, presence)
+        return Session(client, engine, arena, slots, presence)
 
-    def _failed(self, session: _Session, exc: grpc.RpcError) -> None:
+    def _failed(self, session: Session, exc: grpc.RpcError) -> None:
         """A call of ``session`` failed: count it; if the session is gone, drop it (the worker
         reconnects)."""
         if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
@@ -474,7 +411,7 @@ class TierdHooks:
         log.warning("tierd session lost (%s): running without it, reconnecting", exc.code().name)
         self._put(None)
 
-    def _end(self, session: _Session) -> None:
+    def _end(self, session: Session) -> None:
         """Close the session's channel. Its arena is not closed here: unmapping it while another
         thread may still copy through ``session.slots`` would fault (torch tensors over the
         mapping do not pin it); the mapping goes when the last reference to the session does."""
@@ -486,7 +423,7 @@ class TierdHooks:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
                            os.getpriority(os.PRIO_PROCESS, 0) + self.config.worker_nice)
         backoff, next_try = self.config.reconnect_min_s, 0.0
-        held: list[_Job] = []  # taken off the queue while batching saves, not yet done
+        held: list[Job] = []  # taken off the queue while batching saves, not yet done
         while not self._closing.is_set():
             if self._session is None and time.monotonic() >= next_try:
                 session = self._connect()
@@ -503,7 +440,7 @@ class TierdHooks:
             except queue.Empty:
                 continue
             batch = [job]
-            if isinstance(job, _GATHERED):
+            if isinstance(job, GATHERED):
                 held += self._gather(batch)
             try:
                 self._do(batch)
@@ -511,41 +448,41 @@ class TierdHooks:
                 for _ in batch:
                     self._jobs.task_done()
 
-    def _gather(self, batch: list[_Job]) -> list[_Job]:
-        """Append to ``batch`` (one ``_SaveJob`` or ``_HotJob``) the saves and hot-tier reports
+    def _gather(self, batch: list[Job]) -> list[Job]:
+        """Append to ``batch`` (one ``SaveJob`` or ``HotJob``) the saves and hot-tier reports
         of the same session queued within ``save_batch_s`` of it, up to half the staging ring of
         saves; returns the other job that ended the gathering, if any (it is done next)."""
         first = batch[0]
-        assert isinstance(first, _GATHERED) and self._ring is not None
+        assert isinstance(first, GATHERED) and self._ring is not None
         deadline = first.queued + self.config.save_batch_s
-        rows = len(first.hashes) if isinstance(first, _SaveJob) else 0
+        rows = len(first.hashes) if isinstance(first, SaveJob) else 0
         while rows < self._ring.capacity // 2 and not self._flushing.is_set():
             try:
                 job = self._jobs.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            if not isinstance(job, _GATHERED) or job.session is not first.session:
+            if not isinstance(job, GATHERED) or job.session is not first.session:
                 return [job]
             batch.append(job)
-            rows += len(job.hashes) if isinstance(job, _SaveJob) else 0
+            rows += len(job.hashes) if isinstance(job, SaveJob) else 0
         while True:  # whatever is queued already goes along
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 return []
-            if not isinstance(job, _GATHERED) or job.session is not first.session:
+            if not isinstance(job, GATHERED) or job.session is not first.session:
                 return [job]
             batch.append(job)
 
-    def _do(self, batch: list[_Job]) -> None:
+    def _do(self, batch: list[Job]) -> None:
         """One gathered batch (saves and hot-tier reports of one session: one Reserve/Commit,
         then one merged report) or a single other job."""
         job = batch[0]
         if job is None:
             return
-        if isinstance(job, _GATHERED):
-            saves = [j for j in batch if isinstance(j, _SaveJob)]
-            reports = [j for j in batch if isinstance(j, _HotJob)]
+        if isinstance(job, GATHERED):
+            saves = [j for j in batch if isinstance(j, SaveJob)]
+            reports = [j for j in batch if isinstance(j, HotJob)]
             if saves:
                 try:
                     self._write_through(saves)
@@ -558,11 +495,11 @@ class TierdHooks:
                         self._ring.give_back(save.span)
             if not reports:
                 return
-            job = _merged(reports)
+            job = merged_reports(reports)
         if job.session is not self._session:
             return  # the daemon that held this lease or HBM view is gone
         try:
-            if isinstance(job, _ReleaseJob):
+            if isinstance(job, ReleaseJob):
                 dropped = job.session.client.release(job.session.engine.engine_id, job.lease_id,
                                                      corrupt_from=job.corrupt_from)
                 self.stats.corrupt_dropped += dropped
@@ -574,7 +511,7 @@ class TierdHooks:
             self.stats.rpc_errors += 1
             self._failed(job.session, exc)
 
-    def _write_through(self, saves: list[_SaveJob]) -> None:
+    def _write_through(self, saves: list[SaveJob]) -> None:
         """One Reserve for every queued save, host memcpys of the staged rows into the
         reserved slots (with checksums), one Commit."""
         session = saves[0].session
