@@ -6,6 +6,7 @@ where a tenant-scoped key is expected. Composite keys are built and taken apart 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, NewType
 
 BlockHash = NewType("BlockHash", bytes)
@@ -18,6 +19,23 @@ two TP ranks or two tenants never share a namespace."""
 
 NamespacedKey = NewType("NamespacedKey", bytes)
 """``namespace || block hash``: the key of a block in a node's index and in the cluster."""
+
+
+HASH_LENGTHS = (32, 16)
+"""Accepted block hash sizes: sha256_cbor (32 bytes) and xxhash_cbor (16 bytes)."""
+_LENGTHS = frozenset(HASH_LENGTHS)
+
+
+def make_keys(namespace: Namespace, hashes: Sequence[BlockHash]) -> list[NamespacedKey]:
+    """``make_key`` of each hash, after checking each is ``bytes`` of an accepted length
+    (ValueError naming the first that is not)."""
+    if not (set(map(type, hashes)) <= {bytes} and set(map(len, hashes)) <= _LENGTHS):
+        for i, h in enumerate(hashes):  # find the culprit (a subclass of bytes passes)
+            if not isinstance(h, bytes) or len(h) not in HASH_LENGTHS:
+                got = len(h) if isinstance(h, bytes) else type(h).__name__
+                raise ValueError(f"block hash #{i} has {got} bytes; expected 32 (sha256_cbor) "
+                                 "or 16 (xxhash_cbor)")
+    return [NamespacedKey(namespace + h) for h in hashes]
 
 
 def make_key(namespace: Namespace, block_hash: BlockHash) -> NamespacedKey:

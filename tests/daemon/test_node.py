@@ -547,6 +547,33 @@ async def test_concurrent_acquires_promote_a_block_once(rig: Rig) -> None:
     rig.node.check_integrity()
 
 
+async def test_long_ssd_prefix_is_read_in_batches_started_while_staging(
+        make_rig: MakeRig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An 8-block SSD prefix with a read batch of 3 records: the reads start in batches of 3,
+    3 and 2 (the first two while the rest is still being staged); all 8 land bit-exact."""
+    rig = make_rig(ssd_bytes=8 * (BLOCK + HEADER_BYTES), dram_high_watermark=0.1,
+                   dram_low_watermark=0.1)
+    hashes = chain(8)
+    rig.store(hashes)
+    await rig.node.maintain()                                  # all 8 -> SSD
+    assert rig.tiers(hashes) == ["ssd"] * 8
+    monkeypatch.setattr("tierd.daemon.node.READ_BATCH_BYTES", 3 * (BLOCK + HEADER_BYTES))
+    batches: list[int] = []
+    read_many = rig.ssd.read_many
+
+    def counting(requests: list[tuple[Any, Any, memoryview]]) -> Any:
+        batches.append(len(requests))
+        return read_many(requests)
+
+    monkeypatch.setattr(rig.ssd, "read_many", counting)
+    lease = await rig.node.acquire(rig.engine.engine_id, hashes)
+    assert batches == [3, 3, 2]
+    assert rig.copy_out(lease.slot_ids) == [payload(h) for h in hashes]
+    assert rig.node.stats().tiers["ssd"].promotions == 8
+    rig.node.release(lease.lease_id)
+    rig.node.check_integrity()
+
+
 async def test_reuse_gap_idle_time_and_pool_too_small(rig: Rig) -> None:
     """Fake-clock timeline: a 10 s hit, an eviction after 70 s idle, a re-store 370 s after
     the last use (a ghost) evicting a block idle 370 s: reuse-gap P90 540 s > idle P50 120 s."""

@@ -15,10 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from tierd.checksum import block_checksum
 from tierd.daemon.rawdisk import measure_raw_disk
 from tierd.daemon.ssd import SsdStore
+from tierd.daemon.ssdindex import batches
 from tierd.daemon.ssdrecord import HEADER_BYTES
 from tierd.types import BlockHash, Namespace
 
@@ -196,6 +198,24 @@ async def test_header_naming_another_block(store: SsdStore) -> None:
     assert await read_back(store, NS, h(1)) is None
     assert await read_back(store, NS, h(0)) == bytes(payload(0))
     assert (store.checksum_failures, len(store)) == (1, 1)
+    store.check_integrity(disk=True)
+
+
+async def test_header_that_verifies_but_differs_from_the_index(store: SsdStore) -> None:
+    """A header whose checksum verifies but whose bytes are not the ones written (a byte the
+    fields leave zero, checksum recomputed) is not the record the index expects: a miss."""
+    await store.write(NS, h(0), payload(0), block_checksum(payload(0)))
+    span = store.locate(NS, h(0))
+    assert span is not None
+    head = bytearray(span.path.read_bytes()[span.offset:span.offset + HEADER_BYTES])
+    head[200] = 1
+    head[HEADER_BYTES - 8:] = xxhash.xxh3_64_intdigest(bytes(head[:HEADER_BYTES - 8])).to_bytes(
+        8, "little")
+    with open(span.path, "r+b") as f:
+        f.seek(span.offset)
+        f.write(head)
+    assert await read_back(store, NS, h(0)) is None
+    assert (store.checksum_failures, len(store)) == (1, 0)
     store.check_integrity(disk=True)
 
 
@@ -438,6 +458,20 @@ async def test_read_many_coalesces_adjacent_records(tmp_path: Path, target: str,
     assert sorted(calls) == [2, 2 * n]  # header + payload per record (64 KiB: no padding)
     store.check_integrity(disk=True)
     store.close()
+
+
+def test_read_tasks_split_runs_by_bytes_none_empty() -> None:
+    """Runs go to at most ``most`` tasks of about ``least`` bytes or more, in order: four full
+    runs and a small last one get five tasks (the small one alone, not queued behind a full
+    one); 128 equal runs get five of 25-26; tasks are never empty nor more than ``most``."""
+    full, small = 2047488, 264192  # 31 and 4 records of 64 KiB
+    assert batches(list("abcde"), [full] * 4 + [small], 2 << 20, 8) == [
+        ["a"], ["b"], ["c"], ["d"], ["e"]]
+    assert [len(t) for t in batches(list(range(128)), [66048] * 128, 2 << 20, 8)] == [
+        26, 26, 25, 26, 25]
+    assert batches(list(range(8)), [1] * 8, 1, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert batches([1, 2, 3], [1, 1, 10], 1, 2) == [[1, 2], [3]]
+    assert batches([1], [5], 100, 8) == [[1]] and batches([], [], 100, 8) == []
 
 
 async def test_read_many_bad_target_starts_nothing(store: SsdStore) -> None:

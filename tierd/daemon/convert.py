@@ -16,16 +16,13 @@ from typing import TYPE_CHECKING, cast
 from tierd.cluster.directory import Placement
 from tierd.daemon.layout import Layout
 from tierd.daemon.slots import SlotGeometry
-from tierd.types import TIERS, BlockHash, Tier
+from tierd.types import HASH_LENGTHS, TIERS, BlockHash, Tier
 from tierd.v1 import tierd_pb2 as pb
 
 if TYPE_CHECKING:
     from tierd.daemon.auth import OwnedEngine
     from tierd.daemon.layout import Dtype
     from tierd.daemon.metrics import NodeStats
-
-HASH_LENGTHS = (32, 16)
-"""Accepted block hash sizes: sha256_cbor (32 bytes) and xxhash_cbor (16 bytes)."""
 
 TIER_TO_PB: dict[Tier, pb.Tier] = {
     "hbm": pb.TIER_HBM, "dram": pb.TIER_DRAM, "ssd": pb.TIER_SSD, "remote": pb.TIER_REMOTE,

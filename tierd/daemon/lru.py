@@ -289,6 +289,13 @@ class TierIndex:
         else:
             self.listener.removed(keys, event.tier)
 
+    def held_keys(self) -> list[NamespacedKey]:
+        """The key of every DRAM copy and every served SSD copy (one entry per copy)."""
+        keys = [k for k, _ in self.dram.oldest_first()]
+        if self.ssd_up:
+            keys += [k for k, _ in self.disk.oldest_first()]
+        return keys
+
     @property
     def ssd_up(self) -> bool:
         """Whether SSD blocks are served (the store exists and reports itself healthy)."""

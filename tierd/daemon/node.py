@@ -3,10 +3,8 @@
 Every RPC of the gRPC edge is one method here. The store owns metadata only: engines copy KV bytes
 into and out of the shared-memory arena themselves; the SSD store moves bytes between the arena
 and disk. Methods run on the daemon's event loop; the sync ones never block, the async ones await
-SSD I/O only.
-
-Keys: ``make_key(namespace_for(tenant, layout), block_hash)``, so models, TP ranks and tenants
-never share an entry. Which copy moves and how it is counted: ``lru.TierIndex``.
+SSD I/O only. Keys: ``make_key(namespace_for(tenant, layout), block_hash)``, so models, TP ranks
+and tenants never share an entry. Which copy moves and how it is counted: ``lru.TierIndex``.
 
 Policy (documented in docs/daemon.md):
 - ``commit`` publishes reserved slots as DRAM blocks. ``maintain`` (the flusher): above the high
@@ -15,8 +13,8 @@ Policy (documented in docs/daemon.md):
   that the SSD cannot take, are evicted); the SSD makes room by dropping its own LRU blocks.
 - ``reserve`` and ``acquire`` never wait on a write: short of a slot they evict LRU unpinned DRAM
   blocks synchronously, this size class first (a block with an SSD copy is merely demoted).
-- An SSD hit in ``acquire`` is read into a fresh DRAM slot; the SSD copy is kept, so demoting the
-  block again costs no write. Pinned blocks are never evicted or moved.
+- An SSD hit in ``acquire`` is read into a fresh DRAM slot; the SSD copy is kept (demoting it
+  again costs no write). Pinned blocks are never evicted or moved.
 - An unhealthy SSD store is hidden (DRAM only; ``AllBlocksCleared(tier="ssd")``, a warning,
   ``tierd_ssd_healthy`` 0) but its index kept; ``maintain`` tries one demotion per pass, and a
   write that succeeds makes the store healthy and its blocks served again.
@@ -42,34 +40,30 @@ from tierd.daemon.lru import DramBlock, HbmIndex, SsdBlock, TierIndex, TierListe
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
 from tierd.daemon.node_types import EngineInfo, Lease, LookupResult, NodeConfig, Reservation
 from tierd.daemon.slots import SlabAllocator
+from tierd.daemon.ssdindex import READ_BATCH_BYTES
 from tierd.events import BlockStored, EventLog, KVEvent
-from tierd.types import BlockHash, NamespacedKey, Tier, make_key
+from tierd.types import BlockHash, NamespacedKey, Tier, make_key, make_keys
 
 if TYPE_CHECKING:
     from tierd.daemon.arena import ShmArena
     from tierd.daemon.ssd import SsdStore
 
 # The store and the values it takes and returns (defined in node_types), importable from here.
-__all__ = ["EMPTY_LEASE", "HASH_LENGTHS", "EngineInfo", "Lease", "LookupResult", "NodeConfig", "NodeStore",
+__all__ = ["EMPTY_LEASE", "EngineInfo", "Lease", "LookupResult", "NodeConfig", "NodeStore",
            "Reservation"]
 
 log = logging.getLogger(__name__)
 
 EMPTY_LEASE = ""
-"""The lease id of an acquire that pinned nothing: never stored, so misses cannot pile up leases
-(one per request for ``lease_seconds``) under load."""
+"""The lease id of an acquire that pinned nothing: never stored (no pile of miss leases)."""
 
-HASH_LENGTHS = (32, 16)
-"""sha256_cbor and xxhash_cbor digests; anything else is a client bug."""
-_LENGTHS = frozenset(HASH_LENGTHS)
 
 
 @dataclass(slots=True)
 class _Promotion:
     """An SSD read into a staged DRAM slot; lands (or fails) in a done-callback, then ``done``
-    resolves with the outcome for every acquire waiting on it. The landed block carries one
-    in-flight pin per waiting acquire (``waiters``), so no demotion or eviction can take it
-    between landing and the acquire's lease."""
+    resolves for every waiting acquire. The landed block carries one in-flight pin per waiter,
+    so no demotion or eviction takes it between landing and the acquire's lease."""
 
     key: NamespacedKey
     source: SsdBlock
@@ -137,11 +131,8 @@ class NodeStore:
     # -- reads ---------------------------------------------------------------------------------
 
     def held_keys(self) -> list[NamespacedKey]:
-        """The key of every DRAM copy and every served SSD copy (one entry per copy)."""
-        keys = [k for k, _ in self._t.dram.oldest_first()]
-        if self._t.ssd_up:
-            keys += [k for k, _ in self._t.disk.oldest_first()]
-        return keys
+        """``TierIndex.held_keys``: the key of every DRAM copy and every served SSD copy."""
+        return self._t.held_keys()
 
     def lookup(self, engine_id: str, hashes: Sequence[BlockHash]) -> LookupResult:
         """The longest consecutive prefix of ``hashes`` held on this node, with the fastest tier
@@ -218,8 +209,10 @@ class NodeStore:
 
     def _promote(self, key: NamespacedKey, info: EngineInfo, now: float,
                  reads: list[tuple[_Promotion, memoryview]]) -> _Promotion | None:
-        """Stage an SSD block's promotion into a new slot, its read added to ``reads`` (start
-        them with ``_read_promotions``); None if not on SSD or no room."""
+        """Stage an SSD block's promotion into a new slot, its read added to ``reads``; None if
+        not on SSD or no room. Every ``READ_BATCH_BYTES`` of records, ``reads`` is started and
+        emptied (an I/O thread starts while the rest of a long prefix is staged, once it gets
+        the GIL); the caller starts what is left."""
         source = self._t.disk.get(key) if self._t.ssd_up else None
         if source is None:
             return None
@@ -232,11 +225,15 @@ class NodeStore:
         p = _Promotion(key, source, info.geometry.slot_bytes, slot, loop.create_future())
         self._promoting[key] = p
         reads.append((p, self._arena.view(info.geometry.offset(slot), p.slot_bytes)))
+        if (len(reads) + 1) * source.stored_bytes > READ_BATCH_BYTES:
+            self._read_promotions(reads)
+            reads.clear()
         return p
 
     def _read_promotions(self, reads: list[tuple[_Promotion, memoryview]]) -> None:
-        """Start the staged promotions' SSD reads as one batch (``SsdStore.read_many``: a few
-        I/O tasks with read-ahead rather than one per block); each lands on its own."""
+        """Start the staged promotions' SSD reads as one batch (``SsdStore.read_many``: runs of
+        adjacent records, one ``preadv`` each, rather than one read per block); each lands on
+        its own."""
         if not reads:
             return
         assert self._ssd is not None
@@ -567,14 +564,7 @@ class NodeStore:
         if limit and len(hashes) > self._config.max_blocks_per_request:
             raise ResourceExhausted(f"{len(hashes)} blocks in one request; at most "
                                     f"{self._config.max_blocks_per_request}: split the request")
-        if not (set(map(type, hashes)) <= {bytes} and set(map(len, hashes)) <= _LENGTHS):
-            for i, h in enumerate(hashes):  # find the culprit (a subclass of bytes passes)
-                if not isinstance(h, bytes) or len(h) not in HASH_LENGTHS:
-                    got = len(h) if isinstance(h, bytes) else type(h).__name__
-                    raise ValueError(f"block hash #{i} has {got} bytes; expected 32 "
-                                     "(sha256_cbor) or 16 (xxhash_cbor)")
-        namespace = info.namespace
-        return [make_key(namespace, h) for h in hashes]
+        return make_keys(info.namespace, hashes)
 
     def _expire(self, now: float) -> None:
         """End every lease past its deadline, freeing what it held."""

@@ -258,32 +258,31 @@ class SsdStore:
         ``checksum_failures``; the target holds garbage). Call it on the event loop's thread.
 
         Records are sorted by (segment, offset); adjacent ones form runs read with one
-        ``preadv`` each, the runs shared among at most ``io_threads`` tasks of at least
+        ``preadv`` each, the runs shared among at most ``io_threads`` tasks of about
         ``READ_BATCH_BYTES``. ValueError, nothing started, if a target's length differs from
         its block's payload length. Every target stays written to until its future resolves,
         even if the future is cancelled."""
         loop = asyncio.get_running_loop()
-        for namespace, block_hash, into in requests:
-            loc = self._table.records.get((namespace, block_hash))
+        records = self._table.records
+        locs = [records.get((namespace, block_hash)) for namespace, block_hash, _ in requests]
+        for (_, _, into), loc in zip(requests, locs):
             if loc is not None and len(into) != loc.head.payload_len:
                 raise ValueError(f"read target of {len(into)} bytes for a block of "
                                  f"{loc.head.payload_len}: pass a view of exactly one slot")
-        futures: list[asyncio.Future[bool]] = []
+        futures = [loop.create_future() for _ in requests]
         reads: list[Read] = []
-        for namespace, block_hash, into in requests:
-            futures.append(loop.create_future())
-            loc = self._table.records.get((namespace, block_hash))
+        for (namespace, block_hash, into), loc, future in zip(requests, locs, futures):
             if loc is None or self._pool is None:
-                futures[-1].set_result(False)
+                future.set_result(False)
             else:
-                reads.append(Read((namespace, block_hash), loc, into, futures[-1]))
+                reads.append(Read((namespace, block_hash), loc, into, future))
         grouped = runs(reads)
         for task in batches(grouped, [sum(r.loc.head.size for r in run) for run in grouped],
                             READ_BATCH_BYTES, self._io_threads):
-            sources = [[self._table.source(r.loc) for r in run] for run in task]
             for run in task:
                 self._table.pin(run[0].loc.segment)
-            done = loop.run_in_executor(self._pool, read_runs, sources,
+            done = loop.run_in_executor(self._pool, read_runs,
+                                        [self._table.source(run) for run in task],
                                         [[r.into for r in run] for run in task])
             done.add_done_callback(functools.partial(self._settle_reads, task))
         return futures
@@ -295,7 +294,8 @@ class SsdStore:
         if loc is None or self._pool is None:
             return None
         into = bytearray(loc.head.payload_len)
-        faults = read_runs([[self._table.source(loc)]], [[memoryview(into)]])[0]
+        read = Read((namespace, block_hash), loc, memoryview(into), None)
+        faults = read_runs([self._table.source([read])], [[read.into]])[0]
         return bytes(into) if faults == [None] else None
 
     def remove(self, namespace: Namespace, block_hash: BlockHash) -> None:
@@ -322,7 +322,7 @@ class SsdStore:
         moves = self._table.in_segments({v.id for v in victims})
         copies = runs([Read(k, loc, memoryview(b""), None) for k, loc in moves])
         done = self._submit(functools.partial(self._writer.copy, [
-            [self._table.source(r.loc) for r in run] for run in copies]))
+            self._table.source(run) for run in copies]))
         try:
             await asyncio.shield(done)
         except asyncio.CancelledError:  # the copy still finishes: settle it then

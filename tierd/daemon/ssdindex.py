@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -44,11 +44,15 @@ LEGACY_SUFFIXES = (".kvb", ".tmp")
 """Files of the former one-file-per-block format (records and temporaries), deleted at load."""
 
 READ_BATCH_BYTES = 2 << 20
-"""Smallest read task worth its own thread (at most ``io_threads`` of them): one ``preadv`` of a
-run already gives the disk a deep queue; each more thread costs a hand-off and GIL contention."""
+"""About the bytes of one read task (at most ``io_threads`` of them), each on a thread of its own:
+one ``preadv`` of a run already gives the disk a deep queue; each more task costs a hand-off
+and GIL contention; fewer, larger tasks leave a longer verification after the last byte lands."""
 
 RUN_BYTES = 2 << 20
-"""Largest run of adjacent records read with one ``preadv`` (at most 300 records: IOV_MAX)."""
+"""Largest run of adjacent records read with one ``preadv``."""
+
+RUN_RECORDS = 300
+"""Most records in a run: up to 3 buffers each (header, payload, padding) within IOV_MAX."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,10 +242,11 @@ class SegmentTable:
         if reap:
             self.reap(seg)
 
-    def source(self, loc: Loc) -> Source:
-        """What a reader needs for the record: its segment's fds, offset, expected header."""
-        seg = self.segments[loc.segment]
-        return Source(seg.fd, seg.dfd, loc.offset, loc.head)
+    def source(self, run: Sequence[Read]) -> Source:
+        """What a reader needs for a run (adjacent records of one segment, in order): the
+        segment's fds, the first offset, the headers expected."""
+        seg = self.segments[run[0].loc.segment]
+        return Source(seg.fd, seg.dfd, run[0].loc.offset, [r.loc.head for r in run])
 
     def in_segments(self, ids: set[int]) -> list[tuple[Key, Loc]]:
         """The records in the segments ``ids``, by (segment, offset)."""
@@ -361,29 +366,40 @@ T = TypeVar("T")
 
 def runs(reads: Iterable[Read]) -> list[list[Read]]:
     """``reads`` sorted by (segment, offset) and cut into runs of adjacent records, each of at
-    most ``RUN_BYTES`` and 300 records (one ``preadv``)."""
+    most ``RUN_BYTES`` and ``RUN_RECORDS`` records (one ``preadv``)."""
     out: list[list[Read]] = []
-    size = 0
-    for r in sorted(reads, key=lambda r: (r.loc.segment, r.loc.offset)):
-        last = out[-1][-1].loc if out else None
-        if (last is None or last.segment != r.loc.segment or len(out[-1]) >= 300
-                or last.offset + last.head.size != r.loc.offset
-                or size + r.loc.head.size > RUN_BYTES):
+    segment, end, size = -1, 0, 0
+    for r in sorted(reads, key=_place):
+        loc = r.loc
+        record = loc.head.size
+        if (loc.segment != segment or loc.offset != end or len(out[-1]) >= RUN_RECORDS
+                or size + record > RUN_BYTES):
             out.append([])
             size = 0
         out[-1].append(r)
-        size += r.loc.head.size
+        segment, end, size = loc.segment, loc.offset + record, size + record
     return out
 
 
+def _place(r: Read) -> tuple[int, int]:
+    return r.loc.segment, r.loc.offset
+
+
 def batches(items: list[T], sizes: list[int], least_bytes: int, most: int) -> list[list[T]]:
-    """``items`` split, in order, into at most ``most`` runs of about equal bytes, each of about
-    ``least_bytes`` or more (one run if they add up to less)."""
+    """``items`` split, in order, into at most ``total / least_bytes`` groups (rounded up; at
+    least one, at most ``most``) of about equal bytes, none empty: a group closes once the next
+    item's middle byte would pass its share of the bytes left."""
+    if not items:
+        return []
     total = sum(sizes)
-    count = max(1, min(most, len(items), total // least_bytes))
-    out: list[list[T]] = [[] for _ in range(count)]
-    seen = 0
+    count = max(1, min(most, len(items), -(-total // least_bytes)))
+    out: list[list[T]] = [[]]
+    left, group_bytes = total, 0
     for item, size in zip(items, sizes):
-        out[min(count - 1, seen * count // max(total, 1))].append(item)
-        seen += size
-    return [run for run in out if run]
+        share = left / (count - len(out) + 1)  # of the bytes left, for this group
+        if out[-1] and len(out) < count and group_bytes + size / 2 > share:
+            out.append([])
+            left, group_bytes = left - group_bytes, 0
+        out[-1].append(item)
+        group_bytes += size
+    return out

@@ -15,7 +15,7 @@ DRAM slot. The header, all little-endian:
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import lz4.block
@@ -59,11 +59,10 @@ class RecordHeader:
     payload_len: int  # uncompressed bytes
     stored_len: int  # payload bytes on disk, padding excluded
     checksum: int  # block_checksum of the uncompressed payload
+    size: int = field(init=False, repr=False, compare=False)  # footprint(stored_len)
 
-    @property
-    def size(self) -> int:
-        """The record's footprint in its segment."""
-        return footprint(self.stored_len)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", footprint(self.stored_len))  # read per record per I/O
 
     def pack_into(self, buf: memoryview) -> None:
         """Write the ``HEADER_BYTES`` header into ``buf`` (exactly that long)."""

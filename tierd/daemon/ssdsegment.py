@@ -93,12 +93,13 @@ class Placed:
 
 @dataclass(frozen=True, slots=True)
 class Source:
-    """A record to read: at ``offset`` of the segment open as ``fd`` / ``dfd`` (O_DIRECT)."""
+    """Records adjacent in one segment, to read with one ``preadv``: from ``offset`` of the
+    segment open as ``fd`` / ``dfd`` (O_DIRECT), one after the other."""
 
     fd: int
     dfd: int | None
     offset: int
-    head: RecordHeader  # what the index expects the record to say
+    heads: list[RecordHeader]  # what the index expects each record to say
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,21 +157,20 @@ class SegmentWriter:
         self._write(items, results)
         return self._report(results)
 
-    def copy(self, runs: Sequence[Sequence[Source]]) -> WriterReport:
+    def copy(self, runs: Sequence[Source]) -> WriterReport:
         """Compaction: re-append the records of ``runs`` (each run contiguous in one segment),
         read and verified first. Per record, in order: its new ``Placed``, what is wrong with it
         (a str: not copied), or the OSError that stopped the copy."""
         results: list[Placed | int | OSError | str] = []
         for run in runs:
-            size = sum(s.head.size for s in run)
-            scratch = memoryview(mmap.mmap(-1, size))
+            scratch = memoryview(mmap.mmap(-1, sum(head.size for head in run.heads)))
             faults = _read_run(run, [], scratch)
             items, at = [], 0
-            for s, fault in zip(run, faults):
+            for head, fault in zip(run.heads, faults):
                 if fault is None:
-                    items.append(_Item(len(results), s.head, [scratch[at:at + s.head.size]]))
+                    items.append(_Item(len(results), head, [scratch[at:at + head.size]]))
                 results.append(fault or -1)
-                at += s.head.size
+                at += head.size
             self._write(items, results)
         return self._report(results)
 
@@ -251,90 +251,103 @@ class SegmentWriter:
         self._fd = self._dfd = None
 
 
-def read_runs(runs: Sequence[Sequence[Source]], targets: Sequence[Sequence[memoryview]]
+def read_runs(runs: Sequence[Source], targets: Sequence[Sequence[memoryview]]
               ) -> list[list[str | None]]:
-    """Read and verify runs of records (each run contiguous in one segment, one ``preadv`` per
-    run where ``IOV_MAX`` allows) straight into their targets (each exactly its block's payload
-    length): per record None if intact, else what is wrong. Never raises for a bad record or a
-    read error. Buffered runs ask the kernel for the next run's bytes while reading this one."""
+    """Read and verify runs of records (one ``preadv`` per run where ``IOV_MAX`` allows)
+    straight into their targets (each exactly its block's payload length): per record None if
+    intact, else what is wrong. Never raises for a bad record or a read error. Buffered runs ask
+    the kernel for the next run's bytes while reading this one."""
     faults = []
     for k, (run, into) in enumerate(zip(runs, targets)):
-        if k + 1 < len(runs) and runs[k + 1][0].dfd is None:
-            first = runs[k + 1][0]
-            _advise(first.fd, first.offset, sum(s.head.size for s in runs[k + 1]),
+        if k + 1 < len(runs) and runs[k + 1].dfd is None:
+            after = runs[k + 1]
+            _advise(after.fd, after.offset, sum(head.size for head in after.heads),
                     os.POSIX_FADV_WILLNEED)
         faults.append(_read_run(run, into, None))
     return faults
 
 
-def _read_run(run: Sequence[Source], into: Sequence[memoryview], raw: memoryview | None
+def _read_run(run: Source, into: Sequence[memoryview], raw: memoryview | None
               ) -> list[str | None]:
     """One run: into ``into`` (payloads) or, for compaction, whole records into ``raw``."""
-    compressed = sum(padded(s.head.stored_len) for s in run if s.head.flags & FLAG_LZ4)
-    scratch = memoryview(mmap.mmap(-1, len(run) * HEADER_BYTES + compressed + ALIGN))
+    heads = run.heads
+    compressed = sum(padded(head.stored_len) for head in heads if head.flags & FLAG_LZ4)
+    scratch = memoryview(mmap.mmap(-1, len(heads) * HEADER_BYTES + compressed + ALIGN))
+    sink = scratch[-ALIGN:]
     iov: list[memoryview] = []
-    heads, payloads, at = [], [], len(run) * HEADER_BYTES
-    for k, s in enumerate(run):
+    targets: list[memoryview] = []  # iov buffers not in scratch or raw (page-aligned mmaps)
+    raw_heads, payloads, at, start = [], [], len(heads) * HEADER_BYTES, 0
+    for k, head in enumerate(heads):
+        stored = head.stored_len
         if raw is not None:
-            start = sum(r.head.size for r in run[:k]) if k else 0
-            heads.append(raw[start:start + HEADER_BYTES])
-            payloads.append(raw[start + HEADER_BYTES:start + HEADER_BYTES + s.head.stored_len])
+            raw_heads.append(raw[start:start + HEADER_BYTES])
+            payloads.append(raw[start + HEADER_BYTES:start + HEADER_BYTES + stored])
+            start += head.size
             continue
-        heads.append(scratch[k * HEADER_BYTES:(k + 1) * HEADER_BYTES])
-        iov.append(heads[-1])
-        if s.head.flags & FLAG_LZ4:
-            payloads.append(scratch[at:at + s.head.stored_len])
-            iov.append(scratch[at:at + padded(s.head.stored_len)])
-            at += padded(s.head.stored_len)
+        raw_heads.append(scratch[k * HEADER_BYTES:(k + 1) * HEADER_BYTES])
+        iov.append(raw_heads[-1])
+        if head.flags & FLAG_LZ4:
+            payloads.append(scratch[at:at + stored])
+            iov.append(scratch[at:at + padded(stored)])
+            at += padded(stored)
         else:
             payloads.append(into[k])
-            iov += [into[k], *_pad(s.head.stored_len, scratch[-ALIGN:])]
+            targets.append(into[k])
+            iov.append(into[k])
+            if head.size - HEADER_BYTES != stored:
+                iov.append(sink[:head.size - HEADER_BYTES - stored])
     if raw is not None:
-        iov = [raw]
-    first, total = run[0], sum(s.head.size for s in run)
-    direct = first.dfd is not None and all(_aligned(v) for v in iov)
-    n = _pread_all(first.dfd if direct and first.dfd is not None else first.fd, iov,
-                   first.offset)
+        iov = targets = [raw]
+    total = sum(head.size for head in heads)
+    direct = run.dfd is not None and all(_aligned(v) for v in targets)
+    n = _pread_all(run.dfd if direct and run.dfd is not None else run.fd, iov, run.offset)
     if direct and n == -1:  # EINVAL: O_DIRECT wants more alignment here; go buffered
-        direct, n = False, _pread_all(first.fd, iov, first.offset)
+        direct, n = False, _pread_all(run.fd, iov, run.offset)
     if not direct:
-        _advise(first.fd, first.offset, total, os.POSIX_FADV_DONTNEED)
+        _advise(run.fd, run.offset, total, os.POSIX_FADV_DONTNEED)
     faults: list[str | None] = []
     end = 0
-    for s, head, payload, k in zip(run, heads, payloads, range(len(run))):
-        end += s.head.size
+    for k, head in enumerate(heads):
+        end += head.size
         if isinstance(n, str):
             faults.append(n)
         elif n < end:
             faults.append(f"{max(n, 0)} bytes read of a run of {total}: truncated")
         else:
-            target = into[k] if raw is None else None
-            faults.append(_verify(s.head, head, payload, target))
+            faults.append(_verify(head, raw_heads[k], payloads[k],
+                                  into[k] if raw is None else None))
     return faults
 
 
 def _verify(expected: RecordHeader, raw_head: memoryview, payload: memoryview,
             into: memoryview | None) -> str | None:
-    """What is wrong with a record read back (None if intact). ``into``: where a compressed
-    payload is decompressed to (None: a scratch buffer, only to check it)."""
-    head = RecordHeader.unpack(raw_head)
-    if head is None:
-        return "bad header"
-    if (head.namespace, head.block_hash) != (expected.namespace, expected.block_hash):
-        return f"header names another block ({head.namespace.hex()}-{head.block_hash.hex()})"
-    if head != expected:
-        return "header disagrees with the index"
-    if head.flags & FLAG_LZ4:
+    """What is wrong with a record read back (None if intact): its header must be exactly the
+    one the index expects (so it verifies and names the block), its payload decode (lz4) and
+    match the header's checksum. ``into``: where a compressed payload is decompressed to (None:
+    a scratch buffer, only to check it)."""
+    if bytes(raw_head) != expected.pack():
+        return _header_fault(expected, raw_head)
+    if expected.flags & FLAG_LZ4:
         try:
-            plain = lz4.block.decompress(payload, uncompressed_size=head.payload_len)
+            plain = lz4.block.decompress(payload, uncompressed_size=expected.payload_len)
         except (lz4.block.LZ4BlockError, ValueError) as exc:
             return f"lz4 payload corrupt: {exc}"
         if into is not None:
             into[:] = plain
         payload = memoryview(plain)
-    if block_checksum(payload) != head.checksum:
+    if block_checksum(payload) != expected.checksum:
         return "payload checksum mismatch"
     return None
+
+
+def _header_fault(expected: RecordHeader, raw_head: memoryview) -> str:
+    """Why a header read back is not the one the index expects."""
+    head = RecordHeader.unpack(raw_head)
+    if head is None:
+        return "bad header"
+    if (head.namespace, head.block_hash) != (expected.namespace, expected.block_hash):
+        return f"header names another block ({head.namespace.hex()}-{head.block_hash.hex()})"
+    return "header disagrees with the index"
 
 
 def scan_segment(fd: int, size: int) -> tuple[list[tuple[int, RecordHeader]], int]:
@@ -356,10 +369,10 @@ def scan_segment(fd: int, size: int) -> tuple[list[tuple[int, RecordHeader]], in
     return found, offset
 
 
-def _pad(stored_len: int, sink: memoryview = _ZEROS) -> list[memoryview]:
-    """The padding after a payload: zeros to write, or ``sink`` to read it into."""
+def _pad(stored_len: int) -> list[memoryview]:
+    """The zeros written after a payload of ``stored_len`` bytes."""
     gap = padded(stored_len) - stored_len
-    return [sink[:gap]] if gap else []
+    return [_ZEROS[:gap]] if gap else []
 
 
 def _aligned(view: memoryview) -> bool:
