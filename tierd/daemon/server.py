@@ -42,7 +42,7 @@ from tierd.daemon.cluster_link import ClusterLink, LinkConfig
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, Unauthenticated
 from tierd.daemon.layout import NAMESPACE_LEN, Layout, namespace_for
-from tierd.daemon.lru import TierListeners
+from tierd.daemon.lru import TierListener, TierListeners
 from tierd.daemon.node import NodeConfig, NodeStore
 from tierd.daemon.presence import PresenceFilter
 from tierd.daemon.slots import SlabAllocator
@@ -313,9 +313,9 @@ class Daemon:
                  presence: PresenceFilter | None = None) -> None:
         self.config, self.arena, self.store = config, arena, store
         self.cluster = cluster
+        """The cluster link (directory, publisher, remote tier), None without ``redis_url``."""
         self.presence = presence
         """The presence filter engines read, None when off (or with the remote tier)."""
-        """The cluster link (directory, publisher, remote tier), None without ``redis_url``."""
         self._server, self._health = server, health
         self.tcp_port = tcp_port
         """The bound TCP port (the real one when the config asked for 0), None without TCP."""
@@ -372,10 +372,11 @@ class Daemon:
                      ssd: SsdStore | None, node_config: NodeConfig, cluster: ClusterLink | None,
                      presence: PresenceFilter | None,
                      extra_handlers: Sequence[grpc.GenericRpcHandler]) -> Daemon:
-        listeners = [x for x in (cluster, presence) if x is not None]
-        store = NodeStore(arena, allocator, ssd, node_config,
-                          listener=listeners[0] if len(listeners) == 1 else
-                          TierListeners(listeners) if listeners else None)
+        listeners: list[TierListener] = [x for x in (cluster, presence) if x is not None]
+        listener: TierListener | None = listeners[0] if len(listeners) == 1 else None
+        if len(listeners) > 1:
+            listener = TierListeners(listeners)
+        store = NodeStore(arena, allocator, ssd, node_config, listener=listener)
         if presence is not None:
             presence.bind(store.held_keys)
         if cluster is not None:
