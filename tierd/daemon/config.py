@@ -153,7 +153,11 @@ class TierdConfig:
         if not self.default_tenant:
             raise ValueError("default_tenant must not be empty")
         if self.presence_cells:
-            check_cells(self.presence_cells)
+            try:
+                check_cells(self.presence_cells)
+            except ValueError:
+                raise ValueError(f"presence_cells={self.presence_cells} must be a power of two "
+                                 ">= 1024 (e.g. 1048576), or 0 for no filter") from None
         self._validate_cluster()
 
     def _validate_cluster(self) -> None:
