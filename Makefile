@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # download a multi-GB CUDA build to satisfy the range in pyproject.toml.
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: demo test venv bench lint proto clean
+.PHONY: demo test test-vllm vllm-venv venv bench lint proto clean
 
 venv: $(VENV)/.installed
 
@@ -23,6 +23,28 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q
+
+# Real vLLM for tests/vllm/: its own venv (~9.4 GiB, ~3 min to build), kept outside the clone and
+# keyed by the vLLM version so repeated runs and fresh clones reuse it. tierd's own dependencies
+# are installed into it; tierd itself is imported from this clone (PYTHONPATH), so two clones
+# never fight over one installed copy.
+VLLM_VERSION ?= 0.33.0
+VLLM_VENV ?= $(HOME)/.cache/tierd/vllm-$(VLLM_VERSION)
+VLLM_PY := $(VLLM_VENV)/bin/python
+TIERD_DEPS = $$($(PYTHON) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(' '.join(repr(d) for d in p['dependencies'] + p['optional-dependencies']['test']))")
+
+vllm-venv: $(VLLM_VENV)/.tierd-deps
+
+$(VLLM_VENV)/.tierd-deps: pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -c 'import vllm, sys; sys.exit(vllm.__version__ != "$(VLLM_VERSION)")' 2>/dev/null || \
+	  $(VLLM_PY) -m pip install -q 'vllm==$(VLLM_VERSION)' 'protobuf<7' 2>&1 | grep -v 'is ignored' || true
+	$(VLLM_PY) -c 'import vllm; assert vllm.__version__ == "$(VLLM_VERSION)", vllm.__version__'
+	eval $(VLLM_PY) -m pip install -q $(TIERD_DEPS) 2>&1 | grep -v 'is ignored' || true
+	touch $@
+
+test-vllm: vllm-venv
+	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -m pytest -q -p no:cacheprovider -m vllm tests/vllm
 
 bench: venv
 	$(VENV)/bin/tierd bench all

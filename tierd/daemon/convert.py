@@ -154,14 +154,15 @@ def layout_to_pb(layout: Layout) -> pb.Layout:
     return pb.Layout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
                      head_size=layout.head_size, dtype=layout.dtype,
                      block_size=layout.block_size, tp_rank=layout.tp_rank,
-                     tp_size=layout.tp_size)
+                     tp_size=layout.tp_size, kv_format=layout.kv_format)
 
 
 def layout_from_pb(msg: pb.Layout) -> Layout:
     """Wire layout -> validated ``Layout`` (tp_size 0 means 1); ``ValueError`` naming the fix."""
     layout = Layout(num_layers=msg.num_layers, num_kv_heads=msg.num_kv_heads,
                     head_size=msg.head_size, dtype=cast("Dtype", msg.dtype),
-                    block_size=msg.block_size, tp_rank=msg.tp_rank, tp_size=msg.tp_size or 1)
+                    block_size=msg.block_size, tp_rank=msg.tp_rank, tp_size=msg.tp_size or 1,
+                    kv_format=msg.kv_format)
     layout.validate()
     return layout
 

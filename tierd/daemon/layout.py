@@ -25,6 +25,7 @@ DTYPE_BYTES: dict[str, int] = {
 assert set(DTYPE_BYTES) == set(get_args(Dtype)), "every dtype needs an element size"
 
 _FINGERPRINT_VERSION = b"tierd-layout-v1"
+MAX_KV_FORMAT_LEN = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,10 @@ class Layout:
     block_size: int
     tp_rank: int = 0
     tp_size: int = 1
+    kv_format: str = ""
+    """Byte order of a block inside its slot, named by the engine that writes it: "" is tierd's
+    paged pool row (``tierd.gpu.layout``), ``vllm-hnc-v1`` the vLLM adapter's canonical order.
+    Part of the fingerprint, so engines that order bytes differently never share blocks."""
 
     @property
     def block_bytes(self) -> int:
@@ -50,7 +55,9 @@ class Layout:
         """A canonical, versioned byte string of every field: equal iff the layouts are equal."""
         fields = (self.num_layers, self.num_kv_heads, self.head_size, self.dtype,
                   self.block_size, self.tp_rank, self.tp_size)
-        return _FINGERPRINT_VERSION + b"|" + b"|".join(str(f).encode() for f in fields)
+        base = _FINGERPRINT_VERSION + b"|" + b"|".join(str(f).encode() for f in fields)
+        # "" adds nothing: fingerprints (and namespaces) from before the field stay valid.
+        return base + (b"|format=" + self.kv_format.encode() if self.kv_format else b"")
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the fix if any field is out of range."""
@@ -61,6 +68,10 @@ class Layout:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"layout.dtype must be one of {sorted(DTYPE_BYTES)}, "
                              f"got {self.dtype!r}")
+        if (not isinstance(self.kv_format, str) or len(self.kv_format) > MAX_KV_FORMAT_LEN
+                or not all(c.isalnum() or c in "-_." for c in self.kv_format)):
+            raise ValueError(f"layout.kv_format must be at most {MAX_KV_FORMAT_LEN} characters "
+                             "of letters, digits, '-', '_' or '.'")
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"layout.tp_rank must be in [0, tp_size={self.tp_size}), "
                              f"got {self.tp_rank!r}")

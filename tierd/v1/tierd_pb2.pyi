@@ -21,7 +21,7 @@ TIER_SSD: Tier
 TIER_REMOTE: Tier
 
 class Layout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_size", "dtype", "block_size", "tp_rank", "tp_size")
+    __slots__ = ("num_layers", "num_kv_heads", "head_size", "dtype", "block_size", "tp_rank", "tp_size", "kv_format")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class Layout(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_size: int
@@ -36,7 +37,8 @@ class Layout(_message.Message):
     block_size: int
     tp_rank: int
     tp_size: int
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    kv_format: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., kv_format: _Optional[str] = ...) -> None: ...
 
 class SlotGeometry(_message.Message):
     __slots__ = ("slab_bytes", "slot_bytes", "slots_per_slab")

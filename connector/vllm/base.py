@@ -1,18 +1,17 @@
-"""vLLM's connector base classes (the real ones, or stand-ins) and the adapter's step metadata.
+"""vLLM's connector base classes: the real ones where vLLM is installed, else stand-ins.
 
-``tierd.connector.vllm`` must import where vLLM is not installed (CI, these machines), yet be a
-genuine ``KVConnectorBase_V1`` subclass inside vLLM. So this module exports
-``KVConnectorBase_V1``, ``KVConnectorMetadata`` and ``KVConnectorRole``:
+``tierd.connector.vllm`` must import where vLLM is not installed (the main test suite, mypy),
+yet be a genuine ``KVConnectorBase_V1`` subclass inside vLLM. So this module exports
+``KVConnectorBase_V1``, ``KVConnectorMetadata``, ``KVConnectorWorkerMetadata``,
+``KVConnectorStats`` and ``KVConnectorRole``:
 
-* when ``vllm.distributed.kv_transfer.kv_connector.v1.base`` imports, they *are* vLLM's classes;
-* otherwise they are the small stand-ins below, with vLLM's constructor signature, role enum
-  values and method names (scheduler side, worker side, metadata binding), so the adapter runs
-  unchanged under a fake driver. ``HAVE_VLLM`` says which.
+* when vLLM imports, they *are* vLLM's classes (``tests/vllm/`` runs the adapter that way);
+* otherwise they are the small stand-ins below, with vLLM 0.33's constructor signature, role
+  enum values and method names, so the adapter imports and its logic runs in the main suite
+  (``tests/connector/test_vllm_adapter.py``, beside the real tests, never instead of them).
+  ``HAVE_VLLM`` says which.
 
 Type checkers always see the stand-ins (vLLM is not installed where mypy runs).
-
-The metadata one scheduler step sends to every worker is ``TierdConnectorMetadata``: plain lists
-of ints and bytes, so it pickles / msgspec-encodes across vLLM's process boundary.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 __all__ = ["HAVE_VLLM", "KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole",
-           "LoadSpec", "SaveSpec", "TierdConnectorMetadata"]
+           "KVConnectorStats", "KVConnectorWorkerMetadata"]
 
 
 class StandinKVConnectorRole(enum.Enum):
@@ -35,6 +34,22 @@ class StandinKVConnectorRole(enum.Enum):
 
 class StandinKVConnectorMetadata(ABC):  # noqa: B024 - vLLM's is an ABC without abstract methods
     """vLLM's ``KVConnectorMetadata``: what the scheduler side hands the worker side per step."""
+
+
+class StandinKVConnectorWorkerMetadata(ABC):
+    """vLLM's ``KVConnectorWorkerMetadata``: what each worker reports back per step; vLLM
+    merges the workers' reports with ``aggregate`` before the scheduler side sees them."""
+
+    @abstractmethod
+    def aggregate(self, other: Any) -> Any: ...
+
+
+@dataclass
+class StandinKVConnectorStats:
+    """vLLM's ``KVConnectorStats``: a serialisable ``data`` dict that workers fill and vLLM
+    merges (``aggregate``) and reduces for its logs."""
+
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 class StandinKVConnectorBase(ABC):
@@ -118,12 +133,13 @@ class StandinKVConnectorBase(ABC):
         return False, None
 
 
-def _import_vllm_base() -> tuple[Any, Any, Any] | None:
+def _import_vllm_base() -> tuple[Any, ...] | None:
     try:
-        from vllm.distributed.kv_transfer.kv_connector.v1 import base
+        from vllm.distributed.kv_transfer.kv_connector.v1 import base, metrics
     except ImportError:
         return None
-    return base.KVConnectorBase_V1, base.KVConnectorMetadata, base.KVConnectorRole
+    return (base.KVConnectorBase_V1, base.KVConnectorMetadata, base.KVConnectorRole,
+            base.KVConnectorWorkerMetadata, metrics.KVConnectorStats)
 
 
 if TYPE_CHECKING:
@@ -131,6 +147,8 @@ if TYPE_CHECKING:
     KVConnectorBase_V1: TypeAlias = StandinKVConnectorBase
     KVConnectorMetadata: TypeAlias = StandinKVConnectorMetadata
     KVConnectorRole: TypeAlias = StandinKVConnectorRole
+    KVConnectorWorkerMetadata: TypeAlias = StandinKVConnectorWorkerMetadata
+    KVConnectorStats: TypeAlias = StandinKVConnectorStats
 else:
     _real = _import_vllm_base()
     HAVE_VLLM = _real is not None
@@ -138,34 +156,8 @@ else:
         KVConnectorBase_V1 = StandinKVConnectorBase
         KVConnectorMetadata = StandinKVConnectorMetadata
         KVConnectorRole = StandinKVConnectorRole
+        KVConnectorWorkerMetadata = StandinKVConnectorWorkerMetadata
+        KVConnectorStats = StandinKVConnectorStats
     else:
-        KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole = _real
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSpec:
-    """Blocks of one request to fill from tierd this step: ``block_hashes[i]`` goes into vLLM
-    block ``block_ids[i]`` (freshly allocated, consecutive positions of the request's chain)."""
-
-    req_id: str
-    block_ids: list[int]
-    block_hashes: list[bytes]
-
-
-@dataclass(frozen=True, slots=True)
-class SaveSpec:
-    """Blocks of one request that this step's forward pass completes: after every layer has
-    written them, ``block_ids[i]`` is stored in tierd under ``block_hashes[i]``."""
-
-    req_id: str
-    block_ids: list[int]
-    block_hashes: list[bytes]
-
-
-@dataclass(frozen=True)
-class TierdConnectorMetadata(KVConnectorMetadata):
-    """One scheduler step's work for the workers: loads happen in ``start_load_kv`` (before the
-    forward pass), saves in ``save_kv_layer`` / ``wait_for_save`` (during and after it)."""
-
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
+        (KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorWorkerMetadata,
+         KVConnectorStats) = _real

@@ -1,4 +1,4 @@
-"""The vLLM adapter's settings (``kv_connector_extra_config``) and its link to the tierd daemon.
+"""The vLLM adapter's link to the tierd daemon.
 
 Both sides of the adapter (scheduler process, each worker process) own one ``DaemonLink``: a
 ``TierdClient`` plus the engine registration for one ``Layout``, and for workers the attached
@@ -12,86 +12,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
-from typing import Any, Literal, get_args
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 
+from .config import TierdVllmConfig
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import EngineHandle, TierdClient
 from tierd.daemon.layout import Layout
-from tierd.hashing import HashAlgo
 
 _log = logging.getLogger(__name__)
-
-KVCacheLayout = Literal["flash_attn", "flashinfer"]
-"""Shape of vLLM's per-layer KV tensor: ``flash_attn`` is ``[2, num_blocks, block_size,
-num_kv_heads, head_size]``, ``flashinfer`` is ``[num_blocks, 2, block_size, num_kv_heads,
-head_size]``."""
 
 _KEEP_LINK = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
               grpc.StatusCode.INVALID_ARGUMENT)
 """Errors about one request (an expired lease, too many blocks): the daemon itself is fine."""
-
-
-@dataclass(frozen=True, slots=True)
-class TierdVllmConfig:
-    """The adapter's settings, from ``kv_connector_extra_config`` (same key names)."""
-
-    socket_path: str | None = None
-    """Daemon Unix socket; default ``TIERD_SOCKET_PATH`` or tierd's default socket."""
-    address: str | None = None
-    """``host:port`` of a daemon's TCP listener instead of the socket (needs ``token``)."""
-    token: str | None = None
-    """Bearer token: selects the tenant whose blocks this engine shares (none: the daemon's
-    default tenant over the Unix socket)."""
-    engine_name: str = "vllm"
-    """Shown by ``tierd stats``; workers append ``-tp<rank>``."""
-    hash_algo: HashAlgo = "sha256_cbor"
-    """Only used when a request carries no vLLM block hashes (prefix caching off)."""
-    hash_seed: str | None = None
-    """NONE_HASH seed for those hashes; default ``PYTHONHASHSEED`` (as vLLM), else vLLM's
-    fixed seed."""
-    timeout_seconds: float = 5.0
-    """Deadline of each daemon call."""
-    retry_seconds: float = 10.0
-    """Least time between two attempts to reach a daemon that was down."""
-    load: bool = True
-    """Load prefixes from tierd."""
-    save: bool = True
-    """Write newly computed full blocks through to tierd."""
-    kv_cache_layout: KVCacheLayout = "flash_attn"
-
-    @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any],
-                          env: Mapping[str, str]) -> TierdVllmConfig:
-        """Parse ``kv_connector_extra_config``; ``env`` supplies ``PYTHONHASHSEED``.
-        ``ValueError`` naming the fix for an unknown key or a bad value."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown} for "
-                             f"TierdConnector; known keys: {sorted(known)}")
-        values = dict(extra)
-        values.setdefault("hash_seed", env.get("PYTHONHASHSEED"))
-        config = cls(**values)
-        config.validate()
-        return config
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the fix for a value out of range."""
-        if self.hash_algo not in get_args(HashAlgo):
-            raise ValueError(f"hash_algo must be one of {get_args(HashAlgo)}, "
-                             f"got {self.hash_algo!r}")
-        if self.kv_cache_layout not in get_args(KVCacheLayout):
-            raise ValueError(f"kv_cache_layout must be one of {get_args(KVCacheLayout)}, "
-                             f"got {self.kv_cache_layout!r}")
-        if not self.timeout_seconds > 0 or self.retry_seconds < 0:
-            raise ValueError("need timeout_seconds > 0 and retry_seconds >= 0, got "
-                             f"{self.timeout_seconds} and {self.retry_seconds}")
-        if self.address and not self.token:
-            raise ValueError("a TCP address needs a bearer token: set 'token' too")
 
 
 class DaemonLink:
@@ -172,16 +107,18 @@ class DaemonLink:
         return True
 
     def failed(self, exc: grpc.RpcError) -> None:
-        """Account for a failed call: an error about the request keeps the link; any other
-        (daemon gone, restarted, deadline) drops it so the next ``connect`` re-registers."""
+        """Account for a failed call: an error about the request keeps the link; NOT_FOUND (a
+        daemon that restarted no longer knows this engine, or a lease that lapsed) drops it and
+        re-registers at the next use; any other (daemon gone, deadline) drops it for
+        ``retry_seconds``."""
         code = exc.code() if isinstance(exc, grpc.Call) else None
         if code in _KEEP_LINK:
             _log.debug("tierd call failed: %s", _describe(exc))
             return
-        _log.warning("tierd call failed (%s); reconnecting in %.0f s", _describe(exc),
-                     self._config.retry_seconds)
+        wait = 0.0 if code == grpc.StatusCode.NOT_FOUND else self._config.retry_seconds
+        _log.warning("tierd call failed (%s); reconnecting in %.0f s", _describe(exc), wait)
         self._drop()
-        self._next_try = self._clock() + self._config.retry_seconds
+        self._next_try = self._clock() + wait
 
     def close(self) -> None:
         """Unregister (best effort) and drop the channel and the arena mapping."""

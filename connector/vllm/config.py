@@ -1,0 +1,64 @@
+"""The vLLM adapter's settings: the keys of ``kv_connector_extra_config``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+_REMOVED = {
+    "hash_algo": "vLLM 0.33 hashes every block itself (--prefix-caching-hash-algo)",
+    "hash_seed": "vLLM 0.33 hashes every block itself (PYTHONHASHSEED seeds it)",
+    "kv_cache_layout": "the layout is read from vLLM's KV tensors",
+}
+"""Keys of earlier tierd versions, and why they are gone (named in the error)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierdVllmConfig:
+    """The adapter's settings, from ``kv_connector_extra_config`` (same key names)."""
+
+    socket_path: str | None = None
+    """Daemon Unix socket; default ``TIERD_SOCKET_PATH`` or tierd's default socket."""
+    address: str | None = None
+    """``host:port`` of a daemon's TCP listener instead of the socket (needs ``token``)."""
+    token: str | None = None
+    """Bearer token: selects the tenant whose blocks this engine shares (none: the daemon's
+    default tenant over the Unix socket)."""
+    engine_name: str = "vllm"
+    """Shown by ``tierd stats``; the scheduler appends ``-scheduler``, workers ``-tp<rank>``."""
+    timeout_seconds: float = 5.0
+    """Deadline of each daemon call."""
+    retry_seconds: float = 10.0
+    """Least time between two attempts to reach a daemon that was down."""
+    load: bool = True
+    """Load prefixes from tierd."""
+    save: bool = True
+    """Write newly computed full blocks through to tierd."""
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> TierdVllmConfig:
+        """Parse ``kv_connector_extra_config``: ``ValueError`` naming the fix for an unknown or
+        removed key or a bad value."""
+        known = {f.name for f in fields(cls)}
+        for key in sorted(set(extra) & set(_REMOVED)):
+            raise ValueError(f"kv_connector_extra_config key {key!r} was removed: "
+                             f"{_REMOVED[key]}; drop it")
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown} for "
+                             f"TierdConnector; known keys: {sorted(known)}")
+        config = cls(**dict(extra))
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the fix for a value out of range."""
+        if not self.timeout_seconds > 0 or self.retry_seconds < 0:
+            raise ValueError("need timeout_seconds > 0 and retry_seconds >= 0, got "
+                             f"{self.timeout_seconds} and {self.retry_seconds}")
+        if self.address and not self.token:
+            raise ValueError("a TCP address needs a bearer token: set 'token' too")
+        for name in ("load", "save"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -1,0 +1,73 @@
+"""What the adapter's two sides tell each other once per step.
+
+Scheduler -> workers: ``TierdConnectorMetadata`` (the step's loads and saves). Workers ->
+scheduler: ``TierdWorkerMetadata`` (which loads are done, which failed), merged across TP ranks
+by vLLM with ``aggregate``. Both are plain ints, strings and bytes, so they pickle and
+msgspec-encode across vLLM's process boundaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Blocks of one request to fill from tierd this step: ``block_hashes[i]`` goes into vLLM
+    block ``block_ids[i]`` (freshly allocated, consecutive positions of the request's chain).
+    The scheduler pinned them when it reported the hit; the pin lasts until every worker has
+    reported this load in ``TierdWorkerMetadata.loaded``."""
+
+    req_id: str
+    block_ids: list[int]
+    block_hashes: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Blocks of one request that this step's forward pass completes: after every layer has
+    written them, ``block_ids[i]`` is stored in tierd under ``block_hashes[i]``.
+    ``depends_on``: blocks of this step's loads (any request's) in the request's block table
+    before them; if one of those fails to load, the save is dropped."""
+
+    req_id: str
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    depends_on: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TierdConnectorMetadata(KVConnectorMetadata):
+    """One scheduler step's work for the workers: loads happen in ``start_load_kv`` (before the
+    forward pass), saves in ``save_kv_layer`` / ``wait_for_save`` (during and after it).
+
+    ``recomputing``: requests whose failed load the scheduler has seen and vLLM has rolled
+    back; from this step on their saves are blocks vLLM recomputed, so workers accept them
+    again (until then a worker drops every save of a request whose load failed)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    recomputing: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TierdWorkerMetadata(KVConnectorWorkerMetadata):
+    """One step's report of the workers. ``loaded``: request -> how many workers ran its
+    planned load (the scheduler unpins once all have). ``failed``: vLLM block ids whose load
+    failed on some worker (the same ids ``get_block_ids_with_load_errors`` gave vLLM)."""
+
+    loaded: dict[str, int] = field(default_factory=dict)
+    failed: set[int] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> TierdWorkerMetadata:
+        """Merge another worker's report of the same step into this one (returns self)."""
+        assert isinstance(other, TierdWorkerMetadata), f"foreign worker metadata {type(other)}"
+        for req_id, count in other.loaded.items():
+            self.loaded[req_id] = self.loaded.get(req_id, 0) + count
+        self.failed |= other.failed
+        return self
+
+    def is_empty(self) -> bool:
+        return not self.loaded and not self.failed

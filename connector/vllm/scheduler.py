@@ -1,0 +1,267 @@
+"""The scheduler half of the vLLM adapter: which blocks to load and which to save, per step.
+
+Metadata only (no KV bytes). Per request scheduled from the waiting queue, one ``Lookup`` (the
+tier of each hit, for vLLM's hit-source stats) and one ``Acquire`` per TP rank: **the hit it
+reports is pinned** under a lease, so between this answer and the workers' load only a dead
+daemon can make the load fail. The pin is released on every path: when every worker has
+reported the load done (``TierdWorkerMetadata.loaded``), when vLLM allocates no external tokens,
+when the request is looked up again, finishes or is aborted, and at the latest when its lease
+expires on the daemon.
+
+The plan for each step goes to the workers as a ``TierdConnectorMetadata``:
+
+* loads: the blocks ``get_num_new_matched_tokens`` promised, in the vLLM block ids that
+  ``update_state_after_alloc`` reports for those positions;
+* saves: for every scheduled request, the full blocks this step completes (computed tokens +
+  scheduled tokens), once each, never the loaded ones or the local prefix-cache hits. Each save
+  names the blocks of this step's loads that its request's table holds (``depends_on``), so a
+  worker drops it if one of those fails: nothing computed on top of a failed load is stored.
+
+After a failed load (``TierdWorkerMetadata.failed``) every tracked request holding a failed block
+rewinds its save position to that block, and is named in the next step's ``recomputing``: from
+then on its saves are the blocks vLLM recomputes.
+
+Block hashes are vLLM's own ``request.block_hashes``: vLLM 0.33 attaches its block hasher to
+every request whenever a KV connector is configured.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from .link import DaemonLink
+from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
+from tierd.types import BlockHash, Tier
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """A request between ``update_state_after_alloc`` and ``request_finished``."""
+
+    request: Any
+    next_save: int                 # first block position not yet handed to workers to save
+    block_ids: list[int] = field(default_factory=list)  # vLLM block id of each position
+
+
+@dataclass(slots=True)
+class _Pin:
+    """The leases (one per TP rank) that hold a request's reported hit in the daemon's DRAM."""
+
+    start: int                     # block position of the first hit
+    hashes: list[BlockHash]        # the hit blocks, chain order
+    tiers: list[Tier]              # where each was when looked up
+    leases: list[tuple[int, str]]  # (rank, lease id)
+    reports: int = 0               # workers that reported the load done
+
+
+class SchedulerSide:
+    """State of the scheduler-side connector. Called from vLLM's scheduler thread only.
+
+    ``links[r]`` is the registration under TP rank ``r``'s layout (rank 0's namespace is the
+    one looked up)."""
+
+    def __init__(self, links: Sequence[DaemonLink], *, load: bool, save: bool) -> None:
+        assert links, "need one link per TP rank"
+        self._links = list(links)
+        self._load, self._save = load, save
+        self._block_size = links[0].layout.block_size
+        self._tracked: dict[str, _Tracked] = {}
+        self._pins: dict[str, _Pin] = {}
+        self._loads: list[LoadSpec] = []
+        self._recomputing: set[str] = set()
+        self._warned_unhashed = False
+
+    # -- lookups and pins --------------------------------------------------------------------
+
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` (the local prefix-cache hit, block-aligned) that
+        tierd holds and has now pinned for this request: full blocks only, and never the block
+        holding the request's last token (vLLM must compute that one to sample). Replaces the
+        request's earlier pin. 0 if the daemon is unreachable."""
+        self._unpin(request.request_id)
+        bs = self._block_size
+        start = -(-num_computed_tokens // bs)
+        usable = (request.num_tokens - 1) // bs  # full blocks that leave the last token out
+        if not self._load or usable <= start:
+            return 0
+        hashes = self._hashes(request)
+        end = min(usable, len(hashes),
+                  start + min(link.engine.max_blocks_per_request if link.up else 1 << 30
+                              for link in self._links))
+        if end <= start or not all(link.connect() for link in self._links):
+            return 0
+        pin = self._pin(start, [BlockHash(h) for h in hashes[start:end]])
+        if pin is None:
+            return 0
+        self._pins[request.request_id] = pin
+        return (start + len(pin.hashes)) * bs - num_computed_tokens
+
+    def _pin(self, start: int, wanted: list[BlockHash]) -> _Pin | None:
+        """Look ``wanted`` up on rank 0 and pin its held prefix on every rank (the shortest
+        rank's prefix wins). None on a miss or a failed call (pins taken are released)."""
+        first = self._links[0]
+        try:
+            tiers = first.client.lookup(first.engine.engine_id, wanted)
+        except grpc.RpcError as exc:
+            first.failed(exc)
+            return None
+        pin = _Pin(start, wanted[:len(tiers)], list(tiers), [])
+        for rank, link in enumerate(self._links):
+            if not pin.hashes:
+                break
+            try:
+                got = link.client.acquire(link.engine.engine_id, pin.hashes)
+            except grpc.RpcError as exc:
+                link.failed(exc)
+                got = None
+            if got is None or got.num_blocks == 0:
+                pin.hashes = []
+            else:
+                pin.leases.append((rank, got.lease_id))
+                del pin.hashes[got.num_blocks:], pin.tiers[got.num_blocks:]
+        if not pin.hashes:
+            self._release(pin)
+            return None
+        return pin
+
+    def _unpin(self, req_id: str) -> None:
+        pin = self._pins.pop(req_id, None)
+        if pin is not None:
+            self._release(pin)
+
+    def _release(self, pin: _Pin) -> None:
+        for rank, lease_id in pin.leases:
+            link = self._links[rank]
+            if not link.up:
+                continue  # the daemon forgot the lease with the engine
+            try:
+                link.client.release(link.engine.engine_id, lease_id)
+            except grpc.RpcError as exc:  # expired or daemon gone: nothing is held any more
+                link.failed(exc)
+        pin.leases.clear()
+
+    def hit_tiers(self, req_id: str, num_tokens: int) -> dict[Tier, int]:
+        """Tokens of the first ``num_tokens`` loaded for ``req_id`` by the tier that held
+        them at lookup (for vLLM's hit-source stats)."""
+        pin = self._pins.get(req_id)
+        out: dict[Tier, int] = {}
+        if pin is None:
+            return out
+        for tier in pin.tiers[:num_tokens // self._block_size]:
+            out[tier] = out.get(tier, 0) + self._block_size
+        return out
+
+    # -- plans -------------------------------------------------------------------------------
+
+    def after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """Start tracking ``request`` (again, after a preemption) and, if vLLM accepted
+        ``num_external_tokens`` of our match, plan the load into the allocated blocks at those
+        positions (``block_ids``: all of the request's blocks, first KV cache group). Without
+        a load the request's pin is released now."""
+        bs, req_id = self._block_size, request.request_id
+        count = num_external_tokens // bs
+        pin = self._pins.get(req_id)
+        assert count == 0 or (pin is not None and count <= len(pin.hashes)), (
+            f"vLLM accepted {count} external blocks for {req_id}, more than "
+            "get_num_new_matched_tokens offered")
+        if count == 0 or pin is None:
+            self._unpin(req_id)
+            start = request.num_computed_tokens // bs
+        else:
+            start = pin.start
+            del pin.hashes[count:], pin.tiers[count:]
+            self._loads.append(LoadSpec(req_id, list(block_ids[start:start + count]),
+                                        [bytes(h) for h in pin.hashes]))
+        tracked = self._tracked.get(req_id)
+        if tracked is None:
+            self._tracked[req_id] = _Tracked(request, next_save=start + count)
+        else:  # resumed after a preemption: what was saved before stays saved
+            tracked.next_save = max(tracked.next_save, start + count)
+
+    def build(self, scheduler_output: Any) -> TierdConnectorMetadata:
+        """This step's plan; forgets the loads it hands out. Reads ``scheduler_output`` only."""
+        loads, self._loads = self._loads, []
+        loading = {b for spec in loads for b in spec.block_ids}
+        saves: list[SaveSpec] = []
+        bs = self._block_size
+        for req_id, new_ids, resumed in _scheduled(scheduler_output):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            if resumed:
+                tracked.block_ids = list(new_ids or ())
+            else:
+                tracked.block_ids.extend(new_ids or ())
+            request = tracked.request
+            done = min(request.num_computed_tokens
+                       + scheduler_output.num_scheduled_tokens[req_id], request.num_tokens)
+            hashes = self._hashes(request)
+            end = min(done // bs, len(hashes), len(tracked.block_ids))
+            if self._save and end > tracked.next_save:
+                depends = [b for b in tracked.block_ids[:end] if b in loading] if loading else []
+                saves.append(SaveSpec(req_id, tracked.block_ids[tracked.next_save:end],
+                                      [bytes(h) for h in hashes[tracked.next_save:end]],
+                                      depends))
+            tracked.next_save = max(tracked.next_save, end)
+        recomputing, self._recomputing = sorted(self._recomputing), set()
+        return TierdConnectorMetadata(loads=loads, saves=saves, recomputing=recomputing)
+
+    def on_worker_report(self, report: TierdWorkerMetadata) -> None:
+        """Take the workers' report of a step: unpin loads every worker has done, and rewind
+        the saves of every request that holds a block whose load failed."""
+        for req_id, count in report.loaded.items():
+            pin = self._pins.get(req_id)
+            if pin is not None:
+                pin.reports += count
+                if pin.reports >= len(self._links):
+                    self._unpin(req_id)
+        if not report.failed:
+            return
+        failed = set(report.failed)
+        for req_id, tracked in self._tracked.items():
+            held = tracked.block_ids[:tracked.next_save]
+            first = next((i for i, b in enumerate(held) if b in failed), None)
+            if first is not None:
+                tracked.next_save = first
+                self._recomputing.add(req_id)
+
+    def finished(self, request: Any) -> None:
+        """Forget ``request`` (finished, aborted or failed) and release its pin."""
+        self._unpin(request.request_id)
+        self._tracked.pop(request.request_id, None)
+        self._recomputing.discard(request.request_id)
+
+    def close(self) -> None:
+        """Release every pin, unregister."""
+        for req_id in list(self._pins):
+            self._unpin(req_id)
+        for link in self._links:
+            link.close()
+
+    def _hashes(self, request: Any) -> Sequence[bytes]:
+        hashes: Sequence[bytes] = getattr(request, "block_hashes", None) or ()
+        if not hashes and request.num_tokens >= self._block_size and not self._warned_unhashed:
+            self._warned_unhashed = True
+            _log.warning("tierd: request %s carries no block hashes (vLLM attaches them when a "
+                         "KV connector is set; tierd speaks vLLM 0.33): it is neither loaded "
+                         "nor saved", request.request_id)
+        return hashes
+
+
+def _scheduled(scheduler_output: Any) -> Iterator[tuple[str, list[int] | None, bool]]:
+    """(request id, block ids new this step (first KV cache group), resumed after preemption)
+    for every scheduled request. Resumed requests list all their block ids."""
+    for new in scheduler_output.scheduled_new_reqs:
+        yield new.req_id, list(new.block_ids[0]), False
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed_ids = cached.resumed_req_ids
+    for i, req_id in enumerate(cached.req_ids):
+        groups = cached.new_block_ids[i]
+        yield req_id, (list(groups[0]) if groups else None), req_id in resumed_ids

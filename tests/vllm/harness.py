@@ -1,0 +1,309 @@
+"""Real vLLM 0.33 around tierd's connector: vLLM's own config, scheduler, connector factory and
+KV allocation, a real `tierd serve` on a temporary socket, and a stand-in *forward pass* (the one
+part vLLM cannot run on a CPU host without its CPU build).
+
+The forward pass makes KV content matter: at each position it reads the previous position's
+state back out of the KV cache (two bytes of layer 0), mixes in the token, and writes a byte
+pattern derived from the new state into every layer; the sampled token is a function of the
+last state. So a wrong or missing block changes every later token, and a run with tierd
+produces the same tokens as a run without it only if every loaded block was right.
+
+Run by `make test-vllm` (the vLLM venv); the main suite skips these modules (no vLLM there).
+Fixtures are in this folder's conftest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs real vLLM: run `make test-vllm`")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,  # noqa: E402
+                         SchedulerConfig, VllmConfig)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.utils.hashing import sha256_cbor  # noqa: E402
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+from tierd.daemon.client import TierdClient  # noqa: E402
+
+EOS = 999
+BLOCK = 16
+LAYERS = 3
+KV_HEADS = 2
+HEAD = 16
+VOCAB = 1000
+
+
+def model_dir_in(root: str) -> str:
+    """Write the tiny model's directory under ``root``; returns its path."""
+    path = os.path.join(root, "tiny-llama")
+    os.makedirs(path, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": KV_HEADS, "num_hidden_layers": LAYERS,
+              "vocab_size": VOCAB, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+              "torch_dtype": "float16", "head_dim": HEAD, "eos_token_id": EOS}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def vllm_config(model_dir: str, socket_path: str, *, policy: str = "recompute",
+                layout: KVCacheLayout = KVCacheLayout.LBNHC, dtype: str = "float16",
+                cache_dtype: str = "auto", async_scheduling: bool = False,
+                extra: dict[str, Any] | None = None) -> VllmConfig:
+    """vLLM's ``VllmConfig`` with TierdConnector as its KV connector (as `vllm serve
+    --kv-transfer-config` would build it) and ``layout`` resolved as the engine core does."""
+    model = ModelConfig(model=model_dir, dtype=dtype, skip_tokenizer_init=True, seed=0)
+    scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2048,
+                                is_encoder_decoder=False, async_scheduling=async_scheduling)
+    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True, cache_dtype=cache_dtype,
+                        prefix_caching_hash_algo="sha256_cbor")
+    transfer = KVTransferConfig(
+        kv_connector="TierdConnector", kv_connector_module_path="tierd.connector.vllm",
+        kv_role="kv_both", kv_load_failure_policy=policy,
+        kv_connector_extra_config={"socket_path": socket_path, "retry_seconds": 0.0,
+                                   **(extra or {})})
+    config = VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=cache,
+                        kv_transfer_config=transfer, device_config=DeviceConfig("cpu"))
+    config.cache_config.kv_cache_layout = layout.name
+    return config
+
+
+def kv_cache_config(config: VllmConfig, num_blocks: int) -> Any:
+    """vLLM's ``KVCacheConfig`` for the tiny model: one full-attention group, ``num_blocks``
+    blocks, tensors placed by vLLM's planner for the config's layout."""
+    torch_dtype = {"auto": config.model_config.dtype, "fp8": torch.float8_e4m3fn,
+                   "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}[config.cache_config.cache_dtype]
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD,
+                             dtype=torch_dtype)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    config.cache_config.num_gpu_blocks = num_blocks
+    return get_kv_cache_config_from_groups(config, [KVCacheGroupSpec(layers, spec)],
+                                           spec.page_size_bytes * LAYERS * num_blocks)
+
+
+def kv_caches(config: VllmConfig, kcc: Any) -> dict[str, torch.Tensor]:
+    """The per-layer KV views exactly as vLLM's worker allocates them."""
+    layout = KVCacheLayout[config.cache_config.kv_cache_layout]
+    return allocate_kv_cache(kcc, torch.device("cpu"), layout)
+
+
+_NONE_HASH_READY = False
+
+
+def make_request(req_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
+    """A vLLM ``Request`` with vLLM's own block hasher (sha256_cbor, as the engine core
+    attaches it), greedy, stopping at ``max_tokens`` or EOS."""
+    global _NONE_HASH_READY
+    if not _NONE_HASH_READY:
+        init_none_hash(sha256_cbor)
+        _NONE_HASH_READY = True
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    params.update_from_generation_config({}, EOS)
+    return Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=params,
+                   pooling_params=None, mm_features=None,
+                   block_hasher=get_request_block_hasher(BLOCK, sha256_cbor))
+
+
+@dataclass
+class Engine:
+    """One vLLM engine: the real scheduler (which builds the scheduler-side TierdConnector
+    through vLLM's factory), one worker-side TierdConnector from the same factory holding KV
+    tensors from ``allocate_kv_cache``, and the stand-in forward pass of the module doc."""
+
+    config: VllmConfig
+    scheduler: Scheduler
+    worker: Any
+    kv: dict[str, torch.Tensor]
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    finish: dict[str, str] = field(default_factory=dict)
+    invalid_reported: set[int] = field(default_factory=set)
+    between: Any = None  # called with the engine after schedule(), before the forward pass
+    _last: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, config: VllmConfig, num_blocks: int = 64) -> Engine:
+        kcc = kv_cache_config(config, num_blocks)
+        scheduler_cls = AsyncScheduler if config.scheduler_config.async_scheduling else Scheduler
+        scheduler = scheduler_cls(vllm_config=config, kv_cache_config=kcc, log_stats=True,
+                                  structured_output_manager=StructuredOutputManager(config),
+                                  block_size=BLOCK)
+        worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kcc)
+        kv = kv_caches(config, kcc)
+        worker.register_kv_caches(kv)
+        return cls(config, scheduler, worker, kv)
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()
+
+    @property
+    def connector(self) -> Any:
+        return self.scheduler.connector
+
+    # -- the stand-in forward pass -----------------------------------------------------------
+
+    def _bytes(self, layer: int) -> torch.Tensor:
+        return list(self.kv.values())[layer].view(torch.uint8)  # [B, H, N, C bytes]
+
+    def _state_at(self, table: list[int], pos: int) -> int:
+        if pos < 0:
+            return 7
+        cell = self._bytes(0)[table[pos // BLOCK], 0, pos % BLOCK]
+        return int(cell[0]) | int(cell[1]) << 8
+
+    def _write(self, table: list[int], pos: int, state: int) -> None:
+        for layer in range(LAYERS):
+            view = self._bytes(layer)[table[pos // BLOCK], :, pos % BLOCK]
+            pattern = (torch.arange(view.numel(), dtype=torch.int64) * 13 + state + layer * 7)
+            view.copy_((pattern % 256).to(torch.uint8).view(view.shape))
+            if layer == 0:
+                view[0, 0], view[0, 1] = state & 0xFF, state >> 8
+
+    def _forward(self, out: Any) -> ModelRunnerOutput:
+        """Run one scheduled step through the worker connector in vLLM's model-runner order
+        (bind, start_load_kv, per-layer save_kv_layer, wait_for_save, reports, clear)."""
+        w = self.worker
+        w.bind_connector_metadata(out.kv_connector_metadata)
+        w.start_load_kv(None)
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
+        spans = [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs]
+        cached = out.scheduled_cached_reqs
+        spans += list(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, start in spans:
+            request = self.scheduler.requests[req_id]
+            table = list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+            known = self.tokens.get(req_id, [])
+            ids = list(request.prompt_token_ids or ()) + known
+            state = self._state_at(table, start - 1)
+            for pos in range(start, start + out.num_scheduled_tokens[req_id]):
+                if pos >= len(ids):  # async scheduling: the token sampled last step
+                    ids.append(self._last[req_id])
+                state = (state * 31 + ids[pos] + 1) % 65521
+                self._write(table, pos, state)
+            req_ids.append(req_id)
+            if start + out.num_scheduled_tokens[req_id] < request.num_tokens:
+                sampled.append([])  # a prefill chunk that does not reach the end samples nothing
+                continue
+            sampled.append([state % (VOCAB - 1)])
+            self._last[req_id] = sampled[-1][0]
+        for name, tensor in self.kv.items():
+            w.save_kv_layer(name, tensor, None)
+        w.wait_for_save()
+        w.get_finished(out.finished_req_ids)
+        invalid = w.get_block_ids_with_load_errors()
+        self.invalid_reported |= invalid
+        conn = KVConnectorOutput(invalid_block_ids=invalid,
+                                 kv_connector_stats=w.get_kv_connector_stats(),
+                                 kv_connector_worker_meta=w.build_connector_worker_meta())
+        w.clear_connector_metadata()
+        return ModelRunnerOutput(req_ids=req_ids,
+                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=sampled, logprobs=None,
+                                 prompt_logprobs_dict={}, pooler_output=None,
+                                 kv_connector_output=conn)
+
+    def _absorb(self, outputs: dict[int, Any]) -> None:
+        for engine_outputs in outputs.values():
+            for o in engine_outputs.outputs:
+                self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.finish[o.request_id] = str(o.finish_reason)
+
+    def run(self, requests: list[Request], max_steps: int = 500) -> dict[str, list[int]]:
+        """Add ``requests`` and step until all finish; returns their generated tokens. With
+        async scheduling, each step's output is applied after the next step is scheduled, as
+        vLLM's engine core does with its batch queue."""
+        for request in requests:
+            self.scheduler.add_request(request)
+        pending: tuple[Any, ModelRunnerOutput] | None = None
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests() and pending is None:
+                break
+            out = self.scheduler.schedule()
+            if self.between is not None:
+                self.between(self, out)
+            result = self._forward(out)
+            if self.config.scheduler_config.async_scheduling:
+                if pending is not None:
+                    self._absorb(self.scheduler.update_from_output(*pending))
+                pending = (out, result)
+                if not out.total_num_scheduled_tokens:
+                    self._absorb(self.scheduler.update_from_output(*pending))
+                    pending = None
+            else:
+                self._absorb(self.scheduler.update_from_output(out, result))
+        else:
+            raise AssertionError("requests did not finish")
+        return {r.request_id: self.tokens.get(r.request_id, []) for r in requests}
+
+
+class Daemon:
+    """A real `tierd serve` on a Unix socket in a temporary directory; ``restart`` kills it
+    (SIGKILL) and starts a fresh one on the same socket with an empty SSD directory."""
+
+    def __init__(self, workdir: str, ssd: bool = True) -> None:
+        self.workdir, self.ssd = workdir, ssd
+        self.socket_path = os.path.join(workdir, "tierd.sock")
+        self.process: subprocess.Popen[bytes] | None = None
+        self.generation = 0
+
+    def start(self) -> None:
+        self.generation += 1
+        ssd = os.path.join(self.workdir, f"ssd-{self.generation}")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tierd.commands.serve", "--socket-path", self.socket_path,
+             "--dram-bytes", "32MiB", "--slab-bytes", "64KiB", "--no-prefault",
+             "--ssd-dir", ssd if self.ssd else "", "--ssd-bytes", "8MiB",
+             "--log-level", "WARNING"],
+            env={**os.environ, "TIERD_CONFIG": ""}, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE)
+        client = TierdClient(socket_path=self.socket_path, timeout=10.0)
+        try:
+            client.wait_ready(timeout=60)
+        except Exception:
+            self.process.kill()
+            raise AssertionError(f"tierd serve did not come up: {self.process.communicate()[1]!r}")
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def client(self) -> TierdClient:
+        return TierdClient(socket_path=self.socket_path, timeout=10.0)
+
+    def pinned_blocks(self) -> int:
+        with self.client() as client:
+            return sum(t.pinned_blocks for t in client.stats().tiers)

@@ -1,0 +1,247 @@
+"""TierdConnector inside real vLLM 0.33: vLLM's Scheduler/AsyncScheduler and connector factory,
+KV tensors from vLLM's allocator in every layout, a real `tierd serve`."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs real vLLM: run `make test-vllm`")
+
+import torch  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+from harness import BLOCK, Daemon, Engine, make_request, vllm_config  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = [(i * 37 + 11) % 997 for i in range(6 * BLOCK + 5)]  # 6 full blocks and a tail
+LAYOUTS = list(KVCacheLayout)
+
+
+def baseline(model_dir: str, daemon: Daemon, prompt: list[int]) -> list[int]:
+    """The tokens of a run with tierd's loading and saving off (the reference)."""
+    engine = Engine.start(vllm_config(model_dir, daemon.socket_path,
+                                      extra={"load": False, "save": False}))
+    try:
+        return engine.run([make_request("ref", prompt)])["ref"]
+    finally:
+        engine.close()
+
+
+def logical_blocks(engine: Engine, req_id: str, count: int) -> list[torch.Tensor]:
+    """The first ``count`` blocks of a request, every layer, as logical [H, N, C] bytes."""
+    table = engine.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+    return [t.view(torch.uint8)[table[i]].contiguous()
+            for t in engine.kv.values() for i in range(count)]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
+def test_prefix_saved_in_one_layout_loads_byte_exact_in_another(model_dir: str, daemon: Daemon,
+                                                                  layout: KVCacheLayout,
+                                                                  dtype: str) -> None:
+    """An engine in LBNHC saves a prompt; a fresh engine in ``layout`` loads its 6 full blocks
+    (every layer byte-identical, logically) and samples the reference tokens."""
+    want = baseline(model_dir, daemon, PROMPT)
+    first = Engine.start(vllm_config(model_dir, daemon.socket_path, dtype=dtype,
+                                     layout=KVCacheLayout.LBNHC))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path, dtype=dtype, layout=layout))
+    try:
+        # keep the first request's blocks alive to compare: run without finishing it
+        assert first.run([make_request("a", PROMPT)])["a"] == want
+        assert first.worker.worker_counters.data["saved_blocks"] >= 6
+        assert second.run([make_request("b", PROMPT)])["b"] == want
+        counters = second.worker.worker_counters.data
+        assert counters["loaded_blocks"] == 6 and counters["failed_blocks"] == 0
+        assert second.invalid_reported == set()
+        assert daemon.pinned_blocks() == 0
+    finally:
+        first.close()
+        second.close()
+
+
+def test_fp8_cache_moves_raw_bytes(model_dir: str, daemon: Daemon) -> None:
+    """With --kv-cache-dtype fp8 (float8_e4m3fn tensors, which vLLM allows on CPU) blocks are
+    stored and loaded as raw bytes: the second engine samples the reference tokens."""
+    config = vllm_config(model_dir, daemon.socket_path, cache_dtype="fp8")
+    want = baseline(model_dir, daemon, PROMPT)
+    first, second = Engine.start(config), Engine.start(
+        vllm_config(model_dir, daemon.socket_path, cache_dtype="fp8",
+                    layout=KVCacheLayout.LBHNC))
+    try:
+        assert next(iter(first.kv.values())).dtype == torch.float8_e4m3fn
+        assert first.run([make_request("a", PROMPT)])["a"] == want
+        assert second.run([make_request("b", PROMPT)])["b"] == want
+        assert second.worker.worker_counters.data["loaded_blocks"] == 6
+    finally:
+        first.close()
+        second.close()
+
+
+def test_async_scheduler_loads_and_saves(model_dir: str, daemon: Daemon) -> None:
+    """vLLM's AsyncScheduler (one step in flight) with the connector: same tokens, the hit is
+    loaded, every pin is released."""
+    want = baseline(model_dir, daemon, PROMPT)
+    first = Engine.start(vllm_config(model_dir, daemon.socket_path, async_scheduling=True))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path, async_scheduling=True))
+    try:
+        assert first.run([make_request("a", PROMPT)])["a"] == want
+        assert second.run([make_request("b", PROMPT)])["b"] == want
+        assert second.worker.worker_counters.data["loaded_blocks"] == 6
+        assert daemon.pinned_blocks() == 0
+    finally:
+        first.close()
+        second.close()
+
+
+def test_lookup_reports_hit_sources_to_vllm(model_dir: str, daemon: Daemon) -> None:
+    """vLLM's connector prefix-cache stats count tierd's DRAM hits as host hits."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    first = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    seen: list[dict[CacheHitSource, int]] = []
+    original = second.connector.get_external_cache_hit_sources
+
+    def record(request, tokens):  # type: ignore[no-untyped-def]
+        seen.append(original(request, tokens))
+        return seen[-1]
+
+    second.connector.get_external_cache_hit_sources = record
+    try:
+        first.run([make_request("a", PROMPT)])
+        second.run([make_request("b", PROMPT)])
+        assert seen == [{CacheHitSource.HOST: 6 * BLOCK}]
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.parametrize("daemon", [False], indirect=True)
+def test_hit_stays_pinned_between_lookup_and_load(model_dir: str, daemon: Daemon) -> None:
+    """Another engine floods the DRAM tier (no SSD) between the scheduler's lookup and the
+    worker's load: the pinned hit is not evicted, so it loads in full."""
+    first = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    flood = Engine.start(vllm_config(model_dir, daemon.socket_path), num_blocks=4096)
+
+    def evict_everything(engine: Engine, out: object) -> None:
+        if engine.between is None or not out.kv_connector_metadata.loads:  # type: ignore[attr-defined]
+            return
+        engine.between = None
+        prompts = [[(i * 7 + j) % 991 for i in range(128 * BLOCK + 1)] for j in range(48)]
+        flood.run([make_request(f"f{j}", p, max_tokens=1) for j, p in enumerate(prompts)],
+                  max_steps=5000)
+        arena_blocks = (32 << 20) // first.worker._worker.format.slot_bytes
+        assert flood.worker.worker_counters.data["saved_blocks"] > arena_blocks
+
+    try:
+        want = first.run([make_request("a", PROMPT)])["a"]
+        second.between = evict_everything
+        assert second.run([make_request("b", PROMPT)])["b"] == want
+        assert second.worker.worker_counters.data["loaded_blocks"] == 6
+        assert daemon.pinned_blocks() == 0
+    finally:
+        first.close()
+        second.close()
+        flood.close()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_daemon_restart_between_lookup_and_load(model_dir: str, daemon: Daemon,
+                                                policy: str) -> None:
+    """The daemon is killed and restarted (empty) after the scheduler reported a hit and before
+    the load. "recompute": the request completes with the reference tokens; "fail": vLLM fails
+    it. Either way nothing computed on top of the failed load was stored: a third engine that
+    later finds the prompt in tierd samples the reference tokens."""
+    longer = PROMPT[:6 * BLOCK] + [(i * 3 + 2) % 991 for i in range(2 * BLOCK + 3)]
+    want = baseline(model_dir, daemon, longer)
+    first = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path, policy=policy))
+    try:
+        first.run([make_request("a", PROMPT[:6 * BLOCK + 1])])
+        restarted: list[bool] = []
+
+        def restart(engine: Engine, out: object) -> None:
+            if not restarted and out.kv_connector_metadata.loads:  # type: ignore[attr-defined]
+                restarted.append(True)
+                daemon.restart()
+
+        second.between = restart
+        got = second.run([make_request("b", longer)])["b"]
+        assert restarted and second.invalid_reported
+        if policy == "recompute":
+            assert got == want and second.finish["b"] != "error"
+        else:
+            assert second.finish["b"] == "error"
+        counters = second.worker.worker_counters.data
+        assert counters["failed_blocks"] == 6 and counters["dropped_blocks"] == 2
+        third = Engine.start(vllm_config(model_dir, daemon.socket_path))
+        try:
+            assert third.run([make_request("c", longer)])["c"] == want
+            loaded = third.worker.worker_counters.data["loaded_blocks"]
+            assert loaded == (8 if policy == "recompute" else 0)
+        finally:
+            third.close()
+        assert daemon.pinned_blocks() == 0
+    finally:
+        first.close()
+        second.close()
+
+
+def test_failed_load_of_a_shared_block_drops_other_requests_saves(model_dir: str,
+                                                                  daemon: Daemon) -> None:
+    """Two requests share a prefix that is being loaded; the load fails (daemon restarted):
+    neither request's blocks computed on top of it are stored, and a later engine gets the
+    reference tokens for both prompts."""
+    tail_a = [(i * 5 + 3) % 991 for i in range(2 * BLOCK + 3)]
+    tail_b = [(i * 11 + 1) % 991 for i in range(2 * BLOCK + 3)]
+    prefix = PROMPT[:6 * BLOCK]
+    want_a = baseline(model_dir, daemon, prefix + tail_a)
+    want_b = baseline(model_dir, daemon, prefix + tail_b)
+    first = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    try:
+        first.run([make_request("a", prefix + [1])])
+        restarted: list[bool] = []
+
+        def restart(engine: Engine, out: object) -> None:
+            if not restarted and out.kv_connector_metadata.loads:  # type: ignore[attr-defined]
+                restarted.append(True)
+                daemon.restart()
+
+        second.between = restart
+        got = second.run([make_request("a2", prefix + tail_a), make_request("b2", prefix + tail_b)])
+        assert got == {"a2": want_a, "b2": want_b}
+        third = Engine.start(vllm_config(model_dir, daemon.socket_path))
+        try:
+            got = third.run([make_request("a3", prefix + tail_a)])
+            got |= third.run([make_request("b3", prefix + tail_b)])
+            assert got == {"a3": want_a, "b3": want_b}
+        finally:
+            third.close()
+    finally:
+        first.close()
+        second.close()
+
+
+def test_factory_builds_the_connector_and_flags(model_dir: str, daemon: Daemon) -> None:
+    """vLLM's factory finds TierdConnector by module path; it declares sleep mode unsupported,
+    no layout requirement, and rebuilds its stats from a data dict."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    config = vllm_config(model_dir, daemon.socket_path)
+    cls = KVConnectorFactory.get_connector_class(config.kv_transfer_config)
+    assert cls.__name__ == "TierdConnector"
+    assert cls.supports_sleep_mode(config.kv_transfer_config) is False
+    assert cls.get_required_kvcache_layout(config) is None
+    stats = cls.build_kv_connector_stats({"loaded_blocks": 3})
+    assert stats.reduce()["loaded_blocks"] == 3 and not stats.is_empty()
+    assert stats.aggregate(cls.build_kv_connector_stats({"loaded_blocks": 2})).data[
+        "loaded_blocks"] == 5
+
+
+def test_removed_and_unknown_keys_name_the_fix(model_dir: str, daemon: Daemon) -> None:
+    """A removed extra-config key (hash_algo) is refused by name at connector construction."""
+    with pytest.raises(ValueError, match="hash_algo.*removed"):
+        Engine.start(vllm_config(model_dir, daemon.socket_path, extra={"hash_algo": "x"}))

@@ -1,0 +1,47 @@
+"""docs/vllm.md's `vllm serve` command is valid for vLLM 0.33: its own argument parser takes it
+and builds a KV-transfer config that names TierdConnector with the documented settings."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs real vLLM: run `make test-vllm`")
+
+from tierd.connector.vllm import VLLM_VERSIONS_TESTED, TierdVllmConfig  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "vllm.md")
+
+
+def documented_command() -> list[str]:
+    text = open(DOC).read()
+    block = re.search(r"```bash\n(.*?)```", text, re.S)
+    assert block is not None, "docs/vllm.md lost its command block"
+    line = " ".join(part.rstrip("\\").strip() for part in block.group(1).splitlines()
+                    if part.strip() and not part.startswith("tierd serve"))
+    words = shlex.split(line)
+    assert words[:3] == ["PYTHONHASHSEED=0", "vllm", "serve"], words[:3]
+    return words[3:]
+
+
+def test_documented_flags_parse_with_vllms_own_parser() -> None:
+    """`vllm serve`'s parser (vLLM 0.33) accepts the documented flags; the connector's extra
+    config parses with tierd's own keys."""
+    import vllm
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    assert vllm.__version__ in VLLM_VERSIONS_TESTED
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(documented_command())
+    assert args.model == "MODEL" or args.model_tag == "MODEL"
+    assert args.prefix_caching_hash_algo == "sha256_cbor" and args.block_size == 16
+    transfer = args.kv_transfer_config
+    assert transfer.kv_connector == "TierdConnector"
+    assert transfer.kv_connector_module_path == "tierd.connector.vllm"
+    assert transfer.kv_role == "kv_both" and transfer.kv_load_failure_policy == "recompute"
+    TierdVllmConfig.from_extra_config(transfer.kv_connector_extra_config)
