@@ -49,12 +49,13 @@ def digest(algo: HashAlgo, data: bytes) -> bytes:
 def reference_chain(
     tokens: Sequence[int],
     block_size: int,
-    extras: Sequence[ExtraKeys | None] | None = None,
+    extras: Sequence[tuple[Any, ...] | None] | None = None,
     *,
     algo: HashAlgo = "sha256_cbor",
     seed: str = "vllm-none-hash",
 ) -> list[bytes]:
-    """vLLM's construction written out with cbor2: H((parent, tuple(block), extra_keys))."""
+    """vLLM's construction written out with cbor2: H((parent, tuple(block), extra_keys)), for
+    any extra keys (the tagged ones, or the pre-0.33 untagged shapes)."""
     parent = digest(algo, cbor2.dumps(seed, canonical=True))
     out = []
     for i in range(len(tokens) // block_size):
@@ -124,7 +125,7 @@ def test_vllm_033_known_answers_for_tagged_keys() -> None:
 
     assert VLLM_HASH_CONTRACT == "0.33"
     tokens = list(range(32))
-    lora = {"lora_name": LORA[0], "lora_path": LORA[1]}
+    lora: dict[str, Any] = {"lora_name": LORA[0], "lora_path": LORA[1]}
     got = block_hashes(tokens, cache_salt="tenant-7", **lora)
     assert [h.hex() for h in got] == VLLM_LORA_SALT_0_31
     got = block_hashes(tokens, cache_salt="tenant-7", seed="42", **lora)
@@ -206,7 +207,7 @@ def test_chain_links_parent_and_continues_from_parent() -> None:
     assert block_hashes(tokens[16:], parent=plain[0]) == plain[1:]
     salted = block_hashes(tokens, cache_salt="tenant-a")
     assert block_hashes(tokens[16:], parent=salted[0], cache_salt="tenant-a") == salted[1:]
-    lora = {"lora_name": LORA[0], "lora_path": LORA[1]}
+    lora: dict[str, Any] = {"lora_name": LORA[0], "lora_path": LORA[1]}
     with_lora = block_hashes(tokens, **lora)
     assert block_hashes(tokens[16:], parent=with_lora[0], **lora) == with_lora[1:]
 

@@ -23,6 +23,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 from tierd.block_pool import BlockPool, KVCacheBlock  # noqa: E402
 from tierd.events import BlockRemoved, BlockStored  # noqa: E402
+from tierd.types import BlockHash  # noqa: E402
 
 BS = 16
 TRACES = 100
@@ -37,7 +38,7 @@ class Held:
     ours: list[KVCacheBlock]
     theirs: list[kcu.KVCacheBlock]
     num_cached: int = 0
-    hashes: list[bytes] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)
 
 
 @pytest.fixture(autouse=True)
@@ -74,12 +75,12 @@ class Replay:
         tokens = self.prompt()
         request = Request(f"r{self.next_id}", tokens, SamplingParams(max_tokens=1), None,
                           block_hasher=kcu.get_request_block_hasher(BS, sha256_cbor))
-        hashes = list(request.block_hashes)
+        hashes = [BlockHash(h) for h in request.block_hashes]
         hits_ours: list[KVCacheBlock] = []
         hits_theirs: list[kcu.KVCacheBlock] = []
         for block_hash in hashes[: (len(tokens) - 1) // BS]:
-            mine = self.ours.get_cached_block(block_hash)  # type: ignore[arg-type]
-            found = self.theirs.get_cached_block(block_hash, [0])
+            mine = self.ours.get_cached_block(block_hash)
+            found = self.theirs.get_cached_block(kcu.BlockHash(block_hash), [0])
             assert (mine is None) == (found is None)
             if mine is None or found is None:
                 break
@@ -110,8 +111,7 @@ class Replay:
         if start >= full:
             return
         parent = held.hashes[start - 1] if start else None
-        self.ours.cache_full_blocks(held.ours[start:full], held.hashes[start:full],  # type: ignore[arg-type]
-                                    parent)  # type: ignore[arg-type]
+        self.ours.cache_full_blocks(held.ours[start:full], held.hashes[start:full], parent)
         self.theirs.cache_full_blocks(held.request, held.theirs, start, full, BS, 0)
         held.num_cached = full
 
@@ -147,10 +147,14 @@ class Replay:
         for mine in self.ours.blocks:
             other = self.theirs.blocks[mine.block_id + 1]
             assert mine.ref_cnt == other.ref_cnt, mine.block_id
-            hashed = None if other.block_hash is None else kcu.get_block_hash(other.block_hash)
+            hashed = None if other.block_hash is None else bytes(kcu.get_block_hash(
+                other.block_hash))
             assert mine.block_hash == hashed, mine.block_id
         ours_events = []
-        external = kcu.maybe_convert_block_hash  # vLLM's events may carry ints (its env flag)
+
+        def external(block_hash: bytes) -> bytes | int:  # vLLM's events may carry ints
+            return kcu.maybe_convert_block_hash(kcu.BlockHash(block_hash))
+
         for event in self.ours.take_events():
             if isinstance(event, BlockStored):
                 parent = event.parent_block_hash
