@@ -92,8 +92,9 @@ def test_touch_revives_an_evictable_block_from_the_middle() -> None:
     pool.check_integrity()
 
 
-def test_duplicate_hashes_are_kept_and_removed_once() -> None:
-    """Two blocks with one hash both sit in the map; BlockRemoved comes when the last one goes."""
+def test_duplicate_hashes_each_emit_block_removed() -> None:
+    """Two blocks with one hash both sit in the map; each eviction emits BlockRemoved, the first
+    while the other block still holds the hash (vLLM 0.33 does the same)."""
     pool = BlockPool(2)
     blocks = pool.get_new_blocks(2)
     assert blocks is not None
@@ -103,10 +104,54 @@ def test_duplicate_hashes_are_kept_and_removed_once() -> None:
     pool.free_blocks(blocks)
     pool.take_events()
     assert pool.get_new_blocks(1) is not None
-    assert pool.take_events() == [] and list(pool.cached[h("a")]) == [1]
+    assert pool.take_events() == [BlockRemoved((h("a"),), "hbm")]
+    assert list(pool.cached[h("a")]) == [1] and pool.get_cached_block(h("a")) is blocks[1]
     assert pool.get_new_blocks(1) is not None
     assert pool.take_events() == [BlockRemoved((h("a"),), "hbm")] and pool.cached == {}
+    assert pool.num_evictions == 2
     pool.check_integrity()
+
+
+def test_eviction_events_follow_pop_order() -> None:
+    """One get_new_blocks call evicting three cached blocks (two sharing a hash) emits one
+    BlockRemoved per block, in the order the blocks left the queue."""
+    pool = BlockPool(4)
+    blocks = pool.get_new_blocks(4)
+    assert blocks is not None
+    pool.cache_full_blocks(blocks[:2], [h("a"), h("b")], None)
+    pool.cache_full_blocks([blocks[2]], [h("a")], None)
+    pool.free_blocks([blocks[3], blocks[2], blocks[1], blocks[0]])
+    assert queue_ids(pool) == [3, 2, 1, 0]
+    pool.take_events()
+    got = pool.get_new_blocks(4)
+    assert got is not None and [b.block_id for b in got] == [3, 2, 1, 0]
+    assert pool.take_events() == [BlockRemoved((x,), "hbm") for x in (h("a"), h("b"), h("a"))]
+    pool.check_integrity()
+
+
+def test_uncached_blocks_freed_together_keep_their_order_at_the_front() -> None:
+    """Freeing several unhashed blocks at once puts them at the queue front in the order given
+    (vLLM's one prepend_n), hashed ones at the back in the order given."""
+    pool = BlockPool(7)
+    blocks = pool.get_new_blocks(5)
+    assert blocks is not None
+    pool.cache_full_blocks([blocks[1], blocks[3]], [h("b"), h("d")], None)
+    pool.free_blocks([blocks[4], blocks[3], blocks[2], blocks[1], blocks[0]])
+    assert queue_ids(pool) == [4, 2, 0, 5, 6, 3, 1]
+    got = pool.get_new_blocks(3)
+    assert got is not None and [b.block_id for b in got] == [4, 2, 0]
+    pool.free_blocks(got[1:])  # a second call goes in front of what is there
+    assert queue_ids(pool) == [2, 0, 5, 6, 3, 1]
+    pool.check_integrity()
+
+
+def test_prepend_n_keeps_the_given_order() -> None:
+    """prepend_n puts a run at the head in order, ahead of what was queued."""
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    queue = FreeKVCacheBlockQueue(blocks[:2])
+    queue.prepend_n([blocks[4], blocks[2], blocks[3]])
+    queue.prepend_n([])
+    assert [b.block_id for b in queue] == [4, 2, 3, 0, 1] and len(queue) == 5
 
 
 def test_cache_event_carries_the_parent_hash() -> None:

@@ -45,11 +45,17 @@ def test_console_process_reads_stdin() -> None:
 def test_json_argument_and_json_output(capsys: pytest.CaptureFixture[str]) -> None:
     """A JSON array argument with --json gives every figure, hashes as hex."""
     tokens = list(range(40))
-    flags = ["--json", "--cache-salt", "t", "--lora-name", "l"]
+    flags = ["--json", "--cache-salt", "t", "--lora-name", "l", "--lora-path", "/l"]
     assert main(["hash", json.dumps(tokens), *flags]) == 0
     report = json.loads(capsys.readouterr().out)
-    expected = block_hashes(tokens, cache_salt="t", lora_name="l")
+    expected = block_hashes(tokens, cache_salt="t", lora_name="l", lora_path="/l")
     assert [b["hash"] for b in report["blocks"]] == [h.hex() for h in expected]
+    assert [b["extra_keys"] for b in report["blocks"]] == [
+        [["lora", "l", "/l"], ["cache_salt", "t"]],
+        [["lora", "l", "/l"]],
+    ]
+    assert [b["event_extra_keys"] for b in report["blocks"]] == [["l", "t"], ["l"]]
+    assert (report["lora_path"], report["vllm_hash_contract"]) == ("/l", "0.33")
     assert [(b["start"], b["end"]) for b in report["blocks"]] == [(0, 16), (16, 32)]
     assert report["none_hash"] == NONE_HASH_HEX
     assert (report["num_tokens"], report["unhashed_tokens"]) == (40, 8)
@@ -100,3 +106,19 @@ def test_unsupported_block_size_is_a_usage_error(capsys: pytest.CaptureFixture[s
         main(["hash", "1,2", "--block-size", "12"])
     assert info.value.code == 2
     assert "choose from 8, 16, 32, 64, 128" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--lora-name", "l"], ["--lora-path", "/l"]])
+def test_lora_flags_come_as_a_pair(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """--lora-name without --lora-path (or the reverse) exits 2: vLLM 0.33 hashes both."""
+    assert main(["hash", TOKENS_0_15, *flags]) == 2
+    err = capsys.readouterr().err
+    assert "give --lora-name and --lora-path together" in err and "vLLM 0.33" in err
+
+
+def test_help_names_the_vllm_contract(capsys: pytest.CaptureFixture[str]) -> None:
+    """`tierd hash --help` says which vLLM release's hash contract it prints."""
+    with pytest.raises(SystemExit):
+        main(["hash", "--help"])
+    out = capsys.readouterr().out
+    assert "vLLM 0.33" in out and "--lora-path" in out

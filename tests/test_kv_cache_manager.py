@@ -194,6 +194,20 @@ def test_loaded_prefix_is_hittable_only_after_mark_cached() -> None:
     mgr.check_integrity()
 
 
+def test_failed_load_frees_its_uncached_blocks_deepest_first_at_the_front() -> None:
+    """A request whose lower-tier load failed (allocated with cache=False) is freed: its four
+    unhashed blocks go to the queue front deepest first, as vLLM's KVCacheManager puts them."""
+    mgr = KVCacheManager(8)
+    tokens = list(range(64))
+    assert mgr.allocate_slots("load", 64, None, chain(tokens), cache=False) is not None
+    mgr.free("load")
+    assert [b.block_id for b in mgr.pool.free_queue] == [3, 2, 1, 0, 4, 5, 6, 7]
+    assert admit(mgr, "next", list(range(500, 520))) == [3, 2]
+    assert mgr.take_events() == [BlockStored((chain(list(range(500, 520)))[0],), None, "hbm",
+                                             block_size=16)]
+    mgr.check_integrity()
+
+
 def test_out_of_blocks_returns_none_without_side_effects() -> None:
     """A request that does not fit changes nothing, not even its evictable prefix hits."""
     mgr = KVCacheManager(4)

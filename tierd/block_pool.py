@@ -61,8 +61,8 @@ class FreeKVCacheBlockQueue:
     """Intrusive doubly-linked list of free blocks with head/tail sentinels.
 
     Head = next to be reused (least recently freed), tail = most recently freed. popleft, append,
-    appendleft and remove (from the middle, on a prefix hit) are O(1) and allocate nothing. The
-    two sentinels have ``block_id == -1`` and never leave this object.
+    appendleft and remove (from the middle, on a prefix hit) are O(1) and allocate nothing;
+    prepend_n is O(n). The two sentinels have ``block_id == -1`` and never leave this object.
     """
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -101,6 +101,12 @@ class FreeKVCacheBlockQueue:
         assert self._head.next_free is not None
         self._link(block, self._head, self._head.next_free)
 
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Insert ``blocks`` at the head as one run in the given order: ``blocks[0]`` is reused
+        first (vLLM's ``prepend_n``; not ``appendleft`` one by one, which would reverse them)."""
+        for block in reversed(blocks):
+            self.appendleft(block)
+
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink ``block`` from wherever it is in the queue."""
         prev, nxt = block.prev_free, block.next_free
@@ -124,8 +130,9 @@ class BlockPool:
     The map allows several blocks per hash (two requests that computed the same block before
     either was cached; a fully cached prompt whose last block is recomputed). Events go to
     ``take_events()`` with ``tier="hbm"``: ``BlockStored`` for every caching call (consumers treat
-    it as idempotent), ``BlockRemoved`` when the last block holding a hash is evicted, and
-    ``AllBlocksCleared`` on ``reset()``.
+    it as idempotent), one ``BlockRemoved`` for every evicted block, even when another block still
+    holds its hash (as vLLM 0.33 does: an event consumer may drop a hash that is still a hit
+    here, a missed hint, never wrong KV), and ``AllBlocksCleared`` on ``reset()``.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
@@ -171,17 +178,21 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference to each block, in the given order (callers pass a request's blocks
-        in reverse, so its deepest block is evicted first). A block reaching 0 keeps its content
-        and hash: unhashed to the queue front, hashed to the back."""
+        """Drop one reference to each block; ``ordered_blocks`` is in eviction order, first
+        evicted first (callers pass a request's blocks in reverse, so its deepest block goes
+        first). Blocks reaching 0 keep their content and hash: the unhashed ones go to the queue
+        front as one run in the given order, the hashed ones to the back in the given order, as
+        vLLM 0.33's ``free_blocks`` does (``prepend_n`` then ``append_n``)."""
+        unhashed: list[KVCacheBlock] = []
         for block in ordered_blocks:
             assert block.ref_cnt > 0, f"block {block.block_id} freed with ref_cnt 0"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None:
-                    self.free_queue.appendleft(block)
+                    unhashed.append(block)
                 else:
                     self.free_queue.append(block)
+        self.free_queue.prepend_n(unhashed)
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
                           parent_hash: BlockHash | None) -> None:
@@ -219,7 +230,7 @@ class BlockPool:
         del holders[block.block_id]
         if not holders:
             del self.cached[block.block_hash]
-            self._events.append(BlockRemoved((block.block_hash,), "hbm"))
+        self._events.append(BlockRemoved((block.block_hash,), "hbm"))  # per block, as vLLM
         block.block_hash = None
         self.num_evictions += 1
 

@@ -1,4 +1,4 @@
-"""The block-hash contract: chained hashes over full token blocks, bit-identical to vLLM.
+"""The block-hash contract: chained hashes over full token blocks, bit-identical to vLLM 0.33.
 
 Block ``i`` of a prompt hashes ``(parent, tuple(block_token_ids), extra_keys or None)`` where the
 parent is block ``i-1``'s hash (``NONE_HASH`` for block 0). Only **full** blocks are hashed; the
@@ -6,16 +6,18 @@ trailing partial block never is. ``sha256_cbor`` (the default) is SHA-256 over t
 encoding of that 3-tuple, exactly vLLM's ``--prefix-caching-hash-algo sha256_cbor``;
 ``xxhash_cbor`` is XXH3-128 over the same bytes (opt-in: not collision resistant).
 
-Extra keys come in vLLM's order: LoRA name (every block), ``(identifier, offset from block
-start)`` for each multimodal item overlapping the block, ``cache_salt`` (block 0 only; the chain
-carries it), SHA-256 of the block's prompt-embeds bytes. See ``docs/hashing.md``.
+Extra keys are vLLM 0.33's tagged tuples, in its order: ``("lora", name, path)`` (every block),
+``("mm", identifier, offset from block start)`` per overlapping multimodal item,
+``("cache_salt", salt)`` (block 0 only; the chain carries it), ``("prompt_embeds", sha256)``.
+They are built in ``tierd.extra_keys``; ``VLLM_HASH_CONTRACT`` names the vLLM release whose
+contract this is. See ``docs/hashing.md``.
 
 Speed: for blocks of up to 16 tokens the token array is encoded by hand from a memo of
 per-token CBOR codes (0.6-0.75x the cost of cbor2 + hashlib; ``tierd bench hash`` measures it);
 longer blocks' token arrays are encoded by ``cbor2``, whose C loop wins there. The parent and the
 extra keys (encoded by ``cbor2``) are spliced around it: a CBOR array is its head followed by its
 items' encodings, so the result is byte-for-byte what ``cbor2.dumps`` gives for the 3-tuple;
-``tests/test_hashing.py`` checks that on random inputs.
+``tests/test_hashing.py`` checks that on random inputs, ``tests/vllm/`` against vLLM itself.
 """
 
 from __future__ import annotations
@@ -26,13 +28,32 @@ import logging
 import operator
 from array import array
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Final, Literal, TypeAlias, cast, get_args
+from typing import Any, Final, Literal, cast, get_args
 
 import cbor2
 import xxhash
 
+from tierd.extra_keys import (
+    EventExtraKey,
+    ExtraKey,
+    ExtraKeys,
+    MultiModalItem,
+    RequestKeys,
+    request_keys,
+    to_event_extra_keys,
+)
 from tierd.types import BlockHash
+
+__all__ = [
+    "BLOCK_SIZES", "DEFAULT_SEED", "HASH_ALGOS", "MAX_TOKEN_ID", "VLLM_HASH_CONTRACT",
+    "BlockHasher", "EventExtraKey", "ExtraKey", "ExtraKeys", "HashAlgo", "MultiModalItem",
+    "block_hashes", "encode_block", "hash_block", "none_hash", "request_keys",
+    "to_event_extra_keys",
+]  # fmt: skip
+
+VLLM_HASH_CONTRACT: Final = "0.33"
+"""The vLLM release whose block-hash contract tierd speaks (tagged extra keys, the LoRA path).
+Blocks with extra keys hash differently under vLLM releases before 0.33 (untagged keys)."""
 
 HashAlgo = Literal["sha256_cbor", "xxhash_cbor"]
 """``sha256_cbor``: SHA-256 of canonical CBOR (32-byte hashes, the default, multi-tenant safe).
@@ -41,11 +62,9 @@ HashAlgo = Literal["sha256_cbor", "xxhash_cbor"]
 HASH_ALGOS: Final[tuple[HashAlgo, ...]] = get_args(HashAlgo)
 BLOCK_SIZES: Final[tuple[int, ...]] = (8, 16, 32, 64, 128)
 DEFAULT_SEED: Final = "vllm-none-hash"
-"""vLLM's NONE_HASH seed when ``PYTHONHASHSEED`` is unset; ours whatever the environment says."""
+"""vLLM's NONE_HASH seed when ``PYTHONHASHSEED`` is unset (sha256 family); ours whatever the
+environment says."""
 MAX_TOKEN_ID: Final = 2**32 - 1
-
-ExtraKey: TypeAlias = str | bytes | tuple[str, int]
-"""LoRA name or cache salt (str), multimodal ``(identifier, offset)``, prompt-embeds digest."""
 
 _log = logging.getLogger(__name__)
 _TOKEN_TYPECODE: Final = "I"
@@ -55,16 +74,6 @@ assert array(_TOKEN_TYPECODE).itemsize == 4, "array('I') must hold exactly uint3
 _MEMO_LIMIT: Final = 1 << 18
 _HAND_ENCODED_MAX: Final = 16  # longest block whose token array is encoded by hand
 _NULL: Final = b"\xf6"  # CBOR null: a block without extra keys
-
-
-@dataclass(frozen=True, slots=True)
-class MultiModalItem:
-    """One multimodal input of a prompt: its content identifier (e.g. vLLM's ``mm_hash``) and
-    the placeholder tokens it occupies, ``[offset, offset + length)`` in prompt positions."""
-
-    identifier: str
-    offset: int
-    length: int
 
 
 def _head(major: int, value: int) -> bytes:
@@ -131,9 +140,7 @@ def none_hash(seed: str | None = None, algo: HashAlgo = "sha256_cbor") -> BlockH
     return BlockHash(_digest(algo, cbor2.dumps(text, canonical=True)))
 
 
-def encode_block(
-    parent: bytes, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...] | None
-) -> bytes:
+def encode_block(parent: bytes, token_ids: Sequence[int], extra_keys: ExtraKeys | None) -> bytes:
     """The bytes that get hashed, by ``cbor2`` itself: ``cbor2.dumps((parent,
     tuple(token_ids), extra_keys), canonical=True)``. The reference the fast path must equal."""
     return bytes(cbor2.dumps((parent, tuple(token_ids), extra_keys), canonical=True))
@@ -142,7 +149,7 @@ def encode_block(
 def hash_block(
     parent: BlockHash | None,
     token_ids: Sequence[int],
-    extra_keys: tuple[ExtraKey, ...] | None = None,
+    extra_keys: ExtraKeys | None = None,
     *,
     algo: HashAlgo = "sha256_cbor",
     seed: str | None = None,
@@ -157,38 +164,12 @@ def hash_block(
     return BlockHash(_digest(algo, encode_block(root, token_ids, extra_keys)))
 
 
-def _embeds_digest(prompt_embeds: Any, start: int, end: int) -> bytes:
-    """SHA-256 of the raw bytes of ``prompt_embeds[start:end]`` flattened in row-major order,
-    as vLLM's ``tensor_data`` gives them (a torch tensor or a NumPy array)."""
-    rows = prompt_embeds[start:end]
-    if type(rows).__module__.startswith("torch"):
-        import torch
-
-        data = rows.detach().flatten().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-    else:
-        data = rows.tobytes()
-    return hashlib.sha256(data).digest()
-
-
 def _check_block_size(block_size: int) -> None:
     if block_size not in BLOCK_SIZES:
         raise ValueError(
             f"block size {block_size!r} is not supported; use one of "
             f"{', '.join(map(str, BLOCK_SIZES))} (16 is vLLM's default)"
         )
-
-
-def _check_mm(items: Sequence[MultiModalItem]) -> tuple[MultiModalItem, ...]:
-    previous = -1
-    for item in items:
-        if not isinstance(item, MultiModalItem) or not isinstance(item.identifier, str):
-            raise ValueError("mm_features must be MultiModalItem(identifier: str, offset, length)")
-        if item.offset < 0 or item.length <= 0:
-            raise ValueError(f"{item}: give offset >= 0 and length > 0")
-        if item.offset < previous:
-            raise ValueError("mm_features must be sorted by offset, as vLLM keeps them")
-        previous = item.offset
-    return tuple(items)
 
 
 def _as_tokens(token_ids: Iterable[int], exact: bool) -> Sequence[int]:
@@ -229,17 +210,18 @@ class BlockHasher:
 
     ``append`` keeps the partial tail until it fills up, so decode can feed one token at a time;
     a partial block is never hashed. The hashes are identical to ``block_hashes`` over all the
-    tokens fed so far, whatever the chunking. Not thread-safe; cheap to create (one per request).
+    tokens fed so far, whatever the chunking, and to vLLM 0.33's ``get_request_block_hasher``
+    for a request with the same inputs. Not thread-safe; cheap to create (one per request).
 
     Positions in ``mm_features`` and ``prompt_embeds`` (one row per prompt token) count from the
     first token fed. ``parent`` continues an existing chain: then the first block is not the
     request's block 0, so ``cache_salt`` (block 0 only, as in vLLM) is not added again.
+    ``lora_name`` and ``lora_path`` are vLLM's ``LoRARequest`` fields: give both.
     """
 
     __slots__ = (
-        "block_size", "algo", "num_blocks", "_pending", "_prefix", "_lead", "_exact",
-        "_lora", "_salt", "_mm", "_mm_cursor", "_embeds", "_per_block", "_first_code",
-        "_rest_code", "_extra", "_extra_code",
+        "block_size", "algo", "num_blocks", "keys", "_pending", "_prefix", "_lead", "_exact",
+        "_mm_cursor", "_per_block", "_first_code", "_rest_code", "_extra", "_extra_code",
     )  # fmt: skip
 
     def __init__(
@@ -253,33 +235,36 @@ class BlockHasher:
         mm_features: Sequence[MultiModalItem] | None = None,
         prompt_embeds: Any = None,
         parent: BlockHash | None = None,
+        lora_path: str | None = None,
     ) -> None:
         _check_block_size(block_size)
         self.block_size: Final = block_size
         self.algo: Final = _check_algo(algo)
         self.num_blocks = 0
         """Full blocks hashed so far; the next block starts at token ``num_blocks*block_size``."""
+        self.keys: Final = request_keys(
+            lora_name=lora_name,
+            lora_path=lora_path,
+            cache_salt=cache_salt,
+            mm_features=mm_features,
+            prompt_embeds=prompt_embeds,
+            from_block_0=not parent,
+        )
+        """The request's extra-key inputs; ``keys.for_block`` gives any block's extra keys."""
         self._pending: list[int] = []  # fed tokens not yet in a hashed block
         root = parent if parent else none_hash(seed, self.algo)
         self._prefix = b"\x83" + _head(2, len(root)) + root  # array(3) head + parent bytes
         self._lead = b"\x83" + _head(2, 32 if self.algo == "sha256_cbor" else 16)
         self._exact = block_size > _HAND_ENCODED_MAX  # cbor2 encodes the tokens: plain ints
-        self._lora = lora_name
-        self._salt = cache_salt if cache_salt and not parent else None  # vLLM: truthy salt only
-        self._mm = _check_mm(mm_features or ())
         self._mm_cursor = 0
-        torch_like = type(prompt_embeds).__module__.startswith("torch")
-        if prompt_embeds is not None and not (torch_like or hasattr(prompt_embeds, "tobytes")):
-            raise ValueError("prompt_embeds must be a torch tensor or NumPy array [tokens, hidden]")
-        self._embeds = prompt_embeds
-        # Multimodal items and prompt embeds change per block; LoRA and salt do not, so their
-        # encodings are made once: block 0's (LoRA, salt) and every later block's (LoRA,).
-        self._per_block = bool(self._mm) or prompt_embeds is not None
-        rest = None if lora_name is None else (lora_name,)
-        first = (*(rest or ()), self._salt) if self._salt else rest
-        self._first_code = _NULL if first is None else cbor2.dumps(first, canonical=True)
-        self._rest_code = _NULL if rest is None else cbor2.dumps(rest, canonical=True)
-        self._extra: tuple[ExtraKey, ...] | None = None  # last per-block keys, their encoding
+        # Without multimodal items or prompt embeds the keys are block 0's (LoRA, salt) and
+        # every later block's (LoRA): encoded once here.
+        self._per_block = self.keys.per_block
+        static = not self._per_block
+        self._first_code = _encode_keys(self.keys.for_block(0, block_size)[0]) if static else b""
+        self._rest_code = (_encode_keys(self.keys.for_block(block_size, 2 * block_size)[0])
+                           if static else b"")
+        self._extra: ExtraKeys | None = None  # last per-block keys, their encoding
         self._extra_code = _NULL
 
     @property
@@ -323,31 +308,18 @@ class BlockHasher:
         return cast(list[BlockHash], out)
 
     def _extra_for(self, start: int) -> bytes:
-        """Encoded extra keys of the block starting at ``start``, in vLLM's order."""
-        end = start + self.block_size
-        keys: list[ExtraKey] = [] if self._lora is None else [self._lora]
-        mm, i = self._mm, self._mm_cursor
-        while i < len(mm):  # vLLM's walk: items sorted by offset, stop at the first one ahead
-            item = mm[i]
-            if end <= item.offset:
-                break
-            if start >= item.offset + item.length:
-                i += 1
-                continue
-            keys.append((item.identifier, item.offset - start))
-            if end < item.offset + item.length:
-                break
-            i += 1
-        self._mm_cursor = i
-        if start == 0 and self._salt:
-            keys.append(self._salt)
-        if self._embeds is not None:
-            keys.append(_embeds_digest(self._embeds, start, end))
-        extra = tuple(keys) if keys else None
+        """Encoded extra keys of the block starting at ``start`` (consecutive blocks only: the
+        multimodal cursor moves forward). Equal keys in a row are encoded once."""
+        extra, self._mm_cursor = self.keys.for_block(start, start + self.block_size,
+                                                     self._mm_cursor)
         if extra != self._extra:
             self._extra = extra
-            self._extra_code = _NULL if extra is None else cbor2.dumps(extra, canonical=True)
+            self._extra_code = _encode_keys(extra)
         return self._extra_code
+
+
+def _encode_keys(keys: ExtraKeys | None) -> bytes:
+    return _NULL if keys is None else bytes(cbor2.dumps(keys, canonical=True))
 
 
 def block_hashes(
@@ -361,17 +333,20 @@ def block_hashes(
     mm_features: Sequence[MultiModalItem] | None = None,
     prompt_embeds: Any = None,
     parent: BlockHash | None = None,
+    lora_path: str | None = None,
 ) -> list[BlockHash]:
     """Hashes of every full block of ``token_ids`` (a prompt), chained from ``parent`` or
     ``NONE_HASH``; ``len(token_ids) // block_size`` of them. Pure: no state survives the call.
     Raises ValueError for a block size outside 8/16/32/64/128, token ids that are not integers
-    in [0, 2**32-1], an unknown algorithm, or unsorted ``mm_features``."""
+    in [0, 2**32-1], an unknown algorithm, unsorted ``mm_features``, or ``lora_path`` without
+    ``lora_name``. With prompt embeds, pass the token ids vLLM holds (0 at embedded positions)."""
     hasher = BlockHasher(
         block_size,
         algo=algo,
         seed=seed,
         cache_salt=cache_salt,
         lora_name=lora_name,
+        lora_path=lora_path,
         mm_features=mm_features,
         prompt_embeds=prompt_embeds,
         parent=parent,

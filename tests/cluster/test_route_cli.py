@@ -80,3 +80,14 @@ def test_route_unreachable_redis_names_the_fix(redis_server: RedisServer,
         route.run(parse("--hashes", "00" * 32, "--redis-url", redis_server.url))
     with pytest.raises(ValueError, match="32 or 64 hex digits"):
         route.run(parse("--hashes", "abc", "--namespace", "00" * 16))
+
+
+def test_route_chain_hashes_lora_name_and_path() -> None:
+    """--lora-name with --lora-path hashes vLLM 0.33's ("lora", name, path); a name alone is
+    refused with the fix."""
+    tokens = ",".join(map(str, TOKENS))
+    args = parse("--tokens", tokens, "--lora-name", "l", "--lora-path", "/l", "--cache-salt", "s")
+    assert route.chain_of(args) == hashing.block_hashes(TOKENS, 16, lora_name="l",
+                                                        lora_path="/l", cache_salt="s")
+    with pytest.raises(ValueError, match="--lora-path together"):
+        route.chain_of(parse("--tokens", tokens, "--lora-name", "l"))

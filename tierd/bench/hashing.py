@@ -55,13 +55,14 @@ def run(args: argparse.Namespace) -> int:
     rng = random.Random(0)
     tokens = [rng.randrange(args.vocab) for _ in range(size * blocks)]
     chunks = [tokens[i : i + size] for i in range(0, len(tokens), size)]
-    lora, salt = "adapter-a", "tenant-42"
+    lora, lora_path, salt = "adapter-a", "/adapters/a", "tenant-42"
+    lora_key, salt_key = ("lora", lora, lora_path), ("cache_salt", salt)  # vLLM 0.33's keys
 
     def cbor_chain(digest: Callable[[bytes], bytes], root: bytes, extras: bool) -> list[bytes]:
         """vLLM's request hasher: slice each full block, tuple() it, hash the 3-tuple."""
         out, parent = [], root
         for i in range(blocks):
-            extra = ((lora, salt) if i == 0 else (lora,)) if extras else None
+            extra = ((lora_key, salt_key) if i == 0 else (lora_key,)) if extras else None
             block = tuple(tokens[i * size : (i + 1) * size])
             parent = digest(cbor2.dumps((parent, block, extra), canonical=True))
             out.append(parent)
@@ -85,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
         "tierd sha256_cbor, one append per block": (decode_feed, "cbor2+sha256 (vLLM)"),
         "cbor2+sha256, lora+salt": (lambda: cbor_chain(sha, sha_root, True), ""),
         "tierd sha256_cbor, lora+salt": (
-            lambda: hashing.block_hashes(tokens, size, lora_name=lora, cache_salt=salt),
+            lambda: hashing.block_hashes(
+                tokens, size, lora_name=lora, lora_path=lora_path, cache_salt=salt
+            ),
             "cbor2+sha256, lora+salt",
         ),
         "cbor2+xxh3_128 (vLLM)": (

@@ -5,6 +5,9 @@
 
 The tokens come as a JSON array or a comma (or space) separated list, from the argument or, when
 it is absent or ``-``, from standard input. Bad input exits with status 2 and says what to fix.
+The contract is vLLM 0.33's (``hashing.VLLM_HASH_CONTRACT``): a LoRA block needs both
+``--lora-name`` and ``--lora-path``. ``--json`` also prints each block's extra keys, tagged as
+they are hashed and untagged as vLLM's KV events publish them.
 """
 
 from __future__ import annotations
@@ -13,10 +16,17 @@ import argparse
 import json
 import re
 import sys
+from typing import Any
 
 from tierd import hashing
+from tierd.extra_keys import RequestKeys, to_event_extra_keys
+from tierd.types import BlockHash
 
-HELP = "Print the vLLM-compatible block-hash chain of a token list (JSON or comma list)."
+HELP = (
+    f"Print the block-hash chain of a token list (JSON or comma list), bit-identical to vLLM "
+    f"{hashing.VLLM_HASH_CONTRACT}'s (tagged extra keys; other vLLM releases may differ)."
+)
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -47,6 +57,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--cache-salt", default=None, help="per-tenant salt, folded into block 0")
     parser.add_argument("--lora-name", default=None, help="LoRA adapter name, on every block")
+    parser.add_argument(
+        "--lora-path",
+        default=None,
+        help="LoRA adapter path as vLLM was given it (LoRARequest.lora_path); vLLM "
+        f"{hashing.VLLM_HASH_CONTRACT} hashes ('lora', name, path), so --lora-name needs it",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
 
 
@@ -73,18 +89,29 @@ def parse_tokens(text: str) -> list[int]:
     return tokens
 
 
+def check_lora(lora_name: str | None, lora_path: str | None) -> None:
+    """ValueError unless the LoRA flags come as a pair (vLLM 0.33 hashes name and path)."""
+    if (lora_name is None) != (lora_path is None):
+        raise ValueError(
+            f"give --lora-name and --lora-path together: vLLM {hashing.VLLM_HASH_CONTRACT} "
+            "hashes a LoRA block with ('lora', name, path), path as in its LoRARequest"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     text = sys.stdin.read() if args.tokens == "-" else args.tokens
     tokens = parse_tokens(text)
+    check_lora(args.lora_name, args.lora_path)
     size = args.block_size
-    hashes = hashing.block_hashes(
-        tokens,
+    hasher = hashing.BlockHasher(
         size,
         algo=args.algo,
         seed=args.seed,
         cache_salt=args.cache_salt,
         lora_name=args.lora_name,
+        lora_path=args.lora_path,
     )
+    hashes = hasher.append(tokens)
     root = hashing.none_hash(args.seed, args.algo)
     seed = hashing.DEFAULT_SEED if args.seed is None else args.seed
     left = len(tokens) - len(hashes) * size
@@ -95,13 +122,12 @@ def run(args: argparse.Namespace) -> int:
             "seed": seed,
             "cache_salt": args.cache_salt,
             "lora_name": args.lora_name,
+            "lora_path": args.lora_path,
+            "vllm_hash_contract": hashing.VLLM_HASH_CONTRACT,
             "num_tokens": len(tokens),
             "unhashed_tokens": left,
             "none_hash": root.hex(),
-            "blocks": [
-                {"index": i, "start": i * size, "end": (i + 1) * size, "hash": h.hex()}
-                for i, h in enumerate(hashes)
-            ],
+            "blocks": [_block(hasher.keys, i, size, h) for i, h in enumerate(hashes)],
         }
         print(json.dumps(report, indent=2))
         return 0
@@ -113,3 +139,17 @@ def run(args: argparse.Namespace) -> int:
         noun = "token forms" if left == 1 else "tokens form"
         print(f"({left} trailing {noun} a partial block: never hashed)")
     return 0
+
+
+def _block(keys: RequestKeys, index: int, size: int, block_hash: BlockHash) -> dict[str, Any]:
+    """One block of the JSON report: its span, hash and extra keys (hashed and event forms)."""
+    start, end = index * size, (index + 1) * size
+    extra, _ = keys.for_block(start, end)
+    return {
+        "index": index,
+        "start": start,
+        "end": end,
+        "hash": block_hash.hex(),
+        "extra_keys": extra,
+        "event_extra_keys": to_event_extra_keys(extra),
+    }

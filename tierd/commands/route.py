@@ -7,10 +7,10 @@ through a daemon's ``Locate`` RPC.
     tierd route --tokens - --num-layers 32 --num-kv-heads 8 --head-size 128 \\
         --socket /run/tierd/tierd.sock
 
-The chain comes from token ids (hashed like vLLM: ``--block-size``, ``--hash-algo``,
-``--cache-salt``, ``--lora-name``) or from hex block hashes; the namespace from a tenant and
-the engine's layout fields, or as 32 hex digits. One Redis round trip (the directory's locate
-script); a Redis that cannot be reached exits 1 with the URL and the fix.
+The chain comes from token ids (hashed like vLLM 0.33: ``--block-size``, ``--hash-algo``,
+``--cache-salt``, ``--lora-name`` with ``--lora-path``) or from hex block hashes; the namespace
+from a tenant and the engine's layout fields, or as 32 hex digits. One Redis round trip (the
+directory's locate script); a Redis that cannot be reached exits 1 with the URL and the fix.
 
 With ``--socket`` (or ``--address`` and ``--token``) the daemon asks its own Redis. The tenant
 is then the connection's (the token's, or the daemon's default tenant), never ``--tenant``, and
@@ -46,7 +46,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the engines' prefix-caching hash (default sha256_cbor)")
     parser.add_argument("--seed", default=None, help="NONE_HASH seed (vLLM's PYTHONHASHSEED)")
     parser.add_argument("--cache-salt", default=None, help="per-request salt of block 0")
-    parser.add_argument("--lora-name", default=None, help="LoRA adapter name")
+    parser.add_argument("--lora-name", default=None, help="LoRA adapter name (needs --lora-path)")
+    parser.add_argument("--lora-path", default=None,
+                        help="LoRA adapter path as vLLM was given it (vLLM "
+                             f"{hashing.VLLM_HASH_CONTRACT} hashes name and path)")
     parser.add_argument("--namespace", metavar="HEX",
                         help="the 16-byte namespace as 32 hex digits (instead of the fields below)")
     parser.add_argument("--tenant", default="default", help="tenant name (default 'default')")
@@ -116,12 +119,13 @@ def resolve_namespace(args: argparse.Namespace) -> Namespace:
 def chain_of(args: argparse.Namespace) -> list[BlockHash]:
     if args.hashes is not None:
         return parse_hashes(args.hashes)
-    from tierd.commands.hash import parse_tokens
+    from tierd.commands.hash import check_lora, parse_tokens
 
     text = sys.stdin.read() if args.tokens == "-" else args.tokens
+    check_lora(args.lora_name, args.lora_path)
     chain = hashing.block_hashes(parse_tokens(text), args.block_size, algo=args.hash_algo,
                                  seed=args.seed, cache_salt=args.cache_salt,
-                                 lora_name=args.lora_name)
+                                 lora_name=args.lora_name, lora_path=args.lora_path)
     if not chain:
         raise ValueError(f"fewer tokens than one block ({args.block_size}): nothing to route")
     return chain
