@@ -147,9 +147,10 @@ def test_hit_stays_pinned_between_lookup_and_load(model_dir: str, daemon: Daemon
         flood.close()
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_daemon_restart_between_lookup_and_load(model_dir: str, daemon: Daemon,
-                                                policy: str) -> None:
+@pytest.mark.parametrize(("policy", "async_scheduling"),
+                         [("recompute", False), ("fail", False), ("recompute", True)])
+def test_daemon_restart_between_lookup_and_load(model_dir: str, daemon: Daemon, policy: str,
+                                                async_scheduling: bool) -> None:
     """The daemon is killed and restarted (empty) after the scheduler reported a hit and before
     the load. "recompute": the request completes with the reference tokens; "fail": vLLM fails
     it. Either way nothing computed on top of the failed load was stored: a third engine that
@@ -157,7 +158,8 @@ def test_daemon_restart_between_lookup_and_load(model_dir: str, daemon: Daemon,
     longer = PROMPT[:6 * BLOCK] + [(i * 3 + 2) % 991 for i in range(2 * BLOCK + 3)]
     want = baseline(model_dir, daemon, longer)
     first = Engine.start(vllm_config(model_dir, daemon.socket_path))
-    second = Engine.start(vllm_config(model_dir, daemon.socket_path, policy=policy))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path, policy=policy,
+                                      async_scheduling=async_scheduling))
     try:
         first.run([make_request("a", PROMPT[:6 * BLOCK + 1])])
         restarted: list[bool] = []
@@ -245,3 +247,35 @@ def test_removed_and_unknown_keys_name_the_fix(model_dir: str, daemon: Daemon) -
     """A removed extra-config key (hash_algo) is refused by name at connector construction."""
     with pytest.raises(ValueError, match="hash_algo.*removed"):
         Engine.start(vllm_config(model_dir, daemon.socket_path, extra={"hash_algo": "x"}))
+
+
+def test_aborted_request_releases_its_pin(model_dir: str, daemon: Daemon) -> None:
+    """A request aborted after the scheduler pinned its hit, before any worker ran the load:
+    vLLM's request_finished releases the pin at once (not at lease expiry)."""
+    from vllm.v1.request import RequestStatus
+
+    first = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    try:
+        first.run([make_request("a", PROMPT)])
+        second.scheduler.add_request(make_request("b", PROMPT))
+        out = second.scheduler.schedule()
+        assert out.kv_connector_metadata.loads and daemon.pinned_blocks() == 6
+        second.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+        assert daemon.pinned_blocks() == 0
+    finally:
+        first.close()
+        second.close()
+
+
+def test_fail_policy_warns_naming_recompute(model_dir: str, daemon: Daemon,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    """With vLLM's default kv_load_failure_policy ("fail") the connector warns at start,
+    naming the setting that makes vLLM recompute instead; with "recompute" it does not."""
+    engine = Engine.start(vllm_config(model_dir, daemon.socket_path, policy="fail"))
+    engine.close()
+    assert '"kv_load_failure_policy":"recompute"' in caplog.text
+    caplog.clear()
+    engine = Engine.start(vllm_config(model_dir, daemon.socket_path, policy="recompute"))
+    engine.close()
+    assert "kv_load_failure_policy" not in caplog.text
