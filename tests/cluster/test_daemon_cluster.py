@@ -26,7 +26,7 @@ from tierd.daemon.cluster_link import ClusterLink
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.server import Daemon
-from tierd.daemon.ssdrecord import HEADER_BYTES
+from tierd.daemon.ssd.record import HEADER_BYTES
 from tierd.types import BlockHash, make_key
 
 T = TypeVar("T")

@@ -40,7 +40,7 @@ from tierd.daemon.lru import DramBlock, HbmIndex, SsdBlock, TierIndex, TierListe
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
 from tierd.daemon.node_types import EngineInfo, Lease, LookupResult, NodeConfig, Reservation
 from tierd.daemon.slots import SlabAllocator
-from tierd.daemon.ssdindex import READ_BATCH_BYTES
+from tierd.daemon.ssd.index import READ_BATCH_BYTES
 from tierd.events import BlockStored, EventLog, KVEvent
 from tierd.types import BlockHash, NamespacedKey, Tier, make_key, make_keys
 

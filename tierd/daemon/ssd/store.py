@@ -1,9 +1,9 @@
 """The SSD (cold) tier: append-only segment files in a directory with a byte bound, behind one
 asynchronous facade, ``SsdStore``, which runs the file I/O on threads and settles its outcomes.
 
-Records (header, padding) are in ``tierd.daemon.ssdrecord``; segment files and the blocking I/O
-on them in ``tierd.daemon.ssdsegment``; the in-memory index (key -> segment, offset, header, and
-each segment's live and garbage bytes) in ``tierd.daemon.ssdindex``. A demotion pass
+Records (header, padding) are in ``record``; segment files and the blocking I/O on them in
+``segment``; the in-memory index (key -> segment, offset, header, and each segment's live and
+garbage bytes) in ``index`` (all in ``tierd.daemon.ssd``). A demotion pass
 (``write_many``) appends its records to the current segment with one vectored write and one
 ``fdatasync`` (a directory ``fsync`` only when it creates a segment), on a single writer thread,
 then acknowledges them. ``read_many`` sorts its records by (segment, offset) and reads each run
@@ -36,13 +36,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierd.daemon.rawdisk import o_direct_supported
-from tierd.daemon.ssdindex import READ_BATCH_BYTES, Key, Loc, Read, Segment, SegmentTable
-from tierd.daemon.ssdindex import RecordSpan as RecordSpan
-from tierd.daemon.ssdindex import SsdEntry as SsdEntry
-from tierd.daemon.ssdindex import batches, runs
-from tierd.daemon.ssdrecord import Compression, check_key, footprint
-from tierd.daemon.ssdsegment import AppendJob, Placed, SegmentWriter, WriterReport, read_runs
+from tierd.daemon.ssd.rawdisk import o_direct_supported
+from tierd.daemon.ssd.index import READ_BATCH_BYTES, Key, Loc, Read, Segment, SegmentTable
+from tierd.daemon.ssd.index import RecordSpan as RecordSpan
+from tierd.daemon.ssd.index import SsdEntry as SsdEntry
+from tierd.daemon.ssd.index import batches, runs
+from tierd.daemon.ssd.record import Compression, check_key, footprint
+from tierd.daemon.ssd.segment import AppendJob, Placed, SegmentWriter, WriterReport, read_runs
 from tierd.types import BlockHash, Namespace
 
 _log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ _log = logging.getLogger(__name__)
 
 class SsdStore:
     """A directory with a byte bound, of append-only segments of crash-safe records (each with
-    its checksummed header and payload checksum: ``ssdrecord``). Reads and writes run in threads
+    its checksummed header and payload checksum: ``record``). Reads and writes run in threads
     and never block the event loop. The store does not choose what to evict: the caller frees
     room (remove) before writing.
 

@@ -18,10 +18,10 @@ import pytest
 import xxhash
 
 from tierd.checksum import block_checksum
-from tierd.daemon.rawdisk import measure_raw_disk
 from tierd.daemon.ssd import SsdStore
-from tierd.daemon.ssdindex import batches
-from tierd.daemon.ssdrecord import HEADER_BYTES
+from tierd.daemon.ssd.index import batches
+from tierd.daemon.ssd.rawdisk import measure_raw_disk
+from tierd.daemon.ssd.record import HEADER_BYTES
 from tierd.types import BlockHash, Namespace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -275,12 +275,12 @@ async def test_open_deletes_files_of_the_one_file_per_block_format(
     (tmp_path / "old.kvb").mkdir()  # not a regular file: left alone
 
     store = SsdStore(tmp_path, 1 << 20)
-    with caplog.at_level("WARNING", logger="tierd.daemon.ssdindex"):
+    with caplog.at_level("WARNING", logger="tierd.daemon.ssd.index"):
         entries = store.open()
     assert [e.block_hash for e in entries] == [h(1)]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "notes.txt", "old.kvb", "seg-0000000000000000.kvs"]
-    warnings = [r.getMessage() for r in caplog.records if r.name == "tierd.daemon.ssdindex"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tierd.daemon.ssd.index"]
     assert len(warnings) == 1 and "deleted 3 files (3300 bytes)" in warnings[0]
     assert store.used_bytes == store.physical_bytes == HEADER_BYTES + BLOCK
     assert await read_back(store, NS, h(1)) == bytes(p)

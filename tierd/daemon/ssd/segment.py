@@ -1,6 +1,6 @@
 """Segment files of the SSD tier and the blocking I/O on them (run on the store's threads; the
-store is in ``tierd.daemon.ssd``, its index in ``tierd.daemon.ssdindex``, the record format in
-``tierd.daemon.ssdrecord``).
+store is in ``store``, its index in ``index``, the record format in ``record``, all in
+``tierd.daemon.ssd``).
 
 A segment ``seg-<id, 16 hex digits>.kvs`` is records appended back to back; ids only grow. One
 ``SegmentWriter``, owned by a single thread, appends: a batch of records is one vectored write
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import lz4.block
 
 from tierd.checksum import block_checksum
-from tierd.daemon.ssdrecord import (
+from tierd.daemon.ssd.record import (
     ALIGN,
     FLAG_LZ4,
     HEADER_BYTES,

@@ -1,8 +1,8 @@
 """The SSD tier's in-memory index: which record of each block is live, in which segment at which
 offset, and every segment's bytes (``SegmentTable``), with the entries it hands out (``SsdEntry``,
 ``RecordSpan``, re-exported by ``tierd.daemon.ssd``); plus how reads are grouped into runs and
-tasks. ``SsdStore`` (``tierd.daemon.ssd``) runs the I/O and keeps this table on the event loop's
-thread; segment files and their I/O are in ``tierd.daemon.ssdsegment``.
+tasks. ``SsdStore`` (``store``) runs the I/O and keeps this table on the event loop's thread;
+segment files and their I/O are in ``segment``.
 
 A segment's ``size`` is its file's bytes (records alive or dead, and any failed batch); its
 ``live`` bytes are those of its indexed records, and ``used_bytes`` is their sum over all
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from tierd.daemon.ssdrecord import RecordHeader
-from tierd.daemon.ssdsegment import (
+from tierd.daemon.ssd.record import RecordHeader
+from tierd.daemon.ssd.segment import (
     SEGMENT_SUFFIX,
     Placed,
     Source,
