@@ -219,9 +219,10 @@ async def test_header_that_verifies_but_differs_from_the_index(store: SsdStore) 
     store.check_integrity(disk=True)
 
 
-async def test_restart_cuts_torn_tail_and_keeps_later_duplicate(tmp_path: Path) -> None:
-    """Reopening finds exactly the intact records in append order, cuts a torn tail (half a
-    record) and everything after a garbage header, keeps a block's later record, and accounts
+async def test_restart_cuts_torn_tail_resyncs_past_garbage_and_keeps_later_duplicate(
+        tmp_path: Path) -> None:
+    """Reopening cuts the newest segment's torn tail (half a record), skips a garbage header in
+    a sealed segment and finds the record after it, keeps a block's later record, and accounts
     bytes like the disk; payloads read back bit-exact."""
     first = SsdStore(tmp_path, 1 << 20, segment_bytes=4 * (HEADER_BYTES + 1024))
     first.open()
@@ -239,19 +240,20 @@ async def test_restart_cuts_torn_tail_and_keeps_later_duplicate(tmp_path: Path) 
     with open(seg1, "ab") as f:
         f.write(record[:600])  # a torn write: a valid header, half the payload
     with open(seg0, "ab") as f:
-        f.write(os.urandom(HEADER_BYTES) + record)  # garbage header, then a record never seen
+        f.write(os.urandom(HEADER_BYTES) + record)  # garbage header, then block 1 again
     sizes = {p.name: p.stat().st_size for p in (seg0, seg1)}
 
     second = SsdStore(tmp_path, 1 << 20)
     entries = second.open()
     assert [(e.block_hash, e.payload_len) for e in entries] == [
-        (h(i, 16), 1000 + i) for i in (1, 2, 3, 4, 0)]
-    assert second.torn_bytes == 600 + HEADER_BYTES + len(record)
+        (h(i, 16), 1000 + i) for i in (2, 3, 1, 4, 0)]
+    assert (second.torn_bytes, second.damaged_bytes) == (600, HEADER_BYTES)
     on_disk = segments(tmp_path)
-    assert sum(on_disk.values()) == sum(sizes.values()) - second.torn_bytes
+    assert on_disk == {seg0.name: sizes[seg0.name], seg1.name: sizes[seg1.name] - 600}
     assert second.used_bytes == sum(e.stored_bytes for e in entries) == sum(
         HEADER_BYTES + 1024 for _ in range(5))
-    assert second.physical_bytes == sum(on_disk.values()) == second.used_bytes + HEADER_BYTES + 1024
+    garbage = HEADER_BYTES + 2 * (HEADER_BYTES + 1024)  # the garbage, blocks 0 and 1 superseded
+    assert second.physical_bytes == sum(on_disk.values()) == second.used_bytes + garbage
     for i in range(5):
         assert await read_back(second, NS, h(i, 16), 1000 + i) == bytes(payload(i, 1000 + i))
     assert second.checksum_failures == 0

@@ -56,8 +56,10 @@ class SsdStore:
 
     Counters: ``checksum_failures`` (records found corrupt or mismatched on read or copy; each is
     dropped from the index), ``write_errors`` (OSErrors from the disk; each also sets ``healthy
-    = False`` until a later write succeeds), ``torn_bytes`` (cut off torn tails at ``open``). A
-    directory that cannot be opened leaves the store unhealthy and inert.
+    = False`` until a later write succeeds), ``torn_bytes`` (torn tails cut off at ``open``),
+    ``damaged_bytes`` (damage skipped at ``open``, kept as garbage), ``skipped_files`` (names like a
+    segment's that ``open`` did not trust, left untouched). A directory that cannot be opened
+    leaves the store unhealthy and inert.
     """
 
     def __init__(self, directory: str | os.PathLike[str], capacity_bytes: int, *,
@@ -80,6 +82,7 @@ class SsdStore:
         self.compression: Compression = compression
         self.healthy = False
         self.checksum_failures = self.write_errors = self.torn_bytes = 0
+        self.damaged_bytes = self.skipped_files = 0
         self._io_threads, self._direct_io = io_threads, direct_io
         self._table = SegmentTable(self.directory)
         self._pending: dict[Key, bool] = {}  # key -> removed meanwhile
@@ -97,12 +100,15 @@ class SsdStore:
         Files of the former one-file-per-block format (``*.kvb``, ``*.tmp``) are deleted, with
         one warning naming their count and bytes: the cache starts without them.
 
-        A segment ends at its first header that does not verify or record that runs past the
-        file (a torn batch from a crash): the tail is cut off and counted in ``torn_bytes``. A
-        key found twice keeps its later record. Payload checksums are verified on read, not
-        here. Returns the entries oldest first (append order: a fair starting LRU order). If
-        the directory is unusable (not creatable, not a directory, locked by another daemon):
-        logs a warning, leaves ``healthy`` False and returns []. ``used_bytes`` may exceed the
+        Only regular files with one link owned by the daemon are opened; anything else named
+        like a segment is skipped with a warning and never touched (``scan``). A header that
+        does not verify, or a record that runs past the file, is damage: the scan resumes at the
+        next header that verifies, losing only the damaged bytes (``damaged_bytes``). After the
+        last header that verifies, the newest segment's tail (a torn batch from a crash) is cut
+        off (``torn_bytes``); a sealed segment is never truncated. A key found twice keeps its
+        later record. Payload checksums are verified on read, not here. Returns the entries oldest first (append order: a fair starting LRU order). If
+        the directory is unusable (not creatable, not a directory, locked by another daemon, a
+        disk error during the scan): logs a warning, leaves ``healthy`` False and returns []. ``used_bytes`` may exceed the
         bound if it shrank since the last run; the caller removes entries until it fits.
         """
         if self._dir_fd is not None:
@@ -122,16 +128,25 @@ class SsdStore:
             return []
         self._dir_fd = dir_fd
         direct = self._direct_io and o_direct_supported(self.directory)
-        self.torn_bytes += self._table.load(direct)
+        try:
+            loaded = self._table.load(direct)
+        except OSError as exc:
+            self.close()
+            _log.warning("SSD tier disabled, scanning %s failed: %s", self.directory, exc)
+            return []
+        self.torn_bytes += loaded.torn_bytes
+        self.damaged_bytes += loaded.damaged_bytes
+        self.skipped_files += loaded.skipped
         self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="tierd-ssd")
         self._wpool = ThreadPoolExecutor(1, thread_name_prefix="tierd-ssd-writer")
         self._writer = SegmentWriter(str(self.directory), dir_fd, self.segment_bytes,
                                      self._table.sealed_below, direct)
         self.healthy = True
         _log.info("SSD tier %s: %d records, %d bytes of %d in %d segments (%d on disk); cut %d "
-                  "torn bytes", self.directory, len(self._table.records), self.used_bytes,
-                  self.capacity_bytes, len(self._table.segments), self.physical_bytes,
-                  self.torn_bytes)
+                  "torn bytes, skipped %d damaged bytes and %d untrusted files", self.directory,
+                  len(self._table.records), self.used_bytes, self.capacity_bytes,
+                  len(self._table.segments), self.physical_bytes, self.torn_bytes,
+                  self.damaged_bytes, self.skipped_files)
         return self._table.entries()
 
     def close(self) -> None:
