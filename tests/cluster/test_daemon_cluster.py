@@ -278,7 +278,9 @@ def test_ssd_eviction_feeds_the_remote_tier(cluster: Callable[..., Node]) -> Non
     """A's SSD holds 2 records: demoting 2 more evicts the oldest record (p0), whose bytes are
     read back and put remote by the maintain pass; B then acquires p0 from the remote tier."""
     record = HEADER_BYTES + 4096
-    a = cluster("node-a", dram_bytes=128 << 10, ssd_bytes=2 * record, remote_tier=True,
+    # ssd_bytes bounds the files, compaction headroom included (two records here: each is
+    # larger than so small a store's segment), so 4.5 records leave (4.5 - 2) / 1.25 = 2 live
+    a = cluster("node-a", dram_bytes=128 << 10, ssd_bytes=9 * record // 2, remote_tier=True,
                 dram_high_watermark=0.05, dram_low_watermark=0.05)   # DRAM keeps 1 block
     b = cluster("node-b", remote_tier=True)
     p, q = chain(2, seed=10), chain(2, seed=11)

@@ -83,6 +83,8 @@ class NodeStore:
         config.validate()
         self._arena, self._ssd, self._config, self._clock = arena, ssd, config, clock
         self.metrics, self._events = NodeMetrics(), EventLog()
+        if ssd is not None:
+            self.metrics.watch_ssd(ssd)
         self._t = TierIndex(arena, allocator, ssd, self.metrics, self._events,
                             config.ghost_entries, clock, listener)
         self._n = self._t.counts

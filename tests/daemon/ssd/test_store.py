@@ -570,3 +570,38 @@ async def test_compaction_does_not_disturb_reads_in_flight(tmp_path: Path) -> No
     assert not before.path.exists()
     store.check_integrity(disk=True)
     store.close()
+
+
+async def test_files_never_pass_the_footprint_under_churn(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store bounded by a 64-record footprint, 400 writes with random removals (garbage in
+    every segment, so compaction copies many of them): after every chunk the writer syncs and
+    after every write, the segment files on disk stay within ``footprint_bytes``."""
+    from tierd.daemon.ssd import segment
+
+    rec = HEADER_BYTES + BLOCK
+    store = SsdStore(tmp_path, footprint_bytes=64 * rec)
+    store.open()
+    peak = [0]
+    real = segment.SegmentWriter._write_chunk
+
+    def measured(writer: segment.SegmentWriter, chunk: list[segment._Item]) -> None:
+        real(writer, chunk)
+        peak[0] = max(peak[0], sum(segments(tmp_path).values()))
+
+    monkeypatch.setattr(segment.SegmentWriter, "_write_chunk", measured)
+    rng = random.Random(7)
+    live: list[int] = []
+    for i in range(400):
+        while live and (store.used_bytes + rec > store.capacity_bytes or rng.random() < 0.3):
+            store.remove(NS, h(live.pop(rng.randrange(len(live)))))
+        p = payload(i)
+        assert await store.write(NS, h(i), p, block_checksum(p)) is not None
+        live.append(i)
+        peak[0] = max(peak[0], sum(segments(tmp_path).values()))
+        store.check_integrity(disk=True)
+    assert 0 < peak[0] <= store.footprint_bytes == 64 * rec
+    assert store.capacity_bytes == store.full_bytes > 40 * rec
+    for i in rng.sample(live, 5):
+        assert await read_back(store, NS, h(i)) == bytes(payload(i))
+    store.close()
