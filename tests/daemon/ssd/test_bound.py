@@ -33,6 +33,7 @@ def test_a_live_bound_is_fixed_and_its_footprint_follows() -> None:
     """Given as live bytes, the bound stays put; its footprint adds garbage and two segments."""
     b = Bound(MIB, 0.25, live_bytes=100 * MIB)
     assert (b.full, b.footprint) == (100 * MIB, 125 * MIB + 2 * MIB)
+    b.check_integrity()
 
 
 def test_full_disk_lowers_once_and_regrows_within_free_space() -> None:

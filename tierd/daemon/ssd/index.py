@@ -355,6 +355,7 @@ class SegmentTable:
             assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:])), f"{sid}: overlap"
             assert not ranges or ranges[-1][1] <= seg.size, f"segment {sid}: record past its end"
             assert not seg.unlinked or seg.live == 0, f"segment {sid} unlinked with live records"
+            assert os.path.basename(seg.path) not in self.skipped, f"{seg.path} is not trusted"
         if not disk:
             return
         on_disk = {d.name: d.stat().st_size for d in os.scandir(self.directory)
