@@ -121,8 +121,9 @@ class SsdReadings(Protocol):
 
 
 class _SsdCollector:
-    """The SSD store's counters as Prometheus families, read when scraped (the event loop is
-    the store's only writer; a scrape reads a few ints)."""
+    """The SSD store's counters as Prometheus families, read when scraped, on the metrics
+    server's thread (the event loop is the store's only writer; a scrape reads a few ints and
+    sums a copy of the segment sizes)."""
 
     def __init__(self, store: SsdReadings) -> None:
         self._store = store

@@ -280,8 +280,9 @@ class SegmentTable:
 
     @property
     def physical_bytes(self) -> int:
-        """Bytes of the segment files: live records plus garbage."""
-        return sum(s.size for s in self.segments.values() if not s.unlinked)
+        """Bytes of the segment files: live records plus garbage. Safe to read from another
+        thread (the metrics scrape): the segments are copied in one step first."""
+        return sum(s.size for s in list(self.segments.values()) if not s.unlinked)
 
     def pin(self, sid: int) -> None:
         """Keep the segment's fds open for a read or copy in flight, until ``unpin``."""
