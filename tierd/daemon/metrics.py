@@ -133,7 +133,7 @@ class _SsdCollector:
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         s = self._store
-        errors = CounterMetricFamily("tierd_ssd_write_errors", "SSD writes that failed",
+        errors = CounterMetricFamily("tierd_ssd_write_errors", "SSD record writes that failed",
                                      labels=["error"])
         errors.add_metric(["no_space"], s.no_space_errors)
         errors.add_metric(["other"], s.write_errors - s.no_space_errors)

@@ -106,7 +106,8 @@ async def test_enospc_lowers_the_bound_evicts_and_grows_back_when_space_returns(
         filler.unlink()
         for i in range(30, 50):
             assert await put(store, lru, i)
-        assert store.capacity_bytes == store.full_bytes and store.no_space_errors == written.count(False)
+        assert store.capacity_bytes == store.full_bytes
+        assert store.no_space_errors == written.count(False)
         assert len(warnings_of(caplog, "room again")) == 1
         assert len(warnings_of(caplog, "disk is full")) == 1
     assert store.physical_bytes <= store.footprint_bytes == 1 << 20

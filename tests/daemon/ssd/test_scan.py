@@ -114,8 +114,8 @@ async def test_non_regular_and_foreign_owned_entries_are_skipped(tmp_path: Path)
     assert foreign.read_bytes() == content and foreign.stat().st_uid == os.geteuid() + 4242
     p = payload(9)
     assert await store.write(NS, h(9), p, block_checksum(p)) is not None
-    assert store.locate(NS, h(9)) is not None
-    assert store.locate(NS, h(9)).path.name == "seg-0000000000000008.kvs"  # type: ignore[union-attr]
+    span = store.locate(NS, h(9))
+    assert span is not None and span.path.name == "seg-0000000000000008.kvs"
     store.check_integrity(disk=True)
     store.close()
 
@@ -199,7 +199,8 @@ async def test_segment_ids_at_the_top_are_renumbered_and_every_file_found(
                                       "seg-00000000000000000.kvs"])
     p = payload(4)
     assert await store.write(NS, h(4), p, block_checksum(p)) is not None
-    assert store.locate(NS, h(4)).path.name == "seg-0000000000000002.kvs"  # type: ignore[union-attr]
+    span = store.locate(NS, h(4))
+    assert span is not None and span.path.name == "seg-0000000000000002.kvs"
     store.check_integrity(disk=True)
     store.close()
     again = SsdStore(tmp_path, 1 << 30)

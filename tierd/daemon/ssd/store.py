@@ -17,7 +17,7 @@ the writer thread, so it is ordered with appends), at most a segment's worth at 
 unlinks each group once copied, until their garbage is at most half that. Hence on disk, records
 no larger than a segment:
 
-    physical bytes <= capacity * (1 + garbage_fraction) + 2 * segment_bytes
+    physical bytes <= full bound * (1 + garbage_fraction) + 2 * segment_bytes
 
 (the current segment's garbage, and the live bytes of a segment being copied), except after a
 reopen with a smaller capacity until the caller has removed the excess. A bound given as
@@ -44,11 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierd.daemon.ssd.bound import Bound, segment_for
-from tierd.daemon.ssd.rawdisk import o_direct_supported
 from tierd.daemon.ssd.index import READ_BATCH_BYTES, Key, Loc, Read, Segment, SegmentTable
 from tierd.daemon.ssd.index import RecordSpan as RecordSpan
 from tierd.daemon.ssd.index import SsdEntry as SsdEntry
 from tierd.daemon.ssd.index import batches, runs
+from tierd.daemon.ssd.rawdisk import o_direct_supported
 from tierd.daemon.ssd.record import Compression, check_key, footprint
 from tierd.daemon.ssd.segment import AppendJob, Placed, SegmentWriter, WriterReport, read_runs
 from tierd.types import BlockHash, Namespace
@@ -124,10 +124,12 @@ class SsdStore:
         next header that verifies, losing only the damaged bytes (``damaged_bytes``). After the
         last header that verifies, the newest segment's tail (a torn batch from a crash) is cut
         off (``torn_bytes``); a sealed segment is never truncated. A key found twice keeps its
-        later record. Payload checksums are verified on read, not here. Returns the entries oldest first (append order: a fair starting LRU order). If
-        the directory is unusable (not creatable, not a directory, locked by another daemon, a
-        disk error during the scan): logs a warning, leaves ``healthy`` False and returns []. ``used_bytes`` may exceed the
-        bound if it shrank since the last run; the caller removes entries until it fits.
+        later record. Payload checksums are verified on read, not here. Returns the entries
+        oldest first (append order: a fair starting LRU order). If the directory is unusable
+        (not creatable, not a directory, locked by another daemon, a disk error during the
+        scan): logs a warning, leaves ``healthy`` False and returns []. ``used_bytes`` may
+        exceed the bound if it shrank since the last run; the caller removes entries until it
+        fits. Warns once if the filesystem cannot hold ``footprint_bytes``.
         """
         if self._dir_fd is not None:
             raise ValueError(f"SSD store {self.directory} is already open")
@@ -256,7 +258,8 @@ class SsdStore:
         is being written now or earlier in the list; the store is not open; it was removed while
         being written; or the disk failed (``write_errors``; for want of space the bound is
         lowered, else ``healthy`` is False; a warning either way). First, a bound lowered by a
-        full disk grows back as far as the filesystem has room. ValueError (nothing written) on a bad key or an empty payload."""
+        full disk grows back as far as the filesystem has room. ValueError (nothing written) on
+        a bad key or an empty payload."""
         for namespace, block_hash, payload, _ in blocks:
             check_key(namespace, block_hash)
             if len(payload) == 0:
