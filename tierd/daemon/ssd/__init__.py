@@ -2,10 +2,12 @@
 
 One idea in five modules, read from the top down:
 
-- ``store``: ``SsdStore``, the asynchronous facade the node store talks to (bound, health, the
-  writer and reader threads, compaction);
+- ``store``: ``SsdStore``, the asynchronous facade the node store talks to (health, the writer
+  and reader threads, compaction, a full disk);
+- ``bound``: the byte bound: compaction headroom inside ``ssd_bytes``, lowered by a full disk;
 - ``index``: the in-memory index (key -> segment, offset, header; each segment's bytes);
-- ``segment``: segment files, the start-up scan and the blocking I/O on them;
+- ``scan``: the start-up scan: which files it trusts, segment ids, resynchronising past damage;
+- ``segment``: segment files and the blocking I/O on them;
 - ``record``: one record's header, padding and payload choice (pure functions);
 - ``rawdisk``: the raw-disk baseline the tier is measured against.
 
