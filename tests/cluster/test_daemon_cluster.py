@@ -26,7 +26,7 @@ from tierd.daemon.cluster_link import ClusterLink
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.server import Daemon
-from tierd.daemon.ssdrecord import HEADER_BYTES
+from tierd.daemon.ssd.record import HEADER_BYTES
 from tierd.types import BlockHash, make_key
 
 T = TypeVar("T")
@@ -278,7 +278,9 @@ def test_ssd_eviction_feeds_the_remote_tier(cluster: Callable[..., Node]) -> Non
     """A's SSD holds 2 records: demoting 2 more evicts the oldest record (p0), whose bytes are
     read back and put remote by the maintain pass; B then acquires p0 from the remote tier."""
     record = HEADER_BYTES + 4096
-    a = cluster("node-a", dram_bytes=128 << 10, ssd_bytes=2 * record, remote_tier=True,
+    # ssd_bytes bounds the files, compaction headroom included (two records here: each is
+    # larger than so small a store's segment), so 4.5 records leave (4.5 - 2) / 1.25 = 2 live
+    a = cluster("node-a", dram_bytes=128 << 10, ssd_bytes=9 * record // 2, remote_tier=True,
                 dram_high_watermark=0.05, dram_low_watermark=0.05)   # DRAM keeps 1 block
     b = cluster("node-b", remote_tier=True)
     p, q = chain(2, seed=10), chain(2, seed=11)

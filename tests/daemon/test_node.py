@@ -24,7 +24,7 @@ from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
 from tierd.daemon.node import EMPTY_LEASE, EngineInfo, NodeConfig, NodeStore, Reservation
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd import SsdStore
-from tierd.daemon.ssdrecord import HEADER_BYTES
+from tierd.daemon.ssd.record import HEADER_BYTES
 from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored
 from tierd.types import BlockHash
 

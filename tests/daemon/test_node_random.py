@@ -21,7 +21,7 @@ from tierd.daemon.layout import Layout
 from tierd.daemon.node import EMPTY_LEASE, EngineInfo, Lease, NodeConfig, NodeStore, Reservation
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd import SsdStore
-from tierd.daemon.ssdrecord import HEADER_BYTES
+from tierd.daemon.ssd.record import HEADER_BYTES
 from tierd.types import BlockHash
 
 SMALL = Layout(num_layers=1, num_kv_heads=1, head_size=16, dtype="float16", block_size=16)

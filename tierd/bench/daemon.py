@@ -10,7 +10,7 @@
    daemon's demotion and promotion call them: one batch each way, from and into page-aligned
    memory like the DRAM arena's slots; crash-safe records appended to segments, checksums),
    beside raw sequential disk bandwidth for the same bytes in the same directory
-   (``tierd.daemon.rawdisk.measure_raw_disk``). Target: >= 70% of raw, each direction.
+   (``tierd.daemon.ssd.rawdisk.measure_raw_disk``). Target: >= 70% of raw, each direction.
 
 Noise only ever adds time, so copies keep the best of a few runs. Short by default (~10-20 s).
 """
@@ -248,7 +248,7 @@ async def _ssd_figures(workdir: str, hashes: list[Any], payloads: list[bytes],
     round also pays for creating a segment file, later ones append to it."""
     from tierd.checksum import block_checksum
     from tierd.daemon import ssd as ssd_module
-    from tierd.daemon.rawdisk import measure_raw_disk
+    from tierd.daemon.ssd.rawdisk import measure_raw_disk
     from tierd.types import Namespace
 
     total = sum(len(p) for p in payloads)

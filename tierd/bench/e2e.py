@@ -6,11 +6,11 @@
    Targets: cold / DRAM >= 10x, cold / SSD >= 5x (the design essay and LMCache claim 5-20x and
    3-10x).
 2. Each hit's extra time over a hot hit, against the time to move the same KV bytes at memcpy
-   speed (DRAM) and raw sequential disk read speed (SSD; ``tierd.daemon.rawdisk``), both measured
-   in this run on this machine. Target: within 2x. Each extra comes from pairs measured back to
-   back in one fresh engine (the tier hit, then a hot hit of the same prefix; then a memcpy of
-   the same bytes for DRAM, a raw read of as many bytes from a fresh file for SSD): extra =
-   median of (tier hit - hot hit), against the median memcpy (or the median raw read).
+   speed (DRAM) and raw sequential disk read speed (SSD; ``tierd.daemon.ssd.rawdisk``), both
+   measured in this run on this machine. Target: within 2x. Each extra comes from pairs measured
+   back to back in one fresh engine (the tier hit, then a hot hit of the same prefix; then a
+   memcpy of the same bytes for DRAM, a raw read of as many bytes from a fresh file for SSD):
+   extra = median of (tier hit - hot hit), against the median memcpy (or the median raw read).
 3. Miss overhead: prompts that share nothing, run by an engine without tierd and by one with
    ``TierdHooks`` attached (every lookup misses, every block is written through), against a
    `tierd serve` child process as in production (its arena holds every block written, so no
@@ -289,8 +289,8 @@ def _wait_demoted(sock: str, blocks: int, timeout: float = 60.0) -> None:
 
 def _disk_read_s(workdir: str, nbytes: int) -> float:
     """Seconds to read ``nbytes`` sequentially from the disk of ``workdir`` at the raw speed
-    measured now (``tierd.daemon.rawdisk``: a fresh file, O_DIRECT where supported)."""
-    from tierd.daemon.rawdisk import measure_raw_disk
+    measured now (``tierd.daemon.ssd.rawdisk``: a fresh file, O_DIRECT where supported)."""
+    from tierd.daemon.ssd.rawdisk import measure_raw_disk
 
     return nbytes / (measure_raw_disk(workdir, nbytes)[1] * 1e9)
 

@@ -69,7 +69,7 @@ class TierdConfig:
     ssd_dir: str = dataclasses.field(default_factory=lambda: str(cache_dir() / "ssd"), metadata={
         "help": "SSD tier directory ('' = DRAM only)."})
     ssd_bytes: int = dataclasses.field(default=8 * _GIB, metadata={
-        "help": "Byte bound of the SSD tier."})
+        "help": "Bound of the SSD tier's files, compaction headroom included."})
     ssd_compression: Compression = dataclasses.field(default="off", metadata={
         "help": "SSD record compression: off, lz4 or auto (lz4 only where it shrinks)."})
     ssd_io_threads: int = dataclasses.field(default=8, metadata={

@@ -8,6 +8,11 @@ Metric names (all in ``NodeMetrics.registry``, never the global registry):
   ``tierd_tier_used_bytes{tier}``, ``tierd_tier_capacity_bytes{tier}``,
   ``tierd_tier_pinned_blocks{tier}``, ``tierd_tier_occupancy_ratio{tier}`` (gauges, refreshed by
   every ``stats()`` and ``maintain()``); ``tierd_hbm_blocks{engine}``; ``tierd_ssd_healthy``.
+- Read from the SSD store at each scrape (``watch_ssd``): ``tierd_ssd_write_errors_total{error}``
+  (``no_space``: ENOSPC or EDQUOT, which lower the bound; ``other``: which make the tier
+  unhealthy), ``tierd_ssd_bound_bytes`` (the effective bound of live records: lower than
+  ``tierd_ssd_full_bound_bytes`` while a full disk holds it down), ``tierd_ssd_file_bytes``
+  (the segment files: live records and garbage).
 - ``tierd_evictions_total{tier}`` (a block's copy in that tier dropped with no copy below),
   ``tierd_demotions_total`` (DRAM copy dropped, SSD copy kept), ``tierd_promotions_total``
   (SSD read into DRAM), ``tierd_checksum_failures_total{tier}``,
@@ -24,11 +29,12 @@ import bisect
 import collections
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 AGE_BUCKETS: tuple[float, ...] = (
     0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400,
@@ -78,6 +84,10 @@ class NodeMetrics:
                                      ["method"], buckets=RPC_BUCKETS, registry=r)
 
 
+    def watch_ssd(self, store: SsdReadings) -> None:
+        """Export the SSD store's write errors and bounds, read at each scrape."""
+        self.registry.register(_SsdCollector(store))
+
     def set_gauges(self, tiers: dict[str, TierStats], hbm: dict[str, int],
                    ssd_healthy: bool) -> None:
         """Set every occupancy gauge from a stats snapshot (engines gone drop their series)."""
@@ -93,6 +103,48 @@ class NodeMetrics:
         for engine, count in hbm.items():
             self.hbm_blocks.labels(engine).set(count)
         self.ssd_healthy.set(1.0 if ssd_healthy else 0.0)
+
+class SsdReadings(Protocol):
+    """What ``watch_ssd`` reads from the SSD store (``tierd.daemon.ssd.SsdStore``)."""
+
+    write_errors: int
+    no_space_errors: int
+
+    @property
+    def capacity_bytes(self) -> int: ...
+
+    @property
+    def full_bytes(self) -> int: ...
+
+    @property
+    def physical_bytes(self) -> int: ...
+
+
+class _SsdCollector:
+    """The SSD store's counters as Prometheus families, read when scraped, on the metrics
+    server's thread (the event loop is the store's only writer; a scrape reads a few ints and
+    sums a copy of the segment sizes)."""
+
+    def __init__(self, store: SsdReadings) -> None:
+        self._store = store
+
+    def describe(self) -> list[CounterMetricFamily | GaugeMetricFamily]:
+        return list(self.collect())
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        s = self._store
+        errors = CounterMetricFamily("tierd_ssd_write_errors", "SSD record writes that failed",
+                                     labels=["error"])
+        errors.add_metric(["no_space"], s.no_space_errors)
+        errors.add_metric(["other"], s.write_errors - s.no_space_errors)
+        yield errors
+        yield GaugeMetricFamily("tierd_ssd_bound_bytes", "Effective bound of live SSD records",
+                                value=s.capacity_bytes)
+        yield GaugeMetricFamily("tierd_ssd_full_bound_bytes", "Bound of live SSD records when "
+                                "the disk has room", value=s.full_bytes)
+        yield GaugeMetricFamily("tierd_ssd_file_bytes", "Bytes of the SSD segment files",
+                                value=s.physical_bytes)
+
 
 @dataclass(slots=True)
 class NodeCounts:

@@ -40,7 +40,7 @@ from tierd.daemon.lru import DramBlock, HbmIndex, SsdBlock, TierIndex, TierListe
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
 from tierd.daemon.node_types import EngineInfo, Lease, LookupResult, NodeConfig, Reservation
 from tierd.daemon.slots import SlabAllocator
-from tierd.daemon.ssdindex import READ_BATCH_BYTES
+from tierd.daemon.ssd.index import READ_BATCH_BYTES
 from tierd.events import BlockStored, EventLog, KVEvent
 from tierd.types import BlockHash, NamespacedKey, Tier, make_key, make_keys
 
@@ -83,6 +83,8 @@ class NodeStore:
         config.validate()
         self._arena, self._ssd, self._config, self._clock = arena, ssd, config, clock
         self.metrics, self._events = NodeMetrics(), EventLog()
+        if ssd is not None:
+            self.metrics.watch_ssd(ssd)
         self._t = TierIndex(arena, allocator, ssd, self.metrics, self._events,
                             config.ghost_entries, clock, listener)
         self._n = self._t.counts

@@ -346,8 +346,9 @@ class Daemon:
     async def _start_with(cls, config: TierdConfig, arena: ShmArena,
                           extra_handlers: Sequence[grpc.GenericRpcHandler]) -> Daemon:
         allocator = SlabAllocator(config.dram_bytes, config.slab_bytes)
-        ssd = (SsdStore(config.ssd_dir, config.ssd_bytes, compression=config.ssd_compression,
-                        io_threads=config.ssd_io_threads) if config.ssd_dir else None)
+        ssd = (SsdStore(config.ssd_dir, footprint_bytes=config.ssd_bytes,  # headroom included
+                        compression=config.ssd_compression, io_threads=config.ssd_io_threads)
+               if config.ssd_dir else None)
         node_config = NodeConfig(lease_seconds=config.lease_seconds,
                                  dram_high_watermark=config.dram_high_watermark,
                                  dram_low_watermark=config.dram_low_watermark,

@@ -1,9 +1,9 @@
 """The SSD (cold) tier: append-only segment files in a directory with a byte bound, behind one
 asynchronous facade, ``SsdStore``, which runs the file I/O on threads and settles its outcomes.
 
-Records (header, padding) are in ``tierd.daemon.ssdrecord``; segment files and the blocking I/O
-on them in ``tierd.daemon.ssdsegment``; the in-memory index (key -> segment, offset, header, and
-each segment's live and garbage bytes) in ``tierd.daemon.ssdindex``. A demotion pass
+Records (header, padding) are in ``record``; segment files and the blocking I/O on them in
+``segment``; the in-memory index (key -> segment, offset, header, and each segment's live and
+garbage bytes) in ``index`` (all in ``tierd.daemon.ssd``). A demotion pass
 (``write_many``) appends its records to the current segment with one vectored write and one
 ``fdatasync`` (a directory ``fsync`` only when it creates a segment), on a single writer thread,
 then acknowledges them. ``read_many`` sorts its records by (segment, offset) and reads each run
@@ -12,14 +12,20 @@ of adjacent records with one ``preadv`` straight into the targets.
 Removal marks a record dead: ``used_bytes`` (what counts against the bound) is the live records'
 bytes; the files also hold garbage. A segment whose records are all dead is unlinked at once;
 before a batch is appended, if the sealed segments' garbage passes ``garbage_fraction`` of the
-capacity, ``compact`` re-appends the live records of the segments with the most garbage (on the
-writer thread, so it is ordered with appends) and unlinks them, until their garbage is at most
-half that. Hence on disk, records no larger than a segment:
+full bound, ``compact`` re-appends the live records of the segments with the most garbage (on
+the writer thread, so it is ordered with appends), at most a segment's worth at a time, and
+unlinks each group once copied, until their garbage is at most half that. Hence on disk, records
+no larger than a segment:
 
-    physical bytes <= capacity * (1 + garbage_fraction) + 2 * segment_bytes
+    physical bytes <= full bound * (1 + garbage_fraction) + 2 * segment_bytes
 
 (the current segment's garbage, and the live bytes of a segment being copied), except after a
-reopen with a smaller capacity until the caller has removed the excess.
+reopen with a smaller capacity until the caller has removed the excess. A bound given as
+``footprint_bytes`` is turned into the capacity that keeps this under it (``bound``).
+
+A write that fails with ``ENOSPC`` or ``EDQUOT`` does not make the store unhealthy: it lowers
+the effective bound (``capacity_bytes``) below the live bytes, so the caller evicts to make room,
+with one warning; later writes raise it again as the filesystem has room (``bound``).
 
 Not thread-safe: call it from one thread (the daemon's event loop); only file I/O is offloaded.
 """
@@ -27,6 +33,7 @@ Not thread-safe: call it from one thread (the daemon's event loop); only file I/
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import functools
 import logging
@@ -36,13 +43,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierd.daemon.rawdisk import o_direct_supported
-from tierd.daemon.ssdindex import READ_BATCH_BYTES, Key, Loc, Read, Segment, SegmentTable
-from tierd.daemon.ssdindex import RecordSpan as RecordSpan
-from tierd.daemon.ssdindex import SsdEntry as SsdEntry
-from tierd.daemon.ssdindex import batches, runs
-from tierd.daemon.ssdrecord import Compression, check_key, footprint
-from tierd.daemon.ssdsegment import AppendJob, Placed, SegmentWriter, WriterReport, read_runs
+from tierd.daemon.ssd.bound import Bound, segment_for
+from tierd.daemon.ssd.index import READ_BATCH_BYTES, Key, Loc, Read, Segment, SegmentTable
+from tierd.daemon.ssd.index import RecordSpan as RecordSpan
+from tierd.daemon.ssd.index import SsdEntry as SsdEntry
+from tierd.daemon.ssd.index import batches, runs
+from tierd.daemon.ssd.rawdisk import o_direct_supported
+from tierd.daemon.ssd.record import Compression, check_key, footprint
+from tierd.daemon.ssd.segment import AppendJob, Placed, SegmentWriter, WriterReport, read_runs
 from tierd.types import BlockHash, Namespace
 
 _log = logging.getLogger(__name__)
@@ -50,36 +58,49 @@ _log = logging.getLogger(__name__)
 
 class SsdStore:
     """A directory with a byte bound, of append-only segments of crash-safe records (each with
-    its checksummed header and payload checksum: ``ssdrecord``). Reads and writes run in threads
+    its checksummed header and payload checksum: ``record``). Reads and writes run in threads
     and never block the event loop. The store does not choose what to evict: the caller frees
     room (remove) before writing.
 
     Counters: ``checksum_failures`` (records found corrupt or mismatched on read or copy; each is
     dropped from the index), ``write_errors`` (OSErrors from the disk; each also sets ``healthy
-    = False`` until a later write succeeds), ``torn_bytes`` (cut off torn tails at ``open``). A
-    directory that cannot be opened leaves the store unhealthy and inert.
+    = False`` until a later write succeeds, except ``no_space_errors``: ``ENOSPC`` or ``EDQUOT``,
+    which lower the effective bound instead), ``torn_bytes`` (torn tails cut off at ``open``),
+    ``damaged_bytes`` (damage skipped at ``open``, kept as garbage), ``skipped_files`` (names like a
+    segment's that ``open`` did not trust, left untouched). A directory that cannot be opened
+    leaves the store unhealthy and inert.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], capacity_bytes: int, *,
-                 compression: Compression = "off", io_threads: int = 8,
-                 segment_bytes: int = 64 << 20, garbage_fraction: float = 0.25,
-                 direct_io: bool = True) -> None:
-        """No I/O until ``open``. ValueError on a bound or segment size <= 0, an unknown
-        compression, ``io_threads`` < 1 or ``garbage_fraction`` outside (0, 1]."""
-        if capacity_bytes <= 0 or segment_bytes <= 0:
-            raise ValueError(f"SSD capacity and segment size must be > 0 bytes, got "
-                             f"{capacity_bytes} and {segment_bytes}")
+    def __init__(self, directory: str | os.PathLike[str], capacity_bytes: int | None = None, *,
+                 footprint_bytes: int | None = None, compression: Compression = "off",
+                 io_threads: int = 8, segment_bytes: int = 64 << 20,
+                 garbage_fraction: float = 0.25, direct_io: bool = True) -> None:
+        """No I/O until ``open``. The bound is either ``capacity_bytes`` (live records) or
+        ``footprint_bytes`` (the files, compaction headroom included: ``tierd serve``'s
+        ``ssd_bytes``; the segment size is then capped at a sixteenth of it). ValueError unless
+        exactly one is given, on a bound or segment size <= 0, an unknown compression,
+        ``io_threads`` < 1 or ``garbage_fraction`` outside (0, 1]."""
+        if (capacity_bytes is None) == (footprint_bytes is None):
+            raise ValueError("give the SSD bound as capacity_bytes (live records) or as "
+                             "footprint_bytes (the files), not both or neither")
+        bound = capacity_bytes if capacity_bytes is not None else footprint_bytes
+        if bound is None or bound <= 0 or segment_bytes <= 0:
+            raise ValueError(f"SSD bound and segment size must be > 0 bytes, got "
+                             f"{bound} and {segment_bytes}")
         if compression not in ("off", "lz4", "auto"):
             raise ValueError(f"compression must be 'off', 'lz4' or 'auto', got {compression!r}")
         if io_threads < 1 or not 0 < garbage_fraction <= 1:
             raise ValueError(f"need io_threads >= 1 and 0 < garbage_fraction <= 1, got "
                              f"{io_threads} and {garbage_fraction}")
         self.directory = Path(directory)
-        self.capacity_bytes, self.segment_bytes = capacity_bytes, segment_bytes
-        self.garbage_fraction = garbage_fraction
+        if footprint_bytes is not None:
+            segment_bytes = segment_for(footprint_bytes, segment_bytes)
+        self.segment_bytes, self.garbage_fraction = segment_bytes, garbage_fraction
+        self._bound = Bound(segment_bytes, garbage_fraction, capacity_bytes, footprint_bytes)
         self.compression: Compression = compression
         self.healthy = False
         self.checksum_failures = self.write_errors = self.torn_bytes = 0
+        self.damaged_bytes = self.skipped_files = self.no_space_errors = 0
         self._io_threads, self._direct_io = io_threads, direct_io
         self._table = SegmentTable(self.directory)
         self._pending: dict[Key, bool] = {}  # key -> removed meanwhile
@@ -97,13 +118,18 @@ class SsdStore:
         Files of the former one-file-per-block format (``*.kvb``, ``*.tmp``) are deleted, with
         one warning naming their count and bytes: the cache starts without them.
 
-        A segment ends at its first header that does not verify or record that runs past the
-        file (a torn batch from a crash): the tail is cut off and counted in ``torn_bytes``. A
-        key found twice keeps its later record. Payload checksums are verified on read, not
-        here. Returns the entries oldest first (append order: a fair starting LRU order). If
-        the directory is unusable (not creatable, not a directory, locked by another daemon):
-        logs a warning, leaves ``healthy`` False and returns []. ``used_bytes`` may exceed the
-        bound if it shrank since the last run; the caller removes entries until it fits.
+        Only regular files with one link owned by the daemon are opened; anything else named
+        like a segment is skipped with a warning and never touched (``scan``). A header that
+        does not verify, or a record that runs past the file, is damage: the scan resumes at the
+        next header that verifies, losing only the damaged bytes (``damaged_bytes``). After the
+        last header that verifies, the newest segment's tail (a torn batch from a crash) is cut
+        off (``torn_bytes``); a sealed segment is never truncated. A key found twice keeps its
+        later record. Payload checksums are verified on read, not here. Returns the entries
+        oldest first (append order: a fair starting LRU order). If the directory is unusable
+        (not creatable, not a directory, locked by another daemon, a disk error during the
+        scan): logs a warning, leaves ``healthy`` False and returns []. ``used_bytes`` may
+        exceed the bound if it shrank since the last run; the caller removes entries until it
+        fits. Warns once if the filesystem cannot hold ``footprint_bytes``.
         """
         if self._dir_fd is not None:
             raise ValueError(f"SSD store {self.directory} is already open")
@@ -122,17 +148,29 @@ class SsdStore:
             return []
         self._dir_fd = dir_fd
         direct = self._direct_io and o_direct_supported(self.directory)
-        self.torn_bytes += self._table.load(direct)
+        try:
+            loaded = self._table.load(direct)
+        except OSError as exc:
+            self.close()
+            _log.warning("SSD tier disabled, scanning %s failed: %s", self.directory, exc)
+            return []
+        self.torn_bytes += loaded.torn_bytes
+        self.damaged_bytes += loaded.damaged_bytes
+        self.skipped_files += loaded.skipped
+        entries = self._table.entries()
+        self._bound.saw_record(max((e.stored_bytes for e in entries), default=0))
         self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="tierd-ssd")
         self._wpool = ThreadPoolExecutor(1, thread_name_prefix="tierd-ssd-writer")
         self._writer = SegmentWriter(str(self.directory), dir_fd, self.segment_bytes,
                                      self._table.sealed_below, direct)
         self.healthy = True
         _log.info("SSD tier %s: %d records, %d bytes of %d in %d segments (%d on disk); cut %d "
-                  "torn bytes", self.directory, len(self._table.records), self.used_bytes,
-                  self.capacity_bytes, len(self._table.segments), self.physical_bytes,
-                  self.torn_bytes)
-        return self._table.entries()
+                  "torn bytes, skipped %d damaged bytes and %d untrusted files", self.directory,
+                  len(self._table.records), self.used_bytes, self.capacity_bytes,
+                  len(self._table.segments), self.physical_bytes, self.torn_bytes,
+                  self.damaged_bytes, self.skipped_files)
+        self._warn_if_filesystem_small()
+        return entries
 
     def close(self) -> None:
         """Wait for I/O in flight, close the segments, release the directory lock; reads then
@@ -157,6 +195,23 @@ class SsdStore:
         """Upper bound of ``stored_bytes`` for a block of ``payload_len`` bytes (compression is
         only kept when it is smaller)."""
         return footprint(payload_len)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The effective bound of the live records: the full bound, or less while a full disk
+        holds it down. The caller evicts to fit under it before writing."""
+        return self._bound.capacity
+
+    @property
+    def full_bytes(self) -> int:
+        """The bound of the live records when the disk has room (``capacity_bytes`` returns to
+        it)."""
+        return self._bound.full
+
+    @property
+    def footprint_bytes(self) -> int:
+        """The most bytes the segment files take at the full bound (see ``bound``)."""
+        return self._bound.footprint
 
     @property
     def used_bytes(self) -> int:
@@ -201,12 +256,15 @@ class SsdStore:
         payload does not match its checksum (counted in ``checksum_failures``: the DRAM copy is
         bad); the record would pass the bound (free room with ``remove`` first); the same block
         is being written now or earlier in the list; the store is not open; it was removed while
-        being written; or the disk failed (``healthy`` False, warning, ``write_errors``).
-        ValueError (nothing written) on a bad key or an empty payload."""
+        being written; or the disk failed (``write_errors``; for want of space the bound is
+        lowered, else ``healthy`` is False; a warning either way). First, a bound lowered by a
+        full disk grows back as far as the filesystem has room. ValueError (nothing written) on
+        a bad key or an empty payload."""
         for namespace, block_hash, payload, _ in blocks:
             check_key(namespace, block_hash)
             if len(payload) == 0:
                 raise ValueError("an SSD record needs a non-empty payload")
+        self._regrow()
         results: list[SsdEntry | None] = [None] * len(blocks)
         writes: list[tuple[int, Key, int]] = []  # (index in blocks, key, bytes reserved)
         for i, (namespace, block_hash, payload, _) in enumerate(blocks):
@@ -215,6 +273,7 @@ class SsdStore:
             if results[i] is not None:
                 continue
             bound = self.record_bytes(len(payload))
+            self._bound.saw_record(bound)
             if (self._writer is None or key in self._pending
                     or self.used_bytes + self._reserved + bound > self.capacity_bytes):
                 continue
@@ -309,16 +368,34 @@ class SsdStore:
         self._table.discard(key)
 
     async def compact(self) -> int:
-        """If the sealed segments' garbage passes ``garbage_fraction`` of the capacity: copy the
-        live records of those with the most garbage to the current segment (on the writer
+        """If the sealed segments' garbage passes ``garbage_fraction`` of the full bound: copy
+        the live records of those with the most garbage to the current segment (on the writer
         thread; reads of a moved record started earlier still read its old copy, whose segment
         stays open until they finish) and unlink them, until the garbage is at most half that.
+        Segments are copied in groups of at most a segment's live bytes, each group unlinked
+        before the next is copied, so the copies never take more than a segment of room.
         Returns the garbage bytes freed."""
         if self._writer is None:
             return 0
-        victims = self._table.pick_victims(self.garbage_fraction * self.capacity_bytes)
-        if not victims:
-            return 0
+        victims = self._table.pick_victims(self.garbage_fraction * self._bound.full)
+        groups = _groups(victims, self.segment_bytes)
+        freed = 0
+        try:
+            while groups:
+                freed += await self._compact_group(groups.pop(0))
+        finally:
+            for group in groups:  # not started (cancelled, or the copy before it failed)
+                self._table.release_victims(group)
+                for v in group:
+                    self._table.reap(v)
+        if victims:
+            _log.info("SSD tier %s compacted %d segments, %d garbage bytes freed",
+                      self.directory, len(victims), freed)
+        return freed
+
+    async def _compact_group(self, victims: list[Segment]) -> int:
+        """Copy one group of victims' live records and settle it; the garbage bytes freed."""
+        assert self._writer is not None, "the store was closed during compaction"
         moves = self._table.in_segments({v.id for v in victims})
         copies = runs([Read(k, loc, memoryview(b""), None) for k, loc in moves])
         done = self._submit(functools.partial(self._writer.copy, [
@@ -351,8 +428,6 @@ class SsdStore:
             elif isinstance(result, OSError):
                 self._note_write_error("compaction", result)
         self._table.reap_all()
-        _log.info("SSD tier %s compacted %d segments, %d garbage bytes freed", self.directory,
-                  len(victims), freed)
         return freed
 
     def check_integrity(self, *, disk: bool = False) -> None:
@@ -361,6 +436,7 @@ class SsdStore:
         directory holds exactly the known segments at their recorded sizes (call it with no
         write in flight)."""
         assert self._reserved >= 0, f"negative reservation {self._reserved}"
+        self._bound.check_integrity()
         self._table.check_integrity(disk=disk and self._dir_fd is not None)
 
     # -- internals -----------------------------------------------------------------------------
@@ -405,6 +481,32 @@ class SsdStore:
             self._absorb(done.result())
             self._table.reap_all()
 
+    def _regrow(self) -> None:
+        """Before a write: raise a bound lowered by a full disk as the filesystem has room."""
+        if self._bound.lowered is None or self._dir_fd is None:
+            return
+        try:
+            st = os.fstatvfs(self._dir_fd)
+        except OSError:
+            return
+        if self._bound.regrow(self.used_bytes, st.f_bavail * st.f_frsize):
+            _log.warning("SSD tier %s: the disk has room again, bound back to %d bytes",
+                         self.directory, self.capacity_bytes)
+
+    def _warn_if_filesystem_small(self) -> None:
+        """One warning at ``open`` if the filesystem cannot hold the footprint of the bound."""
+        assert self._dir_fd is not None
+        try:
+            st = os.fstatvfs(self._dir_fd)
+        except OSError:
+            return
+        room = st.f_bavail * st.f_frsize + self.physical_bytes
+        if room < self.footprint_bytes:
+            _log.warning("SSD tier %s: the filesystem has room for %d bytes (free plus this "
+                         "tier's files), less than the %d its bound needs: set ssd_bytes to at "
+                         "most %d or free space there (until then a full disk lowers the bound)",
+                         self.directory, room, self.footprint_bytes, room)
+
     def _unreserve(self, writes: list[tuple[int, Key, int]]) -> None:
         for _, key, bound in writes:
             self._reserved -= bound
@@ -434,9 +536,32 @@ class SsdStore:
         _log.warning("SSD record %s-%s dropped: %s", key[0].hex(), key[1].hex(), fault)
 
     def _note_write_error(self, what: str, exc: OSError) -> None:
+        """Count a failed write. No space (``ENOSPC``, ``EDQUOT``): lower the bound, one warning
+        per lowering, the store stays healthy; anything else: unhealthy until a write works."""
         self.write_errors += 1
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            self.no_space_errors += 1
+            before = self.capacity_bytes
+            if self._bound.disk_full(self.used_bytes):
+                _log.warning("SSD tier %s: the disk is full (%s failed: %s): bound lowered from "
+                             "%d to %d bytes, evicting to fit; it grows back as the filesystem "
+                             "has room (free space there, or lower ssd_bytes)", self.directory,
+                             what, exc.strerror, before, self.capacity_bytes)
+            return
         if self.healthy:
             _log.warning("SSD tier %s unhealthy (serving DRAM only until a write succeeds): "
                          "%s failed: %s", self.directory, what, exc)
         self.healthy = False
 
+
+def _groups(victims: list[Segment], most_bytes: int) -> list[list[Segment]]:
+    """``victims`` in order, in groups of at most ``most_bytes`` live bytes (at least one each)."""
+    groups: list[list[Segment]] = []
+    size = 0
+    for v in victims:
+        if not groups or size + v.live > most_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(v)
+        size += v.live
+    return groups

@@ -1,6 +1,6 @@
 """Segment files of the SSD tier and the blocking I/O on them (run on the store's threads; the
-store is in ``tierd.daemon.ssd``, its index in ``tierd.daemon.ssdindex``, the record format in
-``tierd.daemon.ssdrecord``).
+store is in ``store``, its index in ``index``, the record format in ``record``, all in
+``tierd.daemon.ssd``).
 
 A segment ``seg-<id, 16 hex digits>.kvs`` is records appended back to back; ids only grow. One
 ``SegmentWriter``, owned by a single thread, appends: a batch of records is one vectored write
@@ -9,7 +9,8 @@ touches, plus a directory ``fsync`` when it creates a segment, before any record
 written. A record never crosses a segment: the writer rolls to a new segment when the next one
 would pass ``segment_bytes`` (a record larger than that gets a segment of its own). A failed
 batch is cut off again (``ftruncate``) and the writer moves on to a fresh segment, so a segment is
-always acknowledged records followed by at most one torn batch, which ``scan_segment`` stops at.
+always acknowledged records followed by at most one torn batch, which the start-up scan
+(``scan``) cuts off.
 
 Transfers go straight between the caller's memory and the disk with ``O_DIRECT`` when every
 buffer is 512-byte aligned in address and length (DRAM slots are); otherwise through the page
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import lz4.block
 
 from tierd.checksum import block_checksum
-from tierd.daemon.ssdrecord import (
+from tierd.daemon.ssd.record import (
     ALIGN,
     FLAG_LZ4,
     HEADER_BYTES,
@@ -42,7 +43,9 @@ from tierd.daemon.ssdrecord import (
 from tierd.types import BlockHash, Namespace
 
 SEGMENT_SUFFIX = ".kvs"
-_NAME = re.compile(r"seg-([0-9a-f]{16})\.kvs")
+_NAME = re.compile(r"seg-([0-9a-f]{16,})\.kvs")
+SEGMENT_ID_MAX = (1 << 64) - 1
+"""The largest id a segment name holds in its 16 hex digits; the writer never passes it."""
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX"))
 _KICK_BYTES = 4 << 20  # buffered writes start writeback every this many bytes
 _DIRECT_PIECE = 1 << 62  # O_DIRECT writes: one pwritev per IOV_MAX buffers, whatever the bytes
@@ -50,24 +53,33 @@ _ZEROS = memoryview(bytes(ALIGN))
 
 
 def segment_name(segment_id: int) -> str:
+    """``seg-<id in at least 16 hex digits>.kvs``: one name per id, one id per name."""
     return f"seg-{segment_id:016x}{SEGMENT_SUFFIX}"
 
 
 def segment_id(name: str) -> int | None:
-    """The id in a segment file's name, or None for any other name."""
+    """The id in a segment file's name, or None for any other name (also for a non-canonical
+    spelling such as a 17-digit id with a leading zero, so no two names share an id). Ids past
+    ``SEGMENT_ID_MAX`` (names of an older version's overflow) are returned: the scan renumbers
+    them."""
     match = _NAME.fullmatch(name)
-    return int(match.group(1), 16) if match else None
+    if match is None:
+        return None
+    sid = int(match.group(1), 16)
+    return sid if segment_name(sid) == name else None
 
 
 def open_segment(path: str, *, create: bool = False, direct: bool = False
                  ) -> tuple[int, int | None]:
-    """(read-write fd, ``O_DIRECT`` fd or None) of a segment; ``create`` fails if it exists."""
-    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+    """(read-write fd, ``O_DIRECT`` fd or None) of a segment the writer made; ``create`` fails if
+    the name exists. Never follows a symlink (the scan's checks of files it did not just make
+    are in ``scan``)."""
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o644)
     if not direct:
         return fd, None
     try:
-        return fd, os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT)
+        return fd, os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_DIRECT)
     except OSError:
         return fd, None
 
@@ -206,6 +218,9 @@ class SegmentWriter:
             pos = k
 
     def _create(self) -> None:
+        if self._next > SEGMENT_ID_MAX:  # only after 2^32 segments past a renumbering scan
+            raise OSError(errno.EOVERFLOW, "segment ids exhausted: restart the daemon to "
+                          "renumber them")
         self._id, self._next = self._next, self._next + 1
         path = os.path.join(self.directory, segment_name(self._id))
         self._fd, self._dfd = open_segment(path, create=True, direct=self.direct)
@@ -348,25 +363,6 @@ def _header_fault(expected: RecordHeader, raw_head: memoryview) -> str:
     if (head.namespace, head.block_hash) != (expected.namespace, expected.block_hash):
         return f"header names another block ({head.namespace.hex()}-{head.block_hash.hex()})"
     return "header disagrees with the index"
-
-
-def scan_segment(fd: int, size: int) -> tuple[list[tuple[int, RecordHeader]], int]:
-    """The records of a segment file of ``size`` bytes, in order, and where the valid records
-    end: the scan stops at the first header that does not verify or a record that runs past the
-    end (a torn tail). Reads headers only; payloads are verified when read."""
-    found: list[tuple[int, RecordHeader]] = []
-    offset = 0
-    raw = bytearray(HEADER_BYTES)
-    while offset + HEADER_BYTES <= size:
-        if os.preadv(fd, [raw], offset) < HEADER_BYTES:
-            break
-        head = RecordHeader.unpack(raw)
-        if head is None or offset + head.size > size:
-            break
-        found.append((offset, head))
-        offset += head.size
-    _advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    return found, offset
 
 
 def _pad(stored_len: int) -> list[memoryview]:

@@ -1,8 +1,8 @@
 """The SSD tier's in-memory index: which record of each block is live, in which segment at which
 offset, and every segment's bytes (``SegmentTable``), with the entries it hands out (``SsdEntry``,
 ``RecordSpan``, re-exported by ``tierd.daemon.ssd``); plus how reads are grouped into runs and
-tasks. ``SsdStore`` (``tierd.daemon.ssd``) runs the I/O and keeps this table on the event loop's
-thread; segment files and their I/O are in ``tierd.daemon.ssdsegment``.
+tasks. ``SsdStore`` (``store``) runs the I/O and keeps this table on the event loop's thread;
+segment files and their I/O are in ``segment``.
 
 A segment's ``size`` is its file's bytes (records alive or dead, and any failed batch); its
 ``live`` bytes are those of its indexed records, and ``used_bytes`` is their sum over all
@@ -23,14 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from tierd.daemon.ssdrecord import RecordHeader
-from tierd.daemon.ssdsegment import (
-    SEGMENT_SUFFIX,
+from tierd.daemon.ssd.record import RecordHeader
+from tierd.daemon.ssd.scan import Opened, open_trusted, scan_segment
+from tierd.daemon.ssd.segment import (
     Placed,
     Source,
     WriterReport,
     open_segment,
-    scan_segment,
     segment_id,
     segment_name,
 )
@@ -80,6 +79,17 @@ def _entry(head: RecordHeader) -> SsdEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class Loaded:
+    """What ``SegmentTable.load`` found besides the records: bytes cut off as torn tails (newest
+    segment only), bytes of damaged spans and tails kept as garbage (records lost to damage),
+    and the names skipped as not trusted."""
+
+    torn_bytes: int
+    damaged_bytes: int
+    skipped: int
+
+
+@dataclass(frozen=True, slots=True)
 class Loc:
     """An indexed record; compared by identity to tell a moved or rewritten record apart."""
 
@@ -114,26 +124,28 @@ class SegmentTable:
         self.segments: dict[int, Segment] = {}
         self.sealed_below = 0  # segments with smaller ids are never appended to again
         self.used_bytes = 0  # live records' bytes, all segments together
+        self.skipped: set[str] = set()  # names like a segment's not trusted at load: never touched
 
     # -- building ------------------------------------------------------------------------------
 
-    def load(self, direct: bool) -> int:
+    def load(self, direct: bool) -> Loaded:
         """Rebuild from the directory: delete files of the former one-file-per-block format (a
-        cache in a format no longer read; one warning with their count and bytes), then scan
-        every segment's headers in id order, cut each one's torn tail, index its records (a key
-        found twice keeps its later record) and unlink segments left with none. Blocks for one
-        small read per record. ``direct``: open an ``O_DIRECT`` fd too. Returns the torn bytes
-        cut off."""
+        cache in a format no longer read; one warning with their count and bytes), open the
+        trusted segments (``scan``: regular files with one link, ours; anything else skipped and
+        left untouched; ids renumbered if near 2^64), scan each one's headers in id order
+        (resynchronising past damage; the newest one's torn tail cut off), index its records (a
+        key found twice keeps its later record) and unlink segments left with none. Blocks for
+        one small read per record. ``direct``: open an ``O_DIRECT`` fd too."""
         self._remove_legacy()
-        ids = sorted(i for i in map(segment_id, os.listdir(self.directory)) if i is not None)
-        torn = 0
-        for sid in ids:
-            path = os.path.join(self.directory, segment_name(sid))
-            if os.path.isfile(path):
-                torn += self._load_segment(sid, path, direct)
-        self.sealed_below = ids[-1] + 1 if ids else 0
+        listing = open_trusted(self.directory, direct)
+        self.skipped = listing.skipped
+        torn = damaged = 0
+        for k, found in enumerate(listing.opened):
+            cut, lost = self._load_segment(found, newest=k == len(listing.opened) - 1)
+            torn, damaged = torn + cut, damaged + lost
+        self.sealed_below = listing.next_id
         self.reap_all()
-        return torn
+        return Loaded(torn, damaged, len(listing.skipped))
 
     def _remove_legacy(self) -> None:
         count = size = 0
@@ -151,26 +163,37 @@ class SegmentTable:
                          "block format; the cache starts without them", self.directory, count,
                          size)
 
-    def _load_segment(self, sid: int, path: str, direct: bool) -> int:
-        """One segment at ``load``: cut a torn tail, index its records; returns the bytes cut."""
-        fd, dfd = open_segment(path, direct=direct)
-        seg = self.segments[sid] = Segment(sid, path, fd, dfd, os.fstat(fd).st_size)
-        records, end = scan_segment(fd, seg.size)
-        torn = seg.size - end
-        if torn:
-            _log.warning("SSD segment %s: cutting a torn tail of %d bytes at %d", path, torn, end)
-            os.ftruncate(fd, end)
-            os.fsync(fd)
-            seg.size = end
-        for offset, head in records:
+    def _load_segment(self, found: Opened, *, newest: bool) -> tuple[int, int]:
+        """One segment at ``load``: index its records; cut its tail if ``newest`` (a torn batch),
+        else keep it as garbage. Returns (bytes cut, bytes of damage kept)."""
+        seg = self.segments[found.id] = Segment(found.id, found.path, found.fd, found.dfd,
+                                                found.size)
+        scan = scan_segment(found.fd, seg.size)
+        tail = seg.size - scan.end
+        damaged = sum(end - start for start, end in scan.damaged)
+        if damaged:
+            _log.warning("SSD segment %s: %d damaged bytes in %d spans (first at %d) skipped; "
+                         "the %d records that verify are kept", found.path, damaged,
+                         len(scan.damaged), scan.damaged[0][0], len(scan.records))
+        if tail and newest:
+            _log.warning("SSD segment %s: cutting a torn tail of %d bytes at %d", found.path,
+                         tail, scan.end)
+            os.ftruncate(found.fd, scan.end)
+            os.fsync(found.fd)
+            seg.size = scan.end
+        elif tail:
+            _log.warning("SSD segment %s (sealed): %d bytes at %d do not verify; kept as garbage",
+                         found.path, tail, scan.end)
+            damaged += tail
+        for offset, head in scan.records:
             key = (head.namespace, head.block_hash)
             old = self.records.pop(key, None)
             if old is not None:
                 self._drop(old, reap=False)
-            self.records[key] = Loc(sid, offset, head)
+            self.records[key] = Loc(found.id, offset, head)
             seg.live += head.size
             self.used_bytes += head.size
-        return torn
+        return (tail if newest else 0), damaged
 
     def absorb(self, report: WriterReport, direct: bool) -> list[tuple[str, OSError]]:
         """Take in a writer job's segments: new ones opened for reads (``O_DIRECT`` too with
@@ -257,8 +280,9 @@ class SegmentTable:
 
     @property
     def physical_bytes(self) -> int:
-        """Bytes of the segment files: live records plus garbage."""
-        return sum(s.size for s in self.segments.values() if not s.unlinked)
+        """Bytes of the segment files: live records plus garbage. Safe to read from another
+        thread (the metrics scrape): the segments are copied in one step first."""
+        return sum(s.size for s in list(self.segments.values()) if not s.unlinked)
 
     def pin(self, sid: int) -> None:
         """Keep the segment's fds open for a read or copy in flight, until ``unpin``."""
@@ -332,10 +356,12 @@ class SegmentTable:
             assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:])), f"{sid}: overlap"
             assert not ranges or ranges[-1][1] <= seg.size, f"segment {sid}: record past its end"
             assert not seg.unlinked or seg.live == 0, f"segment {sid} unlinked with live records"
+            assert os.path.basename(seg.path) not in self.skipped, f"{seg.path} is not trusted"
         if not disk:
             return
         on_disk = {d.name: d.stat().st_size for d in os.scandir(self.directory)
-                   if d.name.endswith(SEGMENT_SUFFIX) and d.is_file()}
+                   if segment_id(d.name) is not None and d.name not in self.skipped
+                   and d.is_file(follow_symlinks=False)}
         known = {segment_name(s.id): s.size for s in self.segments.values() if not s.unlinked}
         assert on_disk == known, f"disk and index disagree: {on_disk} vs {known}"
 

@@ -18,10 +18,10 @@ import pytest
 import xxhash
 
 from tierd.checksum import block_checksum
-from tierd.daemon.rawdisk import measure_raw_disk
 from tierd.daemon.ssd import SsdStore
-from tierd.daemon.ssdindex import batches
-from tierd.daemon.ssdrecord import HEADER_BYTES
+from tierd.daemon.ssd.index import batches
+from tierd.daemon.ssd.rawdisk import measure_raw_disk
+from tierd.daemon.ssd.record import HEADER_BYTES
 from tierd.types import BlockHash, Namespace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -219,9 +219,10 @@ async def test_header_that_verifies_but_differs_from_the_index(store: SsdStore) 
     store.check_integrity(disk=True)
 
 
-async def test_restart_cuts_torn_tail_and_keeps_later_duplicate(tmp_path: Path) -> None:
-    """Reopening finds exactly the intact records in append order, cuts a torn tail (half a
-    record) and everything after a garbage header, keeps a block's later record, and accounts
+async def test_restart_cuts_torn_tail_resyncs_past_garbage_and_keeps_later_duplicate(
+        tmp_path: Path) -> None:
+    """Reopening cuts the newest segment's torn tail (half a record), skips a garbage header in
+    a sealed segment and finds the record after it, keeps a block's later record, and accounts
     bytes like the disk; payloads read back bit-exact."""
     first = SsdStore(tmp_path, 1 << 20, segment_bytes=4 * (HEADER_BYTES + 1024))
     first.open()
@@ -239,19 +240,20 @@ async def test_restart_cuts_torn_tail_and_keeps_later_duplicate(tmp_path: Path) 
     with open(seg1, "ab") as f:
         f.write(record[:600])  # a torn write: a valid header, half the payload
     with open(seg0, "ab") as f:
-        f.write(os.urandom(HEADER_BYTES) + record)  # garbage header, then a record never seen
+        f.write(os.urandom(HEADER_BYTES) + record)  # garbage header, then block 1 again
     sizes = {p.name: p.stat().st_size for p in (seg0, seg1)}
 
     second = SsdStore(tmp_path, 1 << 20)
     entries = second.open()
     assert [(e.block_hash, e.payload_len) for e in entries] == [
-        (h(i, 16), 1000 + i) for i in (1, 2, 3, 4, 0)]
-    assert second.torn_bytes == 600 + HEADER_BYTES + len(record)
+        (h(i, 16), 1000 + i) for i in (2, 3, 1, 4, 0)]
+    assert (second.torn_bytes, second.damaged_bytes) == (600, HEADER_BYTES)
     on_disk = segments(tmp_path)
-    assert sum(on_disk.values()) == sum(sizes.values()) - second.torn_bytes
+    assert on_disk == {seg0.name: sizes[seg0.name], seg1.name: sizes[seg1.name] - 600}
     assert second.used_bytes == sum(e.stored_bytes for e in entries) == sum(
         HEADER_BYTES + 1024 for _ in range(5))
-    assert second.physical_bytes == sum(on_disk.values()) == second.used_bytes + HEADER_BYTES + 1024
+    garbage = HEADER_BYTES + 2 * (HEADER_BYTES + 1024)  # the garbage, blocks 0 and 1 superseded
+    assert second.physical_bytes == sum(on_disk.values()) == second.used_bytes + garbage
     for i in range(5):
         assert await read_back(second, NS, h(i, 16), 1000 + i) == bytes(payload(i, 1000 + i))
     assert second.checksum_failures == 0
@@ -275,12 +277,12 @@ async def test_open_deletes_files_of_the_one_file_per_block_format(
     (tmp_path / "old.kvb").mkdir()  # not a regular file: left alone
 
     store = SsdStore(tmp_path, 1 << 20)
-    with caplog.at_level("WARNING", logger="tierd.daemon.ssdindex"):
+    with caplog.at_level("WARNING", logger="tierd.daemon.ssd.index"):
         entries = store.open()
     assert [e.block_hash for e in entries] == [h(1)]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "notes.txt", "old.kvb", "seg-0000000000000000.kvs"]
-    warnings = [r.getMessage() for r in caplog.records if r.name == "tierd.daemon.ssdindex"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tierd.daemon.ssd.index"]
     assert len(warnings) == 1 and "deleted 3 files (3300 bytes)" in warnings[0]
     assert store.used_bytes == store.physical_bytes == HEADER_BYTES + BLOCK
     assert await read_back(store, NS, h(1)) == bytes(p)
@@ -567,4 +569,39 @@ async def test_compaction_does_not_disturb_reads_in_flight(tmp_path: Path) -> No
         assert await read_back(store, NS, h(i)) == bytes(payload(i))
     assert not before.path.exists()
     store.check_integrity(disk=True)
+    store.close()
+
+
+async def test_files_never_pass_the_footprint_under_churn(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store bounded by a 64-record footprint, 400 writes with random removals (garbage in
+    every segment, so compaction copies many of them): after every chunk the writer syncs and
+    after every write, the segment files on disk stay within ``footprint_bytes``."""
+    from tierd.daemon.ssd import segment
+
+    rec = HEADER_BYTES + BLOCK
+    store = SsdStore(tmp_path, footprint_bytes=64 * rec)
+    store.open()
+    peak = [0]
+    real = segment.SegmentWriter._write_chunk
+
+    def measured(writer: segment.SegmentWriter, chunk: list[segment._Item]) -> None:
+        real(writer, chunk)
+        peak[0] = max(peak[0], sum(segments(tmp_path).values()))
+
+    monkeypatch.setattr(segment.SegmentWriter, "_write_chunk", measured)
+    rng = random.Random(7)
+    live: list[int] = []
+    for i in range(400):
+        while live and (store.used_bytes + rec > store.capacity_bytes or rng.random() < 0.3):
+            store.remove(NS, h(live.pop(rng.randrange(len(live)))))
+        p = payload(i)
+        assert await store.write(NS, h(i), p, block_checksum(p)) is not None
+        live.append(i)
+        peak[0] = max(peak[0], sum(segments(tmp_path).values()))
+        store.check_integrity(disk=True)
+    assert 0 < peak[0] <= store.footprint_bytes == 64 * rec
+    assert store.capacity_bytes == store.full_bytes > 40 * rec
+    for i in rng.sample(live, 5):
+        assert await read_back(store, NS, h(i)) == bytes(payload(i))
     store.close()

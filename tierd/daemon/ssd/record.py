@@ -1,5 +1,5 @@
 """One SSD record: its header, its footprint in a segment, and the payload chosen for it (pure
-functions; the segment files that hold records are in ``tierd.daemon.ssdsegment``).
+functions; the segment files that hold records are in ``segment``).
 
 A record is a 512-byte header, then the payload (lz4-compressed where that pays), then zeros up
 to the next multiple of 512 bytes (``ALIGN``), so every record and every payload starts 512-byte
