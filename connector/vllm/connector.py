@@ -136,8 +136,12 @@ class TierdConnector(KVConnectorBase_V1):
 
     @property
     def worker_counters(self) -> TierdConnectorStats | None:
-        """Load/save totals of a worker instance (None before ``register_kv_caches``)."""
-        return self._worker.totals if self._worker is not None else None
+        """Load/save totals of a worker instance (None before ``register_kv_caches``), after
+        waiting for the Commits it has handed off."""
+        if self._worker is None:
+            return None
+        self._worker.flush()
+        return self._worker.totals
 
     # -- worker side -------------------------------------------------------------------------
 

@@ -21,6 +21,8 @@ GPU, a layout that differs is reordered in device memory after the DMA, at HBM s
 
 Copies are batched per *run*: blocks consecutive both in vLLM's block ids and in arena slots
 are one strided ``copy_`` per layer (vLLM's block-id view and the arena's slot view line up).
+vLLM's per-layer views are views of one buffer at a fixed layer stride; ``stack_layers``
+recovers the ``[L, B, H, N, C]`` view over all of them, so a load is one ``copy_`` per run.
 """
 
 from __future__ import annotations
@@ -89,6 +91,22 @@ def byte_view(kv_layer: torch.Tensor) -> torch.Tensor:
     return kv_layer.view(torch.uint8)
 
 
+def stack_layers(kv_bytes: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One ``[L, B, H, N, C bytes]`` view over the per-layer byte views, if they are views of
+    one storage with equal shapes and strides at a constant layer stride (as vLLM 0.33 allocates
+    them); else None (each layer is then copied on its own)."""
+    first = kv_bytes[0]
+    offsets = [t.storage_offset() for t in kv_bytes]
+    step = offsets[1] - offsets[0] if len(offsets) > 1 else 0
+    same = all(t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+               and t.shape == first.shape and t.stride() == first.stride() for t in kv_bytes)
+    if not same or (len(offsets) > 1 and step <= 0) or any(
+            b - a != step for a, b in zip(offsets, offsets[1:])):
+        return None
+    return first.as_strided((len(kv_bytes), *first.shape), (step, *first.stride()),
+                            first.storage_offset())
+
+
 def slot_format(kv_caches: Mapping[str, torch.Tensor], block_size: int, cache_dtype: str,
                 tp_rank: int, tp_size: int) -> tuple[SlotFormat, Layout]:
     """The slot format and tierd ``Layout`` of vLLM's registered caches (all layers alike).
@@ -154,10 +172,14 @@ def save_layer(arena: torch.Tensor, fmt: SlotFormat, layer: int, kv_bytes: torch
 
 
 def load_blocks(arena: torch.Tensor, fmt: SlotFormat, kv_bytes: Sequence[torch.Tensor],
-                block_runs: Sequence[Run]) -> None:
+                block_runs: Sequence[Run], stacked: torch.Tensor | None = None) -> None:
     """Copy each run's slots into its vLLM blocks of every layer (``kv_bytes`` from
-    ``byte_view``, registration order): one strided copy per layer and run."""
+    ``byte_view``, registration order): one strided copy per run over ``stacked`` (from
+    ``stack_layers``) if given, else one per layer and run."""
     for run in block_runs:
         slots = _slots(arena, fmt, run)
+        if stacked is not None:
+            stacked[:, run.block_id:run.block_id + run.count].copy_(slots.transpose(0, 1))
+            continue
         for layer, dst in enumerate(kv_bytes):
             dst[run.block_id:run.block_id + run.count].copy_(slots[:, layer])

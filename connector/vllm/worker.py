@@ -3,20 +3,25 @@
 Per step, with the metadata the scheduler half built:
 
 * ``load`` (vLLM's ``start_load_kv``): per request, one Acquire (the scheduler's pin keeps the
-  blocks in DRAM since its lookup); each leased slot's checksum is verified where it lies in
-  the arena, then the leading run of verified blocks is copied straight into vLLM's KV tensors
-  (one strided copy per layer and run of blocks), and the lease is released. Synchronous: the
-  forward pass that reads them starts after it returns. Every block not written (a miss since
-  the lookup, a checksum mismatch, the lease expired during the copy, the daemon gone) and every
-  block after it in that request is reported by ``take_load_errors`` so vLLM recomputes from
-  there; its bytes in vLLM's tensors are never used.
+  blocks in DRAM since its lookup); the leased slots are copied straight into vLLM's KV tensors
+  (one strided copy per run of blocks, on the copier thread, which torch runs without the GIL)
+  while this thread verifies each slot's checksum where it lies in the arena; then the lease is
+  released. Synchronous: the forward pass that reads them starts after it returns. Every block
+  that does not verify (a miss since the lookup, a checksum mismatch, the lease expired during
+  the copy, the daemon gone) and every block after it in that request is reported by
+  ``take_load_errors`` in the same step, so vLLM discards what it computed from them and
+  recomputes from there.
 * ``save_layer`` (vLLM's ``save_kv_layer``): on the first layer, one Reserve for the blocks the
   step completes; each layer's K/V is copied into the reserved slots as vLLM hands it over.
   Saves of a request whose load failed, or that sit on top of any block that failed to load this
   step (``SaveSpec.depends_on``), are dropped, and that request's saves stay dropped until the
   scheduler names it in ``recomputing``: nothing computed on wrong KV is stored.
-* ``finish_save`` (``wait_for_save``): checksums of the written slots and one Commit, so the
-  blocks become visible only whole. If some layer never arrived, Abort instead.
+  Each slot's checksum is accumulated layer by layer (``BlockChecksum``) right after the
+  layer's copy, while its bytes are still in cache.
+* ``finish_save`` (``wait_for_save``): hands the step's Commit to the committer thread and
+  returns: vLLM may reuse its blocks at once (the bytes are already in the arena), and the blocks
+  become visible to other engines only whole, when the Commit lands. If some layer never
+  arrived, Abort instead.
 
 Best effort: a save that fails is a future miss, never an error to vLLM; nothing holds vLLM's
 blocks past the step (``get_finished`` has nothing to report).
@@ -27,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,11 +40,12 @@ import torch
 
 from .config import TierdVllmConfig
 from .kv_tensors import (Run, SlotFormat, byte_view, load_blocks, runs, save_layer,
-                         slot_format)
+                         slot_format, stack_layers)
 from .link import DaemonLink
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 from .stats import TierdConnectorStats
-from tierd.checksum import block_checksum
+from tierd.checksum import BlockChecksum, block_checksum
+from tierd.daemon.client import TierdClient
 from tierd.types import BlockHash
 
 _log = logging.getLogger(__name__)
@@ -52,7 +59,24 @@ class _PendingSave:
     num_hashes: int
     targets: list[tuple[int, int]]      # (index in the reservation, slot byte offset)
     block_runs: list[Run]
+    sums: list[BlockChecksum]           # per target, fed layer by layer
     layers_done: set[int] = field(default_factory=set)
+    in_order: bool = True               # layers arrived 0, 1, 2, ...: ``sums`` are whole
+
+    def add_layer(self, arena: torch.Tensor, layer: int, layer_bytes: int) -> None:
+        """Feed layer ``layer`` of every target slot to its checksum."""
+        start = layer * layer_bytes
+        for (_, offset), checksum in zip(self.targets, self.sums):
+            lo = offset + start
+            checksum.update(arena[lo:lo + layer_bytes].numpy().data)
+
+    def checksums(self, arena: torch.Tensor, slot_bytes: int) -> list[int | None]:
+        """The Commit's checksum list (None: no slot was reserved)."""
+        out: list[int | None] = [None] * self.num_hashes
+        for (index, offset), checksum in zip(self.targets, self.sums):
+            out[index] = (checksum.value if self.in_order else
+                          block_checksum(arena[offset:offset + slot_bytes].numpy().data))
+        return out
 
 
 class WorkerSide:
@@ -69,6 +93,7 @@ class WorkerSide:
         self.format, layout = slot_format(kv_caches, block_size, cache_dtype, tp_rank, tp_size)
         self._layers = {name: i for i, name in enumerate(self.format.layer_names)}
         self._kv_bytes = [byte_view(t) for t in kv_caches.values()]
+        self._stacked = stack_layers(self._kv_bytes)
         self.link = DaemonLink(config, layout, f"{config.engine_name}-tp{tp_rank}", attach=True,
                                clock=clock)
         self.link.connect()
@@ -79,6 +104,13 @@ class WorkerSide:
         self._poisoned: set[str] = set()     # requests whose saves are dropped (see module doc)
         self._pending: _PendingSave | None = None
         self._reserved = False  # this step's Reserve was tried (it may have failed)
+        # Copier: a load's one big copy_ (torch releases the GIL) while this thread verifies.
+        # Committer: Commits, in order, off the engine thread, on a client of its own; it only
+        # returns outcomes (``_harvest`` applies them on this thread).
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="tierd-copy")
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="tierd-commit")
+        self._commits: list[Future[tuple[int, int, grpc.RpcError | None]]] = []
+        self._commit_client: TierdClient | None = None
 
     def _count(self, name: str, amount: int) -> None:
         if amount:
@@ -118,9 +150,11 @@ class WorkerSide:
             return 0
         arena, offset_of = link.arena_tensor, link.engine.geometry.offset
         offsets = [offset_of(s) for s in got.slot_ids[:len(spec.block_ids)]]
+        copy = self._copier.submit(load_blocks, arena, fmt, self._kv_bytes,
+                                   runs(spec.block_ids[:len(offsets)], offsets, fmt.slot_bytes),
+                                   self._stacked)
         good = _verified_prefix(arena, offsets, got.checksums, fmt.slot_bytes)
-        load_blocks(arena, fmt, self._kv_bytes,
-                    runs(spec.block_ids[:good], offsets[:good], fmt.slot_bytes))
+        copy.result()
         in_time = self._clock() < asked + got.seconds_left
         try:
             link.client.release(engine_id, got.lease_id,
@@ -155,8 +189,12 @@ class WorkerSide:
         pending, layer = self._pending, self._layers.get(layer_name)
         if pending is None or layer is None or not pending.targets:
             return
-        save_layer(self.link.arena_tensor, self.format, layer, self._kv_bytes[layer],
-                   pending.block_runs)
+        arena = self.link.arena_tensor
+        save_layer(arena, self.format, layer, self._kv_bytes[layer], pending.block_runs)
+        if pending.in_order and layer == len(pending.layers_done):
+            pending.add_layer(arena, layer, self.format.layer_bytes)  # still in cache
+        else:
+            pending.in_order = False
         pending.layers_done.add(layer)
 
     def _accepted(self, saves: Iterable[SaveSpec]) -> list[SaveSpec]:
@@ -195,32 +233,57 @@ class WorkerSide:
         self._count("skipped_blocks", len(hashes) - len(targets))
         block_runs = runs([block_ids[i] for i, _ in targets], [o for _, o in targets],
                           self.format.slot_bytes)
-        return _PendingSave(reserved.lease_id, len(hashes), targets, block_runs)
+        return _PendingSave(reserved.lease_id, len(hashes), targets, block_runs,
+                            [BlockChecksum() for _ in targets])
 
     def finish_save(self) -> None:
-        """Publish this step's reservation (Commit with checksums), or Abort it if a layer is
-        missing. Blocks for one round trip; never raises for a daemon failure."""
+        """Hand this step's Commit to the committer thread, or Abort the reservation if a layer
+        is missing. Returns without waiting for the daemon; never raises for a daemon failure
+        (outcomes are counted when they arrive)."""
+        self._harvest()
         pending, self._pending, self._reserved = self._pending, None, False
         if pending is None or not self.link.up:
             return
-        link, slot_bytes = self.link, self.format.slot_bytes
-        complete = len(pending.layers_done) == len(self.format.layer_names)
-        try:
-            if not complete:
-                link.client.abort(link.engine.engine_id, pending.lease_id)
-                self._count("dropped_blocks", len(pending.targets))
-                return
-            checksums: list[int | None] = [None] * pending.num_hashes
-            arena = link.arena_tensor
-            for index, offset in pending.targets:
-                checksums[index] = block_checksum(
-                    arena[offset:offset + slot_bytes].numpy().data)
-            stored = link.client.commit(link.engine.engine_id, pending.lease_id, checksums)
-            self._count("saved_blocks", stored)
-            self._count("saved_bytes", stored * slot_bytes)
-        except grpc.RpcError as exc:
-            link.failed(exc)
+        link = self.link
+        if len(pending.layers_done) < len(self.format.layer_names):
             self._count("dropped_blocks", len(pending.targets))
+            try:
+                link.client.abort(link.engine.engine_id, pending.lease_id)
+            except grpc.RpcError as exc:
+                link.failed(exc)
+            return
+        checksums = pending.checksums(link.arena_tensor, self.format.slot_bytes)
+        if self._commit_client is None:
+            config = self._config
+            self._commit_client = TierdClient(socket_path=config.socket_path,
+                                              address=config.address, token=config.token,
+                                              timeout=config.timeout_seconds)
+        self._commits.append(self._committer.submit(
+            _commit, self._commit_client, link.engine.engine_id, pending.lease_id, checksums,
+            len(pending.targets)))
+
+    def _harvest(self, wait: bool = False) -> None:
+        """Count the outcomes of landed Commits (of all of them, with ``wait``)."""
+        keep: list[Future[tuple[int, int, grpc.RpcError | None]]] = []
+        for future in self._commits:
+            if not wait and not future.done():
+                keep.append(future)
+                continue
+            stored, lost, exc = future.result()
+            if exc is not None:
+                if self._commit_client is not None:  # a fresh channel next time
+                    self._commit_client.close()
+                    self._commit_client = None
+                if self.link.up:
+                    self.link.failed(exc)
+            self._count("dropped_blocks", lost)
+            self._count("saved_blocks", stored)
+            self._count("saved_bytes", stored * self.format.slot_bytes)
+        self._commits = keep
+
+    def flush(self) -> None:
+        """Wait until every handed-off Commit has landed and is counted."""
+        self._harvest(wait=True)
 
     # -- reports -----------------------------------------------------------------------------
 
@@ -235,11 +298,27 @@ class WorkerSide:
 
     def take_stats(self) -> TierdConnectorStats | None:
         """Counters since the last call (None if all are 0)."""
+        self._harvest()
         stats, self._stats = self._stats, TierdConnectorStats()
         return None if stats.is_empty() else stats
 
     def close(self) -> None:
+        """Land the pending Commits, stop the helper threads, unregister."""
+        self.flush()
+        self._copier.shutdown()
+        self._committer.shutdown()
+        if self._commit_client is not None:
+            self._commit_client.close()
         self.link.close()
+
+
+def _commit(client: TierdClient, engine_id: str, lease_id: str, checksums: list[int | None],
+            targets: int) -> tuple[int, int, grpc.RpcError | None]:
+    """Committer thread: publish a reservation; (blocks stored, blocks lost, the error)."""
+    try:
+        return client.commit(engine_id, lease_id, checksums), 0, None
+    except grpc.RpcError as exc:
+        return 0, targets, exc
 
 
 def _verified_prefix(arena: torch.Tensor, offsets: list[int], checksums: list[int],

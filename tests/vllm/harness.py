@@ -259,6 +259,7 @@ class Engine:
                 self._absorb(self.scheduler.update_from_output(out, result))
         else:
             raise AssertionError("requests did not finish")
+        assert self.worker.worker_counters is not None  # waits for write-through to land
         return {r.request_id: self.tokens.get(r.request_id, []) for r in requests}
 
 
