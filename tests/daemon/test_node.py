@@ -516,8 +516,9 @@ async def test_ssd_going_unhealthy_hides_it_and_a_good_write_brings_it_back(rig:
 
 
 async def test_restart_finds_ssd_blocks_again(make_rig: MakeRig, tmp_path: Path) -> None:
-    """A new node on the same SSD directory serves the demoted blocks bit-exact."""
-    first = make_rig(ssd_dir=str(tmp_path / "shared"))
+    """A new node on the same SSD directory serves the demoted blocks bit-exact (no flush at
+    close: only the demotion wrote)."""
+    first = make_rig(ssd_dir=str(tmp_path / "shared"), stop_flush_seconds=0.0)
     hashes = chain(8)
     first.store(hashes)
     await first.node.maintain()
@@ -691,8 +692,8 @@ def test_histogram_observe_many_counts_like_one_observe_each() -> None:
 async def test_restart_with_a_smaller_bound_drops_the_oldest_records(make_rig: MakeRig,
                                                                      tmp_path: Path) -> None:
     """Reopened with room for one record, the node keeps the newest (append order) and drops
-    the other."""
-    first = make_rig(ssd_dir=str(tmp_path / "shared"))
+    the other (no flush at close: only the demotion wrote)."""
+    first = make_rig(ssd_dir=str(tmp_path / "shared"), stop_flush_seconds=0.0)
     hashes = chain(8)
     first.store(hashes)
     await first.node.maintain()                                # 0, 1 written

@@ -15,6 +15,9 @@ Policy (documented in docs/daemon.md):
   blocks synchronously, this size class first (a block with an SSD copy is merely demoted).
 - An SSD hit in ``acquire`` is read into a fresh DRAM slot; the SSD copy is kept (demoting it
   again costs no write). Pinned blocks are never evicted or moved.
+- Write-behind (``writebehind``): committed blocks get an SSD copy within about
+  ``write_behind_seconds`` (``write_behind``, run by the daemon), and ``close`` writes what is
+  still DRAM-only, most recently used first, within ``stop_flush_seconds``.
 - An unhealthy SSD store is hidden (DRAM only; ``AllBlocksCleared(tier="ssd")``, a warning,
   ``tierd_ssd_healthy`` 0) but its index kept; ``maintain`` tries one demotion per pass, and a
   write that succeeds makes the store healthy and its blocks served again.
@@ -36,11 +39,13 @@ from tierd.checksum import block_checksum
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
 from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.leases import LeaseTable, ReadLease, WriteLease, new_lease_id
-from tierd.daemon.lru import DramBlock, HbmIndex, SsdBlock, TierIndex, TierListener
+from tierd.daemon.lru import DramBlock, HbmIndex, SsdBlock, TierIndex, TierListener, \
+    TierListeners
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
 from tierd.daemon.node_types import EngineInfo, Lease, LookupResult, NodeConfig, Reservation
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd.index import READ_BATCH_BYTES
+from tierd.daemon.writebehind import Flushed, WriteBehind
 from tierd.events import BlockStored, EventLog, KVEvent
 from tierd.types import BlockHash, NamespacedKey, Tier, make_key, make_keys
 
@@ -49,8 +54,8 @@ if TYPE_CHECKING:
     from tierd.daemon.ssd import SsdStore
 
 # The store and the values it takes and returns (defined in node_types), importable from here.
-__all__ = ["EMPTY_LEASE", "EngineInfo", "Lease", "LookupResult", "NodeConfig", "NodeStore",
-           "Reservation"]
+__all__ = ["EMPTY_LEASE", "EngineInfo", "Flushed", "Lease", "LookupResult", "NodeConfig",
+           "NodeStore", "Reservation"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +93,12 @@ class NodeStore:
         self._t = TierIndex(arena, allocator, ssd, self.metrics, self._events,
                             config.ghost_entries, clock, listener)
         self._n = self._t.counts
+        self._wb = WriteBehind(self._t, delay=config.write_behind_seconds,
+                               min_hits=config.ssd_min_hits, batch_bytes=config.write_batch_bytes,
+                               clock=clock)
+        if ssd is not None and config.write_behind_seconds > 0:
+            self._t.listener = self._wb if listener is None else TierListeners([self._wb,
+                                                                                listener])
         self._engines: dict[str, EngineInfo] = {}
         self._leases = LeaseTable()
         self._writing: dict[NamespacedKey, str] = {}   # reserved key -> its write lease id
@@ -106,6 +117,11 @@ class NodeStore:
             return
         self._t.load(self._ssd.open(), self._clock())
         self.metrics.ssd_healthy.set(1.0 if self._t.ssd_up else 0.0)
+
+    @property
+    def has_ssd(self) -> bool:
+        """Whether the store has an SSD tier (healthy or not)."""
+        return self._ssd is not None
 
     def register_engine(self, tenant: str, layout: Layout, engine_name: str = "") -> EngineInfo:
         """Give an engine an id, its namespace and its slot geometry. ValueError for a bad
@@ -488,13 +504,33 @@ class NodeStore:
         """Every tier event since the last call, oldest first."""
         return self._events.take_events()
 
-    async def close(self) -> None:
-        """Wait for in-flight promotions, then close the SSD store (its records are the index:
-        nothing else to flush). DRAM blocks are not written out."""
+    async def write_behind(self) -> int:
+        """One write-behind pass (``WriteBehind.run``): the blocks committed since the last
+        one that still have no SSD copy are written, oldest first, in batches that wait for
+        the SSD promotions in flight; demotion can run between batches. Returns the blocks
+        written. The daemon calls it every half ``write_behind_seconds``."""
+        if self._ssd is None:
+            return 0
+        written = await self._wb.run(self._maintaining,
+                                     lambda: [p.done for p in self._promoting.values()])
+        self.metrics.persisted.labels("write_behind").inc(written)
+        self.metrics.write_behind_lag.set(self._wb.lag_seconds(self._clock()))
+        return written
+
+    async def close(self) -> Flushed:
+        """Wait for in-flight promotions, write the DRAM blocks that have no SSD copy to SSD
+        (most recently used first, starting no batch after ``stop_flush_seconds``; the SSD's
+        admission and bound apply), then close the SSD store. Returns what the flush did.
+        Call once, with no maintain or write-behind pass running."""
         for promotion in list(self._promoting.values()):
             await promotion.done
+        flushed = Flushed(0, 0, 0.0)
         if self._ssd is not None:
+            async with self._maintaining:
+                flushed = await self._wb.flush(self._clock() + self._config.stop_flush_seconds)
+            self.metrics.persisted.labels("stop").inc(flushed.written)
             self._ssd.close()
+        return flushed
 
     # -- observability -------------------------------------------------------------------------
 
@@ -551,6 +587,7 @@ class NodeStore:
             assert e.pins == ssd_pins.get(key, 0), f"{key.hex()}: SSD pins disagree"
         assert set(self._hbm.counts()) <= set(self._engines), "HBM report of unknown engine"
         self._hbm.check_integrity()
+        self._wb.check_integrity()
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -24,6 +24,9 @@ class NodeConfig:
     max_blocks_per_request: int = 4096   # more: ResourceExhausted
     hbm_max_blocks_per_engine: int = 1_000_000  # past it, the oldest reported hashes are dropped
     ghost_entries: int = 65_536          # evicted keys remembered to measure reuse gaps
+    write_behind_seconds: float = 2.0    # committed blocks reach SSD within about this; 0 = off
+    stop_flush_seconds: float = 10.0     # close(): budget for writing DRAM-only blocks to SSD
+    write_batch_bytes: int = 8 << 20     # most bytes of one write-behind / flush SSD write
 
     def validate(self) -> None:
         """ValueError naming the field to fix."""
@@ -37,6 +40,11 @@ class NodeConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.ssd_min_hits < 0:
             raise ValueError(f"ssd_min_hits must be >= 0, got {self.ssd_min_hits}")
+        for name in ("write_behind_seconds", "stop_flush_seconds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
+        if self.write_batch_bytes < 1:
+            raise ValueError(f"write_batch_bytes must be >= 1, got {self.write_batch_bytes}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -319,7 +319,8 @@ class Daemon:
         self._server, self._health = server, health
         self.tcp_port = tcp_port
         """The bound TCP port (the real one when the config asked for 0), None without TCP."""
-        self._maintainer: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []   # the maintain and write-behind loops
+        self._stopping = asyncio.Event()
         self._metrics_http: Any = None
         self.metrics_port: int | None = None
         """The bound Prometheus port (the real one when the config asked for 0), or None."""
@@ -353,7 +354,9 @@ class Daemon:
                                  dram_high_watermark=config.dram_high_watermark,
                                  dram_low_watermark=config.dram_low_watermark,
                                  ssd_min_hits=config.ssd_min_hits,
-                                 max_blocks_per_request=config.max_blocks_per_request)
+                                 max_blocks_per_request=config.max_blocks_per_request,
+                                 write_behind_seconds=config.write_behind_seconds,
+                                 stop_flush_seconds=config.stop_flush_seconds)
         cluster = None
         if config.redis_url:
             cluster = ClusterLink(_link_config(config), NAMESPACE_LEN)
@@ -410,7 +413,11 @@ class Daemon:
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
         daemon = cls(config, arena, store, server, health, tcp_port, cluster, presence)
-        daemon._maintainer = asyncio.create_task(daemon._maintain_loop())
+        daemon._tasks.append(asyncio.create_task(daemon._every(
+            config.maintain_seconds, daemon.maintain, "maintain pass")))
+        if ssd is not None and config.write_behind_seconds > 0:
+            daemon._tasks.append(asyncio.create_task(daemon._every(
+                config.write_behind_seconds / 2, store.write_behind, "write-behind pass")))
         if config.metrics_port is not None:
             from prometheus_client import start_http_server
             daemon._metrics_http, _ = start_http_server(
@@ -423,9 +430,11 @@ class Daemon:
                       cluster.config.node.address, config.redis_url,
                       f"on, {config.remote_tier_bytes >> 20} MiB" if config.remote_tier
                       else "off")
-        _log.info("tierd serving: arena %s (%d MiB, slabs of %d MiB), SSD %s, %s%s%s",
-                  arena.path, config.dram_bytes >> 20, config.slab_bytes >> 20,
-                  f"{config.ssd_dir} bound {config.ssd_bytes >> 20} MiB" if ssd is not None else "off",
+        _log.info("tierd serving: arena %s (%s, slabs of %s), SSD %s, %s%s%s",
+                  arena.path, format_bytes(config.dram_bytes), format_bytes(config.slab_bytes),
+                  f"{config.ssd_dir} bound {format_bytes(config.ssd_bytes)}, write-behind "
+                  + (f"{config.write_behind_seconds:g} s" if config.write_behind_seconds
+                     else "off") if ssd is not None else "off",
                   f"unix:{config.socket_path}" if config.socket_path else "",
                   f" tcp {config.tcp_host}:{tcp_port}" if tcp_port is not None else "",
                   f" metrics http://{config.metrics_host}:{daemon.metrics_port}/metrics"
@@ -439,19 +448,25 @@ class Daemon:
         if self.cluster is not None:
             await self.cluster.flush_remote()
 
-    async def _maintain_loop(self) -> None:
-        """Every ``maintain_seconds``: one ``maintain`` pass."""
-        while True:
-            await asyncio.sleep(self.config.maintain_seconds)
+    async def _every(self, period: float, work: Callable[[], Awaitable[object]],
+                     what: str) -> None:
+        """Run ``work`` every ``period`` seconds until ``stop``; a pass that fails is logged
+        and retried. Never cancelled mid-pass: ``stop`` waits for the pass in flight."""
+        while not self._stopping.is_set():
             try:
-                await self.maintain()
-            except Exception:  # a failed pass must not end maintenance for good
-                _log.exception("maintain pass failed; retrying in %.1f s",
-                               self.config.maintain_seconds)
+                await asyncio.wait_for(self._stopping.wait(), period)
+                return
+            except asyncio.TimeoutError:
+                pass
+            try:
+                await work()
+            except Exception:  # a failed pass must not end the loop for good
+                _log.exception("%s failed; retrying in %.1f s", what, period)
 
     async def stop(self, grace: float = 2.0) -> None:
-        """Stop accepting calls, let running ones finish for ``grace`` seconds, close the store
-        (flushing the SSD tier), then unlink the arena and the socket. Idempotent."""
+        """Stop accepting calls, let running ones finish for ``grace`` seconds, let the maintain
+        and write-behind passes in flight finish, close the store (writing DRAM-only blocks to
+        SSD within ``stop_flush_seconds``), then unlink the arena and the socket. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
@@ -460,19 +475,30 @@ class Daemon:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
-        if self._maintainer is not None:
-            self._maintainer.cancel()
-            await asyncio.gather(self._maintainer, return_exceptions=True)
+        self._stopping.set()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.cluster is not None:
             await self.cluster.close()
-        await self.store.close()
+        flushed = await self.store.close()
+        if self.store.has_ssd:
+            _log.info("stop: %d DRAM-only blocks written to SSD in %.2f s, %d left DRAM-only "
+                      "(budget %.1f s)", flushed.written, flushed.seconds, flushed.left,
+                      self.config.stop_flush_seconds)
         if self.presence is not None:
             self.presence.close()
         self.arena.close()
         self.arena.unlink()
         if self.config.socket_path and os.path.exists(self.config.socket_path):
             os.unlink(self.config.socket_path)
-        _log.info("tierd stopped: SSD index flushed, arena and socket removed")
+        _log.info("tierd stopped: arena and socket removed")
+
+
+def format_bytes(n: int) -> str:
+    """``65536`` -> "64 KiB", ``1 << 30`` -> "1 GiB", ``1536`` -> "1.5 KiB" (log lines)."""
+    for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.4g} {unit}"
+    return f"{n} B"
 
 
 def _link_config(config: TierdConfig) -> LinkConfig:
