@@ -16,7 +16,7 @@ import pytest
 
 from tierd.checksum import block_checksum
 from tierd.daemon.arena import ShmArena
-from tierd.daemon.errors import FailedPrecondition
+from tierd.daemon.errors import FailedPrecondition, NotFound
 from tierd.daemon.layout import Layout
 from tierd.daemon.node import EMPTY_LEASE, EngineInfo, Lease, NodeConfig, NodeStore, Reservation
 from tierd.daemon.slots import SlabAllocator
@@ -106,7 +106,7 @@ class World:
         elif op == "release" and self.leases:
             lease, _ = self.leases.pop(rng.randrange(len(self.leases)))
             if self.clock.now >= lease.deadline and lease.lease_id != EMPTY_LEASE:
-                with pytest.raises(FailedPrecondition, match="expired"):
+                with pytest.raises(NotFound, match="expired"):
                     node.release(lease.lease_id)
             else:
                 node.release(lease.lease_id)

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
-from tierd.daemon.errors import FailedPrecondition, NotFound
+from tierd.daemon.errors import FailedPrecondition, NotFound, clip
 from tierd.types import BlockHash, Namespace, NamespacedKey
 
 Ending = Literal["released", "committed", "aborted", "expired", "unregistered"]
@@ -85,13 +85,13 @@ class LeaseTable:
         belongs to another engine (the same answer, so lease ids leak nothing across tenants)."""
         lease = self._live.get(lease_id)
         if lease is not None and owner is not None and lease.engine_id != owner:
-            raise NotFound(f"unknown lease {lease_id!r}")
+            raise NotFound(f"unknown lease {clip(lease_id)}")
         if lease is not None:
             return lease
         ending = self._finished.get(lease_id)
         if ending is not None:
-            raise FailedPrecondition(f"lease {lease_id} already {ending}")
-        raise NotFound(f"unknown lease {lease_id!r}")
+            raise FailedPrecondition(f"lease {clip(lease_id)} already {ending}")
+        raise NotFound(f"unknown lease {clip(lease_id)}")
 
     def ending(self, lease_id: str) -> Ending | None:
         """How a recently finished lease ended, or None (live or unknown)."""

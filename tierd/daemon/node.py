@@ -18,6 +18,7 @@ Policy (documented in docs/daemon.md):
 - Write-behind (``writebehind``): committed blocks get an SSD copy within about
   ``write_behind_seconds`` (``write_behind``, run by the daemon), and ``close`` writes what is
   still DRAM-only, most recently used first, within ``stop_flush_seconds``.
+- Engines silent for ``engines.idle_seconds`` are unregistered by ``maintain`` (``engines``).
 - An unhealthy SSD store is hidden (DRAM only; ``AllBlocksCleared(tier="ssd")``, a warning,
   ``tierd_ssd_healthy`` 0) but its index kept; ``maintain`` tries one demotion per pass, and a
   write that succeeds makes the store healthy and its blocks served again.
@@ -28,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tierd.checksum import block_checksum
-from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
+from tierd.daemon.engines import EngineTable
+from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, clip
 from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.leases import LeaseTable, ReadLease, WriteLease, new_lease_id
 from tierd.daemon.lru import DramBlock, HbmIndex, SsdBlock, TierIndex, TierListener, \
@@ -62,6 +63,9 @@ log = logging.getLogger(__name__)
 EMPTY_LEASE = ""
 """The lease id of an acquire that pinned nothing: never stored (no pile of miss leases)."""
 
+MAX_FILTERED_QUERY_TOKENS = 1 << 40
+"""Most ``filtered_query_tokens`` one Reserve may report (about 10^12: hours of lookups of a
+fast engine); more is INVALID_ARGUMENT, so no caller can overflow the node's counters."""
 
 
 @dataclass(slots=True)
@@ -99,7 +103,8 @@ class NodeStore:
         if ssd is not None and config.write_behind_seconds > 0:
             self._t.listener = self._wb if listener is None else TierListeners([self._wb,
                                                                                 listener])
-        self._engines: dict[str, EngineInfo] = {}
+        self._engines = EngineTable(config.engines)
+        self._engine_gone: Callable[[str], None] = lambda engine_id: None
         self._leases = LeaseTable()
         self._writing: dict[NamespacedKey, str] = {}   # reserved key -> its write lease id
         self._promoting: dict[NamespacedKey, _Promotion] = {}
@@ -118,24 +123,42 @@ class NodeStore:
         self._t.load(self._ssd.open(), self._clock())
         self.metrics.ssd_healthy.set(1.0 if self._t.ssd_up else 0.0)
 
-    @property
-    def has_ssd(self) -> bool:
-        """Whether the store has an SSD tier (healthy or not)."""
-        return self._ssd is not None
-
     def register_engine(self, tenant: str, layout: Layout, engine_name: str = "") -> EngineInfo:
         """Give an engine an id, its namespace and its slot geometry. ValueError for a bad
-        layout or tenant; ResourceExhausted if one block cannot fit a slab."""
+        layout or tenant, or a name over ``max_name_bytes``; ResourceExhausted if one block
+        cannot fit a slab or the tenant has ``max_engines_per_tenant`` engines."""
         namespace = namespace_for(tenant, layout)
         try:
             geometry = self._t.alloc.geometry(layout.block_bytes)
         except ValueError as e:
             raise ResourceExhausted(f"a block of {layout.block_bytes} bytes cannot fit: {e}") from e
-        engine_id = f"{engine_name}-{secrets.token_hex(4)}" if engine_name else secrets.token_hex(8)
-        info = EngineInfo(engine_id, tenant, namespace, layout, geometry)
-        self._engines[engine_id] = info
+        info = EngineInfo(self._engines.new_id(tenant, engine_name), tenant, namespace, layout,
+                          geometry, engine_name)
+        self._engines.add(info, self._clock())
         self._t.classes.add(geometry.slot_bytes)
         return info
+
+    @property
+    def has_ssd(self) -> bool:
+        """Whether the store has an SSD tier (healthy or not)."""
+        return self._ssd is not None
+
+    def engine(self, engine_id: str, tenant: str) -> EngineInfo:
+        """The registered engine, heard from now. NotFound if unknown, lapsed or ``tenant``'s
+        not (the same answer, so ids leak nothing across tenants)."""
+        info = self._engine(engine_id)
+        if info.tenant != tenant:
+            raise NotFound(f"unknown engine {clip(engine_id)}: register it first")
+        return info
+
+    def engines_of(self, tenant: str) -> list[EngineInfo]:
+        """The registered engines of ``tenant``."""
+        return self._engines.of_tenant(tenant)
+
+    def watch_engines(self, gone: Callable[[str], None]) -> None:
+        """``gone(engine_id)`` is called for each engine ``maintain`` unregisters because it
+        lapsed (not for ``unregister_engine``: its caller knows)."""
+        self._engine_gone = gone
 
     def unregister_engine(self, engine_id: str) -> None:
         """Forget an engine: its leases end (pins dropped, reserved slots freed) and its HBM
@@ -144,7 +167,7 @@ class NodeStore:
         for lease in self._leases.of_engine(engine_id):
             self._end(self._leases.finish(lease.lease_id, "unregistered"))
         self._hbm.drop(engine_id)
-        del self._engines[engine_id]
+        self._engines.remove(engine_id)
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -344,8 +367,9 @@ class NodeStore:
 
     def release(self, lease_id: str, *, engine_id: str | None = None,
                 corrupt_from: int | None = None) -> bool:
-        """Unpin a read lease's blocks. NotFound if unknown; FailedPrecondition if it already
-        ended (expired: what was copied may have been overwritten, so verify checksums).
+        """Unpin a read lease's blocks. NotFound if unknown or already ended (expired: what
+        was copied may have been overwritten, so verify checksums); FailedPrecondition for a
+        reservation.
         The empty lease of an acquire that pinned nothing (``EMPTY_LEASE``) is a no-op.
         ``engine_id`` (the gRPC edge always passes it): a lease of another engine is NotFound.
 
@@ -357,9 +381,12 @@ class NodeStore:
         if lease_id == EMPTY_LEASE:
             return False
         self._expire(self._clock())
+        ending = self._leases.ending(lease_id)
+        if ending is not None:  # NOT_FOUND, as the proto says (a commit would be a precondition)
+            raise NotFound(f"lease {clip(lease_id)} already {ending}: nothing to release")
         lease = self._leases.get(lease_id, engine_id)
         if not isinstance(lease, ReadLease):
-            raise FailedPrecondition(f"lease {lease_id} is a reservation: commit or abort it")
+            raise FailedPrecondition(f"lease {clip(lease_id)} is a reservation: commit or abort it")
         if corrupt_from is not None and not 0 <= corrupt_from < len(lease.keys):
             raise ValueError(f"corrupt_from {corrupt_from} is outside the lease's "
                              f"{len(lease.keys)} blocks: give the index of the failed block")
@@ -392,6 +419,9 @@ class NodeStore:
         """
         info = self._engine(engine_id)
         keys = self._keys(info, hashes)
+        if not 0 <= filtered_query_tokens <= MAX_FILTERED_QUERY_TOKENS:
+            raise ValueError(f"filtered_query_tokens {filtered_query_tokens} is over 2^40, the "
+                             "most one Reserve may report: send the count since the last Reserve")
         if filtered_query_tokens:
             self._n.queries += filtered_query_tokens
             self.metrics.queries.inc(filtered_query_tokens)
@@ -431,7 +461,7 @@ class NodeStore:
         self._expire(now)
         lease = self._leases.get(lease_id, engine_id)
         if not isinstance(lease, WriteLease):
-            raise FailedPrecondition(f"lease {lease_id} is a read lease: release it")
+            raise FailedPrecondition(f"lease {clip(lease_id)} is a read lease: release it")
         if len(checksums) != len(lease.hashes):
             raise ValueError(f"commit needs one checksum (or None) per reserved hash: "
                              f"{len(checksums)} given, {len(lease.hashes)} reserved")
@@ -472,7 +502,7 @@ class NodeStore:
             return
         lease = self._leases.get(lease_id, engine_id)
         if not isinstance(lease, WriteLease):
-            raise FailedPrecondition(f"lease {lease_id} is a read lease: release it")
+            raise FailedPrecondition(f"lease {clip(lease_id)} is a read lease: release it")
         self._end(self._leases.finish(lease_id, "aborted"))
 
     def report_hbm(self, engine_id: str, stored: Sequence[BlockHash],
@@ -493,6 +523,11 @@ class NodeStore:
         async with self._maintaining:
             now = self._clock()
             self._expire(now)
+            for engine_id in self._engines.lapsed(now):
+                log.info("engine %s silent for %.0f s: unregistered", engine_id,
+                         self._config.engines.idle_seconds)
+                self.unregister_engine(engine_id)
+                self._engine_gone(engine_id)
             self._t.check_ssd()
             high = self._config.dram_high_watermark * self._arena.size
             if self._ssd is not None and self._t.dram_used_bytes() > high:
@@ -585,17 +620,15 @@ class NodeStore:
         ssd_pins = Counter(p.key for p in self._promoting.values())
         for key, e in self._t.disk.oldest_first():
             assert e.pins == ssd_pins.get(key, 0), f"{key.hex()}: SSD pins disagree"
-        assert set(self._hbm.counts()) <= set(self._engines), "HBM report of unknown engine"
+        assert all(e in self._engines for e in self._hbm.counts()), "HBM of unknown engine"
         self._hbm.check_integrity()
+        self._engines.check_integrity()
         self._wb.check_integrity()
 
     # -- helpers -------------------------------------------------------------------------------
 
     def _engine(self, engine_id: str) -> EngineInfo:
-        info = self._engines.get(engine_id)
-        if info is None:
-            raise NotFound(f"unknown engine {engine_id!r}: register it first")
-        return info
+        return self._engines.get(engine_id, self._clock())
 
     def _keys(self, info: EngineInfo, hashes: Sequence[BlockHash],
               limit: bool = True) -> list[NamespacedKey]:

@@ -37,13 +37,15 @@ from grpc_reflection.v1alpha import reflection
 from tierd.daemon import convert
 from tierd.daemon.arena import ShmArena
 from tierd.cluster.directory import NodeRecord
-from tierd.daemon.auth import Authenticator, EngineOwners, OwnedEngine, TokenTable
+from tierd.daemon.auth import Authenticator, TokenTable
 from tierd.daemon.cluster_link import ClusterLink, LinkConfig
 from tierd.daemon.config import TierdConfig
-from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, Unauthenticated
+from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, \
+    Unauthenticated, clip
 from tierd.daemon.layout import NAMESPACE_LEN, Layout, namespace_for
 from tierd.daemon.lru import TierListener, TierListeners
 from tierd.daemon.node import NodeConfig, NodeStore
+from tierd.daemon.node_types import EngineCaps
 from tierd.daemon.presence import PresenceFilter
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd import SsdStore
@@ -62,6 +64,9 @@ _STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 ]
 """Domain error -> status code, most specific first (the edge's whole error policy)."""
+
+MAX_DETAILS_CHARS = 1024
+"""Longest status message sent: details travel in a trailer, which gRPC caps at 8 KiB."""
 
 
 def status_for(exc: Exception) -> grpc.StatusCode | None:
@@ -107,10 +112,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             except Exception as exc:  # the daemon's one catch-all: map, log bugs, keep serving
                 code = status_for(exc)
                 if code is not None:
-                    await context.abort(code, str(exc))
+                    await context.abort(code, str(exc)[:MAX_DETAILS_CHARS])
                 _log.exception("%s failed with a bug; answering INTERNAL", method)
-                await context.abort(grpc.StatusCode.INTERNAL,
-                                    f"internal error in {name}: {type(exc).__name__}: {exc}")
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}: "
+                                    f"{type(exc).__name__}: {exc}"[:MAX_DETAILS_CHARS])
             finally:
                 self._observe(name, time.perf_counter() - start)
 
@@ -128,7 +133,6 @@ class TierdServicer(pb_grpc.TierdServicer):
         self._presence = presence
         self._node_config = node_config
         self._auth = auth
-        self._owners = EngineOwners()
         self._cluster = cluster
         self._acquire = store.acquire if cluster is None else cluster.acquire
 
@@ -137,16 +141,18 @@ class TierdServicer(pb_grpc.TierdServicer):
 
     def _engine(self, context: grpc.aio.ServicerContext, engine_id: str) -> str:
         """Check ``engine_id`` belongs to the caller's tenant (NotFound otherwise)."""
-        self._owners.check(engine_id, self._tenant(context))
-        return engine_id
+        return self._store.engine(engine_id, self._tenant(context)).engine_id
+
+    def engine_lapsed(self, engine_id: str) -> None:
+        """The store unregistered a silent engine: forget it here too."""
+        if self._cluster is not None:
+            self._cluster.engine_unregistered(engine_id)
 
     async def RegisterEngine(self, request: pb.RegisterEngineRequest,
                              context: grpc.aio.ServicerContext) -> pb.RegisterEngineResponse:
         tenant = self._tenant(context)
         layout = convert.layout_from_pb(request.layout)
         info = self._store.register_engine(tenant, layout, request.engine_name)
-        self._owners.bind(info.engine_id, OwnedEngine(tenant, request.engine_name,
-                                                      layout.block_size, layout.block_bytes))
         if self._cluster is not None:
             self._cluster.engine_registered(info)
         _log.info("engine %s (%r, tenant %s) registered: %s", info.engine_id,
@@ -164,7 +170,6 @@ class TierdServicer(pb_grpc.TierdServicer):
     async def UnregisterEngine(self, request: pb.UnregisterEngineRequest,
                                context: grpc.aio.ServicerContext) -> pb.UnregisterEngineResponse:
         self._store.unregister_engine(self._engine(context, request.engine_id))
-        self._owners.unbind(request.engine_id)
         if self._cluster is not None:
             self._cluster.engine_unregistered(request.engine_id)
         return pb.UnregisterEngineResponse()
@@ -222,7 +227,7 @@ class TierdServicer(pb_grpc.TierdServicer):
 
     async def Stats(self, request: pb.StatsRequest,
                     context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        engines = self._owners.engines_of(self._tenant(context))
+        engines = self._store.engines_of(self._tenant(context))
         return convert.stats_to_pb(self._store.stats(), engines)
 
     async def Locate(self, request: pb.LocateRequest,
@@ -356,7 +361,10 @@ class Daemon:
                                  ssd_min_hits=config.ssd_min_hits,
                                  max_blocks_per_request=config.max_blocks_per_request,
                                  write_behind_seconds=config.write_behind_seconds,
-                                 stop_flush_seconds=config.stop_flush_seconds)
+                                 stop_flush_seconds=config.stop_flush_seconds,
+                                 engines=EngineCaps(config.engine_idle_seconds,
+                                                    config.max_engines_per_tenant,
+                                                    config.max_name_bytes))
         cluster = None
         if config.redis_url:
             cluster = ClusterLink(_link_config(config), NAMESPACE_LEN)
@@ -394,9 +402,10 @@ class Daemon:
                      ("grpc.max_send_message_length", config.max_message_bytes),
                      ("grpc.so_reuseport", 0)])
         auth = Authenticator(TokenTable.load(config.token_file), config.default_tenant)
-        pb_grpc.add_TierdServicer_to_server(  # type: ignore[no-untyped-call]
-            TierdServicer(store, arena, allocator, ssd, node_config, auth, cluster, presence),
-            server)
+        servicer = TierdServicer(store, arena, allocator, ssd, node_config, auth, cluster,
+                                 presence)
+        store.watch_engines(servicer.engine_lapsed)
+        pb_grpc.add_TierdServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
         server.add_generic_rpc_handlers(list(extra_handlers))
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
