@@ -91,7 +91,7 @@ class NodeStore:
                  listener: TierListener | None = None) -> None:
         config.validate()
         self._arena, self._ssd, self._config, self._clock = arena, ssd, config, clock
-        self.metrics, self._events = NodeMetrics(), EventLog()
+        self.metrics, self._events = NodeMetrics(), EventLog(config.event_log_events)
         if ssd is not None:
             self.metrics.watch_ssd(ssd)
         self._t = TierIndex(arena, allocator, ssd, self.metrics, self._events,
@@ -536,7 +536,9 @@ class NodeStore:
             self.stats()
 
     def take_events(self) -> list[KVEvent]:
-        """Every tier event since the last call, oldest first."""
+        """Every tier event since the last call, oldest first (the last
+        ``event_log_events`` of them; none when that is 0, as in `tierd serve`, whose
+        listeners are told of every change as it happens)."""
         return self._events.take_events()
 
     async def write_behind(self) -> int:

@@ -45,6 +45,7 @@ class NodeConfig:
     write_behind_seconds: float = 2.0    # committed blocks reach SSD within about this; 0 = off
     stop_flush_seconds: float = 10.0     # close(): budget for writing DRAM-only blocks to SSD
     write_batch_bytes: int = 8 << 20     # most bytes of one write-behind / flush SSD write
+    event_log_events: int = 100_000      # ring of take_events(); 0 = keep none (nobody drains)
     engines: EngineCaps = field(default_factory=EngineCaps)  # idle lapse and registration caps
 
     def validate(self) -> None:
@@ -62,6 +63,8 @@ class NodeConfig:
         for name in ("write_behind_seconds", "stop_flush_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
+        if self.event_log_events < 0:
+            raise ValueError(f"event_log_events must be >= 0, got {self.event_log_events}")
         if self.write_batch_bytes < 1:
             raise ValueError(f"write_batch_bytes must be >= 1, got {self.write_batch_bytes}")
         self.engines.validate()

@@ -362,6 +362,7 @@ class Daemon:
                                  max_blocks_per_request=config.max_blocks_per_request,
                                  write_behind_seconds=config.write_behind_seconds,
                                  stop_flush_seconds=config.stop_flush_seconds,
+                                 event_log_events=0,  # nobody takes them: listeners see all
                                  engines=EngineCaps(config.engine_idle_seconds,
                                                     config.max_engines_per_tenant,
                                                     config.max_name_bytes))
