@@ -165,7 +165,8 @@ class TierdServicer(pb_grpc.TierdServicer):
             lease_seconds=self._node_config.lease_seconds,
             max_blocks_per_request=self._node_config.max_blocks_per_request,
             presence_name=self._presence.name if self._presence is not None else "",
-            namespace=info.namespace)
+            namespace=(self._presence.prefix(info.namespace) if self._presence is not None
+                       else b""))
 
     async def UnregisterEngine(self, request: pb.UnregisterEngineRequest,
                                context: grpc.aio.ServicerContext) -> pb.UnregisterEngineResponse:
