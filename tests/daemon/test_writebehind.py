@@ -141,6 +141,26 @@ async def test_write_behind_skips_evicted_and_unadmitted_blocks(make_rig: Callab
     rig.node.check_integrity()
 
 
+async def test_a_block_evicted_while_its_batch_waits_is_not_written(
+        make_rig: Callable[..., Rig]) -> None:
+    """A batch taken while a demotion holds the maintenance lock: a block evicted meanwhile
+    (its slot now holds another block) is left out, so no stale slot is written (it was, and
+    the SSD refused it as a checksum failure); four of the rest fit the bound, and the new
+    block, written next, takes the place of the oldest of them."""
+    rig = make_rig()
+    hashes = chain(8)
+    rig.store(hashes)                                          # the arena is full
+    async with rig.node._maintaining:                          # as a maintain pass would
+        behind = asyncio.create_task(rig.node.write_behind())
+        await asyncio.sleep(0)                                 # it took its batch, waits
+        rig.store(chain(1, "c"))                               # evicts hashes[0]
+    assert await behind == 5
+    assert [rig.ssd.contains(rig.engine.namespace, h) for h in hashes[:5] + chain(1, "c")] == [
+        False, False, True, True, True, True]
+    assert rig.ssd.checksum_failures == 0
+    rig.node.check_integrity()
+
+
 async def test_write_behind_writes_nothing_while_the_ssd_is_unhealthy(
         make_rig: Callable[..., Rig]) -> None:
     """A hidden SSD tier takes no write-behind; what was noted is forgotten, not retried."""

@@ -79,7 +79,8 @@ class WriteBehind:
             waiting = [f for f in loads() if not f.done()]
             if waiting:
                 await asyncio.wait(waiting, timeout=self.delay / 4)
-            async with lock:
+            async with lock:  # the awaits above may have evicted some: their slots moved on
+                batch = [(k, b) for k, b in batch if self._t.dram.get(k) is b]
                 total += await self._t.write_to_ssd(batch, self._min_hits, self._clock())
         self.written += total
         return total
