@@ -559,7 +559,7 @@ async def test_long_ssd_prefix_is_read_in_batches_started_while_staging(
     rig.store(hashes)
     await rig.node.maintain()                                  # all 8 -> SSD
     assert rig.tiers(hashes) == ["ssd"] * 8
-    monkeypatch.setattr("tierd.daemon.node.READ_BATCH_BYTES", 3 * (BLOCK + HEADER_BYTES))
+    monkeypatch.setattr("tierd.daemon.promotion.READ_BATCH_BYTES", 3 * (BLOCK + HEADER_BYTES))
     batches: list[int] = []
     read_many = rig.ssd.read_many
 

@@ -13,8 +13,8 @@ Policy (documented in docs/daemon.md):
   that the SSD cannot take, are evicted); the SSD makes room by dropping its own LRU blocks.
 - ``reserve`` and ``acquire`` never wait on a write: short of a slot they evict LRU unpinned DRAM
   blocks synchronously, this size class first (a block with an SSD copy is merely demoted).
-- An SSD hit in ``acquire`` is read into a fresh DRAM slot; the SSD copy is kept (demoting it
-  again costs no write). Pinned blocks are never evicted or moved.
+- An SSD hit in ``acquire`` is read into a fresh DRAM slot (``promotion``); the SSD copy is
+  kept (demoting it again costs no write). Pinned blocks are never evicted or moved.
 - Write-behind (``writebehind``): committed blocks get an SSD copy within about
   ``write_behind_seconds`` (``write_behind``, run by the daemon), and ``close`` writes what is
   still DRAM-only, most recently used first, within ``stop_flush_seconds``.
@@ -27,7 +27,6 @@ Policy (documented in docs/daemon.md):
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections import Counter
@@ -40,12 +39,11 @@ from tierd.daemon.engines import EngineTable
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, clip
 from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.leases import LeaseTable, ReadLease, WriteLease, new_lease_id
-from tierd.daemon.lru import DramBlock, HbmIndex, SsdBlock, TierIndex, TierListener, \
-    TierListeners
+from tierd.daemon.lru import DramBlock, HbmIndex, TierIndex, TierListener, TierListeners
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
 from tierd.daemon.node_types import EngineInfo, Lease, LookupResult, NodeConfig, Reservation
+from tierd.daemon.promotion import Promoter, Promotion
 from tierd.daemon.slots import SlabAllocator
-from tierd.daemon.ssd.index import READ_BATCH_BYTES
 from tierd.daemon.writebehind import Flushed, WriteBehind
 from tierd.events import BlockStored, EventLog, KVEvent
 from tierd.types import BlockHash, NamespacedKey, Tier, make_key, make_keys
@@ -66,21 +64,6 @@ EMPTY_LEASE = ""
 MAX_FILTERED_QUERY_TOKENS = 1 << 40
 """Most ``filtered_query_tokens`` one Reserve may report (about 10^12: hours of lookups of a
 fast engine); more is INVALID_ARGUMENT, so no caller can overflow the node's counters."""
-
-
-@dataclass(slots=True)
-class _Promotion:
-    """An SSD read into a staged DRAM slot; lands (or fails) in a done-callback, then ``done``
-    resolves for every waiting acquire. The landed block carries one in-flight pin per waiter,
-    so no demotion or eviction takes it between landing and the acquire's lease."""
-
-    key: NamespacedKey
-    source: SsdBlock
-    slot_bytes: int
-    slot_id: int
-    done: asyncio.Future[bool]
-    waiters: int = 0
-    landed: bool = False  # the read became this DRAM block, pinned once per waiter
 
 
 class NodeStore:
@@ -107,8 +90,9 @@ class NodeStore:
         self._engine_gone: Callable[[str], None] = lambda engine_id: None
         self._leases = LeaseTable()
         self._writing: dict[NamespacedKey, str] = {}   # reserved key -> its write lease id
-        self._promoting: dict[NamespacedKey, _Promotion] = {}
         self._inflight_pins: Counter[NamespacedKey] = Counter()  # pins of acquires in progress
+        self._promoter = Promoter(self._t, arena, ssd, self._writing, self._inflight_pins, clock)
+        self._promoting = self._promoter.active
         self._hbm = HbmIndex(config.hbm_max_blocks_per_engine, listener)
         self._maintaining = asyncio.Lock()
         self.metrics.ssd_healthy.set(0.0)
@@ -233,93 +217,24 @@ class NodeStore:
                 self._t.ssd_up and keys[hit] in self._t.disk)):
             return self._lease(info, keys[:hit], blocks, now, pin=True)  # nothing to read
         # A promotion may evict unpinned DRAM blocks: the plan's DRAM hits take in-flight pins.
-        plan: list[tuple[NamespacedKey, _Promotion | None]] = []  # None: already in DRAM
-        reads: list[tuple[_Promotion, memoryview]] = []  # started here: one batched SSD read
+        plan: list[tuple[NamespacedKey, Promotion | None]] = []  # None: already in DRAM
+        reads: list[tuple[Promotion, memoryview]] = []  # started here: one batched SSD read
         for key in keys:
             if self._t.dram.get(key) is not None:
                 self._pin_inflight(key)
                 plan.append((key, None))
                 continue
-            promotion = self._promoting.get(key) or self._promote(key, info, now, reads)
+            promotion = (self._promoting.get(key)
+                         or self._promoter.stage(key, info.geometry, now, reads))
             if promotion is None:
                 break
             promotion.waiters += 1
             plan.append((key, promotion))
-        self._read_promotions(reads)
+        self._promoter.start(reads)
         return await asyncio.shield(asyncio.ensure_future(self._promoted(info, plan, now)))
 
-    def _promote(self, key: NamespacedKey, info: EngineInfo, now: float,
-                 reads: list[tuple[_Promotion, memoryview]]) -> _Promotion | None:
-        """Stage an SSD block's promotion into a new slot, its read added to ``reads``; None if
-        not on SSD or no room. Every ``READ_BATCH_BYTES`` of records, ``reads`` is started and
-        emptied (an I/O thread starts while the rest of a long prefix is staged, once it gets
-        the GIL); the caller starts what is left."""
-        source = self._t.disk.get(key) if self._t.ssd_up else None
-        if source is None:
-            return None
-        slot = self._t.allocate(info.geometry.slot_bytes, now)
-        if slot is None:
-            return None
-        assert self._ssd is not None
-        source.pins += 1
-        loop = asyncio.get_running_loop()
-        p = _Promotion(key, source, info.geometry.slot_bytes, slot, loop.create_future())
-        self._promoting[key] = p
-        reads.append((p, self._arena.view(info.geometry.offset(slot), p.slot_bytes)))
-        if (len(reads) + 1) * source.stored_bytes > READ_BATCH_BYTES:
-            self._read_promotions(reads)
-            reads.clear()
-        return p
-
-    def _read_promotions(self, reads: list[tuple[_Promotion, memoryview]]) -> None:
-        """Start the staged promotions' SSD reads as one batch (``SsdStore.read_many``: runs of
-        adjacent records, one ``preadv`` each, rather than one read per block); each lands on
-        its own."""
-        if not reads:
-            return
-        assert self._ssd is not None
-        futures = self._ssd.read_many([(p.source.namespace, p.source.block_hash, view)
-                                       for p, view in reads])
-        for (p, _), read in zip(reads, futures):
-            read.add_done_callback(functools.partial(self._land, p))
-
-    def _land(self, p: _Promotion, read: asyncio.Future[bool]) -> None:
-        """A promotion's read finished: the block becomes an unpinned DRAM block (``BlockStored``
-        "dram"), or its slot is freed and the bad record's entry dropped (a checksum failure).
-        A key an engine is writing meanwhile (reserved while the SSD was hidden) is not landed."""
-        failure = None if read.cancelled() else read.exception()
-        ok = not read.cancelled() and failure is None and read.result()
-        del self._promoting[p.key]
-        p.source.pins -= 1
-        now = self._clock()
-        if ok and p.key not in self._t.dram and p.key not in self._writing:
-            s = p.source
-            block = DramBlock(s.namespace, s.block_hash, p.slot_bytes, p.slot_id, s.checksum,
-                              s.created, s.last_access, s.hits)
-            block.pins, p.landed = p.waiters, True
-            self._inflight_pins[p.key] += p.waiters
-            self._t.dram.add(p.key, block)
-            if p.key in self._t.disk:
-                self._t.disk.touch(p.key)
-            self._n.promotions += 1
-            self.metrics.promotions.inc()
-            self._t.emit(BlockStored((s.block_hash,), None, "dram"), s.namespace)
-        else:
-            self._t.alloc.free(p.slot_bytes, p.slot_id)
-        if not ok:
-            if failure is not None:
-                log.warning("SSD read of %s failed: %r", p.key.hex(), failure)
-            self._n.checksum_failures += 1
-            self.metrics.checksum_failures.labels("ssd").inc()
-            if self._t.disk.get(p.key) is p.source:
-                if self._ssd is not None and failure is not None:
-                    self._ssd.remove(p.source.namespace, p.source.block_hash)
-                self._t.drop_ssd(p.key, now, record_gone=True)
-            self._t.check_ssd()
-        p.done.set_result(bool(ok))
-
     async def _promoted(self, info: EngineInfo, plan: list[tuple[NamespacedKey,
-                        _Promotion | None]], start: float) -> Lease:
+                        Promotion | None]], start: float) -> Lease:
         """With the plan's promotions done: the prefix that made it, under a new lease. The
         plan's DRAM hits and landed promotions carry in-flight pins: kept for the prefix,
         dropped past its end."""
