@@ -40,8 +40,7 @@ from tierd.cluster.directory import NodeRecord
 from tierd.daemon.auth import Authenticator, TokenTable
 from tierd.daemon.cluster_link import ClusterLink, LinkConfig
 from tierd.daemon.config import TierdConfig
-from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, \
-    Unauthenticated, clip
+from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, Unauthenticated
 from tierd.daemon.layout import NAMESPACE_LEN, Layout, namespace_for
 from tierd.daemon.lru import TierListener, TierListeners
 from tierd.daemon.node import NodeConfig, NodeStore
