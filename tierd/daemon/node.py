@@ -87,7 +87,7 @@ class NodeStore:
                                                                                 listener])
         self._engines = EngineTable(config.engines)
         self._engine_gone: Callable[[str], None] = lambda engine_id: None
-        self._leases = LeaseTable()
+        self._leases = LeaseTable(remember_seconds=config.lease_seconds)
         self._writing: dict[NamespacedKey, str] = {}   # reserved key -> its write lease id
         self._inflight_pins: Counter[NamespacedKey] = Counter()  # pins of acquires in progress
         self._promoter = Promoter(self._t, arena, ssd, self._writing, self._inflight_pins, clock)
@@ -409,7 +409,8 @@ class NodeStore:
         return count
 
     def abort(self, lease_id: str, *, engine_id: str | None = None) -> None:
-        """Free a reservation's slots. Idempotent after abort or expiry; NotFound if unknown
+        """Free a reservation's slots. Idempotent after abort or expiry (while the lease is
+        remembered: ``lease_seconds`` past its deadline); NotFound if unknown
         (or, with ``engine_id``, another engine's); FailedPrecondition after commit."""
         self._expire(self._clock())
         if self._leases.ending(lease_id) in ("aborted", "expired", "unregistered"):
