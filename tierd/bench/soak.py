@@ -2,8 +2,9 @@
 working set of 3x its DRAM arena: are there errors, wrong bytes, leaked pins, or growth?
 
 The daemon is a child process on a Unix socket in a temporary directory (loopback only: nothing
-listens on TCP), with its own SSD directory and the default policy (watermarks, write-behind);
-only the sizes and the lease are set. Each client process registers an engine of the shared
+listens on TCP), with its own SSD directory and the default policy (watermarks, write-behind,
+a pre-faulted arena, so the arena's pages are resident from the start and RSS growth is the
+daemon's own memory); only the sizes and the lease are set. Each client process registers an engine of the shared
 layout (one tenant, so clients hit each other's blocks) and, until the deadline, picks a random
 chain of the working set and does what an engine does: ``Acquire`` with ``count_lookup``,
 verifies every acquired block where it lies in the arena (its checksum against the one the
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     slab = max(block, 1 << 20)
     daemon = subprocess.Popen(
         [sys.executable, "-m", "tierd.commands.serve", "--socket-path", sock,
-         "--dram-bytes", str(dram), "--slab-bytes", str(slab), "--no-prefault",
+         "--dram-bytes", str(dram), "--slab-bytes", str(slab),
          "--ssd-dir", os.path.join(workdir, "ssd"), "--ssd-bytes", str(8 * dram),
          "--lease-seconds", str(args.lease_seconds), "--maintain-seconds", str(MAINTAIN_S),
          "--ssd-io-threads", "2", "--log-level", "WARNING"],
@@ -111,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
 @dataclass(frozen=True, slots=True)
 class Sample:
     t: float          # seconds since the clients started
-    rss_mib: float
+    rss_mib: float    # VmRSS: anonymous + file + shared memory (the arena) resident
+    anon_mib: float   # RssAnon: the daemon's own heap
     fds: int
 
 
@@ -143,6 +145,7 @@ def _soak(args: argparse.Namespace, daemon: subprocess.Popen[bytes], sock: str, 
         latencies.extend(r["latencies"])
     lat = sorted(latencies)
     rss = _trend([(s.t, s.rss_mib) for s in samples])
+    anon = _trend([(s.t, s.anon_mib) for s in samples])
     fds = _trend([(s.t, float(s.fds)) for s in samples])
     dram_tier = next(t for t in stats.tiers if t.tier == "dram")
     ssd_tier = next(t for t in stats.tiers if t.tier == "ssd")
@@ -166,6 +169,9 @@ def _soak(args: argparse.Namespace, daemon: subprocess.Popen[bytes], sock: str, 
         "rss_max_mib": max((s.rss_mib for s in samples), default=0.0),
         "rss_slope_mib_per_min": rss.slope * 60, "rss_growth_mib": rss.growth,
         "rss_noise_mib": max(1.0, rss.noise),
+        "anon_first_mib": samples[0].anon_mib if samples else 0.0,
+        "anon_last_mib": samples[-1].anon_mib if samples else 0.0,
+        "anon_slope_mib_per_min": anon.slope * 60,
         "fds_first": samples[0].fds if samples else 0, "fds_last": samples[-1].fds if samples else 0,
         "fds_max": max((s.fds for s in samples), default=0),
         "fds_slope_per_min": fds.slope * 60, "fds_growth": fds.growth,
@@ -173,14 +179,16 @@ def _soak(args: argparse.Namespace, daemon: subprocess.Popen[bytes], sock: str, 
     }
 
 
-def _usage(pid: int) -> tuple[float, int]:
-    """The process's resident set (MiB) and open file descriptors, from /proc."""
-    rss = 0.0
+def _usage(pid: int) -> tuple[float, float, int]:
+    """The process's resident set and its anonymous part (MiB), and its open file
+    descriptors, from /proc."""
+    kib = {"VmRSS:": 0, "RssAnon:": 0}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1]) / 1024
-    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+            key = line.split(maxsplit=1)[0]
+            if key in kib:
+                kib[key] = int(line.split()[1])
+    return kib["VmRSS:"] / 1024, kib["RssAnon:"] / 1024, len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def _pinned_after(client: Any, limit_s: float) -> tuple[int, float]:
@@ -259,6 +267,8 @@ def _report(f: dict[str, Any], as_json: bool) -> int:
     print(f"  daemon RSS   {f['rss_first_mib']:.1f} -> {f['rss_last_mib']:.1f} MiB (max "
           f"{f['rss_max_mib']:.1f}); last half slope {f['rss_slope_mib_per_min']:+.2f} MiB/min, "
           f"growth {f['rss_growth_mib']:+.2f} MiB vs noise {f['rss_noise_mib']:.2f} MiB")
+    print(f"  of it, heap  {f['anon_first_mib']:.1f} -> {f['anon_last_mib']:.1f} MiB (RssAnon); "
+          f"last half slope {f['anon_slope_mib_per_min']:+.2f} MiB/min")
     print(f"  daemon fds   {f['fds_first']} -> {f['fds_last']} (max {f['fds_max']}); last half "
           f"slope {f['fds_slope_per_min']:+.2f}/min over {f['samples']} samples")
     for name, value, target, good in checks:
