@@ -508,6 +508,9 @@ class TierdHooks:
                                                      job.removed, job.cleared)
                 self.stats.hot_reports += 1
         except grpc.RpcError as exc:
+            if isinstance(job, ReleaseJob) and exc.code() == grpc.StatusCode.NOT_FOUND:
+                self.stats.lease_expiries += 1  # the lease ended (expired); the session is fine
+                return
             self.stats.rpc_errors += 1
             self._failed(job.session, exc)
 

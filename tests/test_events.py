@@ -34,3 +34,23 @@ def test_namespaced_key_round_trip() -> None:
     """make_key and split_key are inverse for a fixed-length namespace."""
     ns, h = Namespace(b"n" * 16), BlockHash(bytes(range(32)))
     assert split_key(make_key(ns, h), 16) == (ns, h)
+
+
+def test_a_full_ring_drops_the_oldest_in_order() -> None:
+    """200,000 appends into a ring of 100,000: the newest 100,000 come back in order and the
+    other 100,000 are counted as dropped (each append O(1): a deque, not a list shift)."""
+    log = EventLog(max_events=100_000)
+    hashes = [BlockHash(i.to_bytes(32, "big")) for i in range(200_000)]
+    for h in hashes:
+        log.append(BlockRemoved((h,), "dram"))
+    assert len(log) == 100_000 and log.dropped == 100_000
+    events = log.take_events()
+    assert [e.block_hashes[0] for e in events] == hashes[100_000:]  # type: ignore[union-attr]
+    assert len(log) == 0
+
+
+def test_a_log_of_size_zero_keeps_nothing() -> None:
+    """max_events=0: appends are only counted, take_events is always empty."""
+    log = EventLog(max_events=0)
+    log.append(AllBlocksCleared("ssd"))
+    assert (log.take_events(), log.dropped) == ([], 1)

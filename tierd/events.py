@@ -6,7 +6,8 @@ with ``take_events()``. Each event names the tier it happened in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 
 from tierd.types import BlockHash, Tier
 
@@ -41,24 +42,32 @@ class AllBlocksCleared:
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-@dataclass(slots=True)
 class EventLog:
-    """An append-only buffer of events, drained in order. Bounded: past ``max_events`` the oldest
-    are dropped and counted in ``dropped`` (a consumer that never drains must not grow memory)."""
+    """A ring of events, drained in order. Bounded: past ``max_events`` the oldest are dropped
+    and counted in ``dropped`` (a consumer that never drains must not grow memory); each append
+    is O(1) (a ``deque`` with ``maxlen``). ``max_events=0`` keeps nothing: for an owner whose
+    events nobody takes (every append is then only counted in ``dropped``)."""
 
-    max_events: int = 100_000
-    _events: list[KVEvent] = field(default_factory=list)
-    dropped: int = 0
+    __slots__ = ("max_events", "dropped", "_events")
+
+    def __init__(self, max_events: int = 100_000) -> None:
+        if max_events < 0:
+            raise ValueError(f"max_events must be >= 0 (0 = keep none), got {max_events}")
+        self.max_events = max_events
+        self.dropped = 0
+        self._events: deque[KVEvent] = deque(maxlen=max_events)
+
+    def __len__(self) -> int:
+        return len(self._events)
 
     def append(self, event: KVEvent) -> None:
-        """Record one event. Never blocks."""
+        """Record one event (the oldest drops out of a full ring). Never blocks, O(1)."""
+        if len(self._events) == self.max_events:
+            self.dropped += 1
         self._events.append(event)
-        overflow = len(self._events) - self.max_events
-        if overflow > 0:
-            del self._events[:overflow]
-            self.dropped += overflow
 
     def take_events(self) -> list[KVEvent]:
         """Return every event recorded since the last call, oldest first, and forget them."""
-        events, self._events = self._events, []
+        events = list(self._events)
+        self._events.clear()
         return events

@@ -160,7 +160,8 @@ class WorkerSide:
             link.client.release(engine_id, got.lease_id,
                                 corrupt_from=good if good < len(offsets) else None)
         except grpc.RpcError as exc:  # expired on the daemon's side: the copy is not trusted
-            link.failed(exc)
+            if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: the lease ended, not the link
+                link.failed(exc)
             in_time = False
         if not in_time:
             _log.warning("tierd: lease on %d blocks of %s expired before the copy finished; "

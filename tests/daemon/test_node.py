@@ -22,6 +22,7 @@ from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
 from tierd.daemon.layout import Layout
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
 from tierd.daemon.node import EMPTY_LEASE, EngineInfo, NodeConfig, NodeStore, Reservation
+from tierd.daemon.node_types import EngineCaps
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd import SsdStore
 from tierd.daemon.ssd.record import HEADER_BYTES
@@ -290,7 +291,7 @@ async def test_read_lease_expires_on_the_fake_clock(rig: Rig) -> None:
     await rig.node.maintain()
     stats = rig.node.stats()
     assert stats.tiers["dram"].pinned_blocks == 0 and stats.lease_expiries == 1
-    with pytest.raises(FailedPrecondition, match="expired"):
+    with pytest.raises(NotFound, match="already expired"):      # NOT_FOUND, as the proto says
         rig.node.release(lease.lease_id)
     assert rig.node.metrics.registry.get_sample_value(
         "tierd_lease_expiries_total", {"kind": "read"}) == 1.0
@@ -378,7 +379,7 @@ async def test_lease_and_input_errors(rig: Rig) -> None:
     with pytest.raises(FailedPrecondition, match="read lease"):
         rig.node.commit(lease.lease_id, [1, 2])
     rig.node.release(lease.lease_id)
-    with pytest.raises(FailedPrecondition, match="already released"):
+    with pytest.raises(NotFound, match="already released"):
         rig.node.release(lease.lease_id)
     too_big = dataclasses.replace(LAYOUT, num_layers=64)       # 64 KiB > the 4 KiB slab
     with pytest.raises(ResourceExhausted, match="cannot fit"):
@@ -443,7 +444,7 @@ async def test_unregister_ends_the_engines_leases(rig: Rig) -> None:
     rig.node.unregister_engine(rig.engine.engine_id)
     stats = rig.node.stats()
     assert stats.tiers["dram"].used_blocks == 2 and stats.tiers["dram"].pinned_blocks == 0
-    with pytest.raises(FailedPrecondition, match="unregistered"):
+    with pytest.raises(NotFound, match="unregistered"):
         rig.node.release(lease.lease_id)
     with pytest.raises(NotFound):
         rig.node.unregister_engine(rig.engine.engine_id)
@@ -516,8 +517,9 @@ async def test_ssd_going_unhealthy_hides_it_and_a_good_write_brings_it_back(rig:
 
 
 async def test_restart_finds_ssd_blocks_again(make_rig: MakeRig, tmp_path: Path) -> None:
-    """A new node on the same SSD directory serves the demoted blocks bit-exact."""
-    first = make_rig(ssd_dir=str(tmp_path / "shared"))
+    """A new node on the same SSD directory serves the demoted blocks bit-exact (no flush at
+    close: only the demotion wrote)."""
+    first = make_rig(ssd_dir=str(tmp_path / "shared"), stop_flush_seconds=0.0)
     hashes = chain(8)
     first.store(hashes)
     await first.node.maintain()
@@ -557,7 +559,7 @@ async def test_long_ssd_prefix_is_read_in_batches_started_while_staging(
     rig.store(hashes)
     await rig.node.maintain()                                  # all 8 -> SSD
     assert rig.tiers(hashes) == ["ssd"] * 8
-    monkeypatch.setattr("tierd.daemon.node.READ_BATCH_BYTES", 3 * (BLOCK + HEADER_BYTES))
+    monkeypatch.setattr("tierd.daemon.promotion.READ_BATCH_BYTES", 3 * (BLOCK + HEADER_BYTES))
     batches: list[int] = []
     read_many = rig.ssd.read_many
 
@@ -691,8 +693,8 @@ def test_histogram_observe_many_counts_like_one_observe_each() -> None:
 async def test_restart_with_a_smaller_bound_drops_the_oldest_records(make_rig: MakeRig,
                                                                      tmp_path: Path) -> None:
     """Reopened with room for one record, the node keeps the newest (append order) and drops
-    the other."""
-    first = make_rig(ssd_dir=str(tmp_path / "shared"))
+    the other (no flush at close: only the demotion wrote)."""
+    first = make_rig(ssd_dir=str(tmp_path / "shared"), stop_flush_seconds=0.0)
     hashes = chain(8)
     first.store(hashes)
     await first.node.maintain()                                # 0, 1 written
@@ -760,3 +762,41 @@ async def test_release_reporting_a_corrupt_block_drops_it_after_a_recheck(rig: R
     stats = rig.node.stats()
     assert (stats.checksum_failures, stats.tiers["dram"].evictions) == (1, 0)
     assert [type(e).__name__ for e in rig.node.take_events()][-1] == "BlockRemoved"
+
+
+async def test_a_silent_engine_lapses_and_its_hbm_report_goes(make_rig: MakeRig) -> None:
+    """With engine idle_seconds=60: the engine silent for 60 s is unregistered by maintain
+    (its HBM report dropped, the watcher told, its next call NotFound); the one that called
+    at 59 s stays."""
+    rig = make_rig(engines=EngineCaps(idle_seconds=60.0))
+    other = rig.node.register_engine("default", LAYOUT, "other")
+    rig.node.report_hbm(rig.engine.engine_id, chain(3, "h"), [])
+    gone: list[str] = []
+    rig.node.watch_engines(gone.append)
+    rig.clock.advance(59)
+    rig.node.lookup(other.engine_id, chain(1))
+    await rig.node.maintain()
+    assert gone == [] and rig.node.stats().hbm_blocks == {rig.engine.engine_id: 3}
+    rig.clock.advance(1)
+    await rig.node.maintain()
+    assert gone == [rig.engine.engine_id] and rig.node.stats().hbm_blocks == {}
+    with pytest.raises(NotFound, match="unknown engine"):
+        rig.node.lookup(rig.engine.engine_id, chain(1))
+    assert [e.engine_id for e in rig.node.engines_of("default")] == [other.engine_id]
+    rig.node.check_integrity()
+
+
+async def test_engines_per_tenant_and_name_size_are_capped(make_rig: MakeRig) -> None:
+    """max_per_tenant=2 and max_name_bytes=8: a third engine of the tenant is
+    ResourceExhausted naming the key, another tenant is not affected, a 9-byte name is a
+    ValueError naming the key; unregistering frees a place."""
+    rig = make_rig(engines=EngineCaps(max_per_tenant=2, max_name_bytes=8))
+    rig.node.register_engine("default", LAYOUT, "b")
+    with pytest.raises(ResourceExhausted, match="max_engines_per_tenant = 2"):
+        rig.node.register_engine("default", LAYOUT, "c")
+    rig.node.register_engine("team-b", LAYOUT, "c")
+    with pytest.raises(ValueError, match="9 bytes; at most 8 .max_name_bytes."):
+        rig.node.register_engine("team-b", LAYOUT, "x" * 9)
+    rig.node.unregister_engine(rig.engine.engine_id)
+    rig.node.register_engine("default", LAYOUT, "d")
+    rig.node.check_integrity()

@@ -16,7 +16,7 @@ import pytest
 
 from tierd.checksum import block_checksum
 from tierd.daemon.arena import ShmArena
-from tierd.daemon.errors import FailedPrecondition
+from tierd.daemon.errors import FailedPrecondition, NotFound
 from tierd.daemon.layout import Layout
 from tierd.daemon.node import EMPTY_LEASE, EngineInfo, Lease, NodeConfig, NodeStore, Reservation
 from tierd.daemon.slots import SlabAllocator
@@ -27,6 +27,9 @@ from tierd.types import BlockHash
 SMALL = Layout(num_layers=1, num_kv_heads=1, head_size=16, dtype="float16", block_size=16)
 WIDE = Layout(num_layers=1, num_kv_heads=2, head_size=16, dtype="float16", block_size=16)
 ARENA, SLAB, SSD = 16 << 10, 4 << 10, 6 * (1024 + HEADER_BYTES)
+
+REMEMBERED_S = 30.0
+"""A finished lease is remembered this long past its deadline (the default lease time)."""
 
 
 class FakeClock:
@@ -89,7 +92,13 @@ class World:
             self.pending.append((res, self.write(engine, hashes, res)))
         elif op == "finish" and self.pending:
             res, sums = self.pending.pop(rng.randrange(len(self.pending)))
-            if rng.random() < 0.3:
+            if self.clock.now >= res.deadline + REMEMBERED_S:   # forgotten: an unknown lease
+                with pytest.raises(NotFound, match="unknown lease"):
+                    if rng.random() < 0.3:
+                        node.abort(res.lease_id)
+                    else:
+                        node.commit(res.lease_id, sums)
+            elif rng.random() < 0.3:
                 node.abort(res.lease_id)
             elif self.clock.now >= res.deadline:
                 with pytest.raises(FailedPrecondition, match="expired"):
@@ -106,7 +115,8 @@ class World:
         elif op == "release" and self.leases:
             lease, _ = self.leases.pop(rng.randrange(len(self.leases)))
             if self.clock.now >= lease.deadline and lease.lease_id != EMPTY_LEASE:
-                with pytest.raises(FailedPrecondition, match="expired"):
+                forgotten = self.clock.now >= lease.deadline + REMEMBERED_S
+                with pytest.raises(NotFound, match="unknown" if forgotten else "expired"):
                     node.release(lease.lease_id)
             else:
                 node.release(lease.lease_id)

@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 
 from tierd.daemon.arena import ShmArena
-from tierd.daemon.presence import PresenceFilter, PresenceView, cell_of
+from tierd.daemon.client import TierdClient
+from tierd.daemon.layout import namespace_for
+from tierd.daemon.presence import PresenceFilter, PresenceView
 from tierd.daemon.server import remove_stale_arenas
 from tierd.types import NamespacedKey
 
@@ -31,14 +33,15 @@ def pair(tmp_path: Path) -> Iterator[tuple[PresenceFilter, PresenceView]]:
     arena.unlink()
 
 
-def _keys(n: int, cell: int | None = None) -> list[NamespacedKey]:
-    """``n`` distinct keys; all in ``cell`` if given."""
+def _keys(presence: PresenceFilter, n: int, cell: int | None = None) -> list[NamespacedKey]:
+    """``n`` distinct keys (a 16-byte namespace and a 32-byte hash); all in ``cell`` if
+    given."""
     keys: list[NamespacedKey] = []
     i = 0
     while len(keys) < n:
-        key = NamespacedKey(b"ns" + i.to_bytes(32, "big"))
+        key = NamespacedKey(b"n" * 16 + i.to_bytes(32, "big"))
         i += 1
-        if cell is None or cell_of(key, CELLS) == cell:
+        if cell is None or presence.cell(key) == cell:
             keys.append(key)
     return keys
 
@@ -47,41 +50,43 @@ def test_counts_copies_per_tier_and_ignores_hbm(
         pair: tuple[PresenceFilter, PresenceView]) -> None:
     """A key is present while it has a DRAM or SSD copy; HBM reports do not count."""
     presence, view = pair
-    key = _keys(1)[0]
+    key = _keys(presence, 1)[0]
+    seen = presence.filter_key(key)
     presence.stored([key], "hbm")
-    assert not view.may_hold(key)
+    assert not view.may_hold(seen)
     presence.stored([key], "dram")
     presence.stored([key], "ssd")
     presence.removed([key], "dram")
-    assert view.may_hold(key) and presence.may_hold(key)
+    assert view.may_hold(seen) and presence.may_hold(key)
     presence.removed([key], "ssd")
-    assert not view.may_hold(key)
+    assert not view.may_hold(seen)
 
 
 def test_a_saturated_counter_stays_maybe(pair: tuple[PresenceFilter, PresenceView]) -> None:
     """300 keys of one cell: past 255 the counter sticks, so removing them all leaves "maybe"
     (a round trip, never a false "absent")."""
     presence, view = pair
-    keys = _keys(300, cell=5)
+    keys = _keys(presence, 300, cell=5)
     presence.stored(keys, "dram")
     presence.removed(keys, "dram")
-    assert view.may_hold(keys[0])
-    other = _keys(2, cell=6)
+    assert view.may_hold(presence.filter_key(keys[0]))
+    other = _keys(presence, 2, cell=6)
     presence.stored(other, "dram")
     presence.removed(other[:1], "dram")
-    assert view.may_hold(other[0])  # the cell still counts other[1]
+    assert view.may_hold(presence.filter_key(other[0]))  # the cell still counts other[1]
 
 
 def test_a_cleared_tier_is_recounted_from_what_is_held(
         pair: tuple[PresenceFilter, PresenceView]) -> None:
     """When the SSD tier goes, the counts are rebuilt from ``held()`` (the DRAM copies)."""
     presence, view = pair
-    dram, ssd = _keys(4)[:2], _keys(4)[2:]
+    dram, ssd = _keys(presence, 4)[:2], _keys(presence, 4)[2:]
     presence.bind(lambda: list(dram))
     presence.stored(dram, "dram")
     presence.stored(ssd, "ssd")
     presence.cleared("ssd")
-    assert [view.may_hold(k) for k in dram + ssd] == [True, True, False, False]
+    assert [view.may_hold(presence.filter_key(k)) for k in dram + ssd] == [True, True, False,
+                                                                           False]
 
 
 def test_bad_cell_counts_are_refused(tmp_path: Path) -> None:
@@ -146,3 +151,33 @@ def test_no_filter_when_configured_off(make_daemon: Any, kit: Any) -> None:
     with daemon.client() as client:
         engine = client.register_engine(kit.layout)
     assert engine.presence_name == "" and daemon.daemon.presence is None
+
+
+def test_another_tenant_cannot_test_a_tenants_blocks(make_daemon: Any, kit: Any,
+                                                     workdir: str) -> None:
+    """Team A stores 50 blocks; team B maps the same filter file and knows A's tenant name,
+    layout and hashes: with A's public namespace (blake2b of tenant and layout) or its own
+    prefix it finds none of them (it found 50 of 50 when cells were keyed by the namespace);
+    only A's prefix, which the daemon tells A's engines alone, finds them."""
+    tokens = os.path.join(workdir, "tokens.toml")
+    with open(tokens, "w") as f:
+        f.write('"token-a" = "team-a"\n"token-b" = "team-b"\n')
+    daemon = make_daemon(tcp_port=0, token_file=tokens)
+    address = f"127.0.0.1:{daemon.daemon.tcp_port}"
+    hashes = kit.chain(50)
+    with TierdClient(address=address, token="token-a") as a, \
+            TierdClient(address=address, token="token-b") as b:
+        engine_a = a.register_engine(kit.layout)
+        arena = kit.attach(engine_a)
+        assert kit.store_blocks(a, engine_a, arena, hashes) == 50
+        arena.close()
+        engine_b = b.register_engine(kit.layout)
+        view = PresenceView(engine_b.presence_name, engine_b.arena_directory)
+        public = namespace_for("team-a", kit.layout)
+        assert engine_a.namespace not in (public, engine_b.namespace)
+        found_a = sum(view.may_hold(engine_a.namespace + h) for h in hashes)
+        found_public = sum(view.may_hold(public + h) for h in hashes)
+        found_own = sum(view.may_hold(engine_b.namespace + h) for h in hashes)
+    assert found_a == 50
+    # Each probe hits one of ~50 occupied cells among 2^20 by chance: < 5 misfires is sure.
+    assert found_public < 5 and found_own < 5

@@ -168,3 +168,19 @@ async def test_async_client_round_trip(daemon: Any, kit: Any) -> None:
         assert (await client.stats()).tiers[1].used_blocks == 3
         await client.unregister_engine(engine.engine_id)
         arena.close()
+
+
+def test_the_daemon_keeps_no_event_log(daemon: Any, kit: Any) -> None:
+    """`tierd serve` never drains take_events, so its store keeps none: after storing and
+    loading blocks the log is empty (it grew without bound before)."""
+    hashes = kit.chain(8)
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+        arena = kit.attach(engine)
+        assert kit.store_blocks(client, engine, arena, hashes) == 8
+        client.release(engine.engine_id, client.acquire(engine.engine_id, hashes).lease_id)
+        arena.close()
+
+    async def take() -> list[Any]:
+        return daemon.daemon.store.take_events()
+    assert daemon.call(take()) == []

@@ -211,3 +211,101 @@ def test_bug_in_a_handler_is_internal_and_server_keeps_serving(workdir: str) -> 
 
     asyncio.run(scenario())
     assert seen == ["Echo", "Echo"]
+
+
+def test_huge_ids_are_not_found_with_a_short_message(daemon: Any, kit: Any) -> None:
+    """A 16 KiB engine id (and lease id) is NOT_FOUND, not RESOURCE_EXHAUSTED: the message
+    repeats at most a clipped prefix of it."""
+    huge = "x" * (16 << 10)
+    with daemon.client() as client:
+        with pytest.raises(grpc.RpcError) as info:
+            client.lookup(huge, kit.chain(1))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert len(info.value.details()) < 200 and "16384 chars" in info.value.details()
+        engine = client.register_engine(kit.layout)
+        with pytest.raises(grpc.RpcError) as info:
+            client.release(engine.engine_id, huge)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert len(info.value.details()) < 200
+    still_serving(daemon, kit)
+
+
+def test_release_of_an_expired_lease_is_not_found(make_daemon: Any, kit: Any) -> None:
+    """A read lease past its deadline: Release answers NOT_FOUND (as the proto and docs say),
+    a commit of an expired reservation stays FAILED_PRECONDITION."""
+    daemon = make_daemon(lease_seconds=0.2)
+    hashes = kit.chain(2)
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+        arena = kit.attach(engine)
+        kit.store_blocks(client, engine, arena, hashes)
+        got = client.acquire(engine.engine_id, hashes)
+        reserved = client.reserve(engine.engine_id, kit.chain(1, seed=9))
+        time.sleep(0.3)                                        # past both deadlines
+        assert code_of(lambda: client.release(engine.engine_id, got.lease_id)) == \
+            grpc.StatusCode.NOT_FOUND
+        assert code_of(lambda: client.commit(engine.engine_id, reserved.lease_id, [1])) == \
+            grpc.StatusCode.FAILED_PRECONDITION
+        arena.close()
+    still_serving(daemon, kit)
+
+
+def test_filtered_query_tokens_near_2_64_is_invalid_and_stats_keep_working(
+        daemon: Any, kit: Any) -> None:
+    """Reserve with filtered_query_tokens = 2^64 - 1 is INVALID_ARGUMENT naming the 2^40
+    limit; Stats (for this tenant and any) keeps answering, counters unchanged."""
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+        before = client.stats().query_tokens
+        with pytest.raises(grpc.RpcError) as info:
+            client.reserve(engine.engine_id, kit.chain(1), filtered_query_tokens=(1 << 64) - 1)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "2^40" in info.value.details()
+        client.reserve(engine.engine_id, kit.chain(1), filtered_query_tokens=1 << 40)
+        client.reserve(engine.engine_id, kit.chain(1), filtered_query_tokens=1 << 40)
+        assert client.stats().query_tokens == before + (2 << 40)
+    still_serving(daemon, kit)
+
+
+def test_start_up_log_names_slab_sizes_with_units(make_daemon: Any,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """The start-up line says "slabs of 64 KiB" for 64 KiB slabs (it said "0 MiB")."""
+    caplog.set_level("INFO", logger="tierd.daemon.server")
+    make_daemon()
+    line = next(r.getMessage() for r in caplog.records if "tierd serving" in r.getMessage())
+    assert "(16 MiB, slabs of 64 KiB)" in line and "bound 4 MiB" in line
+
+
+def test_engine_caps_answer_precise_codes(make_daemon: Any, kit: Any) -> None:
+    """max_engines_per_tenant=2, max_name_bytes=16: a third engine is RESOURCE_EXHAUSTED
+    naming the key and its variable, a 1 MiB name INVALID_ARGUMENT naming max_name_bytes;
+    Stats keeps answering."""
+    daemon = make_daemon(max_engines_per_tenant=2, max_name_bytes=16)
+    with daemon.client() as client:
+        client.register_engine(kit.layout, "a")
+        client.register_engine(kit.layout, "b")
+        with pytest.raises(grpc.RpcError) as info:
+            client.register_engine(kit.layout, "c")
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "TIERD_MAX_ENGINES_PER_TENANT" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            client.register_engine(kit.layout, "n" * (1 << 20))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_name_bytes" in info.value.details()
+        assert [e.engine_name for e in client.stats().engines] == ["a", "b"]
+
+
+def test_a_lapsed_engine_is_not_found_and_gone_from_stats(make_daemon: Any, kit: Any) -> None:
+    """engine_idle_seconds=0.2: after a silent 0.3 s and a maintain pass the engine is
+    NOT_FOUND and no longer in Stats; registering again works."""
+    daemon = make_daemon(engine_idle_seconds=0.2)
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout, "quiet")
+        client.report_hot_blocks(engine.engine_id, kit.chain(4))
+        time.sleep(0.3)
+        daemon.maintain()
+        assert client.stats().engines == []
+        assert code_of(lambda: client.lookup(engine.engine_id, kit.chain(1))) == \
+            grpc.StatusCode.NOT_FOUND
+        client.register_engine(kit.layout, "back")
+    still_serving(daemon, kit)

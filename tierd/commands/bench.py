@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = "Run a benchmark (hash, attention, daemon, e2e, cluster, vllm, or all)."
+HELP = "Run a benchmark (hash, attention, daemon, e2e, cluster, soak, vllm, or all)."
 
 # Benchmark name -> module under tierd.bench.
 BENCHMARKS: dict[str, str] = {
@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "daemon": "daemon",
     "e2e": "e2e",
     "cluster": "cluster",
+    "soak": "soak",
     "vllm": "vllm",
 }
 

@@ -1,4 +1,5 @@
-"""Who is calling: bearer token -> tenant, and which tenant owns each engine id.
+"""Who is calling: bearer token -> tenant. (Which tenant owns each engine id is the node
+store's engine table, ``tierd.daemon.engines``.)
 
 Tenancy comes from the connection, never from a request field. A caller that sends
 ``authorization: Bearer TOKEN`` is the token's tenant (an unknown token is UNAUTHENTICATED, over
@@ -19,7 +20,7 @@ import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tierd.daemon.errors import NotFound, Unauthenticated
+from tierd.daemon.errors import Unauthenticated
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,40 +91,3 @@ class Authenticator:
         if tenant is None:
             raise Unauthenticated("unknown bearer token")
         return tenant
-
-
-@dataclass(frozen=True, slots=True)
-class OwnedEngine:
-    """A registered engine as the edge remembers it: its tenant and what `stats` shows."""
-
-    tenant: str
-    engine_name: str
-    block_size: int
-    block_bytes: int
-
-
-@dataclass(slots=True)
-class EngineOwners:
-    """Which tenant registered each engine id. Another tenant's engine id is NOT_FOUND, exactly
-    like an id that never existed, so ids leak nothing across tenants."""
-
-    _engines: dict[str, OwnedEngine] = field(default_factory=dict)
-
-    def bind(self, engine_id: str, engine: OwnedEngine) -> None:
-        """Record that ``engine.tenant`` registered ``engine_id``."""
-        assert engine_id not in self._engines, f"engine id {engine_id} registered twice"
-        self._engines[engine_id] = engine
-
-    def check(self, engine_id: str, tenant: str) -> None:
-        """Raise ``NotFound`` unless ``engine_id`` exists and belongs to ``tenant``."""
-        engine = self._engines.get(engine_id)
-        if engine is None or engine.tenant != tenant:
-            raise NotFound(f"unknown engine id {engine_id!r}: call RegisterEngine first")
-
-    def unbind(self, engine_id: str) -> None:
-        """Forget ``engine_id`` (after UnregisterEngine)."""
-        self._engines.pop(engine_id, None)
-
-    def engines_of(self, tenant: str) -> dict[str, OwnedEngine]:
-        """Engines registered by ``tenant``, by id, in registration order."""
-        return {e: o for e, o in self._engines.items() if o.tenant == tenant}

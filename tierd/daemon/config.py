@@ -92,6 +92,20 @@ class TierdConfig:
                 "with remote_tier (a local miss may still be fetched)."})
     maintain_seconds: float = dataclasses.field(default=1.0, metadata={
         "help": "Period of the background pass that expires leases and demotes."})
+    write_behind_seconds: float = dataclasses.field(default=2.0, metadata={
+        "help": "Committed DRAM blocks are written to SSD in the background within about this "
+                "many seconds, so a kill -9 loses at most that window (0 = off: only demotion "
+                "and a graceful stop write them)."})
+    stop_flush_seconds: float = dataclasses.field(default=10.0, metadata={
+        "help": "At a graceful stop (SIGTERM), time for writing DRAM-only blocks to SSD, most "
+                "recently used first (0 = write none)."})
+    engine_idle_seconds: float = dataclasses.field(default=600.0, metadata={
+        "help": "An engine that makes no call for this long is unregistered (leases ended, HBM "
+                "report dropped); it must register again."})
+    max_engines_per_tenant: int = dataclasses.field(default=256, metadata={
+        "help": "Most engines one tenant may have registered (RESOURCE_EXHAUSTED above)."})
+    max_name_bytes: int = dataclasses.field(default=256, metadata={
+        "help": "Longest engine_name accepted, in UTF-8 bytes (INVALID_ARGUMENT above)."})
     metrics_port: int | None = dataclasses.field(default=None, metadata={
         "help": "Serve Prometheus metrics at this port (0 = any free port)."})
     metrics_host: str = dataclasses.field(default="127.0.0.1", metadata={
@@ -144,7 +158,11 @@ class TierdConfig:
                              f"{self.dram_low_watermark} and {self.dram_high_watermark}")
         if self.ssd_compression not in get_args(Compression):
             raise ValueError(f"ssd_compression must be one of {get_args(Compression)}")
-        for name in ("lease_seconds", "maintain_seconds"):
+        for name in ("write_behind_seconds", "stop_flush_seconds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
+        for name in ("lease_seconds", "maintain_seconds", "engine_idle_seconds",
+                     "max_engines_per_tenant", "max_name_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("max_blocks_per_request", "max_message_bytes", "ssd_io_threads"):

@@ -20,9 +20,9 @@ from tierd.types import HASH_LENGTHS, TIERS, BlockHash, Tier
 from tierd.v1 import tierd_pb2 as pb
 
 if TYPE_CHECKING:
-    from tierd.daemon.auth import OwnedEngine
     from tierd.daemon.layout import Dtype
     from tierd.daemon.metrics import NodeStats
+    from tierd.daemon.node_types import EngineInfo
 
 TIER_TO_PB: dict[Tier, pb.Tier] = {
     "hbm": pb.TIER_HBM, "dram": pb.TIER_DRAM, "ssd": pb.TIER_SSD, "remote": pb.TIER_REMOTE,
@@ -200,25 +200,37 @@ def reserved_to_pb(slot_ids: Sequence[int | None], already: Sequence[bool]) -> l
             pb.ReservedSlot(slot_id=s, already_stored=a) for s, a in zip(slot_ids, already)]
 
 
-def stats_to_pb(stats: NodeStats, engines: dict[str, OwnedEngine]) -> pb.StatsResponse:
-    """A node snapshot as the Stats reply, tiers fastest first; ``engines`` (the caller's tenant's) limit the
-    per-engine rows, so a tenant never sees another's engine ids."""
+U64_MAX = (1 << 64) - 1
+"""Counters past it are sent saturated (a uint64 field cannot carry more)."""
+
+
+def _u64(value: int) -> int:
+    return min(max(value, 0), U64_MAX)
+
+
+def stats_to_pb(stats: NodeStats, engines: Sequence[EngineInfo]) -> pb.StatsResponse:
+    """A node snapshot as the Stats reply, tiers fastest first; ``engines`` (the caller's
+    tenant's) limit the per-engine rows, so a tenant never sees another's engine ids. Counters
+    saturate at 2^64 - 1 rather than fail the reply."""
     tiers = [pb.TierStats(tier=TIER_TO_PB[cast(Tier, name)], used_blocks=t.used_blocks,
                           capacity_blocks=t.capacity_blocks, used_bytes=t.used_bytes,
                           capacity_bytes=t.capacity_bytes, pinned_blocks=t.pinned_blocks,
-                          query_tokens=t.queries, hit_tokens=t.hits, evictions=t.evictions,
-                          demotions=t.demotions, promotions=t.promotions)
+                          query_tokens=_u64(t.queries), hit_tokens=_u64(t.hits),
+                          evictions=_u64(t.evictions), demotions=_u64(t.demotions),
+                          promotions=_u64(t.promotions))
              for name, t in sorted(stats.tiers.items(), key=lambda kv: TIERS.index(kv[0]))]
-    rows = [pb.EngineStats(engine_id=engine_id, engine_name=e.engine_name,
-                           hbm_blocks=stats.hbm_blocks.get(engine_id, 0),
-                           block_size=e.block_size, block_bytes=e.block_bytes)
-            for engine_id, e in engines.items()]
+    rows = [pb.EngineStats(engine_id=e.engine_id, engine_name=e.name,
+                           hbm_blocks=stats.hbm_blocks.get(e.engine_id, 0),
+                           block_size=e.layout.block_size, block_bytes=e.layout.block_bytes)
+            for e in engines]
     queries = max((t.queries for t in stats.tiers.values()), default=0)
     hits = sum(t.hits for t in stats.tiers.values())
-    reply = pb.StatsResponse(tiers=tiers, engines=rows, query_tokens=queries, hit_tokens=hits,
-                             hit_ratio=stats.hit_ratio, reading=stats.reading(),
-                             checksum_failures=stats.checksum_failures,
-                             lease_expiries=stats.lease_expiries, ssd_healthy=stats.ssd_healthy)
+    reply = pb.StatsResponse(tiers=tiers, engines=rows, query_tokens=_u64(queries),
+                             hit_tokens=_u64(hits), hit_ratio=stats.hit_ratio,
+                             reading=stats.reading(),
+                             checksum_failures=_u64(stats.checksum_failures),
+                             lease_expiries=_u64(stats.lease_expiries),
+                             ssd_healthy=stats.ssd_healthy)
     if stats.reuse_gap_p90 is not None:
         reply.reuse_gap_p90_seconds = stats.reuse_gap_p90
     if stats.idle_before_evict_p50 is not None:

@@ -13,6 +13,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from tierd.daemon.errors import clip
 from tierd.types import Namespace
 
 NAMESPACE_LEN = 16
@@ -67,7 +68,7 @@ class Layout:
                 raise ValueError(f"layout.{name} must be a positive int, got {value!r}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"layout.dtype must be one of {sorted(DTYPE_BYTES)}, "
-                             f"got {self.dtype!r}")
+                             f"got {clip(self.dtype)}")
         if (not isinstance(self.kv_format, str) or len(self.kv_format) > MAX_KV_FORMAT_LEN
                 or not all(c.isalnum() or c in "-_." for c in self.kv_format)):
             raise ValueError(f"layout.kv_format must be at most {MAX_KV_FORMAT_LEN} characters "

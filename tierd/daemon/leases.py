@@ -7,7 +7,9 @@ frees what it held, so a crashed engine cannot pin memory forever.
 
 All leases of one node share one duration and the clock is monotonic, so creation order is
 deadline order: expiry pops from the front of one ordered dict, O(expired). Finished leases are
-remembered (bounded) so a late commit or release can be told *how* its lease ended.
+remembered so a late commit or release can be told *how* its lease ended, until
+``remember_seconds`` past their deadline (and at most ``max_finished`` of them): memory follows
+the lease rate over one lease time, not the daemon's uptime. Later, the id is simply unknown.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
-from tierd.daemon.errors import FailedPrecondition, NotFound
+from tierd.daemon.errors import FailedPrecondition, NotFound, clip
 from tierd.types import BlockHash, Namespace, NamespacedKey
 
 Ending = Literal["released", "committed", "aborted", "expired", "unregistered"]
@@ -62,10 +64,10 @@ class LeaseTable:
     Pure bookkeeping: the node store frees or publishes what a lease held.
     """
 
-    def __init__(self, max_finished: int = 65_536) -> None:
+    def __init__(self, remember_seconds: float = 30.0, max_finished: int = 65_536) -> None:
         self._live: OrderedDict[str, Lease] = OrderedDict()
-        self._finished: OrderedDict[str, Ending] = OrderedDict()
-        self._max_finished = max_finished
+        self._finished: OrderedDict[str, tuple[Ending, float]] = OrderedDict()  # -> forget at
+        self._remember, self._max_finished = remember_seconds, max_finished
 
     def __len__(self) -> int:
         return len(self._live)
@@ -85,28 +87,33 @@ class LeaseTable:
         belongs to another engine (the same answer, so lease ids leak nothing across tenants)."""
         lease = self._live.get(lease_id)
         if lease is not None and owner is not None and lease.engine_id != owner:
-            raise NotFound(f"unknown lease {lease_id!r}")
+            raise NotFound(f"unknown lease {clip(lease_id)}")
         if lease is not None:
             return lease
-        ending = self._finished.get(lease_id)
+        ending = self.ending(lease_id)
         if ending is not None:
-            raise FailedPrecondition(f"lease {lease_id} already {ending}")
-        raise NotFound(f"unknown lease {lease_id!r}")
+            raise FailedPrecondition(f"lease {clip(lease_id)} already {ending}")
+        raise NotFound(f"unknown lease {clip(lease_id)}")
 
     def ending(self, lease_id: str) -> Ending | None:
         """How a recently finished lease ended, or None (live or unknown)."""
-        return self._finished.get(lease_id)
+        found = self._finished.get(lease_id)
+        return None if found is None else found[0]
 
     def finish(self, lease_id: str, ending: Ending) -> Lease:
         """Stop tracking a live lease and remember how it ended; returns it."""
         lease = self._live.pop(lease_id)
-        self._finished[lease_id] = ending
+        self._finished[lease_id] = (ending, lease.deadline + self._remember)
         while len(self._finished) > self._max_finished:
             self._finished.popitem(last=False)
         return lease
 
     def pop_expired(self, now: float) -> list[Lease]:
-        """Finish (as "expired") and return every lease whose deadline is <= ``now``."""
+        """Finish (as "expired") and return every lease whose deadline is <= ``now``; forget
+        finished leases ``remember_seconds`` past their deadline (oldest finished first)."""
+        finished = self._finished
+        while finished and next(iter(finished.values()))[1] <= now:
+            finished.popitem(last=False)
         expired: list[Lease] = []
         while self._live:
             lease = next(iter(self._live.values()))

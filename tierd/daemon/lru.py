@@ -157,6 +157,10 @@ class LruIndex(Generic[E]):
         """Remove and return the entry (KeyError if absent: a caller bug)."""
         return self._entries.pop(key)
 
+    def newest_first(self) -> Iterator[tuple[NamespacedKey, E]]:
+        """Entries from most to least recently used (same caveat as ``oldest_first``)."""
+        return reversed(self._entries.items())
+
     def oldest_first(self) -> Iterator[tuple[NamespacedKey, E]]:
         """Entries from least to most recently used. Do not mutate while iterating: collect
         victims first, then pop them."""
@@ -385,11 +389,10 @@ class TierIndex:
 
     async def demote(self, low_bytes: float, min_hits: int, probe: bool, now: float) -> None:
         """Move LRU unpinned DRAM blocks down until DRAM holds at most ``low_bytes``: each is
-        written to SSD (concurrently, its slot kept in place meanwhile) unless it already has an
-        SSD copy or fewer than ``min_hits`` hits, then its DRAM copy is dropped (a demotion, or
-        an eviction if it has no SSD copy). ``probe`` (SSD unhealthy): one write is tried and
-        nothing dropped unless it brings the SSD back. A block pinned meanwhile stays."""
-        assert self.ssd is not None
+        written to SSD (``write_to_ssd``) unless it already has an SSD copy or fewer than
+        ``min_hits`` hits, then its DRAM copy is dropped (a demotion, or an eviction if it has
+        no SSD copy). ``probe`` (SSD unhealthy): one write is tried and nothing dropped unless
+        it brings the SSD back. A block pinned meanwhile stays."""
         excess = self.dram_used_bytes() - low_bytes
         victims: list[tuple[NamespacedKey, DramBlock]] = []
         for key, block in self.dram.oldest_first():
@@ -398,27 +401,44 @@ class TierIndex:
             if block.pins == 0 and not block.demoting and not (probe and key in self.disk):
                 victims.append((key, block))
                 excess -= block.slot_bytes
-        writes = [(k, b) for k, b in victims if k not in self.disk and b.hits >= min_hits]
-        writes = writes[:self.make_ssd_room([b.slot_bytes for _, b in writes], now)]
-        for _, block in writes:
-            block.demoting = True
-        results = await self.ssd.write_many([(
-            b.namespace, b.block_hash, self.arena.view(self.offset(b), b.slot_bytes),
-            b.checksum) for _, b in writes])
-        for (key, block), entry in zip(writes, results):
-            block.demoting = False
-            if entry is not None:
-                self.disk.add(key, SsdBlock(block.namespace, block.block_hash, entry.payload_len,
-                                            entry.stored_bytes, entry.checksum, block.created,
-                                            block.last_access, block.hits))
-                self.emit(BlockStored((block.block_hash,), None, "ssd"), block.namespace)
-        self.check_ssd()
+        await self.write_to_ssd(victims, min_hits, now)
         if probe and not self.ssd_up:
             return
         now = self._clock()
         for key, block in victims:
             if self.dram.get(key) is block and block.pins == 0:
                 self.drop_dram(key, now)
+
+    async def write_to_ssd(self, blocks: Sequence[tuple[NamespacedKey, DramBlock]],
+                           min_hits: int, now: float) -> int:
+        """Give DRAM blocks an SSD copy (the SSD's admission: not those that have one, are
+        being written, or have fewer than ``min_hits`` hits; room made by dropping LRU
+        unpinned SSD blocks, a prefix of ``blocks`` if not all fit). Their DRAM copies stay
+        (``demoting`` keeps their slots in place until the write returns, even if cancelled).
+        Awaits one ``SsdStore.write_many``; returns the blocks written."""
+        assert self.ssd is not None
+        writes = [(k, b) for k, b in blocks
+                  if k not in self.disk and b.hits >= min_hits and not b.demoting]
+        writes = writes[:self.make_ssd_room([b.slot_bytes for _, b in writes], now)]
+        for _, block in writes:
+            block.demoting = True
+        try:
+            results = await self.ssd.write_many([(
+                b.namespace, b.block_hash, self.arena.view(self.offset(b), b.slot_bytes),
+                b.checksum) for _, b in writes])
+        finally:
+            for _, block in writes:
+                block.demoting = False
+        written = 0
+        for (key, block), entry in zip(writes, results):
+            if entry is not None and key not in self.disk:
+                self.disk.add(key, SsdBlock(block.namespace, block.block_hash, entry.payload_len,
+                                            entry.stored_bytes, entry.checksum, block.created,
+                                            block.last_access, block.hits))
+                self.emit(BlockStored((block.block_hash,), None, "ssd"), block.namespace)
+                written += 1
+        self.check_ssd()
+        return written
 
     def make_ssd_room(self, sizes: list[int], now: float) -> int:
         """Drop LRU unpinned SSD blocks until records of ``sizes`` (payload bytes) fit; returns

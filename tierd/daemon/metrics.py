@@ -17,6 +17,10 @@ Metric names (all in ``NodeMetrics.registry``, never the global registry):
   ``tierd_demotions_total`` (DRAM copy dropped, SSD copy kept), ``tierd_promotions_total``
   (SSD read into DRAM), ``tierd_checksum_failures_total{tier}``,
   ``tierd_lease_expiries_total{kind}`` (read | write).
+- ``tierd_persisted_blocks_total{how}`` DRAM blocks given an SSD copy by the write-behind
+  (``write_behind``) or at a graceful stop (``stop``); ``tierd_write_behind_lag_seconds`` how
+  long the oldest block waiting for the write-behind has waited (above ``write_behind_seconds``:
+  the disk does not keep up with the commits).
 - Histograms (seconds): ``tierd_block_lifetime_seconds`` (first commit to leaving the node),
   ``tierd_block_idle_before_evict_seconds`` (last access to leaving the node),
   ``tierd_block_reuse_gap_seconds`` (last access to the next acquire hit, or to the re-store of a
@@ -74,6 +78,10 @@ class NodeMetrics:
                                          "checksum (served as misses)", ["tier"], registry=r)
         self.lease_expiries = Counter("tierd_lease_expiries", "Leases that passed their deadline",
                                       ["kind"], registry=r)
+        self.persisted = Counter("tierd_persisted_blocks", "DRAM blocks written to SSD by the "
+                                 "write-behind or at a graceful stop", ["how"], registry=r)
+        self.write_behind_lag = Gauge("tierd_write_behind_lag_seconds", "Wait of the oldest "
+                                      "block not yet written behind", registry=r)
         self.block_lifetime = AgeHistogram("tierd_block_lifetime_seconds",
                                            "First commit to leaving the node", r)
         self.idle_before_evict = AgeHistogram("tierd_block_idle_before_evict_seconds",

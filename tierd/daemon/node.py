@@ -13,8 +13,12 @@ Policy (documented in docs/daemon.md):
   that the SSD cannot take, are evicted); the SSD makes room by dropping its own LRU blocks.
 - ``reserve`` and ``acquire`` never wait on a write: short of a slot they evict LRU unpinned DRAM
   blocks synchronously, this size class first (a block with an SSD copy is merely demoted).
-- An SSD hit in ``acquire`` is read into a fresh DRAM slot; the SSD copy is kept (demoting it
-  again costs no write). Pinned blocks are never evicted or moved.
+- An SSD hit in ``acquire`` is read into a fresh DRAM slot (``promotion``); the SSD copy is
+  kept (demoting it again costs no write). Pinned blocks are never evicted or moved.
+- Write-behind (``writebehind``): committed blocks get an SSD copy within about
+  ``write_behind_seconds`` (``write_behind``, run by the daemon), and ``close`` writes what is
+  still DRAM-only, most recently used first, within ``stop_flush_seconds``.
+- Engines silent for ``engines.idle_seconds`` are unregistered by ``maintain`` (``engines``).
 - An unhealthy SSD store is hidden (DRAM only; ``AllBlocksCleared(tier="ssd")``, a warning,
   ``tierd_ssd_healthy`` 0) but its index kept; ``maintain`` tries one demotion per pass, and a
   write that succeeds makes the store healthy and its blocks served again.
@@ -23,24 +27,23 @@ Policy (documented in docs/daemon.md):
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tierd.checksum import block_checksum
-from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
+from tierd.daemon.engines import EngineTable
+from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, clip
 from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.leases import LeaseTable, ReadLease, WriteLease, new_lease_id
-from tierd.daemon.lru import DramBlock, HbmIndex, SsdBlock, TierIndex, TierListener
+from tierd.daemon.lru import DramBlock, HbmIndex, TierIndex, TierListener, TierListeners
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
 from tierd.daemon.node_types import EngineInfo, Lease, LookupResult, NodeConfig, Reservation
+from tierd.daemon.promotion import Promoter, Promotion
 from tierd.daemon.slots import SlabAllocator
-from tierd.daemon.ssd.index import READ_BATCH_BYTES
+from tierd.daemon.writebehind import Flushed, WriteBehind
 from tierd.events import BlockStored, EventLog, KVEvent
 from tierd.types import BlockHash, NamespacedKey, Tier, make_key, make_keys
 
@@ -49,29 +52,17 @@ if TYPE_CHECKING:
     from tierd.daemon.ssd import SsdStore
 
 # The store and the values it takes and returns (defined in node_types), importable from here.
-__all__ = ["EMPTY_LEASE", "EngineInfo", "Lease", "LookupResult", "NodeConfig", "NodeStore",
-           "Reservation"]
+__all__ = ["EMPTY_LEASE", "EngineInfo", "Flushed", "Lease", "LookupResult", "NodeConfig",
+           "NodeStore", "Reservation"]
 
 log = logging.getLogger(__name__)
 
 EMPTY_LEASE = ""
 """The lease id of an acquire that pinned nothing: never stored (no pile of miss leases)."""
 
-
-
-@dataclass(slots=True)
-class _Promotion:
-    """An SSD read into a staged DRAM slot; lands (or fails) in a done-callback, then ``done``
-    resolves for every waiting acquire. The landed block carries one in-flight pin per waiter,
-    so no demotion or eviction takes it between landing and the acquire's lease."""
-
-    key: NamespacedKey
-    source: SsdBlock
-    slot_bytes: int
-    slot_id: int
-    done: asyncio.Future[bool]
-    waiters: int = 0
-    landed: bool = False  # the read became this DRAM block, pinned once per waiter
+MAX_FILTERED_QUERY_TOKENS = 1 << 40
+"""Most ``filtered_query_tokens`` one Reserve may report (about 10^12: hours of lookups of a
+fast engine); more is INVALID_ARGUMENT, so no caller can overflow the node's counters."""
 
 
 class NodeStore:
@@ -82,17 +73,25 @@ class NodeStore:
                  listener: TierListener | None = None) -> None:
         config.validate()
         self._arena, self._ssd, self._config, self._clock = arena, ssd, config, clock
-        self.metrics, self._events = NodeMetrics(), EventLog()
+        self.metrics, self._events = NodeMetrics(), EventLog(config.event_log_events)
         if ssd is not None:
             self.metrics.watch_ssd(ssd)
         self._t = TierIndex(arena, allocator, ssd, self.metrics, self._events,
                             config.ghost_entries, clock, listener)
         self._n = self._t.counts
-        self._engines: dict[str, EngineInfo] = {}
-        self._leases = LeaseTable()
+        self._wb = WriteBehind(self._t, delay=config.write_behind_seconds,
+                               min_hits=config.ssd_min_hits, batch_bytes=config.write_batch_bytes,
+                               clock=clock)
+        if ssd is not None and config.write_behind_seconds > 0:
+            self._t.listener = self._wb if listener is None else TierListeners([self._wb,
+                                                                                listener])
+        self._engines = EngineTable(config.engines)
+        self._engine_gone: Callable[[str], None] = lambda engine_id: None
+        self._leases = LeaseTable(remember_seconds=config.lease_seconds)
         self._writing: dict[NamespacedKey, str] = {}   # reserved key -> its write lease id
-        self._promoting: dict[NamespacedKey, _Promotion] = {}
         self._inflight_pins: Counter[NamespacedKey] = Counter()  # pins of acquires in progress
+        self._promoter = Promoter(self._t, arena, ssd, self._writing, self._inflight_pins, clock)
+        self._promoting = self._promoter.active
         self._hbm = HbmIndex(config.hbm_max_blocks_per_engine, listener)
         self._maintaining = asyncio.Lock()
         self.metrics.ssd_healthy.set(0.0)
@@ -109,17 +108,40 @@ class NodeStore:
 
     def register_engine(self, tenant: str, layout: Layout, engine_name: str = "") -> EngineInfo:
         """Give an engine an id, its namespace and its slot geometry. ValueError for a bad
-        layout or tenant; ResourceExhausted if one block cannot fit a slab."""
+        layout or tenant, or a name over ``max_name_bytes``; ResourceExhausted if one block
+        cannot fit a slab or the tenant has ``max_engines_per_tenant`` engines."""
         namespace = namespace_for(tenant, layout)
         try:
             geometry = self._t.alloc.geometry(layout.block_bytes)
         except ValueError as e:
             raise ResourceExhausted(f"a block of {layout.block_bytes} bytes cannot fit: {e}") from e
-        engine_id = f"{engine_name}-{secrets.token_hex(4)}" if engine_name else secrets.token_hex(8)
-        info = EngineInfo(engine_id, tenant, namespace, layout, geometry)
-        self._engines[engine_id] = info
+        info = EngineInfo(self._engines.new_id(tenant, engine_name), tenant, namespace, layout,
+                          geometry, engine_name)
+        self._engines.add(info, self._clock())
         self._t.classes.add(geometry.slot_bytes)
         return info
+
+    @property
+    def has_ssd(self) -> bool:
+        """Whether the store has an SSD tier (healthy or not)."""
+        return self._ssd is not None
+
+    def engine(self, engine_id: str, tenant: str) -> EngineInfo:
+        """The registered engine, heard from now. NotFound if unknown, lapsed or ``tenant``'s
+        not (the same answer, so ids leak nothing across tenants)."""
+        info = self._engine(engine_id)
+        if info.tenant != tenant:
+            raise NotFound(f"unknown engine {clip(engine_id)}: register it first")
+        return info
+
+    def engines_of(self, tenant: str) -> list[EngineInfo]:
+        """The registered engines of ``tenant``."""
+        return self._engines.of_tenant(tenant)
+
+    def watch_engines(self, gone: Callable[[str], None]) -> None:
+        """``gone(engine_id)`` is called for each engine ``maintain`` unregisters because it
+        lapsed (not for ``unregister_engine``: its caller knows)."""
+        self._engine_gone = gone
 
     def unregister_engine(self, engine_id: str) -> None:
         """Forget an engine: its leases end (pins dropped, reserved slots freed) and its HBM
@@ -128,7 +150,7 @@ class NodeStore:
         for lease in self._leases.of_engine(engine_id):
             self._end(self._leases.finish(lease.lease_id, "unregistered"))
         self._hbm.drop(engine_id)
-        del self._engines[engine_id]
+        self._engines.remove(engine_id)
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -194,93 +216,24 @@ class NodeStore:
                 self._t.ssd_up and keys[hit] in self._t.disk)):
             return self._lease(info, keys[:hit], blocks, now, pin=True)  # nothing to read
         # A promotion may evict unpinned DRAM blocks: the plan's DRAM hits take in-flight pins.
-        plan: list[tuple[NamespacedKey, _Promotion | None]] = []  # None: already in DRAM
-        reads: list[tuple[_Promotion, memoryview]] = []  # started here: one batched SSD read
+        plan: list[tuple[NamespacedKey, Promotion | None]] = []  # None: already in DRAM
+        reads: list[tuple[Promotion, memoryview]] = []  # started here: one batched SSD read
         for key in keys:
             if self._t.dram.get(key) is not None:
                 self._pin_inflight(key)
                 plan.append((key, None))
                 continue
-            promotion = self._promoting.get(key) or self._promote(key, info, now, reads)
+            promotion = (self._promoting.get(key)
+                         or self._promoter.stage(key, info.geometry, now, reads))
             if promotion is None:
                 break
             promotion.waiters += 1
             plan.append((key, promotion))
-        self._read_promotions(reads)
+        self._promoter.start(reads)
         return await asyncio.shield(asyncio.ensure_future(self._promoted(info, plan, now)))
 
-    def _promote(self, key: NamespacedKey, info: EngineInfo, now: float,
-                 reads: list[tuple[_Promotion, memoryview]]) -> _Promotion | None:
-        """Stage an SSD block's promotion into a new slot, its read added to ``reads``; None if
-        not on SSD or no room. Every ``READ_BATCH_BYTES`` of records, ``reads`` is started and
-        emptied (an I/O thread starts while the rest of a long prefix is staged, once it gets
-        the GIL); the caller starts what is left."""
-        source = self._t.disk.get(key) if self._t.ssd_up else None
-        if source is None:
-            return None
-        slot = self._t.allocate(info.geometry.slot_bytes, now)
-        if slot is None:
-            return None
-        assert self._ssd is not None
-        source.pins += 1
-        loop = asyncio.get_running_loop()
-        p = _Promotion(key, source, info.geometry.slot_bytes, slot, loop.create_future())
-        self._promoting[key] = p
-        reads.append((p, self._arena.view(info.geometry.offset(slot), p.slot_bytes)))
-        if (len(reads) + 1) * source.stored_bytes > READ_BATCH_BYTES:
-            self._read_promotions(reads)
-            reads.clear()
-        return p
-
-    def _read_promotions(self, reads: list[tuple[_Promotion, memoryview]]) -> None:
-        """Start the staged promotions' SSD reads as one batch (``SsdStore.read_many``: runs of
-        adjacent records, one ``preadv`` each, rather than one read per block); each lands on
-        its own."""
-        if not reads:
-            return
-        assert self._ssd is not None
-        futures = self._ssd.read_many([(p.source.namespace, p.source.block_hash, view)
-                                       for p, view in reads])
-        for (p, _), read in zip(reads, futures):
-            read.add_done_callback(functools.partial(self._land, p))
-
-    def _land(self, p: _Promotion, read: asyncio.Future[bool]) -> None:
-        """A promotion's read finished: the block becomes an unpinned DRAM block (``BlockStored``
-        "dram"), or its slot is freed and the bad record's entry dropped (a checksum failure).
-        A key an engine is writing meanwhile (reserved while the SSD was hidden) is not landed."""
-        failure = None if read.cancelled() else read.exception()
-        ok = not read.cancelled() and failure is None and read.result()
-        del self._promoting[p.key]
-        p.source.pins -= 1
-        now = self._clock()
-        if ok and p.key not in self._t.dram and p.key not in self._writing:
-            s = p.source
-            block = DramBlock(s.namespace, s.block_hash, p.slot_bytes, p.slot_id, s.checksum,
-                              s.created, s.last_access, s.hits)
-            block.pins, p.landed = p.waiters, True
-            self._inflight_pins[p.key] += p.waiters
-            self._t.dram.add(p.key, block)
-            if p.key in self._t.disk:
-                self._t.disk.touch(p.key)
-            self._n.promotions += 1
-            self.metrics.promotions.inc()
-            self._t.emit(BlockStored((s.block_hash,), None, "dram"), s.namespace)
-        else:
-            self._t.alloc.free(p.slot_bytes, p.slot_id)
-        if not ok:
-            if failure is not None:
-                log.warning("SSD read of %s failed: %r", p.key.hex(), failure)
-            self._n.checksum_failures += 1
-            self.metrics.checksum_failures.labels("ssd").inc()
-            if self._t.disk.get(p.key) is p.source:
-                if self._ssd is not None and failure is not None:
-                    self._ssd.remove(p.source.namespace, p.source.block_hash)
-                self._t.drop_ssd(p.key, now, record_gone=True)
-            self._t.check_ssd()
-        p.done.set_result(bool(ok))
-
     async def _promoted(self, info: EngineInfo, plan: list[tuple[NamespacedKey,
-                        _Promotion | None]], start: float) -> Lease:
+                        Promotion | None]], start: float) -> Lease:
         """With the plan's promotions done: the prefix that made it, under a new lease. The
         plan's DRAM hits and landed promotions carry in-flight pins: kept for the prefix,
         dropped past its end."""
@@ -328,8 +281,9 @@ class NodeStore:
 
     def release(self, lease_id: str, *, engine_id: str | None = None,
                 corrupt_from: int | None = None) -> bool:
-        """Unpin a read lease's blocks. NotFound if unknown; FailedPrecondition if it already
-        ended (expired: what was copied may have been overwritten, so verify checksums).
+        """Unpin a read lease's blocks. NotFound if unknown or already ended (expired: what
+        was copied may have been overwritten, so verify checksums); FailedPrecondition for a
+        reservation.
         The empty lease of an acquire that pinned nothing (``EMPTY_LEASE``) is a no-op.
         ``engine_id`` (the gRPC edge always passes it): a lease of another engine is NotFound.
 
@@ -341,9 +295,12 @@ class NodeStore:
         if lease_id == EMPTY_LEASE:
             return False
         self._expire(self._clock())
+        ending = self._leases.ending(lease_id)
+        if ending is not None:  # NOT_FOUND, as the proto says (a commit would be a precondition)
+            raise NotFound(f"lease {clip(lease_id)} already {ending}: nothing to release")
         lease = self._leases.get(lease_id, engine_id)
         if not isinstance(lease, ReadLease):
-            raise FailedPrecondition(f"lease {lease_id} is a reservation: commit or abort it")
+            raise FailedPrecondition(f"lease {clip(lease_id)} is a reservation: commit or abort it")
         if corrupt_from is not None and not 0 <= corrupt_from < len(lease.keys):
             raise ValueError(f"corrupt_from {corrupt_from} is outside the lease's "
                              f"{len(lease.keys)} blocks: give the index of the failed block")
@@ -376,6 +333,9 @@ class NodeStore:
         """
         info = self._engine(engine_id)
         keys = self._keys(info, hashes)
+        if not 0 <= filtered_query_tokens <= MAX_FILTERED_QUERY_TOKENS:
+            raise ValueError(f"filtered_query_tokens {filtered_query_tokens} is over 2^40, the "
+                             "most one Reserve may report: send the count since the last Reserve")
         if filtered_query_tokens:
             self._n.queries += filtered_query_tokens
             self.metrics.queries.inc(filtered_query_tokens)
@@ -415,7 +375,7 @@ class NodeStore:
         self._expire(now)
         lease = self._leases.get(lease_id, engine_id)
         if not isinstance(lease, WriteLease):
-            raise FailedPrecondition(f"lease {lease_id} is a read lease: release it")
+            raise FailedPrecondition(f"lease {clip(lease_id)} is a read lease: release it")
         if len(checksums) != len(lease.hashes):
             raise ValueError(f"commit needs one checksum (or None) per reserved hash: "
                              f"{len(checksums)} given, {len(lease.hashes)} reserved")
@@ -449,14 +409,15 @@ class NodeStore:
         return count
 
     def abort(self, lease_id: str, *, engine_id: str | None = None) -> None:
-        """Free a reservation's slots. Idempotent after abort or expiry; NotFound if unknown
+        """Free a reservation's slots. Idempotent after abort or expiry (while the lease is
+        remembered: ``lease_seconds`` past its deadline); NotFound if unknown
         (or, with ``engine_id``, another engine's); FailedPrecondition after commit."""
         self._expire(self._clock())
         if self._leases.ending(lease_id) in ("aborted", "expired", "unregistered"):
             return
         lease = self._leases.get(lease_id, engine_id)
         if not isinstance(lease, WriteLease):
-            raise FailedPrecondition(f"lease {lease_id} is a read lease: release it")
+            raise FailedPrecondition(f"lease {clip(lease_id)} is a read lease: release it")
         self._end(self._leases.finish(lease_id, "aborted"))
 
     def report_hbm(self, engine_id: str, stored: Sequence[BlockHash],
@@ -477,6 +438,11 @@ class NodeStore:
         async with self._maintaining:
             now = self._clock()
             self._expire(now)
+            for engine_id in self._engines.lapsed(now):
+                log.info("engine %s silent for %.0f s: unregistered", engine_id,
+                         self._config.engines.idle_seconds)
+                self.unregister_engine(engine_id)
+                self._engine_gone(engine_id)
             self._t.check_ssd()
             high = self._config.dram_high_watermark * self._arena.size
             if self._ssd is not None and self._t.dram_used_bytes() > high:
@@ -485,16 +451,38 @@ class NodeStore:
             self.stats()
 
     def take_events(self) -> list[KVEvent]:
-        """Every tier event since the last call, oldest first."""
+        """Every tier event since the last call, oldest first (the last
+        ``event_log_events`` of them; none when that is 0, as in `tierd serve`, whose
+        listeners are told of every change as it happens)."""
         return self._events.take_events()
 
-    async def close(self) -> None:
-        """Wait for in-flight promotions, then close the SSD store (its records are the index:
-        nothing else to flush). DRAM blocks are not written out."""
+    async def write_behind(self) -> int:
+        """One write-behind pass (``WriteBehind.run``): the blocks committed since the last
+        one that still have no SSD copy are written, oldest first, in batches that wait for
+        the SSD promotions in flight; demotion can run between batches. Returns the blocks
+        written. The daemon calls it every half ``write_behind_seconds``."""
+        if self._ssd is None:
+            return 0
+        written = await self._wb.run(self._maintaining,
+                                     lambda: [p.done for p in self._promoting.values()])
+        self.metrics.persisted.labels("write_behind").inc(written)
+        self.metrics.write_behind_lag.set(self._wb.lag_seconds(self._clock()))
+        return written
+
+    async def close(self) -> Flushed:
+        """Wait for in-flight promotions, write the DRAM blocks that have no SSD copy to SSD
+        (most recently used first, starting no batch after ``stop_flush_seconds``; the SSD's
+        admission and bound apply), then close the SSD store. Returns what the flush did.
+        Call once, with no maintain or write-behind pass running."""
         for promotion in list(self._promoting.values()):
             await promotion.done
+        flushed = Flushed(0, 0, 0.0)
         if self._ssd is not None:
+            async with self._maintaining:
+                flushed = await self._wb.flush(self._clock() + self._config.stop_flush_seconds)
+            self.metrics.persisted.labels("stop").inc(flushed.written)
             self._ssd.close()
+        return flushed
 
     # -- observability -------------------------------------------------------------------------
 
@@ -549,16 +537,15 @@ class NodeStore:
         ssd_pins = Counter(p.key for p in self._promoting.values())
         for key, e in self._t.disk.oldest_first():
             assert e.pins == ssd_pins.get(key, 0), f"{key.hex()}: SSD pins disagree"
-        assert set(self._hbm.counts()) <= set(self._engines), "HBM report of unknown engine"
+        assert all(e in self._engines for e in self._hbm.counts()), "HBM of unknown engine"
         self._hbm.check_integrity()
+        self._engines.check_integrity()
+        self._wb.check_integrity()
 
     # -- helpers -------------------------------------------------------------------------------
 
     def _engine(self, engine_id: str) -> EngineInfo:
-        info = self._engines.get(engine_id)
-        if info is None:
-            raise NotFound(f"unknown engine {engine_id!r}: register it first")
-        return info
+        return self._engines.get(engine_id, self._clock())
 
     def _keys(self, info: EngineInfo, hashes: Sequence[BlockHash],
               limit: bool = True) -> list[NamespacedKey]:

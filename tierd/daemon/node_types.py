@@ -6,11 +6,29 @@ Plain frozen values, shared by ``tierd.daemon.node`` (which produces them) and t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tierd.daemon.layout import Layout
 from tierd.daemon.slots import SlotGeometry
 from tierd.types import Namespace, Tier
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCaps:
+    """Bounds of the engine table (each is a config key of `tierd serve`)."""
+
+    idle_seconds: float = 600.0      # engine_idle_seconds: silent this long -> unregistered
+    max_per_tenant: int = 256        # max_engines_per_tenant
+    max_name_bytes: int = 256        # max_name_bytes: engine_name and other names
+
+    def validate(self) -> None:
+        """ValueError naming the key to fix."""
+        if not self.idle_seconds > 0:
+            raise ValueError(f"engine_idle_seconds must be > 0, got {self.idle_seconds}")
+        for key, value in (("max_engines_per_tenant", self.max_per_tenant),
+                           ("max_name_bytes", self.max_name_bytes)):
+            if value < 1:
+                raise ValueError(f"{key} must be >= 1, got {value}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +42,11 @@ class NodeConfig:
     max_blocks_per_request: int = 4096   # more: ResourceExhausted
     hbm_max_blocks_per_engine: int = 1_000_000  # past it, the oldest reported hashes are dropped
     ghost_entries: int = 65_536          # evicted keys remembered to measure reuse gaps
+    write_behind_seconds: float = 2.0    # committed blocks reach SSD within about this; 0 = off
+    stop_flush_seconds: float = 10.0     # close(): budget for writing DRAM-only blocks to SSD
+    write_batch_bytes: int = 8 << 20     # most bytes of one write-behind / flush SSD write
+    event_log_events: int = 100_000      # ring of take_events(); 0 = keep none (nobody drains)
+    engines: EngineCaps = field(default_factory=EngineCaps)  # idle lapse and registration caps
 
     def validate(self) -> None:
         """ValueError naming the field to fix."""
@@ -37,6 +60,14 @@ class NodeConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.ssd_min_hits < 0:
             raise ValueError(f"ssd_min_hits must be >= 0, got {self.ssd_min_hits}")
+        for name in ("write_behind_seconds", "stop_flush_seconds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
+        if self.event_log_events < 0:
+            raise ValueError(f"event_log_events must be >= 0, got {self.event_log_events}")
+        if self.write_batch_bytes < 1:
+            raise ValueError(f"write_batch_bytes must be >= 1, got {self.write_batch_bytes}")
+        self.engines.validate()
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +79,7 @@ class EngineInfo:
     namespace: Namespace
     layout: Layout
     geometry: SlotGeometry
+    name: str = ""             # engine_name given at registration (shown by `tierd stats`)
 
 
 @dataclass(frozen=True, slots=True)

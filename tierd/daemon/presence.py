@@ -1,8 +1,13 @@
 """The presence filter: which blocks this node may hold, readable by engines with no round trip.
 
 A shared-memory file beside the arena (``<arena name>-presence``) of ``cells`` one-byte
-counters. A namespaced key maps to one cell (``cell_of``: the low bits of its xxh3-64). The
-daemon keeps, per cell, the number of DRAM and SSD copies of the keys that map to it: the
+counters. A block maps to one cell: the low bits of the xxh3-64 of its *filter key*,
+``prefix || block hash``, where the prefix is a keyed blake2b of the block's namespace under a
+random secret of this filter (made at each daemon start, never written anywhere). Each engine
+is told only its own namespace's prefix (``RegisterEngine``'s ``namespace``), so an engine of
+another tenant, which can map the same file, cannot compute which cell holds a given block of
+this tenant: the unkeyed namespace (blake2b of the tenant name and layout) is public knowledge,
+the prefix is not. What it can still see is that some cell changed. The daemon keeps, per cell, the number of DRAM and SSD copies of the keys that map to it: the
 filter is a ``TierListener`` of the tier index, so it changes exactly when the index does, on
 the event loop, before the call that caused the change returns. A counter that reaches 255
 stays there (it can no longer count down, so it stays "maybe").
@@ -13,8 +18,8 @@ counts the lookup itself (sent with its next Reserve, so the node's hit ratio st
 Anything else means "maybe", and the Acquire answers. A collision or a saturated counter only
 costs a round trip; a read racing a store (0 read just as the block lands) is a miss that could
 have hit, i.e. a recompute. Neither can make an engine use wrong KV: every load still verifies
-its checksums (invariant 2). Tenants: cells are indexed by namespaced keys, and a count says
-nothing an Acquire would not (and less: it is shared by every key of the cell).
+its checksums (invariant 2). Tenants: see the prefix above; a count says nothing an Acquire
+would not (and less: it is shared by every key of the cell).
 
 Only without the remote tier: there, an Acquire that misses locally may fetch from the cluster,
 so the daemon publishes no filter and engines always ask.
@@ -22,13 +27,16 @@ so the daemon publishes no filter and engines always ask.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import secrets
 from collections.abc import Callable, Iterable, Sequence
 
 import xxhash
 
 from tierd.daemon.arena import ShmArena
-from tierd.types import NamespacedKey, Tier
+from tierd.daemon.layout import NAMESPACE_LEN
+from tierd.types import Namespace, NamespacedKey, Tier
 
 SUFFIX = "-presence"
 """Appended to the arena's file name to name the filter's file (same directory)."""
@@ -37,9 +45,12 @@ _SATURATED = 255
 _COUNTED: frozenset[Tier] = frozenset(("dram", "ssd"))  # HBM blocks are not acquirable here
 
 
-def cell_of(key: NamespacedKey, cells: int) -> int:
-    """The counter of ``key`` in a filter of ``cells`` (a power of two) counters."""
-    return xxhash.xxh3_64_intdigest(key) & (cells - 1)
+_PREFIXES_KEPT = 4096  # namespaces whose prefix is cached (tenants x layouts: a handful)
+
+
+def cell_of(filter_key: bytes, cells: int) -> int:
+    """The counter of a filter key (``prefix || block hash``) among ``cells`` (a power of two)."""
+    return xxhash.xxh3_64_intdigest(filter_key) & (cells - 1)
 
 
 def check_cells(cells: int) -> None:
@@ -57,6 +68,8 @@ class PresenceFilter:
         self.cells = shm.size
         self._counts = shm.view(0, shm.size)
         self._held: Callable[[], Iterable[NamespacedKey]] = list
+        self._secret = secrets.token_bytes(32)       # this run's: engines never see it
+        self._prefixes: dict[bytes, bytes] = {}       # namespace -> its prefix (a cache)
 
     @classmethod
     def create(cls, arena: ShmArena, cells: int) -> PresenceFilter:
@@ -77,26 +90,45 @@ class PresenceFilter:
     def name(self) -> str:
         return self.shm.name
 
+    def prefix(self, namespace: Namespace) -> bytes:
+        """The filter-key prefix of ``namespace``'s blocks (blake2b-128 keyed with this
+        filter's secret): what its engines are told, and only they."""
+        found = self._prefixes.get(namespace)
+        if found is None:
+            if len(self._prefixes) >= _PREFIXES_KEPT:
+                self._prefixes.clear()
+            found = hashlib.blake2b(namespace, key=self._secret, digest_size=16).digest()
+            self._prefixes[namespace] = found
+        return found
+
+    def filter_key(self, key: NamespacedKey) -> bytes:
+        """``prefix(namespace) || block hash`` of a namespaced key."""
+        return self.prefix(Namespace(key[:NAMESPACE_LEN])) + key[NAMESPACE_LEN:]
+
+    def cell(self, key: NamespacedKey) -> int:
+        """The counter of a namespaced key."""
+        return cell_of(self.filter_key(key), self.cells)
+
     def may_hold(self, key: NamespacedKey) -> bool:
-        return self._counts[cell_of(key, self.cells)] != 0
+        return self._counts[self.cell(key)] != 0
 
     # -- TierListener --------------------------------------------------------------------------
 
     def stored(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
         if tier not in _COUNTED:
             return
-        counts, mask = self._counts, self.cells - 1
+        counts, mask, fkey = self._counts, self.cells - 1, self.filter_key
         for key in keys:
-            cell = xxhash.xxh3_64_intdigest(key) & mask
+            cell = xxhash.xxh3_64_intdigest(fkey(key)) & mask
             if counts[cell] != _SATURATED:
                 counts[cell] += 1
 
     def removed(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
         if tier not in _COUNTED:
             return
-        counts, mask = self._counts, self.cells - 1
+        counts, mask, fkey = self._counts, self.cells - 1, self.filter_key
         for key in keys:
-            cell = xxhash.xxh3_64_intdigest(key) & mask
+            cell = xxhash.xxh3_64_intdigest(fkey(key)) & mask
             if counts[cell] not in (0, _SATURATED):
                 counts[cell] -= 1
 
@@ -128,7 +160,9 @@ class PresenceView:
         self.cells = self._shm.size
         self._counts = self._shm.view(0, self._shm.size)
 
-    def may_hold(self, key: NamespacedKey) -> bool:
-        """False only if the node held no DRAM or SSD copy of ``key`` when last counted."""
-        return self._counts[xxhash.xxh3_64_intdigest(key) & (self.cells - 1)] != 0
+    def may_hold(self, filter_key: bytes) -> bool:
+        """False only if the node held no DRAM or SSD copy of the block when last counted.
+        ``filter_key``: the engine's ``namespace`` from RegisterEngine (its filter prefix)
+        followed by the block hash."""
+        return self._counts[xxhash.xxh3_64_intdigest(filter_key) & (self.cells - 1)] != 0
 

@@ -37,13 +37,14 @@ from grpc_reflection.v1alpha import reflection
 from tierd.daemon import convert
 from tierd.daemon.arena import ShmArena
 from tierd.cluster.directory import NodeRecord
-from tierd.daemon.auth import Authenticator, EngineOwners, OwnedEngine, TokenTable
+from tierd.daemon.auth import Authenticator, TokenTable
 from tierd.daemon.cluster_link import ClusterLink, LinkConfig
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, Unauthenticated
 from tierd.daemon.layout import NAMESPACE_LEN, Layout, namespace_for
 from tierd.daemon.lru import TierListener, TierListeners
 from tierd.daemon.node import NodeConfig, NodeStore
+from tierd.daemon.node_types import EngineCaps
 from tierd.daemon.presence import PresenceFilter
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd import SsdStore
@@ -62,6 +63,9 @@ _STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 ]
 """Domain error -> status code, most specific first (the edge's whole error policy)."""
+
+MAX_DETAILS_CHARS = 1024
+"""Longest status message sent: details travel in a trailer, which gRPC caps at 8 KiB."""
 
 
 def status_for(exc: Exception) -> grpc.StatusCode | None:
@@ -107,10 +111,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             except Exception as exc:  # the daemon's one catch-all: map, log bugs, keep serving
                 code = status_for(exc)
                 if code is not None:
-                    await context.abort(code, str(exc))
+                    await context.abort(code, str(exc)[:MAX_DETAILS_CHARS])
                 _log.exception("%s failed with a bug; answering INTERNAL", method)
-                await context.abort(grpc.StatusCode.INTERNAL,
-                                    f"internal error in {name}: {type(exc).__name__}: {exc}")
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}: "
+                                    f"{type(exc).__name__}: {exc}"[:MAX_DETAILS_CHARS])
             finally:
                 self._observe(name, time.perf_counter() - start)
 
@@ -128,7 +132,6 @@ class TierdServicer(pb_grpc.TierdServicer):
         self._presence = presence
         self._node_config = node_config
         self._auth = auth
-        self._owners = EngineOwners()
         self._cluster = cluster
         self._acquire = store.acquire if cluster is None else cluster.acquire
 
@@ -137,16 +140,18 @@ class TierdServicer(pb_grpc.TierdServicer):
 
     def _engine(self, context: grpc.aio.ServicerContext, engine_id: str) -> str:
         """Check ``engine_id`` belongs to the caller's tenant (NotFound otherwise)."""
-        self._owners.check(engine_id, self._tenant(context))
-        return engine_id
+        return self._store.engine(engine_id, self._tenant(context)).engine_id
+
+    def engine_lapsed(self, engine_id: str) -> None:
+        """The store unregistered a silent engine: forget it here too."""
+        if self._cluster is not None:
+            self._cluster.engine_unregistered(engine_id)
 
     async def RegisterEngine(self, request: pb.RegisterEngineRequest,
                              context: grpc.aio.ServicerContext) -> pb.RegisterEngineResponse:
         tenant = self._tenant(context)
         layout = convert.layout_from_pb(request.layout)
         info = self._store.register_engine(tenant, layout, request.engine_name)
-        self._owners.bind(info.engine_id, OwnedEngine(tenant, request.engine_name,
-                                                      layout.block_size, layout.block_bytes))
         if self._cluster is not None:
             self._cluster.engine_registered(info)
         _log.info("engine %s (%r, tenant %s) registered: %s", info.engine_id,
@@ -159,12 +164,12 @@ class TierdServicer(pb_grpc.TierdServicer):
             lease_seconds=self._node_config.lease_seconds,
             max_blocks_per_request=self._node_config.max_blocks_per_request,
             presence_name=self._presence.name if self._presence is not None else "",
-            namespace=info.namespace)
+            namespace=(self._presence.prefix(info.namespace) if self._presence is not None
+                       else b""))
 
     async def UnregisterEngine(self, request: pb.UnregisterEngineRequest,
                                context: grpc.aio.ServicerContext) -> pb.UnregisterEngineResponse:
         self._store.unregister_engine(self._engine(context, request.engine_id))
-        self._owners.unbind(request.engine_id)
         if self._cluster is not None:
             self._cluster.engine_unregistered(request.engine_id)
         return pb.UnregisterEngineResponse()
@@ -222,7 +227,7 @@ class TierdServicer(pb_grpc.TierdServicer):
 
     async def Stats(self, request: pb.StatsRequest,
                     context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        engines = self._owners.engines_of(self._tenant(context))
+        engines = self._store.engines_of(self._tenant(context))
         return convert.stats_to_pb(self._store.stats(), engines)
 
     async def Locate(self, request: pb.LocateRequest,
@@ -319,7 +324,8 @@ class Daemon:
         self._server, self._health = server, health
         self.tcp_port = tcp_port
         """The bound TCP port (the real one when the config asked for 0), None without TCP."""
-        self._maintainer: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []   # the maintain and write-behind loops
+        self._stopping = asyncio.Event()
         self._metrics_http: Any = None
         self.metrics_port: int | None = None
         """The bound Prometheus port (the real one when the config asked for 0), or None."""
@@ -353,7 +359,13 @@ class Daemon:
                                  dram_high_watermark=config.dram_high_watermark,
                                  dram_low_watermark=config.dram_low_watermark,
                                  ssd_min_hits=config.ssd_min_hits,
-                                 max_blocks_per_request=config.max_blocks_per_request)
+                                 max_blocks_per_request=config.max_blocks_per_request,
+                                 write_behind_seconds=config.write_behind_seconds,
+                                 stop_flush_seconds=config.stop_flush_seconds,
+                                 event_log_events=0,  # nobody takes them: listeners see all
+                                 engines=EngineCaps(config.engine_idle_seconds,
+                                                    config.max_engines_per_tenant,
+                                                    config.max_name_bytes))
         cluster = None
         if config.redis_url:
             cluster = ClusterLink(_link_config(config), NAMESPACE_LEN)
@@ -391,9 +403,10 @@ class Daemon:
                      ("grpc.max_send_message_length", config.max_message_bytes),
                      ("grpc.so_reuseport", 0)])
         auth = Authenticator(TokenTable.load(config.token_file), config.default_tenant)
-        pb_grpc.add_TierdServicer_to_server(  # type: ignore[no-untyped-call]
-            TierdServicer(store, arena, allocator, ssd, node_config, auth, cluster, presence),
-            server)
+        servicer = TierdServicer(store, arena, allocator, ssd, node_config, auth, cluster,
+                                 presence)
+        store.watch_engines(servicer.engine_lapsed)
+        pb_grpc.add_TierdServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
         server.add_generic_rpc_handlers(list(extra_handlers))
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -410,7 +423,11 @@ class Daemon:
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
         daemon = cls(config, arena, store, server, health, tcp_port, cluster, presence)
-        daemon._maintainer = asyncio.create_task(daemon._maintain_loop())
+        daemon._tasks.append(asyncio.create_task(daemon._every(
+            config.maintain_seconds, daemon.maintain, "maintain pass")))
+        if ssd is not None and config.write_behind_seconds > 0:
+            daemon._tasks.append(asyncio.create_task(daemon._every(
+                config.write_behind_seconds / 2, store.write_behind, "write-behind pass")))
         if config.metrics_port is not None:
             from prometheus_client import start_http_server
             daemon._metrics_http, _ = start_http_server(
@@ -423,9 +440,11 @@ class Daemon:
                       cluster.config.node.address, config.redis_url,
                       f"on, {config.remote_tier_bytes >> 20} MiB" if config.remote_tier
                       else "off")
-        _log.info("tierd serving: arena %s (%d MiB, slabs of %d MiB), SSD %s, %s%s%s",
-                  arena.path, config.dram_bytes >> 20, config.slab_bytes >> 20,
-                  f"{config.ssd_dir} bound {config.ssd_bytes >> 20} MiB" if ssd is not None else "off",
+        _log.info("tierd serving: arena %s (%s, slabs of %s), SSD %s, %s%s%s",
+                  arena.path, format_bytes(config.dram_bytes), format_bytes(config.slab_bytes),
+                  f"{config.ssd_dir} bound {format_bytes(config.ssd_bytes)}, write-behind "
+                  + (f"{config.write_behind_seconds:g} s" if config.write_behind_seconds
+                     else "off") if ssd is not None else "off",
                   f"unix:{config.socket_path}" if config.socket_path else "",
                   f" tcp {config.tcp_host}:{tcp_port}" if tcp_port is not None else "",
                   f" metrics http://{config.metrics_host}:{daemon.metrics_port}/metrics"
@@ -439,19 +458,25 @@ class Daemon:
         if self.cluster is not None:
             await self.cluster.flush_remote()
 
-    async def _maintain_loop(self) -> None:
-        """Every ``maintain_seconds``: one ``maintain`` pass."""
-        while True:
-            await asyncio.sleep(self.config.maintain_seconds)
+    async def _every(self, period: float, work: Callable[[], Awaitable[object]],
+                     what: str) -> None:
+        """Run ``work`` every ``period`` seconds until ``stop``; a pass that fails is logged
+        and retried. Never cancelled mid-pass: ``stop`` waits for the pass in flight."""
+        while not self._stopping.is_set():
             try:
-                await self.maintain()
-            except Exception:  # a failed pass must not end maintenance for good
-                _log.exception("maintain pass failed; retrying in %.1f s",
-                               self.config.maintain_seconds)
+                await asyncio.wait_for(self._stopping.wait(), period)
+                return
+            except asyncio.TimeoutError:
+                pass
+            try:
+                await work()
+            except Exception:  # a failed pass must not end the loop for good
+                _log.exception("%s failed; retrying in %.1f s", what, period)
 
     async def stop(self, grace: float = 2.0) -> None:
-        """Stop accepting calls, let running ones finish for ``grace`` seconds, close the store
-        (flushing the SSD tier), then unlink the arena and the socket. Idempotent."""
+        """Stop accepting calls, let running ones finish for ``grace`` seconds, let the maintain
+        and write-behind passes in flight finish, close the store (writing DRAM-only blocks to
+        SSD within ``stop_flush_seconds``), then unlink the arena and the socket. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
@@ -460,19 +485,30 @@ class Daemon:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
-        if self._maintainer is not None:
-            self._maintainer.cancel()
-            await asyncio.gather(self._maintainer, return_exceptions=True)
+        self._stopping.set()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.cluster is not None:
             await self.cluster.close()
-        await self.store.close()
+        flushed = await self.store.close()
+        if self.store.has_ssd:
+            _log.info("stop: %d DRAM-only blocks written to SSD in %.2f s, %d left DRAM-only "
+                      "(budget %.1f s)", flushed.written, flushed.seconds, flushed.left,
+                      self.config.stop_flush_seconds)
         if self.presence is not None:
             self.presence.close()
         self.arena.close()
         self.arena.unlink()
         if self.config.socket_path and os.path.exists(self.config.socket_path):
             os.unlink(self.config.socket_path)
-        _log.info("tierd stopped: SSD index flushed, arena and socket removed")
+        _log.info("tierd stopped: arena and socket removed")
+
+
+def format_bytes(n: int) -> str:
+    """``65536`` -> "64 KiB", ``1 << 30`` -> "1 GiB", ``1536`` -> "1.5 KiB" (log lines)."""
+    for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.4g} {unit}"
+    return f"{n} B"
 
 
 def _link_config(config: TierdConfig) -> LinkConfig:

@@ -105,7 +105,9 @@ class TierdServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UnregisterEngine(self, request, context):
-        """Forgets an engine: releases its leases and reservations and its reported HBM blocks.
+        """Forgets an engine: releases its leases and reservations and its reported HBM blocks. The
+        daemon does the same to an engine that made no call for engine_idle_seconds (its next call
+        is NOT_FOUND: register again).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -145,7 +147,12 @@ class TierdServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Commit(self, request, context):
-        """Makes reserved blocks visible, after verifying each written block's checksum.
+        """Makes reserved blocks visible, after verifying each written block's checksum. A committed
+        block is in DRAM (volatile) when this returns, not yet on SSD. In the background the
+        write-behind gives it an SSD copy within about write_behind_seconds (default 2 s) while the
+        disk keeps up with the commits and the SSD admits it (its bound, ssd_min_hits, its health);
+        a kill -9 loses at most that window. A graceful stop (SIGTERM) also writes the DRAM-only
+        blocks to SSD, most recently used first, within stop_flush_seconds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
