@@ -243,6 +243,11 @@ class TierdConnector(KVConnectorBase_V1):
         """Scheduler: this step's loads and saves, for every worker."""
         return self._scheduler_side().build(scheduler_output)
 
+    def has_pending_push_work(self) -> bool:
+        """Scheduler: True while workers hold Commits that wait for a verdict (TP > 1), so vLLM
+        keeps stepping until they land."""
+        return self._scheduler is not None and self._scheduler.has_pending_verdicts()
+
     def update_connector_output(self, connector_output: Any) -> None:
         """Scheduler: take the workers' report of a step (unpin finished loads, rewind saves
         after a failed one)."""

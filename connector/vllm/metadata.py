@@ -45,21 +45,32 @@ class TierdConnectorMetadata(KVConnectorMetadata):
 
     ``recomputing``: requests whose failed load the scheduler has seen and vLLM has rolled
     back; from this step on their saves are blocks vLLM recomputed, so workers accept them
-    again (until then a worker drops every save of a request whose load failed)."""
+    again (until then a worker drops every save of a request whose load failed).
+    ``failures_seen``: failed blocks the scheduler has taken into account; no later save names
+    them in ``depends_on``, so workers may forget them.
+    ``step``: this step's number (1, 2, ...), echoed in the workers' report.
+    ``verdict`` (TP > 1 only): ``(step, bad)``: every step up to ``step`` has been reported by
+    all ranks; ``bad[request]`` is the last step whose saves of the request sit on a block some
+    rank failed to load. Workers commit their held saves of those steps, except those."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     recomputing: list[str] = field(default_factory=list)
+    failures_seen: list[int] = field(default_factory=list)
+    step: int = 0
+    verdict: tuple[int, dict[str, int]] | None = None
 
 
 @dataclass
 class TierdWorkerMetadata(KVConnectorWorkerMetadata):
     """One step's report of the workers. ``loaded``: request -> how many workers ran its
     planned load (the scheduler unpins once all have). ``failed``: vLLM block ids whose load
-    failed on some worker (the same ids ``get_block_ids_with_load_errors`` gave vLLM)."""
+    failed on some worker (the same ids ``get_block_ids_with_load_errors`` gave vLLM).
+    ``step``: the metadata's ``step`` the report is about."""
 
     loaded: dict[str, int] = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)
+    step: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> TierdWorkerMetadata:
         """Merge another worker's report of the same step into this one (returns self)."""
@@ -67,6 +78,7 @@ class TierdWorkerMetadata(KVConnectorWorkerMetadata):
         for req_id, count in other.loaded.items():
             self.loaded[req_id] = self.loaded.get(req_id, 0) + count
         self.failed |= other.failed
+        self.step = max(self.step, other.step)
         return self
 
     def is_empty(self) -> bool:

@@ -59,6 +59,8 @@ class _Pin:
     tiers: list[Tier]              # where each was when looked up
     leases: list[tuple[int, str]]  # (rank, lease id)
     reports: int = 0               # workers that reported the load done
+    block_ids: list[int] = field(default_factory=list)  # where vLLM loads it (once planned)
+    failed_from: int | None = None  # first hit block some worker failed to load
 
 
 class SchedulerSide:
@@ -76,6 +78,13 @@ class SchedulerSide:
         self._pins: dict[str, _Pin] = {}
         self._loads: list[LoadSpec] = []
         self._recomputing: set[str] = set()
+        self._local: dict[str, int] = {}          # block position past the local hit, per lookup
+        self._failures_seen: set[int] = set()     # failed blocks reported since the last build
+        self._step = 0                            # steps built
+        self._reported = 0                        # steps whose workers' report arrived
+        self._bad_until: dict[str, int] = {}      # request -> last step whose saves are bad
+        self._last_save_step = 0                  # last step that planned a save
+        self._verdict_sent = 0                    # step the last verdict covered
         self._warned_unhashed = False
 
     # -- lookups and pins --------------------------------------------------------------------
@@ -88,6 +97,7 @@ class SchedulerSide:
         self._unpin(request.request_id)
         bs = self._block_size
         start = -(-num_computed_tokens // bs)
+        self._local[request.request_id] = start
         usable = (request.num_tokens - 1) // bs  # full blocks that leave the last token out
         if not self._load or usable <= start:
             return 0
@@ -137,12 +147,15 @@ class SchedulerSide:
             self._release(pin)
 
     def _release(self, pin: _Pin) -> None:
+        """Release every rank's lease; after a failed load, name the first failed block so the
+        daemon re-checks it and drops it if it is corrupt (a false report changes nothing)."""
         for rank, lease_id in pin.leases:
             link = self._links[rank]
             if not link.up:
                 continue  # the daemon forgot the lease with the engine
             try:
-                link.client.release(link.engine.engine_id, lease_id)
+                link.client.release(link.engine.engine_id, lease_id,
+                                    corrupt_from=pin.failed_from)
             except grpc.RpcError as exc:  # expired or daemon gone: nothing is held any more
                 link.failed(exc)
         pin.leases.clear()
@@ -171,14 +184,17 @@ class SchedulerSide:
         assert count == 0 or (pin is not None and count <= len(pin.hashes)), (
             f"vLLM accepted {count} external blocks for {req_id}, more than "
             "get_num_new_matched_tokens offered")
+        # vLLM sets request.num_computed_tokens only after this call: the local hit is the one
+        # get_num_new_matched_tokens saw.
+        local = self._local.pop(req_id, request.num_computed_tokens // bs)
         if count == 0 or pin is None:
             self._unpin(req_id)
-            start = request.num_computed_tokens // bs
+            start = local
         else:
             start = pin.start
             del pin.hashes[count:], pin.tiers[count:]
-            self._loads.append(LoadSpec(req_id, list(block_ids[start:start + count]),
-                                        [bytes(h) for h in pin.hashes]))
+            pin.block_ids = list(block_ids[start:start + count])
+            self._loads.append(LoadSpec(req_id, pin.block_ids, [bytes(h) for h in pin.hashes]))
         tracked = self._tracked.get(req_id)
         if tracked is None:
             self._tracked[req_id] = _Tracked(request, next_save=start + count)
@@ -188,9 +204,12 @@ class SchedulerSide:
     def build(self, scheduler_output: Any) -> TierdConnectorMetadata:
         """This step's plan; forgets the loads it hands out. Reads ``scheduler_output`` only."""
         loads, self._loads = self._loads, []
-        loading = {b for spec in loads for b in spec.block_ids}
+        # Saves may sit on this step's loads and on loads of earlier steps whose report has
+        # not arrived yet (async scheduling: a local hit on blocks still being checked).
+        loading = {b for pin in self._pins.values() for b in pin.block_ids}
         saves: list[SaveSpec] = []
         bs = self._block_size
+        self._step += 1
         for req_id, new_ids, resumed in _scheduled(scheduler_output):
             tracked = self._tracked.get(req_id)
             if tracked is None:
@@ -210,33 +229,64 @@ class SchedulerSide:
                                       [bytes(h) for h in hashes[tracked.next_save:end]],
                                       depends))
             tracked.next_save = max(tracked.next_save, end)
+        if saves:
+            self._last_save_step = self._step
         recomputing, self._recomputing = sorted(self._recomputing), set()
-        return TierdConnectorMetadata(loads=loads, saves=saves, recomputing=recomputing)
+        seen, self._failures_seen = sorted(self._failures_seen), set()
+        verdict = self._verdict() if len(self._links) > 1 else None
+        return TierdConnectorMetadata(loads=loads, saves=saves, recomputing=recomputing,
+                                      failures_seen=seen, step=self._step, verdict=verdict)
+
+    def _verdict(self) -> tuple[int, dict[str, int]]:
+        """TP > 1: (every step up to this one has all ranks' report, request -> last step whose
+        saves of it sit on a block some rank failed to load). Workers hold their Commits until
+        a verdict covers them, so no rank stores what another rank's failure spoiled."""
+        bad = dict(self._bad_until)
+        self._bad_until = {r: u for r, u in self._bad_until.items() if u > self._reported}
+        self._verdict_sent = self._reported
+        return self._reported, bad
+
+    def has_pending_verdicts(self) -> bool:
+        """TP > 1: a step planned saves whose verdict the workers have not received yet (vLLM
+        must keep stepping, empty steps included, so the held Commits land)."""
+        return len(self._links) > 1 and self._verdict_sent < self._last_save_step
 
     def on_worker_report(self, report: TierdWorkerMetadata) -> None:
-        """Take the workers' report of a step: unpin loads every worker has done, and rewind
-        the saves of every request that holds a block whose load failed."""
+        """Take the workers' report of a step: unpin loads every worker has done (naming the
+        first failed block, if any), and rewind the saves of every request that holds a block
+        whose load failed."""
+        self._reported = max(self._reported, report.step)
+        failed = set(report.failed)
+        self._failures_seen |= failed
         for req_id, count in report.loaded.items():
             pin = self._pins.get(req_id)
-            if pin is not None:
-                pin.reports += count
-                if pin.reports >= len(self._links):
-                    self._unpin(req_id)
-        if not report.failed:
+            if pin is None:
+                continue
+            first = next((i for i, b in enumerate(pin.block_ids) if b in failed), None)
+            if first is not None:
+                pin.failed_from = min(first, pin.failed_from if pin.failed_from is not None
+                                      else first)
+            pin.reports += count
+            if pin.reports >= len(self._links):
+                self._unpin(req_id)
+        if not failed:
             return
-        failed = set(report.failed)
         for req_id, tracked in self._tracked.items():
+            if not any(b in failed for b in tracked.block_ids):
+                continue
             held = tracked.block_ids[:tracked.next_save]
             first = next((i for i, b in enumerate(held) if b in failed), None)
             if first is not None:
                 tracked.next_save = first
-                self._recomputing.add(req_id)
+            self._recomputing.add(req_id)
+            self._bad_until[req_id] = self._step  # every step built so far computed on it
 
     def finished(self, request: Any) -> None:
         """Forget ``request`` (finished, aborted or failed) and release its pin."""
         self._unpin(request.request_id)
         self._tracked.pop(request.request_id, None)
         self._recomputing.discard(request.request_id)
+        self._local.pop(request.request_id, None)
 
     def close(self) -> None:
         """Release every pin, unregister."""

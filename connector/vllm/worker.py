@@ -60,6 +60,7 @@ class _PendingSave:
     targets: list[tuple[int, int]]      # (index in the reservation, slot byte offset)
     block_runs: list[Run]
     sums: list[BlockChecksum]           # per target, fed layer by layer
+    reqs: list[str]                     # per target, the request it belongs to
     layers_done: set[int] = field(default_factory=set)
     in_order: bool = True               # layers arrived 0, 1, 2, ...: ``sums`` are whole
 
@@ -102,6 +103,11 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._report = TierdWorkerMetadata()
         self._poisoned: set[str] = set()     # requests whose saves are dropped (see module doc)
+        self._failed: set[int] = set()       # failed loads until the scheduler has seen them
+        self._tp_size = tp_size
+        self._step = 0                       # the step the bound metadata names
+        # TP > 1: Commits wait here for the scheduler's verdict on their step (see metadata).
+        self._held: list[tuple[int, str, str, list[int | None], list[str]]] = []
         self._pending: _PendingSave | None = None
         self._reserved = False  # this step's Reserve was tried (it may have failed)
         # Copier: a load's one big copy_ (torch releases the GIL) while this thread verifies.
@@ -123,6 +129,10 @@ class WorkerSide:
         """Take the step's metadata: accept saves of requests vLLM is recomputing, then fill
         every planned block or report it (see the module doc). Blocks until done."""
         self._poisoned.difference_update(meta.recomputing)
+        self._failed.difference_update(meta.failures_seen)
+        self._step = self._report.step = meta.step
+        if meta.verdict is not None:
+            self._release_held(*meta.verdict)
         slot_bytes = self.format.slot_bytes
         for spec in meta.loads:
             good = self._load_one(spec)
@@ -133,6 +143,7 @@ class WorkerSide:
             if failed:
                 self._errors.update(failed)
                 self._report.failed.update(failed)
+                self._failed.update(failed)
                 self._poisoned.add(spec.req_id)
                 self._count("failed_blocks", len(failed))
 
@@ -200,7 +211,7 @@ class WorkerSide:
 
     def _accepted(self, saves: Iterable[SaveSpec]) -> list[SaveSpec]:
         """The saves not computed on top of a failed load; poisons the requests of the rest."""
-        failed = self._report.failed
+        failed = self._failed
         kept: list[SaveSpec] = []
         for spec in saves:
             if spec.req_id not in self._poisoned and not failed.intersection(spec.depends_on):
@@ -221,6 +232,7 @@ class WorkerSide:
         link = self.link
         limit = link.engine.max_blocks_per_request
         hashes = [BlockHash(h) for spec in saves for h in spec.block_hashes][:limit]
+        owners = [spec.req_id for spec in saves for _ in spec.block_hashes][:limit]
         self._count("dropped_blocks", len(block_ids) - len(hashes))
         try:
             reserved = link.client.reserve(link.engine.engine_id, hashes)
@@ -235,7 +247,7 @@ class WorkerSide:
         block_runs = runs([block_ids[i] for i, _ in targets], [o for _, o in targets],
                           self.format.slot_bytes)
         return _PendingSave(reserved.lease_id, len(hashes), targets, block_runs,
-                            [BlockChecksum() for _ in targets])
+                            [BlockChecksum() for _ in targets], [owners[i] for i, _ in targets])
 
     def finish_save(self) -> None:
         """Hand this step's Commit to the committer thread, or Abort the reservation if a layer
@@ -254,14 +266,40 @@ class WorkerSide:
                 link.failed(exc)
             return
         checksums = pending.checksums(link.arena_tensor, self.format.slot_bytes)
+        owners: list[str] = [""] * pending.num_hashes
+        for (index, _), req_id in zip(pending.targets, pending.reqs):
+            owners[index] = req_id
+        if self._tp_size > 1:  # wait for the verdict on this step (see TierdConnectorMetadata)
+            self._held.append((self._step, link.engine.engine_id, pending.lease_id, checksums,
+                               owners))
+            return
+        self._submit_commit(link.engine.engine_id, pending.lease_id, checksums)
+
+    def _submit_commit(self, engine_id: str, lease_id: str, checksums: list[int | None]) -> None:
         if self._commit_client is None:
             config = self._config
             self._commit_client = TierdClient(socket_path=config.socket_path,
                                               address=config.address, token=config.token,
                                               timeout=config.timeout_seconds)
         self._commits.append(self._committer.submit(
-            _commit, self._commit_client, link.engine.engine_id, pending.lease_id, checksums,
-            len(pending.targets)))
+            _commit, self._commit_client, engine_id, lease_id, checksums,
+            sum(c is not None for c in checksums)))
+
+    def _release_held(self, step: int, bad: dict[str, int]) -> None:
+        """Commit the held saves of steps up to ``step``, leaving out (as not written) the
+        blocks of requests the verdict names for that step."""
+        keep = []
+        for held_step, engine_id, lease_id, checksums, owners in self._held:
+            if held_step > step:
+                keep.append((held_step, engine_id, lease_id, checksums, owners))
+                continue
+            spoiled = [i for i, r in enumerate(owners) if r in bad and held_step <= bad[r]]
+            for i in spoiled:
+                if checksums[i] is not None:
+                    checksums[i] = None
+                    self._count("dropped_blocks", 1)
+            self._submit_commit(engine_id, lease_id, checksums)
+        self._held = keep
 
     def _harvest(self, wait: bool = False) -> None:
         """Count the outcomes of landed Commits (of all of them, with ``wait``)."""
@@ -295,6 +333,8 @@ class WorkerSide:
     def take_report(self) -> TierdWorkerMetadata | None:
         """This step's ``TierdWorkerMetadata`` (None if there is nothing to report)."""
         report, self._report = self._report, TierdWorkerMetadata()
+        if self._tp_size > 1 and report.step:  # the verdicts count steps every rank finished
+            return report
         return None if report.is_empty() else report
 
     def take_stats(self) -> TierdConnectorStats | None:
@@ -304,7 +344,10 @@ class WorkerSide:
         return None if stats.is_empty() else stats
 
     def close(self) -> None:
-        """Land the pending Commits, stop the helper threads, unregister."""
+        """Land the pending Commits, stop the helper threads, unregister. Commits still waiting
+        for a verdict are dropped (their reservations lapse on the daemon)."""
+        self._count("dropped_blocks", sum(sum(c is not None for c in h[3]) for h in self._held))
+        self._held = []
         self.flush()
         self._copier.shutdown()
         self._committer.shutdown()

@@ -253,7 +253,13 @@ class FakeVllm:
     def settle(self) -> TierdConnectorStats:
         """Wait for the Commits the workers handed off (``worker_counters`` does) and take the
         stats they add, as the next steps' ``get_kv_connector_stats`` would; returns the totals
-        summed over TP ranks."""
+        summed over TP ranks. Like vLLM, it keeps stepping (empty steps) while the scheduler side
+        has pending push work: with TP > 1, Commits held for the verdict on their step."""
+        for _ in range(4):
+            if not self.scheduler.has_pending_push_work():
+                break
+            self.step([])
+        assert not self.scheduler.has_pending_push_work(), "held Commits never got a verdict"
         total = TierdConnectorStats()
         for worker in self.workers:
             assert worker.worker_counters is not None
@@ -450,14 +456,11 @@ def test_corrupt_slot_is_reported_and_recomputed(sock: str, engines: Any) -> Non
     req.num_computed_tokens = 3 * BS  # vLLM (recompute policy) rewinds to the failed block
     assert b.step([req]).invalid_block_ids == set()
     assert b.metas[-1].recomputing == ["b"] and b.computed_tokens == 4 + 52
-    assert b.counters()[:2] == (3, 3)
+    assert b.counters() == (3, 3, 1, 2, 0)  # block 3 dropped by the daemon, stored again
     for block_a, block_b in zip(ids_a, ids_b):
         assert torch.equal(a.block(block_a), b.block(block_b))
 
 
-@pytest.mark.xfail(strict=True, reason="adapter bug: the worker reports the corrupt block "
-                   "(Release corrupt_from) while the scheduler's lookup pin still holds it, so "
-                   "the daemon keeps it; the scheduler's unpin never passes corrupt_from")
 def test_corrupt_block_is_dropped_and_stored_again_by_the_recompute(sock: str,
                                                                     engines: Any) -> None:
     """B finds block 3 corrupt: the daemon drops it, B's recompute stores it, C loads all 6."""
@@ -490,14 +493,14 @@ def test_failed_load_drops_dependent_saves_until_recomputing(sock: str, engines:
     first = b.step([x, y, z], budget={"x": 32}, deliver=False)
     monkeypatch.undo()
     assert first.invalid_block_ids == set(ids[3:6])
-    assert first.kv_connector_worker_meta == TierdWorkerMetadata({"x": 1}, set(ids[3:6]))
+    assert first.kv_connector_worker_meta == TierdWorkerMetadata({"x": 1}, set(ids[3:6]), step=1)
     saves = {s.req_id: s for s in b.metas[-1].saves}
     assert (saves["x"].block_ids, saves["x"].depends_on) == (ids[6:8], ids[:6])
     assert (saves["y"].block_ids[-2:], saves["y"].depends_on) == (b.tables["y"][6:8], ids[:6])
     assert (saves["z"].block_ids, saves["z"].depends_on) == (b.tables["z"][:2], [])
     second = b.step([x], deliver=False)  # async scheduling: planned before the failure is known
-    assert b.metas[-1].recomputing == [] and b.metas[-1].saves == [
-        SaveSpec("x", ids[8:10], [bytes(h) for h in x.block_hashes[8:10]], [])]
+    assert b.metas[-1].recomputing == [] and b.metas[-1].saves == [  # X's load is unreported
+        SaveSpec("x", ids[8:10], [bytes(h) for h in x.block_hashes[8:10]], ids[:6])]
     dropped = len(saves["x"].block_ids) + len(saves["y"].block_ids) + 2
     assert b.counters() == (3, 3, 2, 0, dropped)
     assert usage(sock) == (6 + 2, 6)  # A's prefix and Z's blocks; X's hit still pinned
@@ -565,7 +568,7 @@ def test_request_without_block_hashes_is_neither_loaded_nor_saved(engines: Any) 
     a, b = engines(0), engines(20)
     a.prefill(FakeRequest("a", prompt(100)))
     assert b.prefill(FakeRequest("b", prompt(100), hashed=False)) == (0, set())
-    assert b.metas[-1] == TierdConnectorMetadata()
+    assert b.metas[-1] == TierdConnectorMetadata(step=len(b.metas))
     assert b.counters() == (0, 0, 0, 0, 0)
 
 
@@ -586,9 +589,6 @@ def test_tp2_hit_is_pinned_on_every_rank_until_both_workers_report(sock: str,
     assert not torch.equal(b.block(20, 0), b.block(20, 1))
 
 
-@pytest.mark.xfail(strict=True, reason="adapter bug: each worker drops only the saves over its "
-                   "own failed loads, so with TP > 1 the other ranks store blocks computed on top "
-                   "of the failed rank's missing KV")
 def test_tp2_failed_load_on_one_rank_is_stored_on_no_rank(sock: str, engines: Any,
                                                           monkeypatch: Any) -> None:
     """TP 2, rank 0's load misses from block 3: no rank stores X's blocks computed on top."""
@@ -601,9 +601,6 @@ def test_tp2_failed_load_on_one_rank_is_stored_on_no_rank(sock: str, engines: An
     assert b.counters() == (3 + 6, 3, 0, 0, 2 + 2) and usage(sock) == (12, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="adapter bug: depends_on names only this step's loads and "
-                   "workers forget a failed block once reported, so under async scheduling a "
-                   "request admitted the next step with a local hit on it is stored")
 def test_async_local_hit_on_a_failed_load_is_not_stored(sock: str, engines: Any,
                                                         monkeypatch: Any) -> None:
     """Y, admitted on X's blocks before X's failed load is reported (async), stores nothing."""
@@ -623,9 +620,6 @@ def test_async_local_hit_on_a_failed_load_is_not_stored(sock: str, engines: Any,
     assert usage(sock) == (6, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="adapter bug: update_state_after_alloc takes the save "
-                   "start from request.num_computed_tokens, which vLLM sets only after that "
-                   "call (0 for a new request), so a local prefix-cache hit is saved again")
 def test_local_prefix_cache_hit_is_not_saved_again(engines: Any) -> None:
     """A request with a 2-block local hit (no tierd hit beyond it) saves its blocks 2-5 only."""
     a = engines(0)
