@@ -50,6 +50,11 @@ class DaemonLink:
         self._warned = False
 
     @property
+    def timeout_seconds(self) -> float:
+        """Deadline of each daemon call (``TierdVllmConfig.timeout_seconds``)."""
+        return self._config.timeout_seconds
+
+    @property
     def up(self) -> bool:
         return self._engine is not None
 

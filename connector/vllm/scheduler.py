@@ -28,7 +28,9 @@ every request whenever a KV connector is configured.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,7 @@ import grpc
 
 from .link import DaemonLink
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
+from tierd.daemon.convert import AcquiredBlocks
 from tierd.types import BlockHash, Tier
 
 _log = logging.getLogger(__name__)
@@ -63,15 +66,41 @@ class _Pin:
     failed_from: int | None = None  # first hit block some worker failed to load
 
 
+_IN_DRAM: tuple[Tier, ...] = ("dram", "hbm")
+"""Tiers an Acquire pins without a disk read (an HBM report implies the daemon's DRAM copy is
+what it would serve)."""
+
+
+@dataclass(slots=True)
+class _Staging:
+    """A hit whose Acquires are in flight (the daemon stages its SSD blocks into DRAM)."""
+
+    start: int
+    hashes: list[BlockHash]
+    tiers: list[Tier]
+    futures: list[Future[AcquiredBlocks]]  # one per TP rank
+    deadline: float
+    clock: Callable[[], float]
+
+    def ready(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def expired(self) -> bool:
+        return self.clock() >= self.deadline
+
+
 class SchedulerSide:
     """State of the scheduler-side connector. Called from vLLM's scheduler thread only.
 
     ``links[r]`` is the registration under TP rank ``r``'s layout (rank 0's namespace is the
     one looked up)."""
 
-    def __init__(self, links: Sequence[DaemonLink], *, load: bool, save: bool) -> None:
+    def __init__(self, links: Sequence[DaemonLink], *, load: bool, save: bool,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         assert links, "need one link per TP rank"
         self._links = list(links)
+        self._clock = clock
+        self._staging: dict[str, _Staging] = {}
         self._load, self._save = load, save
         self._block_size = links[0].layout.block_size
         self._tracked: dict[str, _Tracked] = {}
@@ -89,15 +118,32 @@ class SchedulerSide:
 
     # -- lookups and pins --------------------------------------------------------------------
 
-    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` (the local prefix-cache hit, block-aligned) that
         tierd holds and has now pinned for this request: full blocks only, and never the block
         holding the request's last token (vLLM must compute that one to sample). Replaces the
-        request's earlier pin. 0 if the daemon is unreachable."""
-        self._unpin(request.request_id)
-        bs = self._block_size
+        request's earlier pin. 0 if the daemon is unreachable.
+
+        None while the hit is being staged from SSD into DRAM: the daemon reads it while vLLM
+        schedules other requests (vLLM asks again at its next step), so the scheduler never
+        waits for a disk. Blocks for a Lookup and, for a DRAM hit, an Acquire round trip."""
+        req_id, bs = request.request_id, self._block_size
         start = -(-num_computed_tokens // bs)
-        self._local[request.request_id] = start
+        self._local[req_id] = start
+        staging = self._staging.pop(req_id, None)
+        if staging is not None:
+            if staging.start == start and not staging.ready() and not staging.expired():
+                self._staging[req_id] = staging
+                return None
+            pin = None
+            if staging.start == start:
+                pin = self._collect(staging)
+            else:  # vLLM's local hit moved since: look up afresh
+                self._abandon(staging)
+            if pin is not None:
+                self._pins[req_id] = pin
+                return (start + len(pin.hashes)) * bs - num_computed_tokens
+        self._unpin(req_id)
         usable = (request.num_tokens - 1) // bs  # full blocks that leave the last token out
         if not self._load or usable <= start:
             return 0
@@ -107,39 +153,75 @@ class SchedulerSide:
                               for link in self._links))
         if end <= start or not all(link.connect() for link in self._links):
             return 0
-        pin = self._pin(start, [BlockHash(h) for h in hashes[start:end]])
+        staging = self._stage(start, [BlockHash(h) for h in hashes[start:end]])
+        if staging is None:
+            return 0
+        if any(tier not in _IN_DRAM for tier in staging.tiers):
+            self._staging[req_id] = staging
+            return None
+        pin = self._collect(staging)
         if pin is None:
             return 0
-        self._pins[request.request_id] = pin
+        self._pins[req_id] = pin
         return (start + len(pin.hashes)) * bs - num_computed_tokens
 
-    def _pin(self, start: int, wanted: list[BlockHash]) -> _Pin | None:
-        """Look ``wanted`` up on rank 0 and pin its held prefix on every rank (the shortest
-        rank's prefix wins). None on a miss or a failed call (pins taken are released)."""
+    def _stage(self, start: int, wanted: list[BlockHash]) -> _Staging | None:
+        """Look ``wanted`` up on rank 0 and start an Acquire of its held prefix on every rank
+        (the daemon stages SSD blocks into DRAM before it answers). None on a miss."""
         first = self._links[0]
         try:
             tiers = first.client.lookup(first.engine.engine_id, wanted)
         except grpc.RpcError as exc:
             first.failed(exc)
             return None
-        pin = _Pin(start, wanted[:len(tiers)], list(tiers), [])
-        for rank, link in enumerate(self._links):
-            if not pin.hashes:
-                break
+        if not tiers:
+            return None
+        hits = wanted[:len(tiers)]
+        futures = [link.client.acquire_async(link.engine.engine_id, hits) for link in self._links]
+        return _Staging(start, hits, list(tiers), futures,
+                        self._clock() + first.timeout_seconds, self._clock)
+
+    def _collect(self, staging: _Staging) -> _Pin | None:
+        """Wait for ``staging``'s Acquires and pin the prefix every rank holds (the shortest
+        wins). None if some rank holds none or its call failed (leases taken are released)."""
+        pin = _Pin(staging.start, list(staging.hashes), list(staging.tiers), [])
+        for rank, (link, future) in enumerate(zip(self._links, staging.futures)):
             try:
-                got = link.client.acquire(link.engine.engine_id, pin.hashes)
+                got = future.result()
             except grpc.RpcError as exc:
-                link.failed(exc)
-                got = None
-            if got is None or got.num_blocks == 0:
+                if link.up:
+                    link.failed(exc)
+                pin.hashes = []
+                continue
+            if got.num_blocks:
+                pin.leases.append((rank, got.lease_id))
+            if got.num_blocks == 0 or not pin.hashes:
                 pin.hashes = []
             else:
-                pin.leases.append((rank, got.lease_id))
                 del pin.hashes[got.num_blocks:], pin.tiers[got.num_blocks:]
         if not pin.hashes:
             self._release(pin)
             return None
         return pin
+
+    def _abandon(self, staging: _Staging) -> None:
+        """Drop a staging nobody will use: release each lease as its Acquire resolves (on the
+        gRPC thread for those still in flight; a failed release is left to lease expiry)."""
+        for link, future in zip(self._links, staging.futures):
+            client, engine_id = (link.client, link.engine.engine_id) if link.up else (None, "")
+
+            def release(done: Future[AcquiredBlocks], client: Any = client,
+                        engine_id: str = engine_id) -> None:
+                if client is None or done.exception() is not None:
+                    return
+                lease = done.result()
+                if lease.num_blocks:
+                    try:
+                        client.release(engine_id, lease.lease_id)
+                    except grpc.RpcError:
+                        pass  # expired, or the daemon is gone: nothing is held any more
+
+            future.add_done_callback(release)
 
     def _unpin(self, req_id: str) -> None:
         pin = self._pins.pop(req_id, None)
@@ -284,6 +366,9 @@ class SchedulerSide:
     def finished(self, request: Any) -> None:
         """Forget ``request`` (finished, aborted or failed) and release its pin."""
         self._unpin(request.request_id)
+        staging = self._staging.pop(request.request_id, None)
+        if staging is not None:
+            self._abandon(staging)
         self._tracked.pop(request.request_id, None)
         self._recomputing.discard(request.request_id)
         self._local.pop(request.request_id, None)
@@ -292,6 +377,9 @@ class SchedulerSide:
         """Release every pin, unregister."""
         for req_id in list(self._pins):
             self._unpin(req_id)
+        for staging in self._staging.values():
+            self._abandon(staging)
+        self._staging.clear()
         for link in self._links:
             link.close()
 

@@ -29,10 +29,11 @@ def model_dir() -> Iterator[str]:
 
 @pytest.fixture
 def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
-    """A running daemon (``@pytest.mark.parametrize("daemon", [False], indirect=True)``: no
-    SSD tier)."""
+    """A running daemon; ``@pytest.mark.parametrize("daemon", [...], indirect=True)`` with
+    "no-ssd" (DRAM only) or "demote-all" (every committed block moves to SSD at once)."""
     workdir = tempfile.mkdtemp(prefix="tierd-v")
-    running = Daemon(workdir, ssd=getattr(request, "param", True))
+    mode = getattr(request, "param", "")
+    running = Daemon(workdir, ssd=mode != "no-ssd", demote_all=mode == "demote-all")
     running.start()
     yield running
     running.stop()

@@ -267,8 +267,8 @@ class Daemon:
     """A real `tierd serve` on a Unix socket in a temporary directory; ``restart`` kills it
     (SIGKILL) and starts a fresh one on the same socket with an empty SSD directory."""
 
-    def __init__(self, workdir: str, ssd: bool = True) -> None:
-        self.workdir, self.ssd = workdir, ssd
+    def __init__(self, workdir: str, ssd: bool = True, demote_all: bool = False) -> None:
+        self.workdir, self.ssd, self.demote_all = workdir, ssd, demote_all
         self.socket_path = os.path.join(workdir, "tierd.sock")
         self.process: subprocess.Popen[bytes] | None = None
         self.generation = 0
@@ -280,7 +280,9 @@ class Daemon:
             [sys.executable, "-m", "tierd.commands.serve", "--socket-path", self.socket_path,
              "--dram-bytes", "32MiB", "--slab-bytes", "64KiB", "--no-prefault",
              "--ssd-dir", ssd if self.ssd else "", "--ssd-bytes", "8MiB",
-             "--log-level", "WARNING"],
+             "--log-level", "WARNING",
+             *(["--dram-high-watermark", "1e-9", "--dram-low-watermark", "1e-9",
+                "--maintain-seconds", "0.05"] if self.demote_all else [])],
             env={**os.environ, "TIERD_CONFIG": ""}, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE)
         client = TierdClient(socket_path=self.socket_path, timeout=10.0)

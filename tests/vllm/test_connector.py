@@ -117,7 +117,7 @@ def test_lookup_reports_hit_sources_to_vllm(model_dir: str, daemon: Daemon) -> N
         second.close()
 
 
-@pytest.mark.parametrize("daemon", [False], indirect=True)
+@pytest.mark.parametrize("daemon", ["no-ssd"], indirect=True)
 def test_hit_stays_pinned_between_lookup_and_load(model_dir: str, daemon: Daemon) -> None:
     """Another engine floods the DRAM tier (no SSD) between the scheduler's lookup and the
     worker's load: the pinned hit is not evicted, so it loads in full."""
@@ -279,3 +279,48 @@ def test_fail_policy_warns_naming_recompute(model_dir: str, daemon: Daemon,
     engine = Engine.start(vllm_config(model_dir, daemon.socket_path, policy="recompute"))
     engine.close()
     assert "kv_load_failure_policy" not in caplog.text
+
+
+@pytest.mark.parametrize("daemon", ["demote-all"], indirect=True)
+def test_ssd_hit_is_staged_while_vllm_schedules_on(model_dir: str, daemon: Daemon) -> None:
+    """A prefix held only on SSD: the lookup answers "not yet" (None) while the daemon stages it
+    into DRAM, vLLM skips the request and asks again; then it loads (hit source: disk) and
+    samples the reference tokens."""
+    import time
+
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    from tierd.connector.vllm import layout_from_vllm_config
+    from tierd.types import BlockHash
+
+    want = baseline(model_dir, daemon, PROMPT)
+    first = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    answers: list[object] = []
+    sources: list[dict[CacheHitSource, int]] = []
+    lookup = second.connector.get_num_new_matched_tokens
+    hit_sources = second.connector.get_external_cache_hit_sources
+    second.connector.get_num_new_matched_tokens = (  # type: ignore[method-assign]
+        lambda r, n: answers.append(lookup(r, n)) or answers[-1])
+    second.connector.get_external_cache_hit_sources = (  # type: ignore[method-assign]
+        lambda r, n: sources.append(hit_sources(r, n)) or sources[-1])
+    try:
+        request = make_request("a", PROMPT)
+        first.run([request])
+        hashes = [BlockHash(h) for h in request.block_hashes[:6]]
+        with daemon.client() as client:
+            engine = client.register_engine(layout_from_vllm_config(first.config), "probe")
+            for _ in range(600):  # readiness wait: the 50 ms demotion pass
+                if client.lookup(engine.engine_id, hashes) == ["ssd"] * 6:
+                    break
+                time.sleep(0.05)
+            assert client.lookup(engine.engine_id, hashes) == ["ssd"] * 6
+            client.unregister_engine(engine.engine_id)
+        assert second.run([make_request("b", PROMPT)])["b"] == want
+        assert answers[0] == (None, False) and answers[-1] == (6 * BLOCK, False)
+        assert sources == [{CacheHitSource.DISK: 6 * BLOCK}]
+        assert second.worker.worker_counters.data["loaded_blocks"] == 6
+        assert daemon.pinned_blocks() == 0
+    finally:
+        first.close()
+        second.close()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from concurrent.futures import Future
 from types import TracebackType
 from typing import Any
 
@@ -149,6 +150,24 @@ class TierdClient:
         a Lookup first."""
         reply = self._call("Acquire", _Requests.acquire(engine_id, hashes, count_lookup))
         return convert.acquired_from_pb(reply)
+
+    def acquire_async(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                      count_lookup: bool = False) -> Future[AcquiredBlocks]:
+        """``acquire`` without blocking: a future of its result (or of its ``grpc.RpcError``).
+        The daemon stages SSD hits into DRAM meanwhile; the pin starts when the reply is
+        made, so a caller that drops the future must still release a lease it resolves to."""
+        out: Future[AcquiredBlocks] = Future()
+        call = self._stub.Acquire.future(_Requests.acquire(engine_id, hashes, count_lookup),
+                                         metadata=self._md, timeout=self._timeout)
+
+        def done(call: Any) -> None:
+            try:
+                out.set_result(convert.acquired_from_pb(call.result()))
+            except grpc.RpcError as exc:
+                out.set_exception(exc)
+
+        call.add_done_callback(done)
+        return out
 
     def release(self, engine_id: str, lease_id: str, *, corrupt_from: int | None = None) -> bool:
         """Unpin an acquired prefix. ``corrupt_from``: index of the first block whose checksum
