@@ -46,6 +46,7 @@ class DaemonLink:
         self._engine: EngineHandle | None = None
         self._arena: ShmArena | None = None
         self._arena_tensor: Any = None
+        self._arena_bytes: memoryview | None = None
         self._next_try = 0.0
         self._warned = False
 
@@ -72,6 +73,12 @@ class DaemonLink:
     def arena(self) -> ShmArena:
         assert self._arena is not None, "the link was made without attach, or is down"
         return self._arena
+
+    @property
+    def arena_bytes(self) -> memoryview:
+        """The whole arena as one memoryview (slicing it costs no tensor; zero copy)."""
+        assert self._arena_bytes is not None, "the link was made without attach, or is down"
+        return self._arena_bytes
 
     @property
     def arena_tensor(self) -> Any:
@@ -107,6 +114,8 @@ class DaemonLink:
             return False
         self._client, self._engine, self._arena = client, engine, arena
         self._arena_tensor = arena.as_tensor() if arena is not None else None
+        self._arena_bytes = (memoryview(self._arena_tensor.numpy()).cast("B")
+                             if self._arena_tensor is not None else None)
         self._warned = False
         _log.info("tierd: engine %s registered at %s", engine.engine_id, client.target)
         return True
@@ -135,7 +144,9 @@ class DaemonLink:
         self._drop()
 
     def _drop(self) -> None:
-        self._arena_tensor = None
+        if self._arena_bytes is not None:
+            self._arena_bytes.release()
+        self._arena_tensor = self._arena_bytes = None
         if self._arena is not None:
             self._arena.close()
         if self._client is not None:

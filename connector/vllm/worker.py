@@ -3,25 +3,24 @@
 Per step, with the metadata the scheduler half built:
 
 * ``load`` (vLLM's ``start_load_kv``): per request, one Acquire (the scheduler's pin keeps the
-  blocks in DRAM since its lookup); the leased slots are copied straight into vLLM's KV tensors
-  (one strided copy per run of blocks, on the copier thread, which torch runs without the GIL)
-  while this thread verifies each slot's checksum where it lies in the arena; then the lease is
-  released. Synchronous: the forward pass that reads them starts after it returns. Every block
-  that does not verify (a miss since the lookup, a checksum mismatch, the lease expired during
-  the copy, the daemon gone) and every block after it in that request is reported by
-  ``take_load_errors`` in the same step, so vLLM discards what it computed from them and
-  recomputes from there.
+  blocks in DRAM since its lookup); each leased slot's checksum is verified where it lies in the
+  arena, the leading run of verified blocks is copied straight into vLLM's KV tensors (one
+  strided copy per run of blocks, all layers at once), and the lease is released. (Verifying
+  while another thread copies measured slower on these 2-core hosts: both passes are bound by
+  memory bandwidth.) Synchronous: the forward pass that reads them starts after it returns.
+  Every block not written (a miss since the lookup, a checksum mismatch, the daemon gone) and
+  every block after it in that request, or all of them if the lease expired during the copy,
+  is reported by ``take_load_errors`` in the same step, so vLLM recomputes from there.
 * ``save_layer`` (vLLM's ``save_kv_layer``): on the first layer, one Reserve for the blocks the
   step completes; each layer's K/V is copied into the reserved slots as vLLM hands it over.
   Saves of a request whose load failed, or that sit on top of any block that failed to load this
   step (``SaveSpec.depends_on``), are dropped, and that request's saves stay dropped until the
   scheduler names it in ``recomputing``: nothing computed on wrong KV is stored.
-  Each slot's checksum is accumulated layer by layer (``BlockChecksum``) right after the
-  layer's copy, while its bytes are still in cache.
 * ``finish_save`` (``wait_for_save``): hands the step's Commit to the committer thread and
-  returns: vLLM may reuse its blocks at once (the bytes are already in the arena), and the blocks
-  become visible to other engines only whole, when the Commit lands. If some layer never
-  arrived, Abort instead.
+  returns: vLLM may reuse its blocks at once (the bytes are already in the arena). The Commit
+  names the written slots and the daemon checksums them itself (in its own process, so the
+  engine's part of a store is the copy out of its KV), and the blocks become visible to other
+  engines only whole, when it lands. If some layer never arrived, Abort instead.
 
 Best effort: a save that fails is a future miss, never an error to vLLM; nothing holds vLLM's
 blocks past the step (``get_finished`` has nothing to report).
@@ -44,7 +43,7 @@ from .kv_tensors import (Run, SlotFormat, byte_view, load_blocks, runs, save_lay
 from .link import DaemonLink
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 from .stats import TierdConnectorStats
-from tierd.checksum import BlockChecksum, block_checksum
+from tierd.checksum import block_checksum
 from tierd.daemon.client import TierdClient
 from tierd.types import BlockHash
 
@@ -59,24 +58,15 @@ class _PendingSave:
     num_hashes: int
     targets: list[tuple[int, int]]      # (index in the reservation, slot byte offset)
     block_runs: list[Run]
-    sums: list[BlockChecksum]           # per target, fed layer by layer
     reqs: list[str]                     # per target, the request it belongs to
     layers_done: set[int] = field(default_factory=set)
-    in_order: bool = True               # layers arrived 0, 1, 2, ...: ``sums`` are whole
 
-    def add_layer(self, arena: torch.Tensor, layer: int, layer_bytes: int) -> None:
-        """Feed layer ``layer`` of every target slot to its checksum."""
-        start = layer * layer_bytes
-        for (_, offset), checksum in zip(self.targets, self.sums):
-            lo = offset + start
-            checksum.update(arena[lo:lo + layer_bytes].numpy().data)
-
-    def checksums(self, arena: torch.Tensor, slot_bytes: int) -> list[int | None]:
-        """The Commit's checksum list (None: no slot was reserved)."""
-        out: list[int | None] = [None] * self.num_hashes
-        for (index, offset), checksum in zip(self.targets, self.sums):
-            out[index] = (checksum.value if self.in_order else
-                          block_checksum(arena[offset:offset + slot_bytes].numpy().data))
+    def written(self) -> list[bool]:
+        """The Commit's written flags: True where a slot was reserved (and every layer copied
+        into it); the daemon checksums those slots itself."""
+        out = [False] * self.num_hashes
+        for index, _ in self.targets:
+            out[index] = True
         return out
 
 
@@ -107,13 +97,11 @@ class WorkerSide:
         self._tp_size = tp_size
         self._step = 0                       # the step the bound metadata names
         # TP > 1: Commits wait here for the scheduler's verdict on their step (see metadata).
-        self._held: list[tuple[int, str, str, list[int | None], list[str]]] = []
+        self._held: list[tuple[int, str, str, list[bool], list[str]]] = []
         self._pending: _PendingSave | None = None
         self._reserved = False  # this step's Reserve was tried (it may have failed)
-        # Copier: a load's one big copy_ (torch releases the GIL) while this thread verifies.
         # Committer: Commits, in order, off the engine thread, on a client of its own; it only
         # returns outcomes (``_harvest`` applies them on this thread).
-        self._copier = ThreadPoolExecutor(1, thread_name_prefix="tierd-copy")
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="tierd-commit")
         self._commits: list[Future[tuple[int, int, grpc.RpcError | None]]] = []
         self._commit_client: TierdClient | None = None
@@ -161,11 +149,9 @@ class WorkerSide:
             return 0
         arena, offset_of = link.arena_tensor, link.engine.geometry.offset
         offsets = [offset_of(s) for s in got.slot_ids[:len(spec.block_ids)]]
-        copy = self._copier.submit(load_blocks, arena, fmt, self._kv_bytes,
-                                   runs(spec.block_ids[:len(offsets)], offsets, fmt.slot_bytes),
-                                   self._stacked)
-        good = _verified_prefix(arena, offsets, got.checksums, fmt.slot_bytes)
-        copy.result()
+        good = _verified_prefix(link.arena_bytes, offsets, got.checksums, fmt.slot_bytes)
+        load_blocks(arena, fmt, self._kv_bytes,
+                    runs(spec.block_ids[:good], offsets[:good], fmt.slot_bytes), self._stacked)
         in_time = self._clock() < asked + got.seconds_left
         try:
             link.client.release(engine_id, got.lease_id,
@@ -201,12 +187,8 @@ class WorkerSide:
         pending, layer = self._pending, self._layers.get(layer_name)
         if pending is None or layer is None or not pending.targets:
             return
-        arena = self.link.arena_tensor
-        save_layer(arena, self.format, layer, self._kv_bytes[layer], pending.block_runs)
-        if pending.in_order and layer == len(pending.layers_done):
-            pending.add_layer(arena, layer, self.format.layer_bytes)  # still in cache
-        else:
-            pending.in_order = False
+        save_layer(self.link.arena_tensor, self.format, layer, self._kv_bytes[layer],
+                   pending.block_runs)
         pending.layers_done.add(layer)
 
     def _accepted(self, saves: Iterable[SaveSpec]) -> list[SaveSpec]:
@@ -247,7 +229,7 @@ class WorkerSide:
         block_runs = runs([block_ids[i] for i, _ in targets], [o for _, o in targets],
                           self.format.slot_bytes)
         return _PendingSave(reserved.lease_id, len(hashes), targets, block_runs,
-                            [BlockChecksum() for _ in targets], [owners[i] for i, _ in targets])
+                            [owners[i] for i, _ in targets])
 
     def finish_save(self) -> None:
         """Hand this step's Commit to the committer thread, or Abort the reservation if a layer
@@ -265,40 +247,39 @@ class WorkerSide:
             except grpc.RpcError as exc:
                 link.failed(exc)
             return
-        checksums = pending.checksums(link.arena_tensor, self.format.slot_bytes)
+        written = pending.written()
         owners: list[str] = [""] * pending.num_hashes
         for (index, _), req_id in zip(pending.targets, pending.reqs):
             owners[index] = req_id
         if self._tp_size > 1:  # wait for the verdict on this step (see TierdConnectorMetadata)
-            self._held.append((self._step, link.engine.engine_id, pending.lease_id, checksums,
+            self._held.append((self._step, link.engine.engine_id, pending.lease_id, written,
                                owners))
             return
-        self._submit_commit(link.engine.engine_id, pending.lease_id, checksums)
+        self._submit_commit(link.engine.engine_id, pending.lease_id, written)
 
-    def _submit_commit(self, engine_id: str, lease_id: str, checksums: list[int | None]) -> None:
+    def _submit_commit(self, engine_id: str, lease_id: str, written: list[bool]) -> None:
         if self._commit_client is None:
             config = self._config
             self._commit_client = TierdClient(socket_path=config.socket_path,
                                               address=config.address, token=config.token,
                                               timeout=config.timeout_seconds)
         self._commits.append(self._committer.submit(
-            _commit, self._commit_client, engine_id, lease_id, checksums,
-            sum(c is not None for c in checksums)))
+            _commit, self._commit_client, engine_id, lease_id, written))
 
     def _release_held(self, step: int, bad: dict[str, int]) -> None:
         """Commit the held saves of steps up to ``step``, leaving out (as not written) the
         blocks of requests the verdict names for that step."""
         keep = []
-        for held_step, engine_id, lease_id, checksums, owners in self._held:
+        for held_step, engine_id, lease_id, written, owners in self._held:
             if held_step > step:
-                keep.append((held_step, engine_id, lease_id, checksums, owners))
+                keep.append((held_step, engine_id, lease_id, written, owners))
                 continue
             spoiled = [i for i, r in enumerate(owners) if r in bad and held_step <= bad[r]]
             for i in spoiled:
-                if checksums[i] is not None:
-                    checksums[i] = None
+                if written[i]:
+                    written[i] = False
                     self._count("dropped_blocks", 1)
-            self._submit_commit(engine_id, lease_id, checksums)
+            self._submit_commit(engine_id, lease_id, written)
         self._held = keep
 
     def _harvest(self, wait: bool = False) -> None:
@@ -346,30 +327,30 @@ class WorkerSide:
     def close(self) -> None:
         """Land the pending Commits, stop the helper threads, unregister. Commits still waiting
         for a verdict are dropped (their reservations lapse on the daemon)."""
-        self._count("dropped_blocks", sum(sum(c is not None for c in h[3]) for h in self._held))
+        self._count("dropped_blocks", sum(sum(h[3]) for h in self._held))
         self._held = []
         self.flush()
-        self._copier.shutdown()
         self._committer.shutdown()
         if self._commit_client is not None:
             self._commit_client.close()
         self.link.close()
 
 
-def _commit(client: TierdClient, engine_id: str, lease_id: str, checksums: list[int | None],
-            targets: int) -> tuple[int, int, grpc.RpcError | None]:
-    """Committer thread: publish a reservation; (blocks stored, blocks lost, the error)."""
+def _commit(client: TierdClient, engine_id: str, lease_id: str,
+            written: list[bool]) -> tuple[int, int, grpc.RpcError | None]:
+    """Committer thread: publish a reservation, the daemon checksumming the written slots;
+    (blocks stored, blocks lost, the error)."""
     try:
-        return client.commit(engine_id, lease_id, checksums), 0, None
+        return client.commit_written(engine_id, lease_id, written), 0, None
     except grpc.RpcError as exc:
-        return 0, targets, exc
+        return 0, sum(written), exc
 
 
-def _verified_prefix(arena: torch.Tensor, offsets: list[int], checksums: list[int],
+def _verified_prefix(arena: memoryview, offsets: list[int], checksums: list[int],
                      slot_bytes: int) -> int:
     """How many leading slots at ``offsets`` hold bytes whose checksum is ``checksums[i]``
     (read where they lie: the caller's lease pins them)."""
     for i, (offset, want) in enumerate(zip(offsets, checksums)):
-        if block_checksum(arena[offset:offset + slot_bytes].numpy().data) != want:
+        if block_checksum(arena[offset:offset + slot_bytes]) != want:
             return i
     return len(offsets)

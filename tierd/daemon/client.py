@@ -91,6 +91,10 @@ class _Requests:
                                 blocks=convert.checksums_to_pb(checksums))
 
     @staticmethod
+    def commit_written(engine_id: str, lease_id: str, written: Sequence[bool]) -> pb.CommitRequest:
+        return pb.CommitRequest(engine_id=engine_id, lease_id=lease_id, written=list(written))
+
+    @staticmethod
     def locate(engine_id: str | None, hashes: Sequence[BlockHash],
                layout: Layout | None) -> pb.LocateRequest:
         if (engine_id is None) == (layout is None):
@@ -188,6 +192,13 @@ class TierdClient:
         """Publish the written blocks: ``checksums[i]`` is ``block_checksum`` of the bytes
         written for the i-th reserved hash, None if not written. Returns blocks now stored."""
         reply = self._call("Commit", _Requests.commit(engine_id, lease_id, checksums))
+        return int(reply.stored)
+
+    def commit_written(self, engine_id: str, lease_id: str, written: Sequence[bool]) -> int:
+        """``commit`` leaving the checksums to the daemon: ``written[i]`` is True if the i-th
+        reserved slot was written; the daemon checksums those bytes itself. Returns blocks
+        now stored."""
+        reply = self._call("Commit", _Requests.commit_written(engine_id, lease_id, written))
         return int(reply.stored)
 
     def abort(self, engine_id: str, lease_id: str) -> None:

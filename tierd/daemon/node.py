@@ -408,6 +408,25 @@ class NodeStore:
             self._t.emit(BlockStored(tuple(run), parent, "dram", lease.block_size), ns)
         return count
 
+    def commit_written(self, lease_id: str, written: Sequence[bool], *,
+                       engine_id: str | None = None) -> int:
+        """``commit`` for an engine that leaves checksums to the daemon: ``written[i]`` says the
+        i-th reserved slot was written; the daemon checksums those bytes itself (blocking for
+        one xxh3 pass over them, ~10 GB/s and more). Same errors as ``commit``."""
+        self._expire(self._clock())
+        lease = self._leases.get(lease_id, engine_id)
+        if not isinstance(lease, WriteLease):
+            raise FailedPrecondition(f"lease {clip(lease_id)} is a read lease: release it")
+        if len(written) != len(lease.hashes):
+            raise ValueError(f"commit needs one written flag per reserved hash: "
+                             f"{len(written)} given, {len(lease.hashes)} reserved")
+        geometry = self._t.alloc.geometry(lease.slot_bytes)
+        checksums: list[int | None] = [
+            block_checksum(self._arena.view(geometry.offset(slot), lease.slot_bytes))
+            if wrote and slot is not None else None
+            for wrote, slot in zip(written, lease.slots)]
+        return self.commit(lease_id, checksums, engine_id=engine_id)
+
     def abort(self, lease_id: str, *, engine_id: str | None = None) -> None:
         """Free a reservation's slots. Idempotent after abort or expiry (while the lease is
         remembered: ``lease_seconds`` past its deadline); NotFound if unknown

@@ -208,8 +208,16 @@ class TierdServicer(pb_grpc.TierdServicer):
     async def Commit(self, request: pb.CommitRequest,
                      context: grpc.aio.ServicerContext) -> pb.CommitResponse:
         engine_id = self._engine(context, request.engine_id)
-        stored = self._store.commit(request.lease_id, convert.checksums_from_pb(request.blocks),
-                                    engine_id=engine_id)
+        if request.written:
+            if request.blocks:
+                raise ValueError("a Commit carries blocks (engine checksums) or written flags "
+                                 "(daemon checksums), not both")
+            stored = self._store.commit_written(request.lease_id, list(request.written),
+                                                engine_id=engine_id)
+        else:
+            stored = self._store.commit(request.lease_id,
+                                        convert.checksums_from_pb(request.blocks),
+                                        engine_id=engine_id)
         return pb.CommitResponse(stored=stored)
 
     async def Abort(self, request: pb.AbortRequest,

@@ -177,14 +177,16 @@ class CommittedBlock(_message.Message):
     def __init__(self, checksum: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("engine_id", "lease_id", "blocks")
+    __slots__ = ("engine_id", "lease_id", "blocks", "written")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     lease_id: str
     blocks: _containers.RepeatedCompositeFieldContainer[CommittedBlock]
-    def __init__(self, engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CommittedBlock, _Mapping]]] = ...) -> None: ...
+    written: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CommittedBlock, _Mapping]]] = ..., written: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("stored",)
