@@ -7,11 +7,13 @@ import urllib.request
 from typing import Any
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tierd.checksum import block_checksum
 from tierd.daemon.client import AsyncTierdClient
+from tierd.v1 import tierd_pb2 as pb
 
 
 def test_register_returns_arena_and_geometry(daemon: Any, kit: Any) -> None:
@@ -41,6 +43,37 @@ def test_store_lookup_acquire_copy_out_from_dram(daemon: Any, kit: Any) -> None:
             data = bytes(arena.view(engine.geometry.offset(slot), engine.geometry.slot_bytes))
             assert data == kit.block_bytes(key, 4096)
             assert block_checksum(data) == checksum
+        client.release(engine.engine_id, got.lease_id)
+        arena.close()
+    daemon.check_integrity()
+
+
+def test_commit_with_written_flags_lets_the_daemon_checksum(daemon: Any, kit: Any) -> None:
+    """A Commit naming written slots stores them under the checksum of their bytes, computed by
+    the daemon; an unwritten slot is freed; blocks and flags together, or a short flag list,
+    are INVALID_ARGUMENT and leave the reservation usable."""
+    hashes = kit.chain(3)
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+        arena = kit.attach(engine)
+        reserved = client.reserve(engine.engine_id, hashes)
+        for key, slot in zip(hashes, reserved.slot_ids):
+            assert slot is not None
+            arena.view(engine.geometry.offset(slot), 4096)[:] = kit.block_bytes(key, 4096)
+        for bad in ([True], None):
+            with pytest.raises(grpc.RpcError) as err:
+                if bad is None:  # blocks and written flags at once
+                    client._call("Commit", pb.CommitRequest(
+                        engine_id=engine.engine_id, lease_id=reserved.lease_id,
+                        blocks=[pb.CommittedBlock(checksum=1)] * 3, written=[True] * 3))
+                else:
+                    client.commit_written(engine.engine_id, reserved.lease_id, bad)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert client.commit_written(engine.engine_id, reserved.lease_id,
+                                     [True, True, False]) == 2
+        assert client.lookup(engine.engine_id, hashes) == ["dram"] * 2
+        got = client.acquire(engine.engine_id, hashes[:2])
+        assert got.checksums == [block_checksum(kit.block_bytes(h, 4096)) for h in hashes[:2]]
         client.release(engine.engine_id, got.lease_id)
         arena.close()
     daemon.check_integrity()
