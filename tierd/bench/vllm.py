@@ -9,8 +9,9 @@ prefix (256 MiB). Two real `tierd serve` processes: one keeps blocks in DRAM, on
 committed block to SSD at once. Interleaved repetitions of:
 
 1. memcpy: the same bytes copied between two ranges of the same KV tensors (the limit);
-2. store: Reserve, every layer's copy into the slots, checksums, Commit (``save_kv_layer`` x L +
-   ``wait_for_save``) of fresh blocks; "engine" is the part on the engine thread;
+2. store: Reserve and every layer's copy into the slots (``save_kv_layer`` x L), then
+   ``wait_for_save``, which hands the Commit to the committer thread: the engine's part; and
+   the time until the Commit has landed (the daemon checksums the slots): until visible;
 3. DRAM load, end to end as the engine sees it: lookup + pin (scheduler side), Acquire, verify,
    copy into vLLM's tensors, Release, unpin;
 4. SSD load of blocks only on SSD (page cache dropped first when allowed), same path (the
@@ -18,8 +19,9 @@ committed block to SSD at once. Interleaved repetitions of:
    asked again, as vLLM does at its next step), beside a raw cold read of the same bytes from
    the same disk (``measure_raw_disk``).
 
-Prints medians and ranges, and the ratios against the targets: DRAM load <= 1.5x memcpy, store
-<= 1.5x memcpy, SSD load <= 1.3x the raw cold read.
+Prints medians and ranges, and the ratios against the targets: DRAM load <= 1.5x memcpy, the
+engine's part of a store <= 1.5x memcpy (the rest is off its critical path; the time until
+visible is printed beside it), SSD load <= 1.3x the raw cold read.
 """
 
 from __future__ import annotations
@@ -169,15 +171,15 @@ class _Side:
 
     def store(self, hashes: list[bytes], block_ids: list[int]) -> tuple[float, float]:
         """Save ``block_ids`` under ``hashes`` as vLLM's save_kv_layer x L + wait_for_save
-        would; (seconds of the layer copies, seconds in all)."""
+        would; (seconds until the engine may go on, seconds until the blocks are visible)."""
         from tierd.connector.vllm.metadata import SaveSpec
 
         saves = [SaveSpec("bench", block_ids, hashes)]
         start = time.perf_counter()
         for name in self.worker.format.layer_names:
             self.worker.save_layer(name, saves)
-        copied = time.perf_counter()
         self.worker.finish_save()
+        copied = time.perf_counter()  # the engine's part: it may reuse its blocks now
         self.worker.flush()
         done = time.perf_counter()
         assert self.worker.take_report() is None
@@ -288,7 +290,7 @@ def _measure(args: argparse.Namespace, kv: dict[str, Any], blocks: int, nbytes: 
 
 
 def _report(f: dict[str, Any], as_json: bool) -> int:
-    ok = (f["dram_ratio"] <= TARGET_DRAM and f["store_ratio"] <= TARGET_STORE
+    ok = (f["dram_ratio"] <= TARGET_DRAM and f["store_engine_ratio"] <= TARGET_STORE
           and f["ssd_ratio"] <= TARGET_SSD)
     if as_json:
         print(json.dumps({**f, "ok": ok}, indent=2))
@@ -302,17 +304,19 @@ def _report(f: dict[str, Any], as_json: bool) -> int:
     print(f"{f['model']}, {f['tokens']} tokens = {mib:.0f} MiB, layout {f['layout']}, tensors "
           f"from {f['tensors']}; medians (ranges)")
     print(line("memcpy of the same bytes", "memcpy"))
-    print(line("store (engine thread: layer copies)", "store_engine"))
-    print(line("store (copies + checksums + commit)", "store"))
+    print(line("store, the engine's part", "store_engine"))
+    print(line("store, until visible (daemon checksums)", "store"))
     print(line("DRAM load (lookup, pin, copy, verify)", "dram_load"))
     print(line("raw cold read of the same bytes", "raw_read"))
     print(line("SSD load (lookup, pin, copy, verify)", "ssd_load"))
     if not f["page_cache_dropped"]:
         print("  (page cache not dropped: not root; the SSD tier reads with O_DIRECT anyway)")
     for name, ratio, target in (("DRAM load / memcpy", f["dram_ratio"], TARGET_DRAM),
-                                ("store / memcpy", f["store_ratio"], TARGET_STORE),
+                                ("store, engine's part / memcpy", f["store_engine_ratio"],
+                                 TARGET_STORE),
                                 ("SSD load / raw cold read", f["ssd_ratio"], TARGET_SSD)):
         verdict = "met" if ratio <= target else "MISSED"
         print(f"  {name:<34} {ratio:6.2f}x  (target <= {target}x: {verdict})")
-    print(f"  store engine-thread part / memcpy  {f['store_engine_ratio']:6.2f}x")
+    print(f"  {'store until visible / memcpy':<34} {f['store_ratio']:6.2f}x  (no target: off "
+          "the engine's critical path)")
     return 0 if ok else 1
