@@ -361,7 +361,8 @@ class SchedulerSide:
             if first is not None:
                 tracked.next_save = first
             self._recomputing.add(req_id)
-            self._bad_until[req_id] = self._step  # every step built so far computed on it
+            if len(self._links) > 1:  # for the verdict: every step built so far computed on it
+                self._bad_until[req_id] = self._step
 
     def finished(self, request: Any) -> None:
         """Forget ``request`` (finished, aborted or failed) and release its pin."""
@@ -372,6 +373,7 @@ class SchedulerSide:
         self._tracked.pop(request.request_id, None)
         self._recomputing.discard(request.request_id)
         self._local.pop(request.request_id, None)
+        self._bad_until.pop(request.request_id, None)
 
     def close(self) -> None:
         """Release every pin, unregister."""
