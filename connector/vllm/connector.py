@@ -160,14 +160,18 @@ class TierdConnector(KVConnectorBase_V1):
                          looked_up)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Worker: load this step's planned blocks; synchronous (returns when they are in
-        place or reported as errors)."""
+        """Worker: load this step's planned blocks. On CPU synchronous (returns when they are
+        in place or reported as errors); on CUDA the copies are queued on a side stream after
+        the checksums (``wait_for_layer_load`` orders the forward pass after them)."""
         meta = self._step_meta()
         if self._worker is not None and meta is not None:
             self._worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Worker: nothing to wait for (``start_load_kv`` is synchronous)."""
+        """Worker: on CUDA, make the forward pass's stream wait until this step's loads of
+        ``layer_name`` are in place (the host does not wait); nothing on CPU."""
+        if self._worker is not None:
+            self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:

@@ -22,8 +22,19 @@ Per step, with the metadata the scheduler half built:
   engine's part of a store is the copy out of its KV), and the blocks become visible to other
   engines only whole, when it lands. If some layer never arrived, Abort instead.
 
+On CUDA (vLLM's KV tensors on a GPU) the copies go through ``cuda_copy.DeviceTransfer`` over
+the arena, registered as pinned memory at attach: a load is queued on a side stream after the
+checksums and ``start_load_kv`` returns; ``wait_layer`` (``wait_for_layer_load``) makes the
+forward pass's stream wait for each layer; the leases are released at ``finish_save`` (or
+``take_load_errors``, whichever vLLM calls first) once the DMAs have read the slots, and a
+lease found expired then makes its blocks load errors and drops the step's saves. A save
+gathers each layer on the device; ``finish_save`` queues the D2H copies and the Commit waits
+for them on the committer thread, so neither the host nor the next step waits for the
+write-through.
+
 Best effort: a save that fails is a future miss, never an error to vLLM; nothing holds vLLM's
-blocks past the step (``get_finished`` has nothing to report).
+blocks past the step (``get_finished`` has nothing to report: on CUDA a save's gathers are
+ordered before the next step's work on vLLM's stream, so the blocks are free at once).
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import grpc
 import torch
 
 from .config import TierdVllmConfig
+from .cuda_copy import DeviceTransfer, SaveTicket, register_host_memory, unregister_host_memory
 from .kv_tensors import (Run, SlotFormat, byte_view, load_blocks, runs, save_layer,
                          slot_format, stack_layers)
 from .link import DaemonLink
@@ -60,6 +72,7 @@ class _PendingSave:
     block_runs: list[Run]
     reqs: list[str]                     # per target, the request it belongs to
     layers_done: set[int] = field(default_factory=set)
+    device: DeviceTransfer | None = None  # CUDA: the transfer holding the open save
 
     def written(self) -> list[bool]:
         """The Commit's written flags: True where a slot was reserved (and every layer copied
@@ -70,15 +83,30 @@ class _PendingSave:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class _OpenLoad:
+    """CUDA: a load queued on the side stream whose lease is released when its DMAs are done."""
+
+    req_id: str
+    block_ids: list[int]                # the vLLM blocks written (the verified prefix)
+    engine_id: str
+    lease_id: str
+    corrupt_from: int | None
+    deadline: float                     # the lease's end, on the worker's clock
+
+
 class WorkerSide:
     """State of one worker's connector. Called from the worker's model-runner thread only."""
 
     def __init__(self, config: TierdVllmConfig, kv_caches: Mapping[str, torch.Tensor],
                  block_size: int, cache_dtype: str, tp_rank: int, tp_size: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 device_path: bool | None = None) -> None:
         """Take vLLM's per-layer caches (``ValueError`` naming the fix for ones tierd cannot
         store), derive the slot format and try to reach the daemon (down is fine: see
-        ``DaemonLink.connect``)."""
+        ``DaemonLink.connect``). ``device_path``: copy through ``DeviceTransfer`` (default:
+        when the caches are CUDA tensors; True on CPU tensors runs its logic with no-op
+        streams, which is how the CPU suite covers it)."""
         self._config, self._clock = config, clock
         self.format: SlotFormat
         self.format, layout = slot_format(kv_caches, block_size, cache_dtype, tp_rank, tp_size)
@@ -97,7 +125,7 @@ class WorkerSide:
         self._tp_size = tp_size
         self._step = 0                       # the step the bound metadata names
         # TP > 1: Commits wait here for the scheduler's verdict on their step (see metadata).
-        self._held: list[tuple[int, str, str, list[bool], list[str]]] = []
+        self._held: list[tuple[int, str, str, list[bool], list[str], SaveTicket | None]] = []
         self._pending: _PendingSave | None = None
         self._reserved = False  # this step's Reserve was tried (it may have failed)
         # Committer: Commits, in order, off the engine thread, on a client of its own; it only
@@ -105,6 +133,13 @@ class WorkerSide:
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="tierd-commit")
         self._commits: list[Future[tuple[int, int, grpc.RpcError | None]]] = []
         self._commit_client: TierdClient | None = None
+        # CUDA: copies through a DeviceTransfer over the link's current arena mapping.
+        self._on_cuda = self._kv_bytes[0].is_cuda if device_path is None else device_path
+        self._device: DeviceTransfer | None = None
+        self._open_loads: list[_OpenLoad] = []
+        self._waits: DeviceTransfer | None = None  # the transfer holding this step's loads
+        self._lease_lost = False                   # a lease of this step's loads ran out
+        self._device_transfer()                    # register the arena now, not on a copy
 
     def _count(self, name: str, amount: int) -> None:
         if amount:
@@ -150,8 +185,20 @@ class WorkerSide:
         arena, offset_of = link.arena_tensor, link.engine.geometry.offset
         offsets = [offset_of(s) for s in got.slot_ids[:len(spec.block_ids)]]
         good = _verified_prefix(link.arena_bytes, offsets, got.checksums, fmt.slot_bytes)
-        load_blocks(arena, fmt, self._kv_bytes,
-                    runs(spec.block_ids[:good], offsets[:good], fmt.slot_bytes), self._stacked)
+        good_runs = runs(spec.block_ids[:good], offsets[:good], fmt.slot_bytes)
+        device = self._device_transfer()
+        if device is not None:  # queued: the lease is released once the DMAs have read it
+            device.start_load(good_runs)
+            self._waits = device
+            self._open_loads.append(_OpenLoad(spec.req_id, spec.block_ids[:good], engine_id,
+                                              got.lease_id,
+                                              good if good < len(offsets) else None,
+                                              asked + got.seconds_left))
+            if good < len(offsets):
+                _log.warning("tierd: block %d of %s failed its checksum; vLLM recomputes from "
+                             "there", good, spec.req_id)
+            return good
+        load_blocks(arena, fmt, self._kv_bytes, good_runs, self._stacked)
         in_time = self._clock() < asked + got.seconds_left
         try:
             link.client.release(engine_id, got.lease_id,
@@ -169,10 +216,72 @@ class WorkerSide:
                          good, spec.req_id)
         return good
 
+    def wait_layer(self, layer_name: str) -> None:
+        """CUDA: make the current stream (the forward pass) wait until this step's loads of
+        layer ``layer_name`` are in vLLM's blocks; the host does not wait. Nothing on CPU,
+        where ``load`` is synchronous."""
+        layer = self._layers.get(layer_name)
+        if self._waits is not None and layer is not None:
+            self._waits.wait_layer(layer)
+
+    def _finish_loads(self) -> None:
+        """CUDA: once this step's queued loads have read their slots, release their leases. A
+        lease that ran out first (or a daemon gone) makes its blocks load errors, its request
+        poisoned, and marks the step (``_lease_lost``) so that its saves are dropped."""
+        loads, self._open_loads = self._open_loads, []
+        device, self._waits = self._waits, None
+        if device is not None:
+            device.wait_reads()
+        link = self.link
+        for load in loads:
+            in_time = link.up and self._clock() < load.deadline
+            if link.up:
+                try:
+                    link.client.release(load.engine_id, load.lease_id,
+                                        corrupt_from=load.corrupt_from)
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.NOT_FOUND:
+                        link.failed(exc)
+                    in_time = False
+            if in_time or not load.block_ids:
+                continue
+            _log.warning("tierd: lease on %d blocks of %s expired before the copy finished; "
+                         "vLLM recomputes them", len(load.block_ids), load.req_id)
+            self._lease_lost = True
+            self._errors.update(load.block_ids)
+            self._report.failed.update(load.block_ids)
+            self._failed.update(load.block_ids)
+            self._poisoned.add(load.req_id)
+            self._count("loaded_blocks", -len(load.block_ids))
+            self._count("loaded_bytes", -len(load.block_ids) * self.format.slot_bytes)
+            self._count("failed_blocks", len(load.block_ids))
+
     def take_load_errors(self) -> set[int]:
         """vLLM block ids whose planned load failed since the last call (then forgotten)."""
+        self._finish_loads()
         errors, self._errors = self._errors, set()
         return errors
+
+    def _device_transfer(self) -> DeviceTransfer | None:
+        """CUDA: the DeviceTransfer over the link's current arena mapping, made (the mapping
+        registered as pinned memory) at the first call after each attach; None on CPU or
+        while the link is down. Blocks while a mapping is registered."""
+        if not self._on_cuda or not self.link.up:
+            return None
+        arena = self.link.arena_tensor
+        if self._device is None or self._device.arena is not arena:
+            self._close_device()
+            self._device = DeviceTransfer(arena, self.format, self._kv_bytes,
+                                          pinned=register_host_memory(arena))
+        return self._device
+
+    def _close_device(self) -> None:
+        """Wait for every queued device copy, then unpin the mapping they used."""
+        device, self._device = self._device, None
+        if device is not None:
+            device.close()
+            if device.pinned:
+                unregister_host_memory(device.arena)
 
     # -- saves -------------------------------------------------------------------------------
 
@@ -187,8 +296,11 @@ class WorkerSide:
         pending, layer = self._pending, self._layers.get(layer_name)
         if pending is None or layer is None or not pending.targets:
             return
-        save_layer(self.link.arena_tensor, self.format, layer, self._kv_bytes[layer],
-                   pending.block_runs)
+        if pending.device is not None:
+            pending.device.save_layer(layer)
+        else:
+            save_layer(self.link.arena_tensor, self.format, layer, self._kv_bytes[layer],
+                       pending.block_runs)
         pending.layers_done.add(layer)
 
     def _accepted(self, saves: Iterable[SaveSpec]) -> list[SaveSpec]:
@@ -228,19 +340,28 @@ class WorkerSide:
         self._count("skipped_blocks", len(hashes) - len(targets))
         block_runs = runs([block_ids[i] for i, _ in targets], [o for _, o in targets],
                           self.format.slot_bytes)
+        device = self._device_transfer() if targets else None
+        if device is not None:  # blocks beyond the device staging bound are not written
+            kept = device.open_save(block_runs)
+            self._count("dropped_blocks", len(targets) - kept)
+            targets = targets[:kept]
         return _PendingSave(reserved.lease_id, len(hashes), targets, block_runs,
-                            [owners[i] for i, _ in targets])
+                            [owners[i] for i, _ in targets], device=device)
 
     def finish_save(self) -> None:
         """Hand this step's Commit to the committer thread, or Abort the reservation if a layer
         is missing. Returns without waiting for the daemon; never raises for a daemon failure
         (outcomes are counted when they arrive)."""
+        self._finish_loads()
         self._harvest()
         pending, self._pending, self._reserved = self._pending, None, False
+        lease_lost, self._lease_lost = self._lease_lost, False
+        # CUDA: close the device save (D2H queued, or nothing written if a layer is missing)
+        ticket = pending.device.finish_save() if pending and pending.device else None
         if pending is None or not self.link.up:
             return
         link = self.link
-        if len(pending.layers_done) < len(self.format.layer_names):
+        if lease_lost or len(pending.layers_done) < len(self.format.layer_names):
             self._count("dropped_blocks", len(pending.targets))
             try:
                 link.client.abort(link.engine.engine_id, pending.lease_id)
@@ -253,33 +374,34 @@ class WorkerSide:
             owners[index] = req_id
         if self._tp_size > 1:  # wait for the verdict on this step (see TierdConnectorMetadata)
             self._held.append((self._step, link.engine.engine_id, pending.lease_id, written,
-                               owners))
+                               owners, ticket))
             return
-        self._submit_commit(link.engine.engine_id, pending.lease_id, written)
+        self._submit_commit(link.engine.engine_id, pending.lease_id, written, ticket)
 
-    def _submit_commit(self, engine_id: str, lease_id: str, written: list[bool]) -> None:
+    def _submit_commit(self, engine_id: str, lease_id: str, written: list[bool],
+                       ticket: SaveTicket | None) -> None:
         if self._commit_client is None:
             config = self._config
             self._commit_client = TierdClient(socket_path=config.socket_path,
                                               address=config.address, token=config.token,
                                               timeout=config.timeout_seconds)
         self._commits.append(self._committer.submit(
-            _commit, self._commit_client, engine_id, lease_id, written))
+            _commit, self._commit_client, engine_id, lease_id, written, ticket))
 
     def _release_held(self, step: int, bad: dict[str, int]) -> None:
         """Commit the held saves of steps up to ``step``, leaving out (as not written) the
         blocks of requests the verdict names for that step."""
         keep = []
-        for held_step, engine_id, lease_id, written, owners in self._held:
+        for held_step, engine_id, lease_id, written, owners, ticket in self._held:
             if held_step > step:
-                keep.append((held_step, engine_id, lease_id, written, owners))
+                keep.append((held_step, engine_id, lease_id, written, owners, ticket))
                 continue
             spoiled = [i for i, r in enumerate(owners) if r in bad and held_step <= bad[r]]
             for i in spoiled:
                 if written[i]:
                     written[i] = False
                     self._count("dropped_blocks", 1)
-            self._submit_commit(engine_id, lease_id, written)
+            self._submit_commit(engine_id, lease_id, written, ticket)
         self._held = keep
 
     def _harvest(self, wait: bool = False) -> None:
@@ -329,17 +451,22 @@ class WorkerSide:
         for a verdict are dropped (their reservations lapse on the daemon)."""
         self._count("dropped_blocks", sum(sum(h[3]) for h in self._held))
         self._held = []
+        self._finish_loads()
         self.flush()
+        self._close_device()
         self._committer.shutdown()
         if self._commit_client is not None:
             self._commit_client.close()
         self.link.close()
 
 
-def _commit(client: TierdClient, engine_id: str, lease_id: str,
-            written: list[bool]) -> tuple[int, int, grpc.RpcError | None]:
-    """Committer thread: publish a reservation, the daemon checksumming the written slots;
-    (blocks stored, blocks lost, the error)."""
+def _commit(client: TierdClient, engine_id: str, lease_id: str, written: list[bool],
+            ticket: SaveTicket | None) -> tuple[int, int, grpc.RpcError | None]:
+    """Committer thread: once the save's device copies are in the arena (``ticket``, CUDA),
+    publish a reservation, the daemon checksumming the written slots; (blocks stored, blocks
+    lost, the error)."""
+    if ticket is not None:
+        ticket.landed.synchronize()
     try:
         return client.commit_written(engine_id, lease_id, written), 0, None
     except grpc.RpcError as exc:

@@ -18,6 +18,7 @@ innermost) of one shared buffer, in several physical orders. Requests carry vLLM
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import pickle
@@ -35,6 +36,7 @@ from tierd.connector.vllm import (TierdConnector, TierdConnectorMetadata, TierdW
 from tierd.connector.vllm.base import HAVE_VLLM, KVConnectorRole, StandinKVConnectorBase
 from tierd.connector.vllm.metadata import LoadSpec, SaveSpec
 from tierd.connector.vllm.stats import TierdConnectorStats
+from tierd.connector.vllm.worker import WorkerSide
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import TierdClient
 from tierd.hashing import block_hashes
@@ -313,6 +315,16 @@ def lose_blocks(engine: FakeVllm, rank: int, kept: int, monkeypatch: Any) -> Non
     real = client.acquire
     monkeypatch.setattr(client, "acquire",
                         lambda eid, hashes, **kw: real(eid, hashes[:kept], **kw))
+
+
+@pytest.fixture(autouse=True, params=["host", "device"])
+def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every scenario twice: with the host copies, and through the CUDA path's
+    ``DeviceTransfer`` logic (no-op streams on these CPU tensors)."""
+    if request.param == "device":
+        monkeypatch.setattr(WorkerSide, "__init__",
+                            functools.partialmethod(WorkerSide.__init__, device_path=True))
+    return str(request.param)
 
 
 @pytest.fixture
