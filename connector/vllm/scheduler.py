@@ -177,7 +177,12 @@ class SchedulerSide:
         if not tiers:
             return None
         hits = wanted[:len(tiers)]
-        futures = [link.client.acquire_async(link.engine.engine_id, hits) for link in self._links]
+        if all(tier in _IN_DRAM for tier in tiers):  # no disk read: one blocking round trip
+            futures = [_now(link.client.acquire, link.engine.engine_id, hits)
+                       for link in self._links]
+        else:
+            futures = [link.client.acquire_async(link.engine.engine_id, hits)
+                       for link in self._links]
         return _Staging(start, hits, list(tiers), futures,
                         self._clock() + first.timeout_seconds, self._clock)
 
@@ -393,6 +398,16 @@ class SchedulerSide:
                          "KV connector is set; tierd speaks vLLM 0.33): it is neither loaded "
                          "nor saved", request.request_id)
         return hashes
+
+
+def _now(acquire: Callable[..., AcquiredBlocks], *args: Any) -> Future[AcquiredBlocks]:
+    """``acquire(*args)`` called now, as a resolved future (or one holding its RpcError)."""
+    out: Future[AcquiredBlocks] = Future()
+    try:
+        out.set_result(acquire(*args))
+    except grpc.RpcError as exc:
+        out.set_exception(exc)
+    return out
 
 
 def _scheduled(scheduler_output: Any) -> Iterator[tuple[str, list[int] | None, bool]]:
