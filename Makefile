@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # download a multi-GB CUDA build to satisfy the range in pyproject.toml.
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: demo test test-vllm vllm-venv venv bench lint proto clean
+.PHONY: demo test test-vllm bench-vllm vllm-venv venv bench lint proto clean
 
 venv: $(VENV)/.installed
 
@@ -38,13 +38,19 @@ vllm-venv: $(VLLM_VENV)/.tierd-deps
 $(VLLM_VENV)/.tierd-deps: pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -c 'import vllm, sys; sys.exit(vllm.__version__ != "$(VLLM_VERSION)")' 2>/dev/null || \
-	  $(VLLM_PY) -m pip install -q 'vllm==$(VLLM_VERSION)' 'protobuf<7' 2>&1 | grep -v 'is ignored' || true
+	  $(VLLM_PY) -m pip install -q 'vllm==$(VLLM_VERSION)' 'protobuf<7' 2>$(VLLM_VENV)/pip.log || \
+	  (grep -v 'is ignored' $(VLLM_VENV)/pip.log; exit 1)
 	$(VLLM_PY) -c 'import vllm; assert vllm.__version__ == "$(VLLM_VERSION)", vllm.__version__'
-	eval $(VLLM_PY) -m pip install -q $(TIERD_DEPS) 2>&1 | grep -v 'is ignored' || true
+	eval $(VLLM_PY) -m pip install -q $(TIERD_DEPS) 2>$(VLLM_VENV)/pip.log || \
+	  (grep -v 'is ignored' $(VLLM_VENV)/pip.log; exit 1)
 	touch $@
 
 test-vllm: vllm-venv
 	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -m pytest -q -p no:cacheprovider -m vllm tests/vllm
+
+# `tierd bench vllm` with vLLM's own KV views (ARGS="--model llama3-70b", ...).
+bench-vllm: vllm-venv
+	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -m tierd.cli bench vllm $(ARGS)
 
 bench: venv
 	$(VENV)/bin/tierd bench all
