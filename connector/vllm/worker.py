@@ -13,9 +13,10 @@ Per step, with the metadata the scheduler half built:
   is reported by ``take_load_errors`` in the same step, so vLLM recomputes from there.
 * ``save_layer`` (vLLM's ``save_kv_layer``): on the first layer, one Reserve for the blocks the
   step completes; each layer's K/V is copied into the reserved slots as vLLM hands it over.
-  Saves of a request whose load failed, or that sit on top of any block that failed to load this
-  step (``SaveSpec.depends_on``), are dropped, and that request's saves stay dropped until the
-  scheduler names it in ``recomputing``: nothing computed on wrong KV is stored.
+  Saves of a request whose load failed, or that sit on a block whose load failed
+  (``SaveSpec.depends_on``; failed blocks are kept until the scheduler has seen them), are
+  dropped, and that request's saves stay dropped until the scheduler names it in
+  ``recomputing``: nothing computed on wrong KV is stored.
 * ``finish_save`` (``wait_for_save``): hands the step's Commit to the committer thread and
   returns: vLLM may reuse its blocks at once (the bytes are already in the arena). The Commit
   names the written slots and the daemon checksums them itself (in its own process, so the

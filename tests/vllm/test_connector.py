@@ -28,6 +28,20 @@ def baseline(model_dir: str, daemon: Daemon, prompt: list[int]) -> list[int]:
         engine.close()
 
 
+def restart_before_first_load(engine: Engine, daemon: Daemon) -> list[bool]:
+    """Make ``engine`` kill and restart the daemon (empty) after the first step that plans a
+    load was scheduled, before its forward pass; the returned list holds True once done."""
+    restarted: list[bool] = []
+
+    def restart(engine: Engine, out: object) -> None:
+        if not restarted and out.kv_connector_metadata.loads:  # type: ignore[attr-defined]
+            restarted.append(True)
+            daemon.restart()
+
+    engine.between = restart
+    return restarted
+
+
 def logical_blocks(engine: Engine, req_id: str, count: int) -> list[torch.Tensor]:
     """The first ``count`` blocks of a request, every layer, as logical [H, N, C] bytes."""
     table = engine.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
@@ -162,14 +176,7 @@ def test_daemon_restart_between_lookup_and_load(model_dir: str, daemon: Daemon, 
                                       async_scheduling=async_scheduling))
     try:
         first.run([make_request("a", PROMPT[:6 * BLOCK + 1])])
-        restarted: list[bool] = []
-
-        def restart(engine: Engine, out: object) -> None:
-            if not restarted and out.kv_connector_metadata.loads:  # type: ignore[attr-defined]
-                restarted.append(True)
-                daemon.restart()
-
-        second.between = restart
+        restarted = restart_before_first_load(second, daemon)
         got = second.run([make_request("b", longer)])["b"]
         assert restarted and second.invalid_reported
         if policy == "recompute":
@@ -205,14 +212,7 @@ def test_failed_load_of_a_shared_block_drops_other_requests_saves(model_dir: str
     second = Engine.start(vllm_config(model_dir, daemon.socket_path))
     try:
         first.run([make_request("a", prefix + [1])])
-        restarted: list[bool] = []
-
-        def restart(engine: Engine, out: object) -> None:
-            if not restarted and out.kv_connector_metadata.loads:  # type: ignore[attr-defined]
-                restarted.append(True)
-                daemon.restart()
-
-        second.between = restart
+        restarted = restart_before_first_load(second, daemon)
         got = second.run([make_request("a2", prefix + tail_a), make_request("b2", prefix + tail_b)])
         assert got == {"a2": want_a, "b2": want_b}
         third = Engine.start(vllm_config(model_dir, daemon.socket_path))

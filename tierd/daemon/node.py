@@ -372,13 +372,7 @@ class NodeStore:
         ``engine_id``, another engine's); FailedPrecondition after expiry, commit or abort;
         ValueError for bad checksums."""
         now = self._clock()
-        self._expire(now)
-        lease = self._leases.get(lease_id, engine_id)
-        if not isinstance(lease, WriteLease):
-            raise FailedPrecondition(f"lease {clip(lease_id)} is a read lease: release it")
-        if len(checksums) != len(lease.hashes):
-            raise ValueError(f"commit needs one checksum (or None) per reserved hash: "
-                             f"{len(checksums)} given, {len(lease.hashes)} reserved")
+        lease = self._write_lease(lease_id, engine_id, len(checksums), "checksum (or None)")
         for i, c in enumerate(checksums):
             if c is not None and not (isinstance(c, int) and 0 <= c < 1 << 64):
                 raise ValueError(f"checksum #{i} must be an unsigned 64-bit int, got {c!r}")
@@ -413,19 +407,27 @@ class NodeStore:
         """``commit`` for an engine that leaves checksums to the daemon: ``written[i]`` says the
         i-th reserved slot was written; the daemon checksums those bytes itself (blocking for
         one xxh3 pass over them, ~10 GB/s and more). Same errors as ``commit``."""
-        self._expire(self._clock())
-        lease = self._leases.get(lease_id, engine_id)
-        if not isinstance(lease, WriteLease):
-            raise FailedPrecondition(f"lease {clip(lease_id)} is a read lease: release it")
-        if len(written) != len(lease.hashes):
-            raise ValueError(f"commit needs one written flag per reserved hash: "
-                             f"{len(written)} given, {len(lease.hashes)} reserved")
+        lease = self._write_lease(lease_id, engine_id, len(written), "written flag")
         geometry = self._t.alloc.geometry(lease.slot_bytes)
         checksums: list[int | None] = [
             block_checksum(self._arena.view(geometry.offset(slot), lease.slot_bytes))
             if wrote and slot is not None else None
             for wrote, slot in zip(written, lease.slots)]
         return self.commit(lease_id, checksums, engine_id=engine_id)
+
+    def _write_lease(self, lease_id: str, engine_id: str | None, entries: int,
+                     what: str) -> WriteLease:
+        """The live reservation a Commit names, after expiring overdue leases; ``entries``
+        (each a ``what``) must match its hashes (ValueError), a read lease is
+        FailedPrecondition."""
+        self._expire(self._clock())
+        lease = self._leases.get(lease_id, engine_id)
+        if not isinstance(lease, WriteLease):
+            raise FailedPrecondition(f"lease {clip(lease_id)} is a read lease: release it")
+        if entries != len(lease.hashes):
+            raise ValueError(f"commit needs one {what} per reserved hash: {entries} given, "
+                             f"{len(lease.hashes)} reserved")
+        return lease
 
     def abort(self, lease_id: str, *, engine_id: str | None = None) -> None:
         """Free a reservation's slots. Idempotent after abort or expiry (while the lease is
