@@ -101,6 +101,7 @@ class SchedulerSide:
         self._links = list(links)
         self._clock = clock
         self._staging: dict[str, _Staging] = {}
+        self._abandoned: list[tuple[int, Future[AcquiredBlocks]]] = []  # (rank, Acquire)
         self._load, self._save = load, save
         self._block_size = links[0].layout.block_size
         self._tracked: dict[str, _Tracked] = {}
@@ -210,23 +211,25 @@ class SchedulerSide:
         return pin
 
     def _abandon(self, staging: _Staging) -> None:
-        """Drop a staging nobody will use: release each lease as its Acquire resolves (on the
-        gRPC thread for those still in flight; a failed release is left to lease expiry)."""
-        for link, future in zip(self._links, staging.futures):
-            client, engine_id = (link.client, link.engine.engine_id) if link.up else (None, "")
+        """Drop a staging nobody will use: its leases are released as its Acquires resolve
+        (``_sweep``, on this thread)."""
+        self._abandoned += [(rank, future) for rank, future in enumerate(staging.futures)]
 
-            def release(done: Future[AcquiredBlocks], client: Any = client,
-                        engine_id: str = engine_id) -> None:
-                if client is None or done.exception() is not None:
-                    return
-                lease = done.result()
-                if lease.num_blocks:
-                    try:
-                        client.release(engine_id, lease.lease_id)
-                    except grpc.RpcError:
-                        pass  # expired, or the daemon is gone: nothing is held any more
-
-            future.add_done_callback(release)
+    def _sweep(self, wait: bool = False) -> None:
+        """Release the leases of abandoned Acquires that have resolved (all of them, waiting,
+        with ``wait``); a failed call holds nothing."""
+        keep: list[tuple[int, Future[AcquiredBlocks]]] = []
+        for rank, future in self._abandoned:
+            if not wait and not future.done():
+                keep.append((rank, future))
+                continue
+            try:
+                got = future.result()
+            except grpc.RpcError:
+                continue
+            if got.num_blocks:
+                self._release(_Pin(0, [], [], [(rank, got.lease_id)]))
+        self._abandoned = keep
 
     def _unpin(self, req_id: str) -> None:
         pin = self._pins.pop(req_id, None)
@@ -243,8 +246,9 @@ class SchedulerSide:
             try:
                 link.client.release(link.engine.engine_id, lease_id,
                                     corrupt_from=pin.failed_from)
-            except grpc.RpcError as exc:  # expired or daemon gone: nothing is held any more
-                link.failed(exc)
+            except grpc.RpcError as exc:  # the lease ended, or the daemon is gone
+                if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: nothing held any more
+                    link.failed(exc)
         pin.leases.clear()
 
     def hit_tiers(self, req_id: str, num_tokens: int) -> dict[Tier, int]:
@@ -290,6 +294,7 @@ class SchedulerSide:
 
     def build(self, scheduler_output: Any) -> TierdConnectorMetadata:
         """This step's plan; forgets the loads it hands out. Reads ``scheduler_output`` only."""
+        self._sweep()
         loads, self._loads = self._loads, []
         # Saves may sit on this step's loads and on loads of earlier steps whose report has
         # not arrived yet (async scheduling: a local hit on blocks still being checked).
@@ -387,6 +392,7 @@ class SchedulerSide:
         for staging in self._staging.values():
             self._abandon(staging)
         self._staging.clear()
+        self._sweep(wait=True)
         for link in self._links:
             link.close()
 

@@ -3,6 +3,8 @@ KV tensors from vLLM's allocator in every layout, a real `tierd serve`."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 pytest.importorskip("vllm", reason="needs real vLLM: run `make test-vllm`")
@@ -26,6 +28,23 @@ def baseline(model_dir: str, daemon: Daemon, prompt: list[int]) -> list[int]:
         return engine.run([make_request("ref", prompt)])["ref"]
     finally:
         engine.close()
+
+
+def wait_on_ssd(daemon: Daemon, engine: Engine, hashes: list[Any]) -> None:
+    """Wait (readiness, up to 30 s) until ``hashes`` are held on SSD only (the daemon's 50 ms
+    demotion pass of a "demote-all" daemon)."""
+    import time
+
+    from tierd.connector.vllm import layout_from_vllm_config
+
+    with daemon.client() as client:
+        probe = client.register_engine(layout_from_vllm_config(engine.config), "probe")
+        for _ in range(600):
+            if client.lookup(probe.engine_id, hashes) == ["ssd"] * len(hashes):
+                break
+            time.sleep(0.05)
+        assert client.lookup(probe.engine_id, hashes) == ["ssd"] * len(hashes)
+        client.unregister_engine(probe.engine_id)
 
 
 def restart_before_first_load(engine: Engine, daemon: Daemon) -> list[bool]:
@@ -290,7 +309,6 @@ def test_ssd_hit_is_staged_while_vllm_schedules_on(model_dir: str, daemon: Daemo
 
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-    from tierd.connector.vllm import layout_from_vllm_config
     from tierd.types import BlockHash
 
     want = baseline(model_dir, daemon, PROMPT)
@@ -308,19 +326,27 @@ def test_ssd_hit_is_staged_while_vllm_schedules_on(model_dir: str, daemon: Daemo
         request = make_request("a", PROMPT)
         first.run([request])
         hashes = [BlockHash(h) for h in request.block_hashes[:6]]
-        with daemon.client() as client:
-            engine = client.register_engine(layout_from_vllm_config(first.config), "probe")
-            for _ in range(600):  # readiness wait: the 50 ms demotion pass
-                if client.lookup(engine.engine_id, hashes) == ["ssd"] * 6:
-                    break
-                time.sleep(0.05)
-            assert client.lookup(engine.engine_id, hashes) == ["ssd"] * 6
-            client.unregister_engine(engine.engine_id)
+        wait_on_ssd(daemon, first, hashes)
         assert second.run([make_request("b", PROMPT)])["b"] == want
         assert answers[0] == (None, False) and answers[-1] == (6 * BLOCK, False)
         assert sources == [{CacheHitSource.DISK: 6 * BLOCK}]
         assert second.worker.worker_counters.data["loaded_blocks"] == 6
         assert daemon.pinned_blocks() == 0
+        # a request aborted while its hit is being staged: the Acquire's pin is released
+        from vllm.v1.request import RequestStatus
+
+        wait_on_ssd(daemon, first, hashes)
+        third = Engine.start(vllm_config(model_dir, daemon.socket_path))  # nothing cached
+        third.scheduler.add_request(make_request("gone", PROMPT))
+        assert not third.scheduler.schedule().total_num_scheduled_tokens  # staging: skipped
+        third.scheduler.finish_requests("gone", RequestStatus.FINISHED_ABORTED)
+        for _ in range(200):  # readiness wait: the abandoned Acquire resolves, then is released
+            third.scheduler.schedule()
+            if daemon.pinned_blocks() == 0:
+                break
+            time.sleep(0.01)
+        assert daemon.pinned_blocks() == 0
+        third.close()
     finally:
         first.close()
         second.close()
