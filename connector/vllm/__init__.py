@@ -14,12 +14,14 @@ and the slot byte order), ``metadata`` (what the two sides tell each other per s
 ``kv_connector_extra_config`` keys), ``base`` (vLLM's base classes, or stand-ins without vLLM).
 
 Semantics: a best-effort cache with synchronous loads. ``get_num_new_matched_tokens`` returns
-``(tokens, False)`` for a hit it has pinned; loads complete inside ``start_load_kv``; blocks that
+``(tokens, False)`` for a hit it has pinned; loads complete inside ``start_load_kv`` (on CUDA
+they are queued there, and ``wait_for_layer_load`` waits per layer); blocks that
 could not be loaded are returned by ``get_block_ids_with_load_errors`` in the same step (vLLM
 recomputes them with ``kv_load_failure_policy: recompute``), and nothing computed on top of them
-is saved. Saves complete in ``wait_for_save``, so ``request_finished`` returns ``(False,
-None)``. A daemon that is down (at start or later) means 0 matches and no saves, never an
-exception.
+is saved. A hit still on SSD answers ``None`` (not yet) while the daemon stages it, so vLLM's
+scheduler never waits for a disk. Saves are copied out of vLLM's KV within their step (the
+Commit lands on a committer thread), so ``request_finished`` returns ``(False, None)``. A daemon
+that is down (at start or later) means 0 matches and no saves, never an exception.
 """
 
 from .config import TierdVllmConfig

@@ -182,7 +182,8 @@ class TierdConnector(KVConnectorBase_V1):
             self._worker.save_layer(layer_name, meta.saves)
 
     def wait_for_save(self) -> None:
-        """Worker: commit this step's saves (one round trip); vLLM may then reuse the blocks."""
+        """Worker: hand this step's Commit to the committer thread and return; the bytes are in
+        the arena already, so vLLM may reuse its blocks at once."""
         if self._worker is not None:
             self._worker.finish_save()
 
