@@ -30,7 +30,8 @@ pytest.importorskip("vllm", reason="needs real vLLM: run `make test-vllm`")
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,  # noqa: E402
-                         SchedulerConfig, VllmConfig)
+                         ParallelConfig, SchedulerConfig, VllmConfig)
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.utils.hashing import sha256_cbor  # noqa: E402
@@ -72,7 +73,7 @@ def model_dir_in(root: str) -> str:
 def vllm_config(model_dir: str, socket_path: str, *, policy: str = "recompute",
                 layout: KVCacheLayout = KVCacheLayout.LBNHC, dtype: str = "float16",
                 cache_dtype: str = "auto", async_scheduling: bool = False,
-                extra: dict[str, Any] | None = None) -> VllmConfig:
+                extra: dict[str, Any] | None = None, tp: int = 1) -> VllmConfig:
     """vLLM's ``VllmConfig`` with TierdConnector as its KV connector (as `vllm serve
     --kv-transfer-config` would build it) and ``layout`` resolved as the engine core does."""
     model = ModelConfig(model=model_dir, dtype=dtype, skip_tokenizer_init=True, seed=0)
@@ -86,7 +87,8 @@ def vllm_config(model_dir: str, socket_path: str, *, policy: str = "recompute",
         kv_connector_extra_config={"socket_path": socket_path, "retry_seconds": 0.0,
                                    **(extra or {})})
     config = VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=cache,
-                        kv_transfer_config=transfer, device_config=DeviceConfig("cpu"))
+                        kv_transfer_config=transfer, device_config=DeviceConfig("cpu"),
+                        parallel_config=ParallelConfig(tensor_parallel_size=tp))
     config.cache_config.kv_cache_layout = layout.name
     return config
 
@@ -97,7 +99,8 @@ def kv_cache_config(config: VllmConfig, num_blocks: int) -> Any:
     torch_dtype = {"auto": config.model_config.dtype, "fp8": torch.float8_e4m3fn,
                    "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}[config.cache_config.cache_dtype]
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD,
+    heads = KV_HEADS // config.parallel_config.tensor_parallel_size  # this rank's share
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=HEAD,
                              dtype=torch_dtype)
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     config.cache_config.num_gpu_blocks = num_blocks
@@ -131,13 +134,15 @@ def make_request(req_id: str, prompt: list[int], max_tokens: int = 4) -> Request
 @dataclass
 class Engine:
     """One vLLM engine: the real scheduler (which builds the scheduler-side TierdConnector
-    through vLLM's factory), one worker-side TierdConnector from the same factory holding KV
-    tensors from ``allocate_kv_cache``, and the stand-in forward pass of the module doc."""
+    through vLLM's factory), one worker-side TierdConnector per TP rank from the same factory,
+    each holding KV tensors from ``allocate_kv_cache``, the ranks' outputs merged by vLLM's
+    own ``KVOutputAggregator``, and the stand-in forward pass of the module doc. ``worker`` and
+    ``kv`` are rank 0's."""
 
     config: VllmConfig
     scheduler: Scheduler
-    worker: Any
-    kv: dict[str, torch.Tensor]
+    workers: list[Any]
+    kvs: list[dict[str, torch.Tensor]]
     tokens: dict[str, list[int]] = field(default_factory=dict)
     finish: dict[str, str] = field(default_factory=dict)
     invalid_reported: set[int] = field(default_factory=set)
@@ -151,13 +156,28 @@ class Engine:
         scheduler = scheduler_cls(vllm_config=config, kv_cache_config=kcc, log_stats=True,
                                   structured_output_manager=StructuredOutputManager(config),
                                   block_size=BLOCK)
-        worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kcc)
-        kv = kv_caches(config, kcc)
-        worker.register_kv_caches(kv)
-        return cls(config, scheduler, worker, kv)
+        workers, kvs = [], []
+        for rank in range(config.parallel_config.tensor_parallel_size):
+            config.parallel_config.rank = rank  # read by register_kv_caches, as in a worker
+            worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kcc)
+            kv = kv_caches(config, kcc)
+            worker.register_kv_caches(kv)
+            workers.append(worker)
+            kvs.append(kv)
+        config.parallel_config.rank = 0
+        return cls(config, scheduler, workers, kvs)
+
+    @property
+    def worker(self) -> Any:
+        return self.workers[0]
+
+    @property
+    def kv(self) -> dict[str, torch.Tensor]:
+        return self.kvs[0]
 
     def close(self) -> None:
-        self.worker.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
         self.scheduler.shutdown()
 
     @property
@@ -166,29 +186,37 @@ class Engine:
 
     # -- the stand-in forward pass -----------------------------------------------------------
 
-    def _bytes(self, layer: int) -> torch.Tensor:
-        return list(self.kv.values())[layer].view(torch.uint8)  # [B, H, N, C bytes]
+    def _bytes(self, rank: int, layer: int) -> torch.Tensor:
+        return list(self.kvs[rank].values())[layer].view(torch.uint8)  # [B, H, N, C bytes]
 
     def _state_at(self, table: list[int], pos: int) -> int:
+        """The state after ``pos``, as every rank's layer 0 holds it (their sum: the stand-in
+        of TP's all-reduce, so one rank's wrong block changes the result)."""
         if pos < 0:
             return 7
-        cell = self._bytes(0)[table[pos // BLOCK], 0, pos % BLOCK]
-        return int(cell[0]) | int(cell[1]) << 8
+        total = 0
+        for rank in range(len(self.kvs)):
+            cell = self._bytes(rank, 0)[table[pos // BLOCK], 0, pos % BLOCK]
+            total += int(cell[0]) | int(cell[1]) << 8
+        return total % 65521
 
     def _write(self, table: list[int], pos: int, state: int) -> None:
-        for layer in range(LAYERS):
-            view = self._bytes(layer)[table[pos // BLOCK], :, pos % BLOCK]
-            pattern = (torch.arange(view.numel(), dtype=torch.int64) * 13 + state + layer * 7)
-            view.copy_((pattern % 256).to(torch.uint8).view(view.shape))
-            if layer == 0:
-                view[0, 0], view[0, 1] = state & 0xFF, state >> 8
+        for rank in range(len(self.kvs)):
+            for layer in range(LAYERS):
+                view = self._bytes(rank, layer)[table[pos // BLOCK], :, pos % BLOCK]
+                pattern = (torch.arange(view.numel(), dtype=torch.int64) * 13 + state
+                           + layer * 7 + rank * 3)
+                view.copy_((pattern % 256).to(torch.uint8).view(view.shape))
+                if layer == 0:
+                    view[0, 0], view[0, 1] = state & 0xFF, state >> 8
 
     def _forward(self, out: Any) -> ModelRunnerOutput:
-        """Run one scheduled step through the worker connector in vLLM's model-runner order
-        (bind, start_load_kv, per-layer save_kv_layer, wait_for_save, reports, clear)."""
-        w = self.worker
-        w.bind_connector_metadata(out.kv_connector_metadata)
-        w.start_load_kv(None)
+        """Run one scheduled step through every rank's worker connector in vLLM's model-runner
+        order (bind, start_load_kv, per-layer save_kv_layer, wait_for_save, reports, clear) and
+        merge the ranks' outputs with vLLM's KVOutputAggregator."""
+        for w in self.workers:
+            w.bind_connector_metadata(out.kv_connector_metadata)
+            w.start_load_kv(None)
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         spans = [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs]
@@ -205,27 +233,32 @@ class Engine:
                     ids.append(self._last[req_id])
                 state = (state * 31 + ids[pos] + 1) % 65521
                 self._write(table, pos, state)
+                state = self._state_at(table, pos)  # as the ranks' sum sees it
             req_ids.append(req_id)
             if start + out.num_scheduled_tokens[req_id] < request.num_tokens:
                 sampled.append([])  # a prefill chunk that does not reach the end samples nothing
                 continue
             sampled.append([state % (VOCAB - 1)])
             self._last[req_id] = sampled[-1][0]
-        for name, tensor in self.kv.items():
-            w.save_kv_layer(name, tensor, None)
-        w.wait_for_save()
-        w.get_finished(out.finished_req_ids)
-        invalid = w.get_block_ids_with_load_errors()
-        self.invalid_reported |= invalid
-        conn = KVConnectorOutput(invalid_block_ids=invalid,
-                                 kv_connector_stats=w.get_kv_connector_stats(),
-                                 kv_connector_worker_meta=w.build_connector_worker_meta())
-        w.clear_connector_metadata()
-        return ModelRunnerOutput(req_ids=req_ids,
-                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled, logprobs=None,
-                                 prompt_logprobs_dict={}, pooler_output=None,
-                                 kv_connector_output=conn)
+        outputs = []
+        for w, kv in zip(self.workers, self.kvs):
+            for name, tensor in kv.items():
+                w.save_kv_layer(name, tensor, None)
+            w.wait_for_save()
+            w.get_finished(out.finished_req_ids)
+            invalid = w.get_block_ids_with_load_errors()
+            self.invalid_reported |= invalid
+            conn = KVConnectorOutput(invalid_block_ids=invalid,
+                                     kv_connector_stats=w.get_kv_connector_stats(),
+                                     kv_connector_worker_meta=w.build_connector_worker_meta())
+            w.clear_connector_metadata()
+            outputs.append(ModelRunnerOutput(
+                req_ids=list(req_ids), req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=[list(t) for t in sampled], logprobs=None,
+                prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=conn))
+        merged = KVOutputAggregator(len(self.workers)).aggregate(outputs)
+        assert merged is not None
+        return merged
 
     def _absorb(self, outputs: dict[int, Any]) -> None:
         for engine_outputs in outputs.values():
@@ -259,7 +292,8 @@ class Engine:
                 self._absorb(self.scheduler.update_from_output(out, result))
         else:
             raise AssertionError("requests did not finish")
-        assert self.worker.worker_counters is not None  # waits for write-through to land
+        for worker in self.workers:  # wait for the write-through to land
+            assert worker.worker_counters is not None
         return {r.request_id: self.tokens.get(r.request_id, []) for r in requests}
 
 

@@ -20,9 +20,9 @@ PROMPT = [(i * 37 + 11) % 997 for i in range(6 * BLOCK + 5)]  # 6 full blocks an
 LAYOUTS = list(KVCacheLayout)
 
 
-def baseline(model_dir: str, daemon: Daemon, prompt: list[int]) -> list[int]:
+def baseline(model_dir: str, daemon: Daemon, prompt: list[int], tp: int = 1) -> list[int]:
     """The tokens of a run with tierd's loading and saving off (the reference)."""
-    engine = Engine.start(vllm_config(model_dir, daemon.socket_path,
+    engine = Engine.start(vllm_config(model_dir, daemon.socket_path, tp=tp,
                                       extra={"load": False, "save": False}))
     try:
         return engine.run([make_request("ref", prompt)])["ref"]
@@ -350,3 +350,32 @@ def test_ssd_hit_is_staged_while_vllm_schedules_on(model_dir: str, daemon: Daemo
     finally:
         first.close()
         second.close()
+
+
+def test_tp2_failed_load_on_one_rank_is_stored_on_no_rank(model_dir: str, daemon: Daemon,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP 2 (two worker connectors, outputs merged by vLLM's KVOutputAggregator): rank 1's load
+    of a 6-block hit keeps only 3 blocks. vLLM recomputes; rank 0 stores nothing computed on
+    rank 1's missing KV (its Commits wait for the scheduler's verdict), so a third engine loads
+    all 8 blocks on both ranks and samples the reference tokens."""
+    longer = PROMPT[:6 * BLOCK] + [(i * 3 + 2) % 991 for i in range(2 * BLOCK + 3)]
+    want = baseline(model_dir, daemon, longer, tp=2)
+    first = Engine.start(vllm_config(model_dir, daemon.socket_path, tp=2))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path, tp=2))
+    third = Engine.start(vllm_config(model_dir, daemon.socket_path, tp=2))
+    try:
+        first.run([make_request("a", PROMPT[:6 * BLOCK + 1])])
+        assert [w.worker_counters.data["saved_blocks"] for w in first.workers] == [6, 6]
+        client = second.workers[1]._worker.link.client
+        real = client.acquire
+        monkeypatch.setattr(client, "acquire", lambda eid, hashes, **kw: real(eid, hashes[:3], **kw))
+        assert second.run([make_request("b", longer)])["b"] == want
+        assert second.invalid_reported
+        assert third.run([make_request("c", longer)])["c"] == want
+        assert [w.worker_counters.data["loaded_blocks"] for w in third.workers] == [8, 8]
+        assert third.invalid_reported == set()
+        assert daemon.pinned_blocks() == 0
+    finally:
+        first.close()
+        second.close()
+        third.close()
