@@ -310,32 +310,47 @@ class Daemon:
     def start(self) -> None:
         self.generation += 1
         ssd = os.path.join(self.workdir, f"ssd-{self.generation}")
-        self.process = subprocess.Popen(
+        log_path = os.path.join(self.workdir, f"serve-{self.generation}.log")
+        with open(log_path, "wb") as log:  # a file, not a pipe nobody drains
+            self.process = self._spawn(ssd, log)
+        client = TierdClient(socket_path=self.socket_path, timeout=10.0)
+        try:
+            client.wait_ready(timeout=60)
+        except Exception:
+            self.process.kill()
+            self.process.wait()
+            with open(log_path, "rb") as log:
+                raise AssertionError(f"tierd serve did not come up: {log.read()!r}")
+        finally:
+            client.close()
+
+    def _spawn(self, ssd: str, log: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
             [sys.executable, "-m", "tierd.commands.serve", "--socket-path", self.socket_path,
              "--dram-bytes", "32MiB", "--slab-bytes", "64KiB", "--no-prefault",
              "--ssd-dir", ssd if self.ssd else "", "--ssd-bytes", "8MiB",
              "--log-level", "WARNING",
              *(["--dram-high-watermark", "1e-9", "--dram-low-watermark", "1e-9",
                 "--maintain-seconds", "0.05"] if self.demote_all else [])],
-            env={**os.environ, "TIERD_CONFIG": ""}, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE)
-        client = TierdClient(socket_path=self.socket_path, timeout=10.0)
-        try:
-            client.wait_ready(timeout=60)
-        except Exception:
-            self.process.kill()
-            raise AssertionError(f"tierd serve did not come up: {self.process.communicate()[1]!r}")
-        finally:
-            client.close()
+            env={**os.environ, "TIERD_CONFIG": ""}, stdout=subprocess.DEVNULL, stderr=log)
 
-    def stop(self) -> None:
+    def stop(self, kill: bool = False) -> None:
+        """SIGTERM (the daemon removes its arena) and wait; SIGKILL with ``kill`` or if it does
+        not exit in 30 s (the next daemon's start removes a killed one's arena)."""
         if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+            if not kill:
+                self.process.terminate()
+                try:
+                    self.process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
         self.process = None
 
     def restart(self) -> None:
-        self.stop()
+        self.stop(kill=True)
         self.start()
 
     def client(self) -> TierdClient:
