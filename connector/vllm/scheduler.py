@@ -3,10 +3,12 @@
 Metadata only (no KV bytes). Per request scheduled from the waiting queue, one ``Lookup`` (the
 tier of each hit, for vLLM's hit-source stats) and one ``Acquire`` per TP rank: **the hit it
 reports is pinned** under a lease, so between this answer and the workers' load only a dead
-daemon can make the load fail. The pin is released on every path: when every worker has
-reported the load done (``TierdWorkerMetadata.loaded``), when vLLM allocates no external tokens,
-when the request is looked up again, finishes or is aborted, and at the latest when its lease
-expires on the daemon.
+daemon can make the load fail. A hit with SSD blocks is not waited for: its Acquires run as
+futures while the daemon stages the blocks into DRAM, and the lookup answers None until they
+resolve (vLLM asks again at its next step). The pin is released on every path: when every
+worker has reported the load done (``TierdWorkerMetadata.loaded``), when vLLM allocates no
+external tokens, when the request is looked up again, finishes or is aborted (an abandoned
+staging is released as its Acquires resolve), and at the latest when its lease expires.
 
 The plan for each step goes to the workers as a ``TierdConnectorMetadata``:
 
@@ -14,12 +16,15 @@ The plan for each step goes to the workers as a ``TierdConnectorMetadata``:
   ``update_state_after_alloc`` reports for those positions;
 * saves: for every scheduled request, the full blocks this step completes (computed tokens +
   scheduled tokens), once each, never the loaded ones or the local prefix-cache hits. Each save
-  names the blocks of this step's loads that its request's table holds (``depends_on``), so a
-  worker drops it if one of those fails: nothing computed on top of a failed load is stored.
+  names the blocks of loads not yet reported (this step's and earlier ones') that its request's
+  table holds (``depends_on``), so a worker drops it if one of those fails: nothing computed on
+  top of a failed load is stored.
 
 After a failed load (``TierdWorkerMetadata.failed``) every tracked request holding a failed block
 rewinds its save position to that block, and is named in the next step's ``recomputing``: from
-then on its saves are the blocks vLLM recomputes.
+then on its saves are the blocks vLLM recomputes. With TP > 1 each step's metadata also carries
+the verdict on the steps every rank has reported (``TierdConnectorMetadata.verdict``), which
+releases the Commits the workers hold.
 
 Block hashes are vLLM's own ``request.block_hashes``: vLLM 0.33 attaches its block hasher to
 every request whenever a KV connector is configured.
