@@ -551,7 +551,7 @@ def test_daemon_down_means_no_match_no_save_then_reconnects(workdir: str,
                                                             make_daemon: Any) -> None:
     """No daemon: 0 matches, 6 saves dropped; once one listens, saves and matches resume."""
     socket_path = os.path.join(workdir, "tierd.sock")
-    a = FakeVllm(socket_path, 0, retry_seconds=0.0)
+    a = FakeVllm(socket_path, 0, retry_seconds=0.0, timeout_seconds=30.0)  # a loaded host
     try:
         assert a.prefill(FakeRequest("a", prompt(100))) == (0, set())
         assert a.counters() == (0, 0, 0, 0, 6)
