@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from .config import TierdVllmConfig
+from tierd.connector.transfer import ArenaSlots
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import EngineHandle, TierdClient
 from tierd.daemon.layout import Layout
@@ -46,7 +47,7 @@ class DaemonLink:
         self._engine: EngineHandle | None = None
         self._arena: ShmArena | None = None
         self._arena_tensor: Any = None
-        self._arena_bytes: memoryview | None = None
+        self._slots: ArenaSlots | None = None
         self._next_try = 0.0
         self._warned = False
 
@@ -75,10 +76,11 @@ class DaemonLink:
         return self._arena
 
     @property
-    def arena_bytes(self) -> memoryview:
-        """The whole arena as one memoryview (slicing it costs no tensor; zero copy)."""
-        assert self._arena_bytes is not None, "the link was made without attach, or is down"
-        return self._arena_bytes
+    def slots(self) -> ArenaSlots:
+        """Batched access to this layout's slots in the arena (``ArenaSlots``: checksums where
+        the slots lie, no copy)."""
+        assert self._slots is not None, "the link was made without attach, or is down"
+        return self._slots
 
     @property
     def arena_tensor(self) -> Any:
@@ -114,8 +116,8 @@ class DaemonLink:
             return False
         self._client, self._engine, self._arena = client, engine, arena
         self._arena_tensor = arena.as_tensor() if arena is not None else None
-        self._arena_bytes = (memoryview(self._arena_tensor.numpy()).cast("B")
-                             if self._arena_tensor is not None else None)
+        self._slots = (ArenaSlots(self._arena_tensor, engine.geometry)
+                       if self._arena_tensor is not None else None)
         self._warned = False
         _log.info("tierd: engine %s registered at %s", engine.engine_id, client.target)
         return True
@@ -144,9 +146,7 @@ class DaemonLink:
         self._drop()
 
     def _drop(self) -> None:
-        if self._arena_bytes is not None:
-            self._arena_bytes.release()
-        self._arena_tensor = self._arena_bytes = None
+        self._arena_tensor = self._slots = None
         if self._arena is not None:
             self._arena.close()
         if self._client is not None:

@@ -56,7 +56,6 @@ from .kv_tensors import (Run, SlotFormat, byte_view, load_blocks, runs, save_lay
 from .link import DaemonLink
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 from .stats import TierdConnectorStats
-from tierd.checksum import block_checksum
 from tierd.daemon.client import TierdClient
 from tierd.types import BlockHash
 
@@ -184,8 +183,9 @@ class WorkerSide:
             link.failed(exc)
             return 0
         arena, offset_of = link.arena_tensor, link.engine.geometry.offset
-        offsets = [offset_of(s) for s in got.slot_ids[:len(spec.block_ids)]]
-        good = _verified_prefix(link.arena_bytes, offsets, got.checksums, fmt.slot_bytes)
+        slot_ids = got.slot_ids[:len(spec.block_ids)]
+        offsets = [offset_of(s) for s in slot_ids]
+        good = link.slots.verified(slot_ids, got.checksums)  # where they lie: the lease pins them
         good_runs = runs(spec.block_ids[:good], offsets[:good], fmt.slot_bytes)
         device = self._device_transfer()
         if device is not None:  # queued: the lease is released once the DMAs have read it
@@ -472,13 +472,3 @@ def _commit(client: TierdClient, engine_id: str, lease_id: str, written: list[bo
         return client.commit_written(engine_id, lease_id, written), 0, None
     except grpc.RpcError as exc:
         return 0, sum(written), exc
-
-
-def _verified_prefix(arena: memoryview, offsets: list[int], checksums: list[int],
-                     slot_bytes: int) -> int:
-    """How many leading slots at ``offsets`` hold bytes whose checksum is ``checksums[i]``
-    (read where they lie: the caller's lease pins them)."""
-    for i, (offset, want) in enumerate(zip(offsets, checksums)):
-        if block_checksum(arena[offset:offset + slot_bytes]) != want:
-            return i
-    return len(offsets)
