@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -20,8 +24,15 @@ from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import EngineHandle, TierdClient
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.layout import Layout
+from tierd.daemon.node import NodeConfig, NodeStore
 from tierd.daemon.server import Daemon
+from tierd.daemon.slots import SlabAllocator
+from tierd.daemon.ssd import SsdStore
 from tierd.types import BlockHash
+
+sys.path.insert(0, os.path.dirname(__file__))  # the tests of this folder import node_rig
+
+from node_rig import ARENA, LAYOUT, SLAB, SSD, FakeClock, MakeRig, Rig  # noqa: E402
 
 T = TypeVar("T")
 
@@ -152,3 +163,60 @@ class Kit:
 def kit() -> type[Kit]:
     """The engine-side helpers (``kit.chain``, ``kit.store_blocks``, ``kit.attach``...)."""
     return Kit
+
+
+@pytest.fixture
+def serve(processes: list[subprocess.Popen[bytes]]) -> Callable[..., tuple[Any, TierdClient]]:
+    """Factory ``serve(workdir, *flags)``: a real `tierd serve` child on ``workdir/tierd.sock``
+    with a 16 MiB arena of 64 KiB slabs (no pre-fault) and its SSD tier in ``workdir/ssd``,
+    ``flags`` added (the SSD size among them), logging to a file; waits until it answers and
+    returns (the process, a client). The process is killed at teardown if still running."""
+
+    def start(workdir: str, *flags: str) -> tuple[Any, TierdClient]:
+        log_path = os.path.join(workdir, f"serve-{len(processes)}.log")
+        with open(log_path, "wb") as log:  # a file, not a pipe nobody drains
+            process = subprocess.Popen(
+                [sys.executable, "-m", "tierd.commands.serve",
+                 "--socket-path", os.path.join(workdir, "tierd.sock"), "--dram-bytes", "16MiB",
+                 "--slab-bytes", "64KiB", "--no-prefault", "--ssd-dir",
+                 os.path.join(workdir, "ssd"), "--log-level", "WARNING", *flags],
+                env={**os.environ, "TIERD_CONFIG": ""}, stdout=subprocess.DEVNULL, stderr=log)
+        processes.append(process)
+        client = TierdClient(socket_path=os.path.join(workdir, "tierd.sock"), timeout=10.0)
+        try:
+            client.wait_ready(timeout=60)
+        except Exception:
+            process.kill()
+            process.wait()
+            with open(log_path, "rb") as log:
+                raise AssertionError(f"tierd serve did not come up: {log.read()!r}")
+        return process, client
+
+    return start
+
+
+@pytest.fixture
+async def make_rig(tmp_path: Path) -> AsyncIterator[MakeRig]:
+    """Factory of rigs (``make_rig(ssd_dir=, ssd_bytes=, **NodeConfig overrides)``); each is
+    checked for integrity, closed and its arena unlinked at teardown."""
+    rigs: list[Rig] = []
+
+    def make(ssd_dir: str | None = None, ssd_bytes: int = SSD, **config: Any) -> Rig:
+        arena = ShmArena.create(f"tierd-test-{os.getpid()}-{secrets.token_hex(4)}", ARENA,
+                                prefault=False)
+        ssd = SsdStore(ssd_dir or tmp_path / "ssd", ssd_bytes, io_threads=2)
+        clock = FakeClock()
+        node = NodeStore(arena, SlabAllocator(ARENA, SLAB), ssd, NodeConfig(**config),
+                         clock=clock)
+        node.open()
+        rig = Rig(node, arena, ssd, clock, node.register_engine("default", LAYOUT, "eng"))
+        rigs.append(rig)
+        return rig
+
+    yield make
+    for rig in rigs:
+        rig.node.check_integrity()
+        if rig.ssd.healthy:  # closing flushes to SSD
+            await rig.node.close()
+        rig.arena.close()
+        rig.arena.unlink()

@@ -6,114 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
-import os
-import secrets
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tierd.checksum import block_checksum
-from tierd.daemon.arena import ShmArena
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
-from tierd.daemon.layout import Layout
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
-from tierd.daemon.node import EMPTY_LEASE, EngineInfo, NodeConfig, NodeStore, Reservation
+from tierd.daemon.node import EMPTY_LEASE
 from tierd.daemon.node_types import EngineCaps
-from tierd.daemon.slots import SlabAllocator
-from tierd.daemon.ssd import SsdStore
 from tierd.daemon.ssd.record import HEADER_BYTES
 from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored
 from tierd.types import BlockHash
 
-LAYOUT = Layout(num_layers=1, num_kv_heads=1, head_size=16, dtype="float16", block_size=16)
-BLOCK = LAYOUT.block_bytes            # 1024 bytes
-ARENA = 8 * BLOCK                     # 8 slots: 2 slabs of 4
-SLAB = 4 * BLOCK
-SSD = 4 * (BLOCK + HEADER_BYTES)      # 4 records (512-byte header each)
-
-
-class FakeClock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def chain(n: int, seed: str = "a") -> list[BlockHash]:
-    """``n`` distinct 32-byte hashes."""
-    return [BlockHash(hashlib.sha256(f"{seed}/{i}".encode()).digest()) for i in range(n)]
-
-
-def payload(block_hash: BlockHash) -> bytes:
-    """Deterministic, hash-specific block contents."""
-    return (block_hash * (BLOCK // len(block_hash) + 1))[:BLOCK]
-
-
-@dataclass
-class Rig:
-    node: NodeStore
-    arena: ShmArena
-    ssd: SsdStore
-    clock: FakeClock
-    engine: EngineInfo
-
-    def store(self, hashes: list[BlockHash], engine: EngineInfo | None = None) -> Reservation:
-        """What an engine does: reserve, copy each block into its slot, commit with checksums."""
-        engine = engine or self.engine
-        res = self.node.reserve(engine.engine_id, hashes)
-        sums: list[int | None] = []
-        for h, slot in zip(hashes, res.slot_ids):
-            if slot is not None:
-                self.arena.view(engine.geometry.offset(slot), BLOCK)[:] = payload(h)
-            sums.append(None if slot is None else block_checksum(payload(h)))
-        self.node.commit(res.lease_id, sums)
-        return res
-
-    def copy_out(self, slots: list[int]) -> list[bytes]:
-        return [bytes(self.arena.view(self.engine.geometry.offset(s), BLOCK)) for s in slots]
-
-    def tiers(self, hashes: list[BlockHash]) -> list[str]:
-        return list(self.node.lookup(self.engine.engine_id, hashes).tiers)
-
-
-MakeRig = Callable[..., Rig]
-
-
-@pytest.fixture
-async def make_rig(tmp_path: Path) -> AsyncIterator[MakeRig]:
-    """Factory of rigs (``make_rig(ssd_dir=, ssd_bytes=, **NodeConfig overrides)``); each is
-    checked for integrity, closed and its arena unlinked at teardown."""
-    rigs: list[Rig] = []
-
-    def make(ssd_dir: str | None = None, ssd_bytes: int = SSD, **config: Any) -> Rig:
-        arena = ShmArena.create(f"tierd-test-{os.getpid()}-{secrets.token_hex(4)}", ARENA,
-                                prefault=False)
-        ssd = SsdStore(ssd_dir or tmp_path / "ssd", ssd_bytes, io_threads=2)
-        clock = FakeClock()
-        node = NodeStore(arena, SlabAllocator(ARENA, SLAB), ssd, NodeConfig(**config),
-                         clock=clock)
-        node.open()
-        rig = Rig(node, arena, ssd, clock, node.register_engine("default", LAYOUT, "eng"))
-        rigs.append(rig)
-        return rig
-
-    yield make
-    for rig in rigs:
-        rig.node.check_integrity()
-        await rig.node.close()
-        rig.arena.close()
-        rig.arena.unlink()
-
+from node_rig import BLOCK, LAYOUT, SSD, MakeRig, Rig, chain, payload  # noqa: E402
 
 @pytest.fixture
 def rig(make_rig: MakeRig) -> Rig:

@@ -5,35 +5,15 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from typing import Any
 
 from tierd.checksum import block_checksum
-from tierd.daemon.client import TierdClient
 
 
-def serve(workdir: str) -> subprocess.Popen[bytes]:
-    """Start `tierd serve` with a 16 MiB arena whose every committed block the background
-    maintain pass (every 50 ms) demotes to SSD."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "tierd.commands.serve",
-         "--socket-path", os.path.join(workdir, "tierd.sock"), "--dram-bytes", "16MiB",
-         "--slab-bytes", "64KiB", "--no-prefault", "--ssd-dir", os.path.join(workdir, "ssd"),
-         "--ssd-bytes", "4MiB", "--dram-high-watermark", "1e-9", "--dram-low-watermark", "1e-9",
-         "--maintain-seconds", "0.05", "--log-level", "WARNING"],
-        env={**os.environ, "TIERD_CONFIG": ""}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def connect(workdir: str, process: subprocess.Popen[bytes]) -> TierdClient:
-    client = TierdClient(socket_path=os.path.join(workdir, "tierd.sock"), timeout=10.0)
-    try:
-        client.wait_ready(timeout=60)
-    except Exception:
-        process.kill()
-        raise AssertionError(f"tierd serve did not come up: {process.communicate()[1]!r}")
-    return client
+DEMOTE_ALL = ("--ssd-bytes", "4MiB", "--dram-high-watermark", "1e-9",
+              "--dram-low-watermark", "1e-9", "--maintain-seconds", "0.05")
+"""Every committed block is demoted to SSD by the background maintain pass (every 50 ms)."""
 
 
 def wait_until(predicate: Any, what: str) -> None:
@@ -46,14 +26,13 @@ def wait_until(predicate: Any, what: str) -> None:
 
 
 def test_kill_9_and_restart_finds_ssd_blocks(workdir: str, kit: Any,
-                                             processes: list[subprocess.Popen[bytes]]) -> None:
+                                             serve: Any) -> None:
     """Six blocks demoted to SSD, kill -9, a torn record left at the end of the last segment:
     the restarted daemon finds all six on SSD, they copy out bit-exact, the torn tail is cut
     off, SSD bytes match the disk, and the dead daemon's arena file is removed."""
     hashes = kit.chain(6)
-    first = serve(workdir)
-    processes.append(first)
-    with connect(workdir, first) as client:
+    first, client = serve(workdir, *DEMOTE_ALL)
+    with client:
         engine = client.register_engine(kit.layout)
         arena = kit.attach(engine)
         assert kit.store_blocks(client, engine, arena, hashes) == 6
@@ -70,9 +49,8 @@ def test_kill_9_and_restart_finds_ssd_blocks(workdir: str, kit: Any,
     with open(last, "ab") as f:
         f.write(b"TKVB" + bytes(600))
 
-    second = serve(workdir)
-    processes.append(second)
-    with connect(workdir, second) as client:
+    second, client = serve(workdir, *DEMOTE_ALL)
+    with client:
         engine = client.register_engine(kit.layout)
         assert client.lookup(engine.engine_id, hashes) == ["ssd"] * 6
         arena = kit.attach(engine)
@@ -93,11 +71,10 @@ def test_kill_9_and_restart_finds_ssd_blocks(workdir: str, kit: Any,
 
 
 def test_sigterm_removes_socket_and_arena(workdir: str, kit: Any,
-                                          processes: list[subprocess.Popen[bytes]]) -> None:
+                                          serve: Any) -> None:
     """SIGTERM: the daemon exits 0 and its socket and arena file are gone."""
-    process = serve(workdir)
-    processes.append(process)
-    with connect(workdir, process) as client:
+    process, client = serve(workdir, *DEMOTE_ALL)
+    with client:
         engine = client.register_engine(kit.layout)
     arena_path = os.path.join(engine.arena_directory, engine.arena_name)
     assert os.path.exists(arena_path)

@@ -6,101 +6,21 @@ and a restart finds the cache, in-process on default settings and after a kill -
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
-import secrets
 import signal
-import subprocess
-import sys
 import threading
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 
 from tierd.checksum import block_checksum
-from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import TierdClient
 from tierd.daemon.config import TierdConfig
-from tierd.daemon.layout import Layout
-from tierd.daemon.node import EngineInfo, NodeConfig, NodeStore
 from tierd.daemon.server import Daemon
-from tierd.daemon.slots import SlabAllocator
-from tierd.daemon.ssd import SsdStore
-from tierd.daemon.ssd.record import HEADER_BYTES
 from tierd.events import BlockStored
-from tierd.types import BlockHash
 
-LAYOUT = Layout(num_layers=1, num_kv_heads=1, head_size=16, dtype="float16", block_size=16)
-BLOCK = LAYOUT.block_bytes            # 1024 bytes
-ARENA = 8 * BLOCK                     # 8 slots: 2 slabs of 4
-SSD = 4 * (BLOCK + HEADER_BYTES)      # 4 records
-
-
-def chain(n: int, seed: str = "a") -> list[BlockHash]:
-    return [BlockHash(hashlib.sha256(f"{seed}/{i}".encode()).digest()) for i in range(n)]
-
-
-def payload(block_hash: BlockHash, size: int = BLOCK) -> bytes:
-    return (block_hash * (size // len(block_hash) + 1))[:size]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@dataclass
-class Rig:
-    node: NodeStore
-    arena: ShmArena
-    ssd: SsdStore
-    clock: FakeClock
-    engine: EngineInfo
-
-    def store(self, hashes: list[BlockHash]) -> None:
-        res = self.node.reserve(self.engine.engine_id, hashes)
-        sums: list[int | None] = []
-        for h, slot in zip(hashes, res.slot_ids):
-            if slot is not None:
-                self.arena.view(self.engine.geometry.offset(slot), BLOCK)[:] = payload(h)
-            sums.append(None if slot is None else block_checksum(payload(h)))
-        self.node.commit(res.lease_id, sums)
-
-    def tiers(self, hashes: list[BlockHash]) -> list[str]:
-        return list(self.node.lookup(self.engine.engine_id, hashes).tiers)
-
-
-@pytest.fixture
-async def make_rig(tmp_path: Path) -> AsyncIterator[Callable[..., Rig]]:
-    """Factory of node stores over a real arena and SSD directory (``make_rig(ssd_dir=,
-    **NodeConfig overrides)``); each is checked and closed at teardown."""
-    rigs: list[Rig] = []
-
-    def make(ssd_dir: str | None = None, **config: Any) -> Rig:
-        arena = ShmArena.create(f"tierd-test-{os.getpid()}-{secrets.token_hex(4)}", ARENA,
-                                prefault=False)
-        ssd = SsdStore(ssd_dir or tmp_path / "ssd", SSD, io_threads=2)
-        clock = FakeClock()
-        node = NodeStore(arena, SlabAllocator(ARENA, 4 * BLOCK), ssd, NodeConfig(**config),
-                         clock=clock)
-        node.open()
-        rig = Rig(node, arena, ssd, clock, node.register_engine("default", LAYOUT, "eng"))
-        rigs.append(rig)
-        return rig
-
-    yield make
-    for rig in rigs:
-        rig.node.check_integrity()
-        if rig.ssd.healthy:
-            await rig.node.close()
-        rig.arena.close()
-        rig.arena.unlink()
+from node_rig import Rig, chain  # noqa: E402
 
 
 async def test_write_behind_gives_committed_blocks_an_ssd_copy(make_rig: Callable[..., Rig]
@@ -252,36 +172,15 @@ def test_restart_on_default_settings_finds_the_prefix(workdir: str, kit: Any) ->
     client.close()
 
 
-def _serve(workdir: str) -> subprocess.Popen[bytes]:
-    """`tierd serve` with the default policy (watermarks, write-behind 2 s), a small arena."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "tierd.commands.serve",
-         "--socket-path", os.path.join(workdir, "tierd.sock"), "--dram-bytes", "16MiB",
-         "--slab-bytes", "64KiB", "--no-prefault", "--ssd-dir", os.path.join(workdir, "ssd"),
-         "--ssd-bytes", "8MiB", "--log-level", "WARNING"],
-        env={**os.environ, "TIERD_CONFIG": ""}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def _connect(workdir: str, process: subprocess.Popen[bytes]) -> TierdClient:
-    client = TierdClient(socket_path=os.path.join(workdir, "tierd.sock"), timeout=10.0)
-    try:
-        client.wait_ready(timeout=60)
-    except Exception:
-        process.kill()
-        raise AssertionError(f"tierd serve did not come up: {process.communicate()[1]!r}")
-    return client
-
-
 def test_kill_9_loses_at_most_the_write_behind_window(
-        workdir: str, kit: Any, processes: list[subprocess.Popen[bytes]]) -> None:
+        workdir: str, kit: Any, serve: Any) -> None:
     """Default settings, 64 blocks committed and left alone until Stats shows them on SSD (the
     write-behind, no watermark involved), 64 more committed just before kill -9: after the
     restart every one of the first 64 is back bit-exact; of the last 64 (inside the window)
     only some may be, each bit-exact."""
     older, recent = kit.chain(64, seed=1), kit.chain(64, seed=2)
-    first = _serve(workdir)
-    processes.append(first)
-    with _connect(workdir, first) as client:
+    first, client = serve(workdir, "--ssd-bytes", "8MiB")  # default policy otherwise
+    with client:
         engine = client.register_engine(kit.layout)
         arena = kit.attach(engine)
         assert kit.store_blocks(client, engine, arena, older) == 64
@@ -295,9 +194,8 @@ def test_kill_9_loses_at_most_the_write_behind_window(
     first.send_signal(signal.SIGKILL)
     first.wait()
 
-    second = _serve(workdir)
-    processes.append(second)
-    with _connect(workdir, second) as client:
+    second, client = serve(workdir, "--ssd-bytes", "8MiB")  # default policy otherwise
+    with client:
         engine = client.register_engine(kit.layout)
         assert client.lookup(engine.engine_id, older) == ["ssd"] * 64
         survived = [h for h in recent if client.lookup(engine.engine_id, [h]) == ["ssd"]]
