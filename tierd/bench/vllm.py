@@ -42,6 +42,8 @@ HELP = "vLLM connector at model scale: store, DRAM and SSD loads vs memcpy and r
 
 MODELS = {"llama3-8b": (32, 8, 128), "llama3-70b": (80, 8, 128)}
 """Preset -> (layers, KV heads per rank, head size), fp16, GQA."""
+LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+"""vLLM 0.33's ``KVCacheLayout`` names."""
 TARGET_DRAM, TARGET_STORE, TARGET_SSD = 1.5, 1.5, 1.3
 BLOCK = 16
 
@@ -51,8 +53,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="model shape (llama3-8b: 2 MiB blocks; llama3-70b: 5 MiB)")
     parser.add_argument("--tokens", type=int, default=2048, help="prefix length (2048; "
                         "32768 for a long prompt: 4 GiB on llama3-8b, needs ~14 GiB RAM)")
-    parser.add_argument("--layout", default="LBHNC", help="vLLM KVCacheLayout of the engine's "
-                        "tensors (LBHNC: vLLM's CPU backend; LBNHC: FlashAttention)")
+    parser.add_argument("--layout", default="LBHNC", choices=LAYOUTS,
+                        help="vLLM KVCacheLayout of the engine's tensors (LBHNC: vLLM's CPU "
+                        "backend; LBNHC: FlashAttention; without vLLM only these two)")
     parser.add_argument("--repeat", type=int, default=6, help="interleaved repetitions (6)")
     parser.add_argument("--dir", default=None, help="directory on the SSD tier's disk (default: "
                         "under the tierd cache dir)")
@@ -122,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     from tierd.daemon.client import TierdClient
     from tierd.daemon.config import cache_dir
 
+    if args.tokens < BLOCK or args.repeat < 1:
+        raise SystemExit(f"need --tokens >= {BLOCK} (one full block) and --repeat >= 1")
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     layers, heads, head = MODELS[args.model]
     blocks = -(-args.tokens // BLOCK)
