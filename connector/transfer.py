@@ -10,12 +10,13 @@ Python loop per block; the checksums (xxh3-64,
 ``tierd.checksum.block_checksum``, ~30 GB/s) are computed block by block over memory already in
 place.
 
-Load (``load_blocks``), host pool: verify each slot's checksum where it lies in the arena (pinned
-by the caller's lease) -> one gather of the leading run that verified straight into the pool
-rows (one copy, as a memcpy would). Device pool (or a lease about to lapse): arena slots ->
-private pre-touched host staging (one gather) -> verify there -> pool rows (one scatter).
-Either way wrong bytes never reach the pool: a mismatch makes that block and every later one a
-miss.
+Load (``load_blocks``), host pool: each slot checked where it lies in the arena (pinned by the
+caller's lease) as it is copied into its pool row, in one pass (``native.verified_copy``), or,
+without the native helper, verify every slot, then one gather of the leading run that verified
+straight into the pool rows. Device pool (or a lease about to lapse): arena slots -> private
+pre-touched host staging (one gather) -> verify there -> pool rows (one scatter). Either way a
+mismatch makes that block and every later one a miss, recomputed in its row (in one pass its
+row may hold some of the bad bytes until then, as it held stale ones before).
 
 Save (``save_blocks``, ``write_through``): rows already copied out of the pool into staging
 (``StagingRing``; ``gather_rows`` on the engine thread, a memcpy per run of consecutive pool
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from tierd.checksum import block_checksum
+from tierd.connector.native.verified_copy import BlockRows, load_verified
 from tierd.daemon.slots import SlotGeometry
 
 
@@ -97,6 +99,19 @@ class ArenaSlots:
             if block_checksum(data[offset:offset + width].data) != want:
                 return i
         return len(slot_ids)
+
+    def load_verified(self, slot_ids: Sequence[int], checksums: Sequence[int], rows: BlockRows,
+                      block_ids: Sequence[int]) -> int | None:
+        """Copy slot ``slot_ids[i]`` into engine block ``block_ids[i]`` of ``rows`` while
+        checking it against ``checksums[i]``, in one pass (``verified_copy``); how many leading
+        blocks verified, or None (nothing copied) where the native helper is unavailable. A
+        block that failed, and those after it, may be partly written: recompute them."""
+        self._check(slot_ids)
+        if rows.block_bytes != self.slot_bytes:
+            raise ValueError(f"engine blocks of {rows.block_bytes} bytes cannot take slots of "
+                             f"{self.slot_bytes}")
+        base, offset_of = self._base.data_ptr(), self.geometry.offset
+        return load_verified(rows, [base + offset_of(s) for s in slot_ids], block_ids, checksums)
 
     def read_into(self, slot_ids: Sequence[int], pool: torch.Tensor,
                   block_ids: Sequence[int]) -> bool:
@@ -235,14 +250,14 @@ def load_blocks(arena: ArenaSlots, slot_ids: Sequence[int], checksums: Sequence[
                 pool: torch.Tensor, block_ids: Sequence[int], staging: torch.Tensor, *,
                 direct: bool = True) -> int:
     """Copy arena slots into pool rows, verifying every block; returns how many leading blocks
-    are now in the pool and verified (the rest must be recomputed). Only verified bytes are
-    ever written to the pool.
+    are now in the pool and verified (the rest must be recomputed: in the one-pass copy their
+    rows may hold bytes that failed).
 
     ``slot_ids[i]``/``checksums[i]`` describe the block that goes to ``block_ids[i]``; extra
-    ``block_ids`` (past ``len(slot_ids)``) are left alone. ``direct`` (host pools): checksum the
-    slots where they lie, then copy the verified run straight into the pool (one copy; safe
-    while the caller's lease pins the slots, so pass False when the lease may lapse during the
-    call). Otherwise, per chunk of ``len(staging)`` blocks: one gather from the arena into
+    ``block_ids`` (past ``len(slot_ids)``) are left alone. ``direct`` (host pools): check the
+    slots where they lie while copying them straight into the pool (one pass; or verify, then
+    copy the verified run, without the native helper; safe while the caller's lease pins the
+    slots, so pass False when the lease may lapse during the call). Otherwise, per chunk of ``len(staging)`` blocks: one gather from the arena into
     private staging, the checksums there, one scatter of the verified rows into the pool.
     The caller keeps the slots pinned (a lease) until this returns; blocks until done."""
     if len(slot_ids) != len(checksums) or len(slot_ids) > len(block_ids):
@@ -252,6 +267,10 @@ def load_blocks(arena: ArenaSlots, slot_ids: Sequence[int], checksums: Sequence[
     if staging.shape[1] != arena.slot_bytes:
         raise ValueError("staging rows must be one slot wide")
     if direct and pool.device.type == "cpu":
+        one_pass = arena.load_verified(slot_ids, checksums, BlockRows.of(pool),
+                                       block_ids[:len(slot_ids)])
+        if one_pass is not None:
+            return one_pass
         good = arena.verified(slot_ids, checksums)
         if arena.read_into(slot_ids[:good], pool, block_ids[:good]):
             return good

@@ -3,14 +3,16 @@
 Per step, with the metadata the scheduler half built:
 
 * ``load`` (vLLM's ``start_load_kv``): per request, one Acquire (the scheduler's pin keeps the
-  blocks in DRAM since its lookup); each leased slot's checksum is verified where it lies in the
-  arena, the leading run of verified blocks is copied straight into vLLM's KV tensors (one
-  strided copy per run of blocks, all layers at once), and the lease is released. (Verifying
-  while another thread copies measured slower on these 2-core hosts: both passes are bound by
-  memory bandwidth.) Synchronous: the forward pass that reads them starts after it returns.
-  Every block not written (a miss since the lookup, a checksum mismatch, the daemon gone) and
-  every block after it in that request, or all of them if the lease expired during the copy,
-  is reported by ``take_load_errors`` in the same step, so vLLM recomputes from there.
+  blocks in DRAM since its lookup); the leased slots are checked where they lie in the arena
+  and copied straight into vLLM's KV tensors in one pass (``native.verified_copy``: each 16 KiB
+  of a slot is hashed, then copied while still in cache, blocks split over the torch threads),
+  and the lease is released. Without the native helper (no C compiler), or with layers not in
+  one buffer: verify every slot, then one strided copy per run of verified blocks, all layers
+  at once. Synchronous: the forward pass that reads them starts after it returns.
+  Every block that did not verify or arrive (a miss since the lookup, a checksum mismatch, the
+  daemon gone) and every block after it in that request, or all of them if the lease expired
+  during the copy, is reported by ``take_load_errors`` in the same step, so vLLM recomputes
+  from there (whatever bytes those blocks hold).
 * ``save_layer`` (vLLM's ``save_kv_layer``): on the first layer, one Reserve for the blocks the
   step completes; each layer's K/V is copied into the reserved slots as vLLM hands it over.
   Saves of a request whose load failed, or that sit on a block whose load failed
@@ -54,6 +56,7 @@ from .cuda_copy import DeviceTransfer, SaveTicket, register_host_memory, unregis
 from .kv_tensors import (Run, SlotFormat, byte_view, load_blocks, runs, save_layer,
                          slot_format, stack_layers)
 from .link import DaemonLink
+from tierd.connector.native.verified_copy import BlockRows
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 from .stats import TierdConnectorStats
 from tierd.daemon.client import TierdClient
@@ -113,6 +116,9 @@ class WorkerSide:
         self._layers = {name: i for i, name in enumerate(self.format.layer_names)}
         self._kv_bytes = [byte_view(t) for t in kv_caches.values()]
         self._stacked = stack_layers(self._kv_bytes)
+        # Host KV in one buffer: loads verify while they copy (one pass, native helper).
+        self._rows = (BlockRows.of(self._stacked) if self._stacked is not None
+                      and not self._stacked.is_cuda else None)
         self.link = DaemonLink(config, layout, f"{config.engine_name}-tp{tp_rank}", attach=True,
                                clock=clock)
         self.link.connect()
@@ -182,16 +188,15 @@ class WorkerSide:
         except grpc.RpcError as exc:
             link.failed(exc)
             return 0
-        arena, offset_of = link.arena_tensor, link.engine.geometry.offset
         slot_ids = got.slot_ids[:len(spec.block_ids)]
-        offsets = [offset_of(s) for s in slot_ids]
-        good = link.slots.verified(slot_ids, got.checksums)  # where they lie: the lease pins them
-        good_runs = runs(spec.block_ids[:good], offsets[:good], fmt.slot_bytes)
+        block_ids, checksums = spec.block_ids[:len(slot_ids)], got.checksums[:len(slot_ids)]
+        offsets = [link.engine.geometry.offset(s) for s in slot_ids]
         device = self._device_transfer()
         if device is not None:  # queued: the lease is released once the DMAs have read it
-            device.start_load(good_runs)
+            good = link.slots.verified(slot_ids, checksums)  # where they lie: the lease pins them
+            device.start_load(runs(block_ids[:good], offsets[:good], fmt.slot_bytes))
             self._waits = device
-            self._open_loads.append(_OpenLoad(spec.req_id, spec.block_ids[:good], engine_id,
+            self._open_loads.append(_OpenLoad(spec.req_id, block_ids[:good], engine_id,
                                               got.lease_id,
                                               good if good < len(offsets) else None,
                                               asked + got.seconds_left))
@@ -199,7 +204,7 @@ class WorkerSide:
                 _log.warning("tierd: block %d of %s failed its checksum; vLLM recomputes from "
                              "there", good, spec.req_id)
             return good
-        load_blocks(arena, fmt, self._kv_bytes, good_runs, self._stacked)
+        good = self._copy_in(slot_ids, checksums, block_ids, offsets)
         in_time = self._clock() < asked + got.seconds_left
         try:
             link.client.release(engine_id, got.lease_id,
@@ -215,6 +220,22 @@ class WorkerSide:
         if good < len(offsets):
             _log.warning("tierd: block %d of %s failed its checksum; vLLM recomputes from there",
                          good, spec.req_id)
+        return good
+
+    def _copy_in(self, slot_ids: list[int], checksums: list[int], block_ids: list[int],
+                 offsets: list[int]) -> int:
+        """Host KV: check each leased slot where it lies in the arena and copy the leading
+        verified blocks into vLLM's blocks; returns how many verified. One pass where the
+        layers share one buffer and the native helper is built (a block that fails may then be
+        partly written: it is reported, vLLM recomputes it), else verify, then copy."""
+        slots = self.link.slots
+        if self._rows is not None:
+            good = slots.load_verified(slot_ids, checksums, self._rows, block_ids)
+            if good is not None:
+                return good
+        good = slots.verified(slot_ids, checksums)
+        load_blocks(self.link.arena_tensor, self.format, self._kv_bytes,
+                    runs(block_ids[:good], offsets[:good], self.format.slot_bytes), self._stacked)
         return good
 
     def wait_layer(self, layer_name: str) -> None:

@@ -1,0 +1,120 @@
+/* Verify-while-copying: a DRAM load in one pass over the arena (connector/native/verified_copy.py).
+ *
+ * Each block's slot is hashed (xxh3-64, the project's block checksum) in cache-sized pieces,
+ * and each piece is copied to the engine's KV right after it was hashed, while it is still in
+ * the core's cache: the slot is read from memory once instead of twice (a verify pass, then a
+ * copy pass). Blocks are split between threads (as many as the caller allows).
+ *
+ * The destination of a block is L x H x N rows of `row` bytes at byte strides s_layer, s_head,
+ * s_token from dst_base + dst_block[b] * s_block (vLLM's [B, H, N, C] views in any KVCacheLayout,
+ * stacked over layers; the reference engine's pool is one row per block). The slot holds the same
+ * rows back to back in (layer, head, token) order. Returns how many leading blocks verified; the
+ * bytes of a block that failed, and of any block after it, may have been copied and must not be
+ * used (the caller reports them failed, and the engine recomputes them).
+ *
+ * xxh3 comes in as function pointers from the python-xxhash extension already loaded in the
+ * process (the same code that computed the stored checksums), so nothing here links a library.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef void *(*create_fn)(void);
+typedef int (*free_fn)(void *);
+typedef int (*reset_fn)(void *);
+typedef int (*update_fn)(void *, const void *, size_t);
+typedef uint64_t (*digest_fn)(const void *);
+
+struct xxh3 { create_fn create; free_fn free; reset_fn reset; update_fn update; digest_fn digest; };
+
+struct load {
+    const struct xxh3 *h;
+    int64_t nblocks;
+    const uint64_t *src;       /* address of each block's slot */
+    const int64_t *dst_block;  /* engine block id of each block */
+    const uint64_t *want;      /* stored checksum of each block */
+    uint64_t dst_base;
+    int64_t layers, heads, tokens, row;
+    int64_t s_layer, s_block, s_head, s_token;
+    int64_t first_bad;         /* shared: lowest failed block index, nblocks if none */
+};
+
+struct part { struct load *job; int64_t lo, hi; };
+
+enum { PIECE = 16 * 1024 };  /* bytes hashed, then copied while in L1/L2: 16 KiB measured best */
+
+static int64_t first_bad(struct load *j) { return __atomic_load_n(&j->first_bad, __ATOMIC_RELAXED); }
+
+static void lower_first_bad(struct load *j, int64_t b) {
+    int64_t cur = first_bad(j);
+    while (b < cur && !__atomic_compare_exchange_n(&j->first_bad, &cur, b, 0, __ATOMIC_RELAXED,
+                                                   __ATOMIC_RELAXED)) {}
+}
+
+/* One block: hash then copy each piece of its slot. Returns 1 if the checksum matched. */
+static int one_block(struct load *j, void *state, int64_t b) {
+    const unsigned char *src = (const unsigned char *)(uintptr_t)j->src[b];
+    unsigned char *block = (unsigned char *)(uintptr_t)(j->dst_base + j->dst_block[b] * j->s_block);
+    int64_t rows_per_layer = j->heads * j->tokens;
+    int64_t rows = j->layers * rows_per_layer;
+    int64_t batch = j->row >= PIECE ? 1 : PIECE / j->row;  /* rows hashed together */
+    j->h->reset(state);
+    for (int64_t r = 0; r < rows; r += batch) {
+        int64_t n = rows - r < batch ? rows - r : batch;
+        for (int64_t i = r; i < r + n; i++) {
+            int64_t layer = i / rows_per_layer, rest = i % rows_per_layer;
+            unsigned char *dst = block + layer * j->s_layer + (rest / j->tokens) * j->s_head
+                                 + (rest % j->tokens) * j->s_token;
+            const unsigned char *from = src + i * j->row;
+            if (batch > 1 && i == r)
+                j->h->update(state, from, (size_t)(n * j->row));
+            for (int64_t off = 0; off < j->row; off += PIECE) {
+                size_t len = (size_t)(j->row - off < PIECE ? j->row - off : PIECE);
+                if (batch == 1)
+                    j->h->update(state, from + off, len);
+                memcpy(dst + off, from + off, len);
+            }
+        }
+    }
+    return j->h->digest(state) == j->want[b];
+}
+
+static void *run_part(void *arg) {
+    struct part *p = arg;
+    struct load *j = p->job;
+    void *state = j->h->create();
+    if (state == NULL) { lower_first_bad(j, p->lo); return NULL; }
+    for (int64_t b = p->lo; b < p->hi && b < first_bad(j); b++)
+        if (!one_block(j, state, b)) { lower_first_bad(j, b); break; }
+    j->h->free(state);
+    return NULL;
+}
+
+enum { MAX_THREADS = 64 };
+
+int64_t tierd_load_verified(const struct xxh3 *h, int64_t nblocks, const uint64_t *src,
+                            const int64_t *dst_block, const uint64_t *want, uint64_t dst_base,
+                            int64_t layers, int64_t heads, int64_t tokens, int64_t row,
+                            int64_t s_layer, int64_t s_block, int64_t s_head, int64_t s_token,
+                            int threads) {
+    struct load job = {h, nblocks, src, dst_block, want, dst_base, layers, heads, tokens, row,
+                       s_layer, s_block, s_head, s_token, nblocks};
+    struct part parts[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    if (nblocks <= 0) return 0;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > nblocks) threads = (int)nblocks;
+    for (int t = 0; t < threads; t++) {
+        parts[t] = (struct part){&job, nblocks * t / threads, nblocks * (t + 1) / threads};
+        if (t > 0)
+            started[t] = pthread_create(&ids[t], NULL, run_part, &parts[t]) == 0;
+    }
+    run_part(&parts[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        else run_part(&parts[t]);  /* no thread: do its share here */
+    }
+    return job.first_bad;
+}

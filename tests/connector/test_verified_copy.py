@@ -1,0 +1,139 @@
+"""The one-pass DRAM load (connector/native): every vLLM KV layout, a pool, failures, fallbacks."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierd.checksum import block_checksum
+from tierd.connector.native import build, verified_copy
+from tierd.connector.native.verified_copy import BlockRows, load_verified
+
+needs_cc = pytest.mark.skipif(build.compiler() is None, reason="no C compiler on this machine")
+LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+
+
+def _kv(order: str, layers: int = 3, blocks: int = 9, heads: int = 2, tokens: int = 4,
+        width: int = 24) -> torch.Tensor:
+    """A zeroed buffer in physical axis ``order`` seen as logical ``[L, B, H, N, C]`` bytes."""
+    sizes = {"L": layers, "B": blocks, "H": heads, "N": tokens, "C": width}
+    buffer = torch.zeros([sizes[a] for a in order], dtype=torch.uint8)
+    return buffer.permute([order.index(a) for a in "LBHNC"])
+
+
+def _slots(n: int, kv: torch.Tensor, seed: int) -> tuple[torch.Tensor, list[int]]:
+    """``n`` slots of random bytes in the canonical (layer, head, token) order, and checksums."""
+    block_bytes = kv.shape[0] * kv.shape[2] * kv.shape[3] * kv.shape[4]
+    slots = torch.randint(0, 256, (n, block_bytes), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(seed))
+    return slots, [block_checksum(s.numpy().tobytes()) for s in slots]
+
+
+def _as_blocks(slots: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Slots as ``[L, n, H, N, C]``, comparable with ``kv[:, block_ids]``."""
+    layers, _, heads, tokens, width = kv.shape
+    return slots.view(-1, layers, heads, tokens, width).transpose(0, 1)
+
+
+@needs_cc
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("order", LAYOUTS)
+def test_every_layout_lands_in_canonical_order(order: str, threads: int) -> None:
+    """Five slots into blocks 6, 0, 3, 4, 8 of each of vLLM's layouts: all five verify, each
+    block holds its slot's bytes in the canonical order, no other block is touched."""
+    kv = _kv(order)
+    slots, sums = _slots(5, kv, seed=1)
+    block_ids = [6, 0, 3, 4, 8]
+    got = load_verified(BlockRows.of(kv), [s.data_ptr() for s in slots], block_ids, sums,
+                        threads=threads)
+    assert got == 5
+    assert torch.equal(kv[:, block_ids], _as_blocks(slots, kv))
+    assert int(kv[:, [1, 2, 5, 7]].sum()) == 0
+
+
+@needs_cc
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_counts_leading_blocks_before_the_first_mismatch(threads: int) -> None:
+    """Eight blocks whose slot 5 has one flipped byte: 5 verified and in place, whatever the
+    thread split (a thread past the failure stops, one before it finishes)."""
+    kv = _kv("LBHNC", blocks=8)
+    slots, sums = _slots(8, kv, seed=2)
+    slots[5, 17] ^= 0x01
+    got = load_verified(BlockRows.of(kv), [s.data_ptr() for s in slots], list(range(8)), sums,
+                        threads=threads)
+    assert got == 5
+    assert torch.equal(kv[:, :5], _as_blocks(slots[:5], kv))
+
+
+@needs_cc
+def test_a_pool_of_rows_larger_than_a_piece() -> None:
+    """The reference engine's pool (one 100,000-byte row per block, hashed in 16 KiB pieces):
+    rows 2 and 0 land bit-exact; a wrong checksum for the second stops there."""
+    pool = torch.zeros(3, 100_000, dtype=torch.uint8)
+    slots = torch.randint(0, 256, (2, 100_000), dtype=torch.uint8)
+    sums = [block_checksum(s.numpy().tobytes()) for s in slots]
+    rows, addresses = BlockRows.of(pool), [s.data_ptr() for s in slots]
+    assert load_verified(rows, addresses, [2, 0], sums) == 2
+    assert torch.equal(pool[[2, 0]], slots)
+    assert load_verified(rows, addresses, [2, 0], [sums[0], sums[1] + 1]) == 1
+
+
+def test_layouts_coalesce_to_the_fewest_rows() -> None:
+    """vLLM's CPU layout copies one row per layer and block; block-major BLHNC one per block;
+    FlashAttention's LBNHC needs one per head and token."""
+    lbhnc, blhnc, lbnhc = (BlockRows.of(_kv(o)) for o in ("LBHNC", "BLHNC", "LBNHC"))
+    assert (lbhnc.layers, lbhnc.heads, lbhnc.tokens, lbhnc.row) == (3, 1, 1, 2 * 4 * 24)
+    assert (blhnc.layers, blhnc.heads, blhnc.tokens, blhnc.row) == (1, 1, 1, 3 * 2 * 4 * 24)
+    assert (lbnhc.layers, lbnhc.heads, lbnhc.tokens, lbnhc.row) == (3, 2, 4, 24)
+    assert lbhnc.block_bytes == blhnc.block_bytes == lbnhc.block_bytes == 3 * 2 * 4 * 24
+
+
+def test_bad_arguments_are_refused_before_any_copy() -> None:
+    kv = _kv("LBHNC")
+    rows = BlockRows.of(kv)
+    with pytest.raises(ValueError, match="must lie in"):
+        load_verified(rows, [0], [9], [0])
+    with pytest.raises(ValueError, match="one engine block and one checksum"):
+        load_verified(rows, [0, 1], [0], [0])
+    with pytest.raises(ValueError, match="host uint8"):
+        BlockRows.of(kv.view(torch.int8))
+    with pytest.raises(ValueError, match=r"\[L, B, H, N, C\]"):
+        BlockRows.of(kv[0])
+
+
+def test_without_the_helper_nothing_is_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No native helper (no compiler, TIERD_NATIVE=0): None, and the engine's KV untouched."""
+    monkeypatch.setattr(verified_copy, "_loaded", [None])
+    kv = _kv("LBHNC")
+    slots, sums = _slots(2, kv, seed=3)
+    assert load_verified(BlockRows.of(kv), [s.data_ptr() for s in slots], [0, 1], sums) is None
+    assert int(kv.sum()) == 0
+
+
+def test_disabled_or_uncompilable_helpers_fall_back_with_a_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """TIERD_NATIVE=0 builds nothing; a compiler that fails leaves no library in the cache and
+    logs why; a working one writes ``<stem>-<hash>.so`` there and loads it."""
+    source = tmp_path / "probe.c"
+    source.write_text("int tierd_probe(void) { return 42; }\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("TIERD_NATIVE", "0")
+    assert build.shared_library(source) is None
+    monkeypatch.delenv("TIERD_NATIVE")
+    monkeypatch.setenv("CC", shutil.which("false") or "false")
+    with caplog.at_level(logging.WARNING):
+        assert build.shared_library(source) is None
+    assert "did not compile" in caplog.text
+    assert not list((tmp_path / "cache").rglob("*.so"))
+    if shutil.which("cc") is None:
+        return
+    monkeypatch.setenv("CC", "cc")
+    monkeypatch.setattr(build, "_loaded", {})
+    lib = build.shared_library(source)
+    assert lib is not None and lib.tierd_probe() == 42
+    assert [p.name[:6] for p in (tmp_path / "cache" / "tierd" / "native").glob("*.so")] == \
+        ["probe-"]
