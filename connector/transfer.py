@@ -101,17 +101,19 @@ class ArenaSlots:
         return len(slot_ids)
 
     def load_verified(self, slot_ids: Sequence[int], checksums: Sequence[int], rows: BlockRows,
-                      block_ids: Sequence[int]) -> int | None:
+                      block_ids: Sequence[int], *, threads: int | None = None) -> int | None:
         """Copy slot ``slot_ids[i]`` into engine block ``block_ids[i]`` of ``rows`` while
         checking it against ``checksums[i]``, in one pass (``verified_copy``); how many leading
         blocks verified, or None (nothing copied) where the native helper is unavailable. A
-        block that failed, and those after it, may be partly written: recompute them."""
+        block that failed, and those after it, may be partly written: recompute them.
+        ``threads``: copying threads (default ``torch.get_num_threads()``)."""
         self._check(slot_ids)
         if rows.block_bytes != self.slot_bytes:
             raise ValueError(f"engine blocks of {rows.block_bytes} bytes cannot take slots of "
                              f"{self.slot_bytes}")
         base, offset_of = self._base.data_ptr(), self.geometry.offset
-        return load_verified(rows, [base + offset_of(s) for s in slot_ids], block_ids, checksums)
+        return load_verified(rows, [base + offset_of(s) for s in slot_ids], block_ids, checksums,
+                             threads=threads)
 
     def read_into(self, slot_ids: Sequence[int], pool: torch.Tensor,
                   block_ids: Sequence[int]) -> bool:

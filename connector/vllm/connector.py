@@ -102,8 +102,10 @@ class TierdConnector(KVConnectorBase_V1):
                      for rank in range(size)]
             for link in links:
                 link.connect()
+            # Host KV: SSD hits stream (asynchronous loads); CUDA KV: they are staged.
+            device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
             self._scheduler = SchedulerSide(links, load=self._config.load,
-                                            save=self._config.save)
+                                            save=self._config.save, stream=device == "cpu")
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -188,10 +190,12 @@ class TierdConnector(KVConnectorBase_V1):
             self._worker.finish_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Worker: (None, None): no transfer outlives its step. Forgets finished requests."""
-        if self._worker is not None:
-            self._worker.finished(finished_req_ids)
-        return None, None
+        """Worker: (None, requests whose streamed load ended): saves never outlive their step;
+        a streamed load's failed blocks are load errors of this same step. Stops the streamed
+        loads of ``finished_req_ids`` (aborted) and forgets those requests."""
+        if self._worker is None:
+            return None, None
+        return None, self._worker.finished_loads(finished_req_ids) or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker: block ids whose load failed this step (each reported once)."""
@@ -223,10 +227,13 @@ class TierdConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Scheduler: (tokens tierd holds beyond ``num_computed_tokens`` and has pinned for this
-        request, False). Full blocks only, never the last prompt token; 0 when the daemon is
-        down."""
-        return self._scheduler_side().num_new_matched_tokens(request, num_computed_tokens), False
+        """Scheduler: (tokens tierd holds beyond ``num_computed_tokens`` for this request,
+        whether they load asynchronously). Full blocks only, never the last prompt token; 0 when
+        the daemon is down. A DRAM hit is pinned and loads synchronously; a hit with SSD blocks
+        loads asynchronously with host KV (streamed), or is None until staged with CUDA KV."""
+        side = self._scheduler_side()
+        tokens = side.num_new_matched_tokens(request, num_computed_tokens)
+        return tokens, bool(tokens) and side.streams(request.request_id)
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:

@@ -18,11 +18,15 @@ class LoadSpec:
     """Blocks of one request to fill from tierd this step: ``block_hashes[i]`` goes into vLLM
     block ``block_ids[i]`` (freshly allocated, consecutive positions of the request's chain).
     The scheduler pinned them when it reported the hit; the pin lasts until every worker has
-    reported this load in ``TierdWorkerMetadata.loaded``."""
+    reported this load in ``TierdWorkerMetadata.loaded``. ``stream``: a hit with SSD blocks that
+    vLLM loads asynchronously: not pinned by the scheduler; each worker acquires it chunk by
+    chunk and copies each chunk as the daemon has read it (``streaming``), then reports the
+    request through ``get_finished``."""
 
     req_id: str
     block_ids: list[int]
     block_hashes: list[bytes]
+    stream: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,9 +3,11 @@
 Metadata only (no KV bytes). Per request scheduled from the waiting queue, one ``Lookup`` (the
 tier of each hit, for vLLM's hit-source stats) and one ``Acquire`` per TP rank: **the hit it
 reports is pinned** under a lease, so between this answer and the workers' load only a dead
-daemon can make the load fail. A hit with SSD blocks is not waited for: its Acquires run as
-futures while the daemon stages the blocks into DRAM, and the lookup answers None until they
-resolve (vLLM asks again at its next step). The pin is released on every path: when every
+daemon can make the load fail. A hit with SSD blocks is not waited for. With host KV it is an
+asynchronous load (vLLM's ``load_async``): the workers acquire and copy it chunk by chunk as the
+daemon reads it (``streaming``), and report it through ``get_finished``. With CUDA KV its
+Acquires run as futures while the daemon stages the blocks into DRAM, and the lookup answers
+None until they resolve (vLLM asks again at its next step). The pin is released on every path: when every
 worker has reported the load done (``TierdWorkerMetadata.loaded``), when vLLM allocates no
 external tokens, when the request is looked up again, finishes or is aborted (an abandoned
 staging is released as its Acquires resolve), and at the latest when its lease expires.
@@ -69,6 +71,7 @@ class _Pin:
     reports: int = 0               # workers that reported the load done
     block_ids: list[int] = field(default_factory=list)  # where vLLM loads it (once planned)
     failed_from: int | None = None  # first hit block some worker failed to load
+    stream: bool = False           # loaded asynchronously, the workers acquire it (no leases)
 
 
 _IN_DRAM: tuple[Tier, ...] = ("dram", "hbm")
@@ -101,9 +104,12 @@ class SchedulerSide:
     one looked up)."""
 
     def __init__(self, links: Sequence[DaemonLink], *, load: bool, save: bool,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 stream: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+        """``stream``: hand hits with SSD blocks to the workers as asynchronous loads (host
+        KV: the workers copy each chunk as the daemon reads it); else stage them (CUDA)."""
         assert links, "need one link per TP rank"
         self._links = list(links)
+        self._stream = stream
         self._clock = clock
         self._staging: dict[str, _Staging] = {}
         self._abandoned: list[tuple[int, Future[AcquiredBlocks]]] = []  # (rank, Acquire)
@@ -130,9 +136,11 @@ class SchedulerSide:
         holding the request's last token (vLLM must compute that one to sample). Replaces the
         request's earlier pin. 0 if the daemon is unreachable.
 
-        None while the hit is being staged from SSD into DRAM: the daemon reads it while vLLM
-        schedules other requests (vLLM asks again at its next step), so the scheduler never
-        waits for a disk. Blocks for a Lookup and, for a DRAM hit, an Acquire round trip."""
+        A hit with SSD blocks never makes the scheduler wait for a disk: with ``stream`` it is
+        answered at once as an asynchronous load (``streams``: vLLM parks the request while the
+        workers copy it as the daemon reads it; nothing pinned here); otherwise None while the
+        daemon stages it into DRAM (vLLM asks again at its next step). Blocks for a Lookup and,
+        for a DRAM hit, an Acquire round trip."""
         req_id, bs = request.request_id, self._block_size
         start = -(-num_computed_tokens // bs)
         self._local[req_id] = start
@@ -159,10 +167,17 @@ class SchedulerSide:
                               for link in self._links))
         if end <= start or not all(link.connect() for link in self._links):
             return 0
-        staging = self._stage(start, [BlockHash(h) for h in hashes[start:end]])
-        if staging is None:
+        wanted = [BlockHash(h) for h in hashes[start:end]]
+        tiers = self._look_up(wanted)
+        if not tiers:
             return 0
-        if any(tier not in _IN_DRAM for tier in staging.tiers):
+        hits = wanted[:len(tiers)]
+        on_disk = any(tier not in _IN_DRAM for tier in tiers)
+        if on_disk and self._stream:  # the workers acquire it as they copy it
+            self._pins[req_id] = _Pin(start, hits, list(tiers), [], stream=True)
+            return (start + len(hits)) * bs - num_computed_tokens
+        staging = self._stage(start, hits, tiers)
+        if on_disk:
             self._staging[req_id] = staging
             return None
         pin = self._collect(staging)
@@ -171,18 +186,24 @@ class SchedulerSide:
         self._pins[req_id] = pin
         return (start + len(pin.hashes)) * bs - num_computed_tokens
 
-    def _stage(self, start: int, wanted: list[BlockHash]) -> _Staging | None:
-        """Look ``wanted`` up on rank 0 and start an Acquire of its held prefix on every rank
-        (the daemon stages SSD blocks into DRAM before it answers). None on a miss."""
+    def streams(self, req_id: str) -> bool:
+        """The hit last reported for ``req_id`` is an asynchronous (streamed) load."""
+        pin = self._pins.get(req_id)
+        return pin is not None and pin.stream
+
+    def _look_up(self, wanted: list[BlockHash]) -> list[Tier] | None:
+        """Where rank 0's daemon holds the leading run of ``wanted`` (None if unreachable)."""
         first = self._links[0]
         try:
-            tiers = first.client.lookup(first.engine.engine_id, wanted)
+            return list(first.client.lookup(first.engine.engine_id, wanted))
         except grpc.RpcError as exc:
             first.failed(exc)
             return None
-        if not tiers:
-            return None
-        hits = wanted[:len(tiers)]
+
+    def _stage(self, start: int, hits: list[BlockHash], tiers: list[Tier]) -> _Staging:
+        """Start an Acquire of ``hits`` (rank 0 holds them in ``tiers``) on every rank: one
+        blocking round trip when all are in DRAM, else futures while the daemon stages the SSD
+        blocks into DRAM."""
         if all(tier in _IN_DRAM for tier in tiers):  # no disk read: one blocking round trip
             futures = [_now(link.client.acquire, link.engine.engine_id, hits)
                        for link in self._links]
@@ -190,7 +211,7 @@ class SchedulerSide:
             futures = [link.client.acquire_async(link.engine.engine_id, hits)
                        for link in self._links]
         return _Staging(start, hits, list(tiers), futures,
-                        self._clock() + first.timeout_seconds, self._clock)
+                        self._clock() + self._links[0].timeout_seconds, self._clock)
 
     def _collect(self, staging: _Staging) -> _Pin | None:
         """Wait for ``staging``'s Acquires and pin the prefix every rank holds (the shortest
@@ -290,7 +311,8 @@ class SchedulerSide:
             start = pin.start
             del pin.hashes[count:], pin.tiers[count:]
             pin.block_ids = list(block_ids[start:start + count])
-            self._loads.append(LoadSpec(req_id, pin.block_ids, [bytes(h) for h in pin.hashes]))
+            self._loads.append(LoadSpec(req_id, pin.block_ids, [bytes(h) for h in pin.hashes],
+                                        stream=pin.stream))
         tracked = self._tracked.get(req_id)
         if tracked is None:
             self._tracked[req_id] = _Tracked(request, next_save=start + count)
@@ -363,6 +385,12 @@ class SchedulerSide:
             if first is not None:
                 pin.failed_from = min(first, pin.failed_from if pin.failed_from is not None
                                       else first)
+                tracked = self._tracked.get(req_id)
+                if tracked is not None:  # a streamed load's request has no table here yet
+                    tracked.next_save = min(tracked.next_save, pin.start + first)
+                    self._recomputing.add(req_id)
+                    if len(self._links) > 1:
+                        self._bad_until[req_id] = self._step
             pin.reports += count
             if pin.reports >= len(self._links):
                 self._unpin(req_id)

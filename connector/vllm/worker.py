@@ -59,6 +59,8 @@ from .link import DaemonLink
 from tierd.connector.native.verified_copy import BlockRows
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 from .stats import TierdConnectorStats
+from .streaming import StreamedLoad, Streams
+from tierd.connector.transfer import ArenaSlots
 from tierd.daemon.client import TierdClient
 from tierd.types import BlockHash
 
@@ -145,6 +147,8 @@ class WorkerSide:
         self._open_loads: list[_OpenLoad] = []
         self._waits: DeviceTransfer | None = None  # the transfer holding this step's loads
         self._lease_lost = False                   # a lease of this step's loads ran out
+        self._streams: Streams | None = None       # streamed (asynchronous) loads, host KV
+        self._ended_now: list[StreamedLoad] = []   # streamed loads that ended at their start
         self._device_transfer()                    # register the arena now, not on a copy
 
     def _count(self, name: str, amount: int) -> None:
@@ -162,19 +166,63 @@ class WorkerSide:
         self._step = self._report.step = meta.step
         if meta.verdict is not None:
             self._release_held(*meta.verdict)
-        slot_bytes = self.format.slot_bytes
         for spec in meta.loads:
-            good = self._load_one(spec)
-            failed = spec.block_ids[good:]
-            self._report.loaded[spec.req_id] = 1
-            self._count("loaded_blocks", good)
-            self._count("loaded_bytes", good * slot_bytes)
-            if failed:
-                self._errors.update(failed)
-                self._report.failed.update(failed)
-                self._failed.update(failed)
-                self._poisoned.add(spec.req_id)
-                self._count("failed_blocks", len(failed))
+            if spec.stream:
+                self._start_stream(spec)
+            else:
+                self._account(spec, self._load_one(spec))
+
+    def _account(self, spec: LoadSpec, good: int, cancelled: bool = False) -> None:
+        """Report ``spec``'s load as done with ``good`` leading blocks in place: the rest are
+        load errors (unless vLLM aborted the request) and poison the request's saves."""
+        failed = spec.block_ids[good:]
+        self._report.loaded[spec.req_id] = 1
+        self._count("loaded_blocks", good)
+        self._count("loaded_bytes", good * self.format.slot_bytes)
+        if failed and not cancelled:
+            self._errors.update(failed)
+            self._report.failed.update(failed)
+            self._failed.update(failed)
+            self._poisoned.add(spec.req_id)
+            self._count("failed_blocks", len(failed))
+
+    def _start_stream(self, spec: LoadSpec) -> None:
+        """Begin a streamed load (``streaming``). With the daemon down it fails now, and with
+        CUDA KV too (the scheduler streams only to host KV; CUDA loads are staged instead); it is
+        handed over at the next ``finished_loads`` either way."""
+        link = self.link
+        if self._on_cuda or not spec.block_ids or not link.connect():
+            if self._on_cuda:
+                _log.warning("tierd: a streamed load reached a CUDA worker; vLLM recomputes %s",
+                             spec.req_id)
+            self._ended_now.append(StreamedLoad(spec, ""))
+            return
+        if self._streams is None:
+            config = self._config
+            client = TierdClient(socket_path=config.socket_path, address=config.address,
+                                 token=config.token, timeout=config.timeout_seconds)
+            self._streams = Streams(client, self._stream_copy, self.format.slot_bytes,
+                                    self._clock)
+        self._streams.start(spec, link.engine.engine_id, link.slots, link.arena_tensor)
+
+    def _stream_copy(self, slots: ArenaSlots, arena: torch.Tensor, slot_ids: list[int],
+                     checksums: list[int], block_ids: list[int]) -> int:
+        """Stream thread: one chunk, on one core (the forward pass keeps the others)."""
+        return self._copy_in(slots, arena, slot_ids, checksums, block_ids, threads=1)
+
+    def finished_loads(self, finished_req_ids: Iterable[str]) -> set[str]:
+        """vLLM's ``get_finished``: stop the streamed loads of requests vLLM finished, and
+        hand over (report, count, failed blocks as load errors this step) the streamed loads
+        that ended; their request ids (finished receiving)."""
+        finished = set(finished_req_ids)
+        ended, self._ended_now = self._ended_now, []
+        if self._streams is not None:
+            self._streams.cancel(finished)
+            ended += self._streams.take_finished()
+        for load in ended:
+            self._account(load.spec, load.placed, load.cancelled or load.spec.req_id in finished)
+        self.finished(finished)
+        return {load.spec.req_id for load in ended}
 
     def _load_one(self, spec: LoadSpec) -> int:
         """Load ``spec``'s leading blocks; returns how many were written and are valid."""
@@ -204,7 +252,7 @@ class WorkerSide:
                 _log.warning("tierd: block %d of %s failed its checksum; vLLM recomputes from "
                              "there", good, spec.req_id)
             return good
-        good = self._copy_in(slot_ids, checksums, block_ids, offsets)
+        good = self._copy_in(link.slots, link.arena_tensor, slot_ids, checksums, block_ids)
         in_time = self._clock() < asked + got.seconds_left
         try:
             link.client.release(engine_id, got.lease_id,
@@ -222,20 +270,21 @@ class WorkerSide:
                          good, spec.req_id)
         return good
 
-    def _copy_in(self, slot_ids: list[int], checksums: list[int], block_ids: list[int],
-                 offsets: list[int]) -> int:
+    def _copy_in(self, slots: ArenaSlots, arena: torch.Tensor, slot_ids: list[int],
+                 checksums: list[int], block_ids: list[int], threads: int | None = None) -> int:
         """Host KV: check each leased slot where it lies in the arena and copy the leading
         verified blocks into vLLM's blocks; returns how many verified. One pass where the
         layers share one buffer and the native helper is built (a block that fails may then be
         partly written: it is reported, vLLM recomputes it), else verify, then copy."""
-        slots = self.link.slots
         if self._rows is not None:
-            good = slots.load_verified(slot_ids, checksums, self._rows, block_ids)
+            good = slots.load_verified(slot_ids, checksums, self._rows, block_ids,
+                                       threads=threads)
             if good is not None:
                 return good
         good = slots.verified(slot_ids, checksums)
-        load_blocks(self.link.arena_tensor, self.format, self._kv_bytes,
-                    runs(block_ids[:good], offsets[:good], self.format.slot_bytes), self._stacked)
+        offsets = [slots.geometry.offset(s) for s in slot_ids[:good]]
+        load_blocks(arena, self.format, self._kv_bytes,
+                    runs(block_ids[:good], offsets, self.format.slot_bytes), self._stacked)
         return good
 
     def wait_layer(self, layer_name: str) -> None:
@@ -474,6 +523,8 @@ class WorkerSide:
         self._count("dropped_blocks", sum(sum(h[3]) for h in self._held))
         self._held = []
         self._finish_loads()
+        if self._streams is not None:
+            self._streams.close()
         self.flush()
         self._close_device()
         self._committer.shutdown()

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,6 +147,7 @@ class Engine:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     finish: dict[str, str] = field(default_factory=dict)
     invalid_reported: set[int] = field(default_factory=set)
+    recved: set[str] = field(default_factory=set)  # requests some rank reported as received
     between: Any = None  # called with the engine after schedule(), before the forward pass
     _last: dict[str, int] = field(default_factory=dict)
 
@@ -245,10 +247,14 @@ class Engine:
             for name, tensor in kv.items():
                 w.save_kv_layer(name, tensor, None)
             w.wait_for_save()
-            w.get_finished(out.finished_req_ids)
+            results = w.get_transfer_results(out.finished_req_ids)  # then errors, as vLLM
             invalid = w.get_block_ids_with_load_errors()
             self.invalid_reported |= invalid
-            conn = KVConnectorOutput(invalid_block_ids=invalid,
+            self.recved |= results.finished_recving
+            conn = KVConnectorOutput(finished_sending=results.finished_sending or None,
+                                     finished_recving=results.finished_recving or None,
+                                     failed_recving=results.failed_recving,
+                                     invalid_block_ids=invalid,
                                      kv_connector_stats=w.get_kv_connector_stats(),
                                      kv_connector_worker_meta=w.build_connector_worker_meta())
             w.clear_connector_metadata()
@@ -281,6 +287,8 @@ class Engine:
             if self.between is not None:
                 self.between(self, out)
             result = self._forward(out)
+            if not out.total_num_scheduled_tokens:  # e.g. waiting for a streamed load, as
+                time.sleep(0.001)                   # vLLM's busy loop polls the workers
             if self.config.scheduler_config.async_scheduling:
                 if pending is not None:
                     self._absorb(self.scheduler.update_from_output(*pending))

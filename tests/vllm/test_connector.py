@@ -3,6 +3,7 @@ KV tensors from vLLM's allocator in every layout, a real `tierd serve`."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -301,52 +302,126 @@ def test_fail_policy_warns_naming_recompute(model_dir: str, daemon: Daemon,
 
 
 @pytest.mark.parametrize("daemon", ["demote-all"], indirect=True)
-def test_ssd_hit_is_staged_while_vllm_schedules_on(model_dir: str, daemon: Daemon) -> None:
-    """A prefix held only on SSD: the lookup answers "not yet" (None) while the daemon stages it
-    into DRAM, vLLM skips the request and asks again; then it loads (hit source: disk) and
-    samples the reference tokens."""
-    import time
-
+def test_ssd_hit_streams_while_vllm_schedules_on(model_dir: str, daemon: Daemon) -> None:
+    """A prefix held only on SSD is an asynchronous load: vLLM parks the request
+    (WAITING_FOR_REMOTE_KVS) and schedules another one in the same step; the worker streams the
+    hit in, reports it finished receiving, and the request samples the reference tokens (hit
+    source: disk) with nothing left pinned."""
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    from vllm.v1.request import RequestStatus
 
     from tierd.types import BlockHash
 
     want = baseline(model_dir, daemon, PROMPT)
+    other = [(i * 5 + 1) % 991 for i in range(3 * BLOCK + 2)]
+    want_other = baseline(model_dir, daemon, other)
     first = Engine.start(vllm_config(model_dir, daemon.socket_path))
     second = Engine.start(vllm_config(model_dir, daemon.socket_path))
     answers: list[object] = []
     sources: list[dict[CacheHitSource, int]] = []
+    steps: list[tuple[object, set[str]]] = []
     lookup = second.connector.get_num_new_matched_tokens
     hit_sources = second.connector.get_external_cache_hit_sources
-    second.connector.get_num_new_matched_tokens = (  # type: ignore[method-assign]
-        lambda r, n: answers.append(lookup(r, n)) or answers[-1])
+
+    def spy(request: Any, num_computed: int) -> Any:
+        answer = lookup(request, num_computed)
+        if request.request_id == "b":
+            answers.append(answer)
+        return answer
+
+    second.connector.get_num_new_matched_tokens = spy  # type: ignore[method-assign]
     second.connector.get_external_cache_hit_sources = (  # type: ignore[method-assign]
         lambda r, n: sources.append(hit_sources(r, n)) or sources[-1])
+    second.between = lambda engine, out: steps.append(
+        (engine.scheduler.requests["b"].status if "b" in engine.scheduler.requests else None,
+         set(out.num_scheduled_tokens)))
     try:
         request = make_request("a", PROMPT)
         first.run([request])
-        hashes = [BlockHash(h) for h in request.block_hashes[:6]]
-        wait_on_ssd(daemon, first, hashes)
-        assert second.run([make_request("b", PROMPT)])["b"] == want
-        assert answers[0] == (None, False) and answers[-1] == (6 * BLOCK, False)
+        wait_on_ssd(daemon, first, [BlockHash(h) for h in request.block_hashes[:6]])
+        got = second.run([make_request("b", PROMPT), make_request("c", other)])
+        assert got == {"b": want, "c": want_other}
+        assert answers[0] == (6 * BLOCK, True)
+        assert (RequestStatus.WAITING_FOR_REMOTE_KVS, {"c"}) in steps
         assert sources == [{CacheHitSource.DISK: 6 * BLOCK}]
+        assert second.recved == {"b"} and not second.invalid_reported
         assert second.worker.worker_counters.data["loaded_blocks"] == 6
         assert daemon.pinned_blocks() == 0
-        # a request aborted while its hit is being staged: the Acquire's pin is released
-        from vllm.v1.request import RequestStatus
+    finally:
+        first.close()
+        second.close()
 
-        wait_on_ssd(daemon, first, hashes)
-        third = Engine.start(vllm_config(model_dir, daemon.socket_path))  # nothing cached
-        third.scheduler.add_request(make_request("gone", PROMPT))
-        assert not third.scheduler.schedule().total_num_scheduled_tokens  # staging: skipped
-        third.scheduler.finish_requests("gone", RequestStatus.FINISHED_ABORTED)
-        for _ in range(200):  # readiness wait: the abandoned Acquire resolves, then is released
-            third.scheduler.schedule()
-            if daemon.pinned_blocks() == 0:
-                break
-            time.sleep(0.01)
+
+@pytest.mark.parametrize("daemon", ["demote-all"], indirect=True)
+def test_streamed_load_failure_is_recomputed(model_dir: str, daemon: Daemon) -> None:
+    """A streamed load whose fourth block does not verify: the worker reports the request
+    finished receiving and blocks 3-5 as load errors in the same step; vLLM recomputes them and
+    samples the reference tokens; nothing computed on the bad block is stored, so a third engine
+    loads the whole prompt and samples them too."""
+    from tierd.types import BlockHash
+
+    longer = PROMPT[:6 * BLOCK] + [(i * 3 + 2) % 991 for i in range(2 * BLOCK + 3)]
+    want = baseline(model_dir, daemon, longer)
+    first = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    worker = second.worker._worker
+    real = worker._stream_copy
+
+    def one_bad(slots, arena, slot_ids, checksums, block_ids):  # type: ignore[no-untyped-def]
+        return real(slots, arena, slot_ids, checksums[:3] + [checksums[3] ^ 1] + checksums[4:],
+                    block_ids)
+
+    worker._stream_copy = one_bad
+    worker._streams = None  # built on the first stream, with the patched copy
+    try:
+        request = make_request("a", PROMPT[:6 * BLOCK + 1])
+        first.run([request])
+        wait_on_ssd(daemon, first, [BlockHash(h) for h in request.block_hashes[:6]])
+        assert second.run([make_request("b", longer)])["b"] == want
+        assert second.recved == {"b"} and len(second.invalid_reported) == 3
+        counters = second.worker.worker_counters.data
+        assert counters["loaded_blocks"] == 3 and counters["failed_blocks"] == 3
+        third = Engine.start(vllm_config(model_dir, daemon.socket_path))
+        try:
+            assert third.run([make_request("c", longer)])["c"] == want
+            assert third.worker.worker_counters.data["loaded_blocks"] == 8
+        finally:
+            third.close()
         assert daemon.pinned_blocks() == 0
-        third.close()
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.parametrize("daemon", ["demote-all"], indirect=True)
+def test_request_aborted_while_its_hit_streams(model_dir: str, daemon: Daemon) -> None:
+    """A request aborted after its streamed load started: vLLM keeps its blocks until the
+    worker reports the load ended, then frees them; no lease is left behind."""
+    from vllm.v1.request import RequestStatus
+
+    from tierd.types import BlockHash
+
+    first = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    try:
+        request = make_request("a", PROMPT)
+        first.run([request])
+        wait_on_ssd(daemon, first, [BlockHash(h) for h in request.block_hashes[:6]])
+        second.scheduler.add_request(make_request("gone", PROMPT))
+        out = second.scheduler.schedule()
+        assert [load.stream for load in out.kv_connector_metadata.loads] == [True]
+        result = second._forward(out)  # the worker starts streaming
+        second.scheduler.finish_requests("gone", RequestStatus.FINISHED_ABORTED)
+        second.scheduler.update_from_output(out, result)
+        for _ in range(500):
+            out = second.scheduler.schedule()
+            second.scheduler.update_from_output(out, second._forward(out))
+            if "gone" not in second.scheduler.requests:
+                break
+            time.sleep(0.002)
+        assert "gone" not in second.scheduler.requests and second.recved == {"gone"}
+        assert second.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+        assert daemon.pinned_blocks() == 0
     finally:
         first.close()
         second.close()
