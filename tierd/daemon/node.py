@@ -7,10 +7,11 @@ SSD I/O only. Keys: ``make_key(namespace_for(tenant, layout), block_hash)``, so 
 and tenants never share an entry. Which copy moves and how it is counted: ``lru.TierIndex``.
 
 Policy (documented in docs/daemon.md):
-- ``commit`` publishes reserved slots as DRAM blocks. ``maintain`` (the flusher): above the high
-  watermark of DRAM occupancy (allocated slot bytes / arena bytes, reserved slots included) the
-  LRU unpinned blocks go to SSD until the low watermark (blocks under ``ssd_min_hits`` hits, or
-  that the SSD cannot take, are evicted); the SSD makes room by dropping its own LRU blocks.
+- ``commit`` publishes reserved slots as DRAM blocks (``writes``). ``maintain`` (the flusher):
+  above the high watermark of DRAM occupancy (allocated slot bytes / arena bytes, reserved slots
+  included) the LRU unpinned blocks go to SSD until the low watermark (blocks under
+  ``ssd_min_hits`` hits, or that the SSD cannot take, are evicted); the SSD makes room by
+  dropping its own LRU blocks.
 - ``reserve`` and ``acquire`` never wait on a write: short of a slot they evict LRU unpinned DRAM
   blocks synchronously, this size class first (a block with an SSD copy is merely demoted).
 - An SSD hit in ``acquire`` is read into a fresh DRAM slot (``promotion``); the SSD copy is
@@ -44,7 +45,8 @@ from tierd.daemon.node_types import EngineInfo, Lease, LookupResult, NodeConfig,
 from tierd.daemon.promotion import Promoter, Promotion
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.writebehind import Flushed, WriteBehind
-from tierd.events import BlockStored, EventLog, KVEvent
+from tierd.daemon.writes import Reservations
+from tierd.events import EventLog, KVEvent
 from tierd.types import BlockHash, NamespacedKey, Tier, make_key, make_keys
 
 if TYPE_CHECKING:
@@ -59,10 +61,6 @@ log = logging.getLogger(__name__)
 
 EMPTY_LEASE = ""
 """The lease id of an acquire that pinned nothing: never stored (no pile of miss leases)."""
-
-MAX_FILTERED_QUERY_TOKENS = 1 << 40
-"""Most ``filtered_query_tokens`` one Reserve may report (about 10^12: hours of lookups of a
-fast engine); more is INVALID_ARGUMENT, so no caller can overflow the node's counters."""
 
 
 class NodeStore:
@@ -88,7 +86,9 @@ class NodeStore:
         self._engines = EngineTable(config.engines)
         self._engine_gone: Callable[[str], None] = lambda engine_id: None
         self._leases = LeaseTable(remember_seconds=config.lease_seconds)
-        self._writing: dict[NamespacedKey, str] = {}   # reserved key -> its write lease id
+        self._reservations = Reservations(self._t, self._leases, config.lease_seconds,
+                                          self._expire, clock)
+        self._writing = self._reservations.writing  # reserved key -> its write lease id
         self._inflight_pins: Counter[NamespacedKey] = Counter()  # pins of acquires in progress
         self._promoter = Promoter(self._t, arena, ssd, self._writing, self._inflight_pins, clock)
         self._promoting = self._promoter.active
@@ -332,37 +332,8 @@ class NodeStore:
         With no free slot, LRU unpinned DRAM blocks are evicted synchronously. Never blocks.
         """
         info = self._engine(engine_id)
-        keys = self._keys(info, hashes)
-        if not 0 <= filtered_query_tokens <= MAX_FILTERED_QUERY_TOKENS:
-            raise ValueError(f"filtered_query_tokens {filtered_query_tokens} is over 2^40, the "
-                             "most one Reserve may report: send the count since the last Reserve")
-        if filtered_query_tokens:
-            self._n.queries += filtered_query_tokens
-            self.metrics.queries.inc(filtered_query_tokens)
-        now = self._clock()
-        self._expire(now)
-        lease_id = new_lease_id()
-        slot_bytes = info.geometry.slot_bytes
-        slots: list[int | None] = []
-        stored: list[bool] = []
-        room = True
-        for key in keys:
-            on_node = key in self._t.dram or (self._t.ssd_up and key in self._t.disk)
-            stored.append(on_node)
-            slot = None
-            if not on_node and room and key not in self._writing:
-                last_access = self._t.ghosts.pop(key, None)
-                if last_access is not None:
-                    self.metrics.reuse_gap.observe(max(0.0, now - last_access))
-                slot = self._t.allocate(slot_bytes, now)
-                room = slot is not None
-                if slot is not None:
-                    self._writing[key] = lease_id
-            slots.append(slot)
-        deadline = now + self._config.lease_seconds
-        self._leases.add(WriteLease(lease_id, engine_id, deadline, info.namespace,
-                                    info.layout.block_size, slot_bytes, list(hashes), slots))
-        return Reservation(lease_id, deadline, slots, stored, self._config.lease_seconds)
+        return self._reservations.reserve(info, hashes, self._keys(info, hashes),
+                                          filtered_query_tokens)
 
     def commit(self, lease_id: str, checksums: Sequence[int | None], *,
                engine_id: str | None = None) -> int:
@@ -371,75 +342,20 @@ class NodeStore:
         failed) frees its slot. Returns the blocks stored. NotFound if unknown (or, with
         ``engine_id``, another engine's); FailedPrecondition after expiry, commit or abort;
         ValueError for bad checksums."""
-        now = self._clock()
-        lease = self._write_lease(lease_id, engine_id, len(checksums), "checksum (or None)")
-        for i, c in enumerate(checksums):
-            if c is not None and not (isinstance(c, int) and 0 <= c < 1 << 64):
-                raise ValueError(f"checksum #{i} must be an unsigned 64-bit int, got {c!r}")
-        self._leases.finish(lease_id, "committed")
-        run: list[BlockHash] = []
-        parent: BlockHash | None = None
-        count, ns = 0, lease.namespace
-        for i, (block_hash, slot, checksum) in enumerate(zip(lease.hashes, lease.slots,
-                                                            checksums)):
-            if slot is not None:
-                key = make_key(lease.namespace, block_hash)
-                del self._writing[key]
-                if checksum is None:
-                    self._t.alloc.free(lease.slot_bytes, slot)
-                else:
-                    self._t.dram.add(key, DramBlock(lease.namespace, block_hash, lease.slot_bytes,
-                                                  slot, checksum, created=now, last_access=now))
-                    if not run:
-                        parent = lease.hashes[i - 1] if i > 0 else None
-                    run.append(block_hash)
-                    count += 1
-                    continue
-            if run:
-                self._t.emit(BlockStored(tuple(run), parent, "dram", lease.block_size), ns)
-                run = []
-        if run:
-            self._t.emit(BlockStored(tuple(run), parent, "dram", lease.block_size), ns)
-        return count
+        return self._reservations.commit(lease_id, checksums, engine_id)
 
     def commit_written(self, lease_id: str, written: Sequence[bool], *,
                        engine_id: str | None = None) -> int:
         """``commit`` for an engine that leaves checksums to the daemon: ``written[i]`` says the
         i-th reserved slot was written; the daemon checksums those bytes itself (blocking for
         one xxh3 pass over them, ~10 GB/s and more). Same errors as ``commit``."""
-        lease = self._write_lease(lease_id, engine_id, len(written), "written flag")
-        geometry = self._t.alloc.geometry(lease.slot_bytes)
-        checksums: list[int | None] = [
-            block_checksum(self._arena.view(geometry.offset(slot), lease.slot_bytes))
-            if wrote and slot is not None else None
-            for wrote, slot in zip(written, lease.slots)]
-        return self.commit(lease_id, checksums, engine_id=engine_id)
-
-    def _write_lease(self, lease_id: str, engine_id: str | None, entries: int,
-                     what: str) -> WriteLease:
-        """The live reservation a Commit names, after expiring overdue leases; ``entries``
-        (each a ``what``) must match its hashes (ValueError), a read lease is
-        FailedPrecondition."""
-        self._expire(self._clock())
-        lease = self._leases.get(lease_id, engine_id)
-        if not isinstance(lease, WriteLease):
-            raise FailedPrecondition(f"lease {clip(lease_id)} is a read lease: release it")
-        if entries != len(lease.hashes):
-            raise ValueError(f"commit needs one {what} per reserved hash: {entries} given, "
-                             f"{len(lease.hashes)} reserved")
-        return lease
+        return self._reservations.commit_written(lease_id, written, engine_id)
 
     def abort(self, lease_id: str, *, engine_id: str | None = None) -> None:
         """Free a reservation's slots. Idempotent after abort or expiry (while the lease is
         remembered: ``lease_seconds`` past its deadline); NotFound if unknown
         (or, with ``engine_id``, another engine's); FailedPrecondition after commit."""
-        self._expire(self._clock())
-        if self._leases.ending(lease_id) in ("aborted", "expired", "unregistered"):
-            return
-        lease = self._leases.get(lease_id, engine_id)
-        if not isinstance(lease, WriteLease):
-            raise FailedPrecondition(f"lease {clip(lease_id)} is a read lease: release it")
-        self._end(self._leases.finish(lease_id, "aborted"))
+        self._reservations.abort(lease_id, engine_id)
 
     def report_hbm(self, engine_id: str, stored: Sequence[BlockHash],
                    removed: Sequence[BlockHash], cleared: bool = False) -> None:
@@ -593,10 +509,7 @@ class NodeStore:
                 assert block is not None and block.pins > 0, f"{key.hex()}: unpin without a pin"
                 block.pins -= 1
             return
-        for block_hash, slot in zip(lease.hashes, lease.slots):
-            if slot is not None:
-                del self._writing[make_key(lease.namespace, block_hash)]
-                self._t.alloc.free(lease.slot_bytes, slot)
+        self._reservations.free(lease)
 
     def _pin_inflight(self, key: NamespacedKey) -> None:
         block = self._t.dram.get(key)

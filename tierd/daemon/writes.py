@@ -1,0 +1,158 @@
+"""Writes: the arena slots an engine reserves to store blocks in, and their commit or abort.
+
+``Reservations.reserve`` gives each block not yet on the node a fresh DRAM slot (evicting LRU
+unpinned DRAM blocks when none is free, never waiting on a write) and holds the slots under one
+write lease; the node records which lease is writing each key (``writing``), so no second lease
+and no SSD promotion lands on it meanwhile. The engine copies its bytes into the slots, then
+``commit`` publishes every slot it wrote as a DRAM block (one ``BlockStored(tier="dram")`` per
+consecutive run) and frees the others; ``commit_written`` does the same for an engine that
+leaves the checksums to the daemon. ``abort``, expiry and unregistering free the slots
+(``free``). The node store resolves the engine, scopes its hashes and expires overdue leases;
+this module owns what a write lease holds, from its reservation to its end.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tierd.checksum import block_checksum
+from tierd.daemon.errors import FailedPrecondition, clip
+from tierd.daemon.leases import LeaseTable, WriteLease, new_lease_id
+from tierd.daemon.lru import DramBlock, TierIndex
+from tierd.daemon.node_types import EngineInfo, Reservation
+from tierd.events import BlockStored
+from tierd.types import BlockHash, NamespacedKey, make_key
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+MAX_FILTERED_QUERY_TOKENS = 1 << 40
+"""Most ``filtered_query_tokens`` one Reserve may report (about 10^12: hours of lookups of a
+fast engine); more is INVALID_ARGUMENT, so no caller can overflow the node's counters."""
+
+
+class Reservations:
+    """The node's write leases and the keys they are writing. Not thread-safe: one event loop.
+
+    ``leases`` is the node store's lease table and ``expire(now)`` its way of ending overdue
+    leases (read and write), shared; ``writing`` (reserved key -> its write lease id) is shared
+    with the promoter. The node store's ``reserve``, ``commit``, ``commit_written`` and
+    ``abort`` say what each call does and raises."""
+
+    def __init__(self, tiers: TierIndex, leases: LeaseTable, lease_seconds: float,
+                 expire: Callable[[float], None], clock: Callable[[], float]) -> None:
+        self._t, self._leases, self._lease_seconds = tiers, leases, lease_seconds
+        self._expire, self._clock = expire, clock
+        self.writing: dict[NamespacedKey, str] = {}
+
+    def reserve(self, info: EngineInfo, hashes: Sequence[BlockHash],
+                keys: Sequence[NamespacedKey], filtered_query_tokens: int) -> Reservation:
+        """``NodeStore.reserve`` for a known engine; ``keys[i]`` is ``hashes[i]`` scoped."""
+        if not 0 <= filtered_query_tokens <= MAX_FILTERED_QUERY_TOKENS:
+            raise ValueError(f"filtered_query_tokens {filtered_query_tokens} is over 2^40, the "
+                             "most one Reserve may report: send the count since the last Reserve")
+        t = self._t
+        if filtered_query_tokens:
+            t.counts.queries += filtered_query_tokens
+            t.metrics.queries.inc(filtered_query_tokens)
+        now = self._clock()
+        self._expire(now)
+        lease_id = new_lease_id()
+        slot_bytes = info.geometry.slot_bytes
+        slots: list[int | None] = []
+        stored: list[bool] = []
+        room = True
+        for key in keys:
+            on_node = key in t.dram or (t.ssd_up and key in t.disk)
+            stored.append(on_node)
+            slot = None
+            if not on_node and room and key not in self.writing:
+                last_access = t.ghosts.pop(key, None)
+                if last_access is not None:
+                    t.metrics.reuse_gap.observe(max(0.0, now - last_access))
+                slot = t.allocate(slot_bytes, now)
+                room = slot is not None
+                if slot is not None:
+                    self.writing[key] = lease_id
+            slots.append(slot)
+        deadline = now + self._lease_seconds
+        self._leases.add(WriteLease(lease_id, info.engine_id, deadline, info.namespace,
+                                    info.layout.block_size, slot_bytes, list(hashes), slots))
+        return Reservation(lease_id, deadline, slots, stored, self._lease_seconds)
+
+    def commit(self, lease_id: str, checksums: Sequence[int | None],
+               engine_id: str | None) -> int:
+        """``NodeStore.commit``: publish the checksummed slots, free the others."""
+        now = self._clock()
+        lease = self._write_lease(lease_id, engine_id, len(checksums), "checksum (or None)")
+        for i, c in enumerate(checksums):
+            if c is not None and not (isinstance(c, int) and 0 <= c < 1 << 64):
+                raise ValueError(f"checksum #{i} must be an unsigned 64-bit int, got {c!r}")
+        self._leases.finish(lease_id, "committed")
+        run: list[BlockHash] = []
+        parent: BlockHash | None = None
+        count, ns = 0, lease.namespace
+        for i, (block_hash, slot, checksum) in enumerate(zip(lease.hashes, lease.slots,
+                                                            checksums)):
+            if slot is not None:
+                key = make_key(lease.namespace, block_hash)
+                del self.writing[key]
+                if checksum is None:
+                    self._t.alloc.free(lease.slot_bytes, slot)
+                else:
+                    self._t.dram.add(key, DramBlock(lease.namespace, block_hash, lease.slot_bytes,
+                                                  slot, checksum, created=now, last_access=now))
+                    if not run:
+                        parent = lease.hashes[i - 1] if i > 0 else None
+                    run.append(block_hash)
+                    count += 1
+                    continue
+            if run:
+                self._t.emit(BlockStored(tuple(run), parent, "dram", lease.block_size), ns)
+                run = []
+        if run:
+            self._t.emit(BlockStored(tuple(run), parent, "dram", lease.block_size), ns)
+        return count
+
+    def commit_written(self, lease_id: str, written: Sequence[bool],
+                       engine_id: str | None) -> int:
+        """``NodeStore.commit_written``: checksum the written slots' bytes, then ``commit``."""
+        lease = self._write_lease(lease_id, engine_id, len(written), "written flag")
+        geometry = self._t.alloc.geometry(lease.slot_bytes)
+        checksums: list[int | None] = [
+            block_checksum(self._t.arena.view(geometry.offset(slot), lease.slot_bytes))
+            if wrote and slot is not None else None
+            for wrote, slot in zip(written, lease.slots)]
+        return self.commit(lease_id, checksums, engine_id)
+
+    def abort(self, lease_id: str, engine_id: str | None) -> None:
+        """``NodeStore.abort``: free the reservation's slots (idempotent after its end)."""
+        self._expire(self._clock())
+        if self._leases.ending(lease_id) in ("aborted", "expired", "unregistered"):
+            return
+        lease = self._leases.get(lease_id, engine_id)
+        if not isinstance(lease, WriteLease):
+            raise FailedPrecondition(f"lease {clip(lease_id)} is a read lease: release it")
+        self._leases.finish(lease_id, "aborted")
+        self.free(lease)
+
+    def free(self, lease: WriteLease) -> None:
+        """Free the slots of an already finished write lease (aborted, expired, unregistered)."""
+        for block_hash, slot in zip(lease.hashes, lease.slots):
+            if slot is not None:
+                del self.writing[make_key(lease.namespace, block_hash)]
+                self._t.alloc.free(lease.slot_bytes, slot)
+
+    def _write_lease(self, lease_id: str, engine_id: str | None, entries: int,
+                     what: str) -> WriteLease:
+        """The live reservation a Commit names, after expiring overdue leases; ``entries``
+        (each a ``what``) must match its hashes (ValueError), a read lease is
+        FailedPrecondition."""
+        self._expire(self._clock())
+        lease = self._leases.get(lease_id, engine_id)
+        if not isinstance(lease, WriteLease):
+            raise FailedPrecondition(f"lease {clip(lease_id)} is a read lease: release it")
+        if entries != len(lease.hashes):
+            raise ValueError(f"commit needs one {what} per reserved hash: {entries} given, "
+                             f"{len(lease.hashes)} reserved")
+        return lease
