@@ -12,12 +12,20 @@
  * bytes of a block that failed, and of any block after it, may have been copied and must not be
  * used (the caller reports them failed, and the engine recomputes them).
  *
+ * A large load writes the engine's KV with non-temporal stores (SSE2, 16-byte aligned rows):
+ * a regular store first reads each destination line into the cache (read for ownership), a
+ * third memory pass that the engine does not need, since the KV it loads is far larger than
+ * the cache. Small loads use memcpy, so what the forward pass reads next stays in cache.
+ *
  * xxh3 comes in as function pointers from the python-xxhash extension already loaded in the
  * process (the same code that computed the stored checksums), so nothing here links a library.
  */
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 typedef void *(*create_fn)(void);
 typedef int (*free_fn)(void *);
@@ -37,11 +45,38 @@ struct load {
     int64_t layers, heads, tokens, row;
     int64_t s_layer, s_block, s_head, s_token;
     int64_t first_bad;         /* shared: lowest failed block index, nblocks if none */
+    int stream;                /* non-temporal stores (a load of at least STREAM_MIN bytes) */
 };
 
 struct part { struct load *job; int64_t lo, hi; };
 
 enum { PIECE = 16 * 1024 };  /* bytes hashed, then copied while in L1/L2: 16 KiB measured best */
+enum { STREAM_MIN = 8 << 20 };  /* loads of at least this many bytes use non-temporal stores */
+
+/* Copy one piece; with `stream`, non-temporal stores where dst is 16-byte aligned. */
+static void copy_piece(unsigned char *dst, const unsigned char *src, size_t len, int stream) {
+#if defined(__SSE2__)
+    if (stream && len >= 64 && ((uintptr_t)dst & 15) == 0) {
+        size_t n = len & ~(size_t)63;
+        for (size_t i = 0; i < n; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+            _mm_stream_si128((__m128i *)(dst + i), a);
+            _mm_stream_si128((__m128i *)(dst + i + 16), b);
+            _mm_stream_si128((__m128i *)(dst + i + 32), c);
+            _mm_stream_si128((__m128i *)(dst + i + 48), d);
+        }
+        if (n < len)
+            memcpy(dst + n, src + n, len - n);
+        return;
+    }
+#else
+    (void)stream;
+#endif
+    memcpy(dst, src, len);
+}
 
 static int64_t first_bad(struct load *j) { return __atomic_load_n(&j->first_bad, __ATOMIC_RELAXED); }
 
@@ -72,7 +107,7 @@ static int one_block(struct load *j, void *state, int64_t b) {
                 size_t len = (size_t)(j->row - off < PIECE ? j->row - off : PIECE);
                 if (batch == 1)
                     j->h->update(state, from + off, len);
-                memcpy(dst + off, from + off, len);
+                copy_piece(dst + off, from + off, len, j->stream);
             }
         }
     }
@@ -87,6 +122,9 @@ static void *run_part(void *arg) {
     for (int64_t b = p->lo; b < p->hi && b < first_bad(j); b++)
         if (!one_block(j, state, b)) { lower_first_bad(j, b); break; }
     j->h->free(state);
+#if defined(__SSE2__)
+    _mm_sfence();  /* the non-temporal stores are visible before the caller is told */
+#endif
     return NULL;
 }
 
@@ -98,7 +136,8 @@ int64_t tierd_load_verified(const struct xxh3 *h, int64_t nblocks, const uint64_
                             int64_t s_layer, int64_t s_block, int64_t s_head, int64_t s_token,
                             int threads) {
     struct load job = {h, nblocks, src, dst_block, want, dst_base, layers, heads, tokens, row,
-                       s_layer, s_block, s_head, s_token, nblocks};
+                       s_layer, s_block, s_head, s_token, nblocks,
+                       nblocks * layers * heads * tokens * row >= STREAM_MIN};
     struct part parts[MAX_THREADS];
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS] = {0};

@@ -82,6 +82,24 @@ def test_a_pool_of_rows_larger_than_a_piece() -> None:
     assert load_verified(rows, addresses, [2, 0], [sums[0], sums[1] + 1]) == 1
 
 
+@needs_cc
+@pytest.mark.parametrize("skew", [0, 1], ids=["aligned", "unaligned"])
+def test_a_large_load_is_exact_with_streaming_stores(skew: int) -> None:
+    """Five blocks of 2 MiB + 48 bytes (10 MiB: past the non-temporal-store threshold; 48: a
+    tail under one 64-byte store) into 16-byte-aligned pool rows, or rows one byte off (plain
+    copies): bit-exact either way, and a flipped byte in the third block stops the count."""
+    width = (2 << 20) + 48
+    pool = torch.zeros(6, width + 16, dtype=torch.uint8)[:, skew:skew + width]
+    slots = torch.randint(0, 256, (5, width), dtype=torch.uint8)
+    sums = [block_checksum(s.numpy().tobytes()) for s in slots]
+    rows, addresses = BlockRows.of(pool), [s.data_ptr() for s in slots]
+    assert load_verified(rows, addresses, [5, 0, 1, 2, 3], sums) == 5
+    assert torch.equal(pool[[5, 0, 1, 2, 3]], slots)
+    assert int(pool[4].sum()) == 0
+    slots[2, width // 2] ^= 0x40
+    assert load_verified(rows, addresses, [5, 0, 1, 2, 3], sums) == 2
+
+
 def test_layouts_coalesce_to_the_fewest_rows() -> None:
     """vLLM's CPU layout copies one row per layer and block; block-major BLHNC one per block;
     FlashAttention's LBNHC needs one per head and token."""
