@@ -136,6 +136,15 @@ class ShmArena:
         finally:
             del anchor
 
+    def address(self, offset: int, length: int) -> int:
+        """The address of ``[offset, offset + length)`` in this process's mapping, for native
+        code that reads it while the arena stays open; ValueError as ``view``."""
+        anchor = ctypes.c_char.from_buffer(self.view(offset, length))
+        try:
+            return ctypes.addressof(anchor)
+        finally:
+            del anchor
+
     def view(self, offset: int, length: int) -> memoryview:
         """A writable view of ``[offset, offset + length)``: no copy, valid until ``close``.
 

@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from tierd.checksum import block_checksum
+from tierd.checksum import block_checksum, checksums_at
 from tierd.daemon.engines import EngineTable
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, clip
 from tierd.daemon.layout import Layout, namespace_for
@@ -344,12 +344,20 @@ class NodeStore:
         ValueError for bad checksums."""
         return self._reservations.commit(lease_id, checksums, engine_id)
 
+    def written_spans(self, lease_id: str, written: Sequence[bool], *,
+                      engine_id: str | None = None) -> list[tuple[int, int] | None]:
+        """For an engine that leaves checksums to the daemon: ``written[i]`` says the i-th
+        reserved slot was written; returns where each written slot lies in the arena (address,
+        length; None for the others) for ``checksums_at``, whose results go to ``commit``. Same
+        errors as ``commit`` (checked now and again at the commit: a lease may end meanwhile)."""
+        return self._reservations.written_spans(lease_id, written, engine_id)
+
     def commit_written(self, lease_id: str, written: Sequence[bool], *,
                        engine_id: str | None = None) -> int:
-        """``commit`` for an engine that leaves checksums to the daemon: ``written[i]`` says the
-        i-th reserved slot was written; the daemon checksums those bytes itself (blocking for
-        one xxh3 pass over them, ~10 GB/s and more). Same errors as ``commit``."""
-        return self._reservations.commit_written(lease_id, written, engine_id)
+        """``written_spans``, their checksums and ``commit`` in one call, blocking for one xxh3
+        pass over the written bytes (the server hashes off its event loop instead)."""
+        spans = self.written_spans(lease_id, written, engine_id=engine_id)
+        return self.commit(lease_id, checksums_at(spans), engine_id=engine_id)
 
     def abort(self, lease_id: str, *, engine_id: str | None = None) -> None:
         """Free a reservation's slots. Idempotent after abort or expiry (while the lease is

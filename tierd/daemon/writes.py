@@ -5,8 +5,9 @@ unpinned DRAM blocks when none is free, never waiting on a write) and holds the 
 write lease; the node records which lease is writing each key (``writing``), so no second lease
 and no SSD promotion lands on it meanwhile. The engine copies its bytes into the slots, then
 ``commit`` publishes every slot it wrote as a DRAM block (one ``BlockStored(tier="dram")`` per
-consecutive run) and frees the others; ``commit_written`` does the same for an engine that
-leaves the checksums to the daemon. ``abort``, expiry and unregistering free the slots
+consecutive run) and frees the others; for an engine that leaves the checksums to the daemon,
+``written_spans`` names where its written slots lie, to be hashed (off the event loop), then
+committed. ``abort``, expiry and unregistering free the slots
 (``free``). The node store resolves the engine, scopes its hashes and expires overdue leases;
 this module owns what a write lease holds, from its reservation to its end.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tierd.checksum import block_checksum
 from tierd.daemon.errors import FailedPrecondition, clip
 from tierd.daemon.leases import LeaseTable, WriteLease, new_lease_id
 from tierd.daemon.lru import DramBlock, TierIndex
@@ -36,7 +36,7 @@ class Reservations:
 
     ``leases`` is the node store's lease table and ``expire(now)`` its way of ending overdue
     leases (read and write), shared; ``writing`` (reserved key -> its write lease id) is shared
-    with the promoter. The node store's ``reserve``, ``commit``, ``commit_written`` and
+    with the promoter. The node store's ``reserve``, ``commit``, ``written_spans`` and
     ``abort`` say what each call does and raises."""
 
     def __init__(self, tiers: TierIndex, leases: LeaseTable, lease_seconds: float,
@@ -114,16 +114,14 @@ class Reservations:
             self._t.emit(BlockStored(tuple(run), parent, "dram", lease.block_size), ns)
         return count
 
-    def commit_written(self, lease_id: str, written: Sequence[bool],
-                       engine_id: str | None) -> int:
-        """``NodeStore.commit_written``: checksum the written slots' bytes, then ``commit``."""
+    def written_spans(self, lease_id: str, written: Sequence[bool], engine_id: str | None
+                      ) -> list[tuple[int, int] | None]:
+        """``NodeStore.written_spans``: (address, length) in the arena of each written slot."""
         lease = self._write_lease(lease_id, engine_id, len(written), "written flag")
         geometry = self._t.alloc.geometry(lease.slot_bytes)
-        checksums: list[int | None] = [
-            block_checksum(self._t.arena.view(geometry.offset(slot), lease.slot_bytes))
-            if wrote and slot is not None else None
-            for wrote, slot in zip(written, lease.slots)]
-        return self.commit(lease_id, checksums, engine_id)
+        return [(self._t.arena.address(geometry.offset(slot), lease.slot_bytes), lease.slot_bytes)
+                if wrote and slot is not None else None
+                for wrote, slot in zip(written, lease.slots)]
 
     def abort(self, lease_id: str, engine_id: str | None) -> None:
         """``NodeStore.abort``: free the reservation's slots (idempotent after its end)."""

@@ -1,0 +1,23 @@
+"""The block checksum and its GIL-free form agree, byte for byte."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+from tierd.checksum import block_checksum, checksums_at
+
+
+def test_checksums_at_match_block_checksum() -> None:
+    """Spans of 0, 1, 16 KiB + 3 and 2 MiB bytes (and a None) hash as ``block_checksum`` of
+    the same bytes; one flipped byte changes its span's checksum only."""
+    sizes = [0, 1, (16 << 10) + 3, 2 << 20]
+    buffers = [ctypes.create_string_buffer(os.urandom(n), n) if n else
+               ctypes.create_string_buffer(1) for n in sizes]
+    spans: list[tuple[int, int] | None] = [(ctypes.addressof(b), n)
+                                           for b, n in zip(buffers, sizes)]
+    want = [block_checksum(bytes(b)[:n]) for b, n in zip(buffers, sizes)]
+    assert checksums_at(spans + [None]) == want + [None]
+    buffers[2][100] = bytes([buffers[2].raw[100] ^ 1])
+    got = checksums_at(spans)
+    assert got[2] != want[2] and got[:2] + got[3:] == want[:2] + want[3:]
