@@ -53,7 +53,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="llama3-8b",
                         help="model shape (llama3-8b: 2 MiB blocks; llama3-70b: 5 MiB)")
     parser.add_argument("--tokens", type=int, default=2048, help="prefix length (2048; "
-                        "32768 for a long prompt: 4 GiB on llama3-8b, needs ~14 GiB RAM)")
+                        "32768 for a long prompt: 4 GiB on llama3-8b, ~17 GiB RAM at peak)")
     parser.add_argument("--layout", default="LBHNC", choices=LAYOUTS,
                         help="vLLM KVCacheLayout of the engine's tensors (LBHNC: vLLM's CPU "
                         "backend; LBNHC: FlashAttention; without vLLM only these two)")
@@ -140,9 +140,17 @@ def run(args: argparse.Namespace) -> int:
     socks = tempfile.mkdtemp(prefix="tierd-b")
     slab = 64 << 20
     dram = (-(-nbytes // slab) + 2) * slab
+    # Room on SSD for every repetition's prefix: a full tier would evict and compact in the
+    # background, beside the next repetition's measurements.
+    ssd_bound = (args.repeat + 2) * nbytes + (256 << 20)
+    free = shutil.disk_usage(base).free
+    if ssd_bound + nbytes > free:
+        raise SystemExit(f"the SSD tier needs {ssd_bound >> 20} MiB (+ the raw read's "
+                         f"{nbytes >> 20} MiB) on {base}, {free >> 20} MiB are free: pass a "
+                         "smaller --repeat or --tokens, or --dir on a larger disk")
     servers = [_serve(os.path.join(socks, "dram.sock"), dram, "", 0),
                _serve(os.path.join(socks, "ssd.sock"), dram, os.path.join(workdir, "ssd"),
-                      4 * nbytes + (256 << 20))]
+                      ssd_bound)]
     try:
         for name in ("dram.sock", "ssd.sock"):
             with TierdClient(socket_path=os.path.join(socks, name), timeout=10) as client:
