@@ -259,8 +259,9 @@ def load_blocks(arena: ArenaSlots, slot_ids: Sequence[int], checksums: Sequence[
     ``block_ids`` (past ``len(slot_ids)``) are left alone. ``direct`` (host pools): check the
     slots where they lie while copying them straight into the pool (one pass; or verify, then
     copy the verified run, without the native helper; safe while the caller's lease pins the
-    slots, so pass False when the lease may lapse during the call). Otherwise, per chunk of ``len(staging)`` blocks: one gather from the arena into
-    private staging, the checksums there, one scatter of the verified rows into the pool.
+    slots, so pass False when the lease may lapse during the call). Otherwise, per chunk of
+    ``len(staging)`` blocks: one gather from the arena into private staging, the checksums
+    there, one scatter of the verified rows into the pool.
     The caller keeps the slots pinned (a lease) until this returns; blocks until done."""
     if len(slot_ids) != len(checksums) or len(slot_ids) > len(block_ids):
         raise ValueError("need one checksum per slot and a pool block for each slot")

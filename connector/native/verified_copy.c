@@ -78,7 +78,9 @@ static void copy_piece(unsigned char *dst, const unsigned char *src, size_t len,
     memcpy(dst, src, len);
 }
 
-static int64_t first_bad(struct load *j) { return __atomic_load_n(&j->first_bad, __ATOMIC_RELAXED); }
+static int64_t first_bad(struct load *j) {
+    return __atomic_load_n(&j->first_bad, __ATOMIC_RELAXED);
+}
 
 static void lower_first_bad(struct load *j, int64_t b) {
     int64_t cur = first_bad(j);

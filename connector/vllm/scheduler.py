@@ -4,13 +4,14 @@ Metadata only (no KV bytes). Per request scheduled from the waiting queue, one `
 tier of each hit, for vLLM's hit-source stats) and one ``Acquire`` per TP rank: **the hit it
 reports is pinned** under a lease, so between this answer and the workers' load only a dead
 daemon can make the load fail. A hit with SSD blocks is not waited for. With host KV it is an
-asynchronous load (vLLM's ``load_async``): the workers acquire and copy it chunk by chunk as the
-daemon reads it (``streaming``), and report it through ``get_finished``. With CUDA KV its
-Acquires run as futures while the daemon stages the blocks into DRAM, and the lookup answers
-None until they resolve (vLLM asks again at its next step). The pin is released on every path: when every
-worker has reported the load done (``TierdWorkerMetadata.loaded``), when vLLM allocates no
-external tokens, when the request is looked up again, finishes or is aborted (an abandoned
-staging is released as its Acquires resolve), and at the latest when its lease expires.
+asynchronous load (vLLM's ``load_async``), not pinned here: the workers acquire and copy it
+chunk by chunk as the daemon reads it (``streaming``) and report it through ``get_finished``.
+With CUDA KV its Acquires run as futures while the daemon stages the blocks into DRAM, and the
+lookup answers None until they resolve (vLLM asks again at its next step). A pin is released on
+every path: when every worker has reported the load done (``TierdWorkerMetadata.loaded``), when
+vLLM allocates no external tokens, when the request is looked up again, finishes or is aborted
+(an abandoned staging is released as its Acquires resolve), and at the latest when its lease
+expires.
 
 The plan for each step goes to the workers as a ``TierdConnectorMetadata``:
 

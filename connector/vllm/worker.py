@@ -13,6 +13,10 @@ Per step, with the metadata the scheduler half built:
   daemon gone) and every block after it in that request, or all of them if the lease expired
   during the copy, is reported by ``take_load_errors`` in the same step, so vLLM recomputes
   from there (whatever bytes those blocks hold).
+* ``load`` of a streamed spec (an SSD hit vLLM loads asynchronously, host KV): handed to
+  ``streaming.Streams``, which acquires and copies it chunk by chunk on its own thread while the
+  daemon reads it; ``finished_loads`` (vLLM's ``get_finished``) reports each ended stream as
+  received and its failed blocks as load errors of that same step.
 * ``save_layer`` (vLLM's ``save_kv_layer``): on the first layer, one Reserve for the blocks the
   step completes; each layer's K/V is copied into the reserved slots as vLLM hands it over.
   Saves of a request whose load failed, or that sit on a block whose load failed
@@ -56,10 +60,10 @@ from .cuda_copy import DeviceTransfer, SaveTicket, register_host_memory, unregis
 from .kv_tensors import (Run, SlotFormat, byte_view, load_blocks, runs, save_layer,
                          slot_format, stack_layers)
 from .link import DaemonLink
-from tierd.connector.native.verified_copy import BlockRows
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 from .stats import TierdConnectorStats
 from .streaming import StreamedLoad, Streams
+from tierd.connector.native.verified_copy import BlockRows
 from tierd.connector.transfer import ArenaSlots
 from tierd.daemon.client import TierdClient
 from tierd.types import BlockHash
