@@ -13,7 +13,7 @@ pytest.importorskip("vllm", reason="needs real vLLM: run `make test-vllm`")
 import torch  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from harness import BLOCK, Daemon, Engine, make_request, vllm_config  # noqa: E402
+from harness import BLOCK, HEAD, Daemon, Engine, make_request, vllm_config  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -425,6 +425,81 @@ def test_request_aborted_while_its_hit_streams(model_dir: str, daemon: Daemon) -
     finally:
         first.close()
         second.close()
+
+
+def overwrite_slot(daemon: Daemon, engine: Engine, block_hash: bytes, offset: int) -> None:
+    """Flip byte ``offset`` of the DRAM slot holding ``block_hash`` (a writer gone wrong after
+    the block was committed), through a probe registration of ``engine``'s layout."""
+    from tierd.connector.vllm import layout_from_vllm_config
+    from tierd.daemon.arena import ShmArena
+    from tierd.types import BlockHash
+
+    with daemon.client() as client:
+        probe = client.register_engine(layout_from_vllm_config(engine.config), "corrupter")
+        got = client.acquire(probe.engine_id, [BlockHash(block_hash)])
+        arena = ShmArena.attach(probe.arena_name, directory=probe.arena_directory)
+        view = arena.view(probe.geometry.offset(got.slot_ids[0]) + offset, 1)
+        view[0] ^= 0xFF
+        view.release()
+        arena.close()
+        client.release(probe.engine_id, got.lease_id)
+        client.unregister_engine(probe.engine_id)
+
+
+def flip_on_disk(daemon: Daemon, block_hash: bytes) -> None:
+    """Flip one byte of the stored payload of ``block_hash``'s record in the daemon's SSD
+    segment files (found by the hash in its 512-byte header, at byte 52)."""
+    from pathlib import Path
+
+    from tierd.daemon.ssd.record import HEADER_BYTES, RecordHeader
+
+    for path in Path(daemon.workdir, f"ssd-{daemon.generation}").rglob("*"):
+        raw = bytearray(path.read_bytes()) if path.is_file() else bytearray()
+        at = raw.find(block_hash)
+        head = RecordHeader.unpack(raw[at - 52:at - 52 + HEADER_BYTES]) if at >= 52 else None
+        if head is not None and head.block_hash == block_hash:
+            raw[at - 52 + HEADER_BYTES + head.stored_len // 2] ^= 0xFF
+            path.write_bytes(raw)
+            return
+    raise AssertionError("no SSD record holds the block")
+
+
+@pytest.mark.parametrize(("daemon", "where"), [("", "dram-slot"), ("demote-all", "ssd-record")],
+                         indirect=["daemon"])
+def test_corrupted_block_is_a_miss_and_recomputed(model_dir: str, daemon: Daemon,
+                                                   where: str) -> None:
+    """The last block of a stored 6-block prefix damaged where it lies: its DRAM slot
+    overwritten after the commit, in the byte the stand-in forward reads next (the load's
+    one-pass check catches it), or one byte of its SSD record flipped (the daemon's read check
+    does: the streamed load ends there). vLLM recomputes that block and samples the reference
+    tokens; the daemon no longer serves the bad copy, so a third engine loads the whole longer
+    prompt (the recompute stored the block again) and samples them too."""
+    from tierd.types import BlockHash
+
+    longer = PROMPT[:6 * BLOCK] + [(i * 3 + 2) % 991 for i in range(2 * BLOCK + 3)]
+    want = baseline(model_dir, daemon, longer)
+    first = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    third = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    try:
+        request = make_request("a", PROMPT[:6 * BLOCK + 1])
+        first.run([request])
+        if where == "dram-slot":  # layer 0, head 0, last token, byte 0: its state's low byte
+            overwrite_slot(daemon, first, request.block_hashes[5], (BLOCK - 1) * 2 * HEAD * 2)
+        else:
+            wait_on_ssd(daemon, first, [BlockHash(h) for h in request.block_hashes[:6]])
+            flip_on_disk(daemon, request.block_hashes[5])
+        assert second.run([make_request("b", longer)])["b"] == want
+        assert len(second.invalid_reported) == 1
+        counters = second.worker.worker_counters.data
+        assert counters["loaded_blocks"] == 5 and counters["failed_blocks"] == 1
+        assert third.run([make_request("c", longer)])["c"] == want
+        assert third.worker.worker_counters.data["loaded_blocks"] == 8
+        assert daemon.pinned_blocks() == 0
+    finally:
+        first.close()
+        second.close()
+        third.close()
 
 
 def test_tp2_failed_load_on_one_rank_is_stored_on_no_rank(model_dir: str, daemon: Daemon,
