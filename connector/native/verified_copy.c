@@ -88,31 +88,29 @@ static void lower_first_bad(struct load *j, int64_t b) {
                                                    __ATOMIC_RELAXED)) {}
 }
 
-/* One block: hash then copy each piece of its slot. Returns 1 if the checksum matched. */
+/* One block: walk its rows in slot order; before a row's bytes are copied, the slot is hashed
+ * up to past them, PIECE bytes at a time, so every byte is copied right after it was hashed
+ * (while it is still in cache). Returns 1 if the checksum matched. */
 static int one_block(struct load *j, void *state, int64_t b) {
     const unsigned char *src = (const unsigned char *)(uintptr_t)j->src[b];
+    const unsigned char *hashed = src;
+    const unsigned char *end = src + j->layers * j->heads * j->tokens * j->row;
     unsigned char *block = (unsigned char *)(uintptr_t)(j->dst_base + j->dst_block[b] * j->s_block);
-    int64_t rows_per_layer = j->heads * j->tokens;
-    int64_t rows = j->layers * rows_per_layer;
-    int64_t batch = j->row >= PIECE ? 1 : PIECE / j->row;  /* rows hashed together */
     j->h->reset(state);
-    for (int64_t r = 0; r < rows; r += batch) {
-        int64_t n = rows - r < batch ? rows - r : batch;
-        for (int64_t i = r; i < r + n; i++) {
-            int64_t layer = i / rows_per_layer, rest = i % rows_per_layer;
-            unsigned char *dst = block + layer * j->s_layer + (rest / j->tokens) * j->s_head
-                                 + (rest % j->tokens) * j->s_token;
-            const unsigned char *from = src + i * j->row;
-            if (batch > 1 && i == r)
-                j->h->update(state, from, (size_t)(n * j->row));
-            for (int64_t off = 0; off < j->row; off += PIECE) {
-                size_t len = (size_t)(j->row - off < PIECE ? j->row - off : PIECE);
-                if (batch == 1)
-                    j->h->update(state, from + off, len);
-                copy_piece(dst + off, from + off, len, j->stream);
+    for (int64_t l = 0; l < j->layers; l++)
+        for (int64_t h = 0; h < j->heads; h++)
+            for (int64_t t = 0; t < j->tokens; t++, src += j->row) {
+                unsigned char *dst = block + l * j->s_layer + h * j->s_head + t * j->s_token;
+                for (int64_t off = 0; off < j->row; off += PIECE) {
+                    size_t len = (size_t)(j->row - off < PIECE ? j->row - off : PIECE);
+                    while (hashed < src + off + (int64_t)len) {
+                        size_t n = (size_t)(end - hashed < PIECE ? end - hashed : PIECE);
+                        j->h->update(state, hashed, n);
+                        hashed += n;
+                    }
+                    copy_piece(dst + off, src + off, len, j->stream);
+                }
             }
-        }
-    }
     return j->h->digest(state) == j->want[b];
 }
 
