@@ -51,6 +51,7 @@ import grpc
 import torch
 
 from tierd.connector.engine import Request
+from tierd.connector.native import verified_copy
 from tierd.connector.tierd_config import TierdHooksConfig, TierdHooksStats, layout_for
 from tierd.connector.tierd_jobs import GATHERED, Held, HotJob, Job, ReleaseJob, SaveJob, Session, \
     merged_reports
@@ -130,6 +131,8 @@ class TierdHooks:
         self._kv, self._layout = kv_cache, layout_for(kv_cache.spec, cfg.tp_rank, cfg.tp_size)
         self._ring = StagingRing(max(1, cfg.save_staging_bytes // row), row)
         self._load_staging = allocate_staging(max(1, cfg.load_staging_bytes // row), row)
+        if kv_cache.pool.device.type == "cpu":
+            verified_copy.available()  # build the one-pass load now, not on the first load
         self._session = self._connect()
         self._worker = threading.Thread(target=self._run, name="tierd-hooks", daemon=True)
         self._worker.start()

@@ -64,10 +64,12 @@ def _build(source: Path) -> ctypes.CDLL | None:
     key = hashlib.sha256(text + " ".join((cc, *FLAGS, platform.machine())).encode())
     target = cache_dir() / "native" / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{source.stem}-", suffix=".so")
-        os.close(fd)
-        try:
+        tmp = ""
+        try:  # a read-only cache dir, a full disk: the Python path, with the reason
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{source.stem}-",
+                                       suffix=".so")
+            os.close(fd)
             done = subprocess.run([cc, *FLAGS, "-o", tmp, str(source)], capture_output=True,
                                   text=True, timeout=120)
             if done.returncode != 0:
@@ -76,11 +78,12 @@ def _build(source: Path) -> ctypes.CDLL | None:
                 return None
             os.replace(tmp, target)
         except (OSError, subprocess.SubprocessError) as exc:
-            _log.warning("tierd: could not compile %s with %s (falling back to Python): %s",
-                         source.name, cc, exc)
+            _log.warning("tierd: could not compile %s with %s into %s (falling back to Python; "
+                         "set XDG_CACHE_HOME to a writable directory): %s", source.name, cc,
+                         target.parent, exc)
             return None
         finally:
-            if os.path.exists(tmp):
+            if tmp and os.path.exists(tmp):
                 os.unlink(tmp)
     try:
         return ctypes.CDLL(str(target))

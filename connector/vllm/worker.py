@@ -63,6 +63,7 @@ from .link import DaemonLink
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 from .stats import TierdConnectorStats
 from .streaming import StreamedLoad, Streams
+from tierd.connector.native import verified_copy
 from tierd.connector.native.verified_copy import BlockRows
 from tierd.connector.transfer import ArenaSlots
 from tierd.daemon.client import TierdClient
@@ -122,9 +123,12 @@ class WorkerSide:
         self._layers = {name: i for i, name in enumerate(self.format.layer_names)}
         self._kv_bytes = [byte_view(t) for t in kv_caches.values()]
         self._stacked = stack_layers(self._kv_bytes)
-        # Host KV in one buffer: loads verify while they copy (one pass, native helper).
+        # Host KV in one buffer: loads verify while they copy (one pass, native helper, built
+        # now rather than on the first load).
         self._rows = (BlockRows.of(self._stacked) if self._stacked is not None
                       and not self._stacked.is_cuda else None)
+        if self._rows is not None:
+            verified_copy.available()
         self.link = DaemonLink(config, layout, f"{config.engine_name}-tp{tp_rank}", attach=True,
                                clock=clock)
         self.link.connect()

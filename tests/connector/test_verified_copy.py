@@ -135,7 +135,8 @@ def test_without_the_helper_nothing_is_copied(monkeypatch: pytest.MonkeyPatch) -
 def test_disabled_or_uncompilable_helpers_fall_back_with_a_warning(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """TIERD_NATIVE=0 builds nothing; a compiler that fails leaves no library in the cache and
-    logs why; a working one writes ``<stem>-<hash>.so`` there and loads it."""
+    logs why, and so does a cache dir that cannot be made; a working compiler writes
+    ``<stem>-<hash>.so`` there and loads it."""
     source = tmp_path / "probe.c"
     source.write_text("int tierd_probe(void) { return 42; }\n")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -147,6 +148,13 @@ def test_disabled_or_uncompilable_helpers_fall_back_with_a_warning(
         assert build.shared_library(source) is None
     assert "did not compile" in caplog.text
     assert not list((tmp_path / "cache").rglob("*.so"))
+    (tmp_path / "not-a-dir").write_text("")  # a cache dir that cannot be made
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-dir"))
+    monkeypatch.setattr(build, "_loaded", {})
+    with caplog.at_level(logging.WARNING):
+        assert build.shared_library(source) is None
+    assert "set XDG_CACHE_HOME to a writable directory" in caplog.text
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     if shutil.which("cc") is None:
         return
     monkeypatch.setenv("CC", "cc")
