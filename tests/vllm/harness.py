@@ -150,6 +150,12 @@ class Engine:
     recved: set[str] = field(default_factory=set)  # requests some rank reported as received
     between: Any = None  # called with the engine after schedule(), before the forward pass
     _last: dict[str, int] = field(default_factory=dict)
+    # One for the engine's life, as vLLM's executor keeps it: a request is received once every
+    # rank has reported it, in whichever steps they do.
+    _aggregator: Any = None
+
+    def __post_init__(self) -> None:
+        self._aggregator = KVOutputAggregator(len(self.workers))
 
     @classmethod
     def start(cls, config: VllmConfig, num_blocks: int = 64) -> Engine:
@@ -262,7 +268,7 @@ class Engine:
                 req_ids=list(req_ids), req_id_to_index={r: i for i, r in enumerate(req_ids)},
                 sampled_token_ids=[list(t) for t in sampled], logprobs=None,
                 prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=conn))
-        merged = KVOutputAggregator(len(self.workers)).aggregate(outputs)
+        merged = self._aggregator.aggregate(outputs)
         assert merged is not None
         return merged
 

@@ -353,6 +353,29 @@ def test_ssd_hit_streams_while_vllm_schedules_on(model_dir: str, daemon: Daemon)
 
 
 @pytest.mark.parametrize("daemon", ["demote-all"], indirect=True)
+def test_tp2_ssd_hit_streams_on_both_ranks(model_dir: str, daemon: Daemon) -> None:
+    """TP 2: each rank's worker streams its own half of an SSD-only hit; vLLM's
+    KVOutputAggregator reports the request received once both ranks have; the tokens are the
+    reference ones and no lease is left."""
+    from tierd.types import BlockHash
+
+    want = baseline(model_dir, daemon, PROMPT, tp=2)
+    first = Engine.start(vllm_config(model_dir, daemon.socket_path, tp=2))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path, tp=2))
+    try:
+        request = make_request("a", PROMPT)
+        first.run([request])
+        wait_on_ssd(daemon, first, [BlockHash(h) for h in request.block_hashes[:6]])
+        assert second.run([make_request("b", PROMPT)])["b"] == want
+        assert second.recved == {"b"} and not second.invalid_reported
+        assert [w.worker_counters.data["loaded_blocks"] for w in second.workers] == [6, 6]
+        assert daemon.pinned_blocks() == 0
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.parametrize("daemon", ["demote-all"], indirect=True)
 def test_streamed_load_failure_is_recomputed(model_dir: str, daemon: Daemon) -> None:
     """A streamed load whose fourth block does not verify: the worker reports the request
     finished receiving and blocks 3-5 as load errors in the same step; vLLM recomputes them and
