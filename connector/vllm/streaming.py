@@ -128,28 +128,38 @@ class Streams:
         self._client.close()
 
     def _run(self, load: StreamedLoad, slots: ArenaSlots, arena: Any) -> None:
-        """Stream thread: the chunks in order (see the module doc); never raises."""
+        """Stream thread: the chunks in order (see the module doc). Never raises: whatever
+        goes wrong ends the load where it stands (vLLM must hear of every load's end)."""
         ok = True
-        for chunk in load.chunks:
-            try:
-                got = chunk.reply.result()
-            except grpc.RpcError as exc:
-                if ok and not load.cancelled:
-                    _log.warning("tierd: streamed load of %s: Acquire failed (%s); vLLM "
-                                 "recomputes from block %d", load.spec.req_id, exc.code().name,
-                                 chunk.first)
-                ok = False
-                continue
-            if not ok or load.cancelled:
-                self._release(load, got, None)
-                ok = False
-                continue
-            good = self._copy_chunk(load, chunk, got, slots, arena)
-            load.placed += good
-            ok = good == chunk.count
-        with self._lock:
-            self._active.pop(load.spec.req_id, None)
-            self._ended.append(load)
+        try:
+            for chunk in load.chunks:
+                try:
+                    got = chunk.reply.result()
+                except grpc.RpcError as exc:
+                    if ok and not load.cancelled:
+                        _log.warning("tierd: streamed load of %s: Acquire failed (%s); vLLM "
+                                     "recomputes from block %d", load.spec.req_id,
+                                     exc.code().name, chunk.first)
+                    ok = False
+                    continue
+                if not ok or load.cancelled:
+                    self._release(load, got, None)
+                    ok = False
+                    continue
+                try:
+                    good = self._copy_chunk(load, chunk, got, slots, arena)
+                except Exception:  # a bug: the rest of the load is a miss, its leases released
+                    _log.exception("tierd: streamed load of %s failed; vLLM recomputes from "
+                                   "block %d", load.spec.req_id, chunk.first)
+                    self._release(load, got, None)
+                    good = 0
+                load.placed += good
+                ok = good == chunk.count
+        finally:
+            with self._lock:
+                if self._active.get(load.spec.req_id) is load:
+                    del self._active[load.spec.req_id]
+                self._ended.append(load)
 
     def _copy_chunk(self, load: StreamedLoad, chunk: _Chunk, got: AcquiredBlocks,
                     slots: ArenaSlots, arena: Any) -> int:

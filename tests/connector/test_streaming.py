@@ -160,6 +160,19 @@ def test_cancel_stops_copying_and_releases_the_rest(rig: Rig) -> None:
     assert rig.pinned() == 0
 
 
+def test_a_copy_that_raises_ends_the_load_and_releases_everything(rig: Rig) -> None:
+    """The second chunk's copy raises (a bug): the load still ends (3 blocks placed, the error
+    logged), and every chunk's lease is released, the failed one's too."""
+    def copy_in(*args: Any) -> int:
+        if args[4][0] == 5:
+            raise RuntimeError("copy bug")
+        return rig.copy_in(*args)
+
+    load = _run(rig, copy_in)
+    assert load.placed == 3
+    assert rig.pinned() == 0
+
+
 def test_a_daemon_that_went_away_fails_the_load(rig: Rig) -> None:
     """The Acquires fail (the daemon stopped): nothing placed, the load still ends (vLLM must
     hear of it to free the blocks)."""
