@@ -4,8 +4,10 @@ A load must verify every block where it lies in the arena (docs/connector.md, "I
 Verifying every slot and then copying the verified ones reads the arena twice; on these hosts
 that costs ~1.9x a memcpy of the same bytes, the verify pass alone ~0.9x. ``verified_copy.c``
 hashes 16 KiB of a slot, copies those bytes while they are still in the core's cache, and goes
-on, splitting the blocks between ``torch.get_num_threads()`` threads (measured: ~1.27x memcpy
-for a 256 MiB Llama-3-8B prefix on 2 cores).
+on, splitting the blocks between ``torch.get_num_threads()`` threads; loads of 8 MiB or more
+write with non-temporal stores (no read of destination lines first). Measured for a 256 MiB
+Llama-3-8B prefix on 2 cores: ~0.85-0.9x a torch memcpy of the same bytes (~1.3x without the
+non-temporal stores).
 
 What a caller gets from ``load_verified``: how many leading blocks verified (all of them in the
 engine's KV), or None when the library is not available (no C compiler, ``TIERD_NATIVE=0``), so
