@@ -14,10 +14,11 @@ from collections.abc import Sequence
 
 import xxhash
 
-# The xxh3 of python-xxhash's extension (already loaded), called through ctypes, which releases
-# the GIL for the call: the same function, so the same checksums as ``block_checksum``.
-_ext = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)
-_xxh3_at = getattr(_ext, "XXH3_64bits_dispatch", None) or _ext.XXH3_64bits
+XXHASH_LIBRARY = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)
+"""python-xxhash's extension (already loaded), for native callers of its xxh3 functions: the same
+code as ``block_checksum``, so the same checksums. ctypes releases the GIL for each call."""
+_xxh3_at = (getattr(XXHASH_LIBRARY, "XXH3_64bits_dispatch", None)
+            or XXHASH_LIBRARY.XXH3_64bits)
 _xxh3_at.restype = ctypes.c_uint64
 _xxh3_at.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 

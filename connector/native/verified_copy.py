@@ -21,7 +21,6 @@ the call and has checked the slot ids (``ArenaSlots``).
 from __future__ import annotations
 
 import ctypes
-import importlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from tierd.checksum import block_checksum
+from tierd.checksum import XXHASH_LIBRARY, block_checksum
 
 from .build import shared_library
 
@@ -132,8 +131,7 @@ def _load() -> _Native | None:
     lib = shared_library(_SOURCE)
     if lib is None:
         return None
-    # The extension behind block_checksum, already loaded: the same xxh3 that made the checksums.
-    ext = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)
+    ext = XXHASH_LIBRARY  # the same xxh3 that made the checksums
     update = "XXH3_64bits_update_dispatch" if hasattr(ext, "XXH3_64bits_update_dispatch") \
         else "XXH3_64bits_update"
     api = _Xxh3(*(ctypes.cast(getattr(ext, name), _PTR) for name in (

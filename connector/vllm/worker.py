@@ -246,17 +246,17 @@ class WorkerSide:
             return 0
         slot_ids = got.slot_ids[:len(spec.block_ids)]
         block_ids, checksums = spec.block_ids[:len(slot_ids)], got.checksums[:len(slot_ids)]
-        offsets = [link.engine.geometry.offset(s) for s in slot_ids]
         device = self._device_transfer()
         if device is not None:  # queued: the lease is released once the DMAs have read it
             good = link.slots.verified(slot_ids, checksums)  # where they lie: the lease pins them
-            device.start_load(runs(block_ids[:good], offsets[:good], fmt.slot_bytes))
+            offsets = [link.engine.geometry.offset(s) for s in slot_ids[:good]]
+            device.start_load(runs(block_ids[:good], offsets, fmt.slot_bytes))
             self._waits = device
             self._open_loads.append(_OpenLoad(spec.req_id, block_ids[:good], engine_id,
                                               got.lease_id,
-                                              good if good < len(offsets) else None,
+                                              good if good < len(slot_ids) else None,
                                               asked + got.seconds_left))
-            if good < len(offsets):
+            if good < len(slot_ids):
                 _log.warning("tierd: block %d of %s failed its checksum; vLLM recomputes from "
                              "there", good, spec.req_id)
             return good
@@ -264,16 +264,16 @@ class WorkerSide:
         in_time = self._clock() < asked + got.seconds_left
         try:
             link.client.release(engine_id, got.lease_id,
-                                corrupt_from=good if good < len(offsets) else None)
+                                corrupt_from=good if good < len(slot_ids) else None)
         except grpc.RpcError as exc:  # expired on the daemon's side: the copy is not trusted
             if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: the lease ended, not the link
                 link.failed(exc)
             in_time = False
         if not in_time:
             _log.warning("tierd: lease on %d blocks of %s expired before the copy finished; "
-                         "vLLM recomputes them", len(offsets), spec.req_id)
+                         "vLLM recomputes them", len(slot_ids), spec.req_id)
             return 0
-        if good < len(offsets):
+        if good < len(slot_ids):
             _log.warning("tierd: block %d of %s failed its checksum; vLLM recomputes from there",
                          good, spec.req_id)
         return good

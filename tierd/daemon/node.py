@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from tierd.checksum import block_checksum, checksums_at
+from tierd.checksum import block_checksum
 from tierd.daemon.engines import EngineTable
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, clip
 from tierd.daemon.layout import Layout, namespace_for
@@ -351,13 +351,6 @@ class NodeStore:
         length; None for the others) for ``checksums_at``, whose results go to ``commit``. Same
         errors as ``commit`` (checked now and again at the commit: a lease may end meanwhile)."""
         return self._reservations.written_spans(lease_id, written, engine_id)
-
-    def commit_written(self, lease_id: str, written: Sequence[bool], *,
-                       engine_id: str | None = None) -> int:
-        """``written_spans``, their checksums and ``commit`` in one call, blocking for one xxh3
-        pass over the written bytes (the server hashes off its event loop instead)."""
-        spans = self.written_spans(lease_id, written, engine_id=engine_id)
-        return self.commit(lease_id, checksums_at(spans), engine_id=engine_id)
 
     def abort(self, lease_id: str, *, engine_id: str | None = None) -> None:
         """Free a reservation's slots. Idempotent after abort or expiry (while the lease is
