@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from tierd.connector.hooks import KVTransferHooks, NullHooks
-from tierd.connector.model import LlamaModel
+from tierd.connector.model import LlamaModel, model_identity
 from tierd.gpu import (
     KVCache,
     KVCacheDtype,
@@ -184,7 +184,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_preemptions = 0
         """Times a running request lost its blocks for lack of space (it is recomputed)."""
-        self.hooks.register_kv_caches(self.kv_cache)
+        self.hooks.register_kv_caches(self.kv_cache, model_identity(model).model_id)
 
     @property
     def prefix_stats(self) -> PrefixCacheStats:

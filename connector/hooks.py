@@ -7,7 +7,7 @@ daemon connector implements these hooks (load warm/cold blocks, write full block
 
 Order of calls, per engine::
 
-    register_kv_caches(kv_cache)                  # once, at engine construction
+    register_kv_caches(kv_cache, model_id)        # once, at engine construction
     per step:
         for each request scheduled for the first time (or again after preemption):
             n = lookup(request)                   # after the hot-tier hit
@@ -39,8 +39,10 @@ if TYPE_CHECKING:
 class KVTransferHooks(Protocol):
     """What the engine calls to reach KV outside its own pool. Implement all methods."""
 
-    def register_kv_caches(self, kv_cache: KVCache) -> None:
+    def register_kv_caches(self, kv_cache: KVCache, model_id: str) -> None:
         """Receive the engine's pool once, before the first step, and keep the reference.
+        ``model_id`` names the weights that compute its KV (``tierd.model_identity``): blocks
+        are shared only with engines of the same model id.
 
         ``kv_cache.pool`` is ``[num_blocks, block_bytes]`` uint8: row ``b`` is block ``b`` of
         every layer, K and V (exactly one daemon slot); ``k_caches``/``v_caches`` are per-layer
@@ -95,7 +97,7 @@ class KVTransferHooks(Protocol):
 class NullHooks:
     """No outside tiers: nothing to load, nowhere to save. The engine's default."""
 
-    def register_kv_caches(self, kv_cache: KVCache) -> None:
+    def register_kv_caches(self, kv_cache: KVCache, model_id: str) -> None:
         pass
 
     def lookup(self, request: Request) -> int:

@@ -9,16 +9,17 @@ import torch
 
 from tierd.daemon.layout import Dtype, Layout
 from tierd.gpu.layout import KVCacheSpec
+from tierd.model_identity import validate_model_id
 
 _DTYPES: dict[torch.dtype, Dtype] = {
     torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
     torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2",
 }
 
-def layout_for(spec: KVCacheSpec, tp_rank: int = 0, tp_size: int = 1) -> Layout:
-    """The daemon ``Layout`` of a paged pool: one pool row is one slot."""
+def layout_for(spec: KVCacheSpec, model_id: str, tp_rank: int = 0, tp_size: int = 1) -> Layout:
+    """The daemon ``Layout`` of a paged pool of model ``model_id``: one pool row is one slot."""
     layout = Layout(spec.num_layers, spec.num_kv_heads, spec.head_size, _DTYPES[spec.cache_dtype],
-                    spec.block_size, tp_rank, tp_size)
+                    spec.block_size, tp_rank, tp_size, model_id=model_id)
     assert layout.block_bytes == spec.block_bytes, "pool row and daemon slot sizes disagree"
     return layout
 
@@ -35,6 +36,9 @@ class TierdHooksConfig:
     address: str | None = None
     token: str | None = None
     engine_name: str = "reference-engine"
+    model_id: str | None = None
+    """Overrides the engine's model id (``tierd.model_identity``: derived from the weights).
+    Engines with equal ids share blocks: a wrong value serves one model's KV to another."""
     call_timeout_s: float = 5.0
     save_staging_bytes: int = 32 << 20
     """Bound of blocks waiting to be written to the daemon; past it new saves are dropped."""
@@ -58,6 +62,8 @@ class TierdHooksConfig:
     tp_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.model_id is not None:
+            validate_model_id(self.model_id)
         if self.call_timeout_s <= 0 or self.reconnect_min_s <= 0:
             raise ValueError("call_timeout_s and reconnect_min_s must be positive")
         if not 0 <= self.worker_nice <= 19:

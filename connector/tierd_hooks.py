@@ -123,12 +123,15 @@ class TierdHooks:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_cache: KVCache) -> None:
+    def register_kv_caches(self, kv_cache: KVCache, model_id: str) -> None:
         """Keep the pool, allocate staging, try to connect once (never raises for a missing
-        daemon) and start the worker thread."""
+        daemon) and start the worker thread. Blocks are shared under ``model_id`` (or the
+        config's ``model_id`` override)."""
         assert self._kv is None, "register_kv_caches is called once per engine"
         cfg, row = self.config, kv_cache.spec.block_bytes
-        self._kv, self._layout = kv_cache, layout_for(kv_cache.spec, cfg.tp_rank, cfg.tp_size)
+        self._kv = kv_cache
+        self._layout = layout_for(kv_cache.spec, cfg.model_id or model_id, cfg.tp_rank,
+                                  cfg.tp_size)
         self._ring = StagingRing(max(1, cfg.save_staging_bytes // row), row)
         self._load_staging = allocate_staging(max(1, cfg.load_staging_bytes // row), row)
         if kv_cache.pool.device.type == "cpu":

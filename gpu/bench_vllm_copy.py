@@ -65,7 +65,7 @@ def main() -> int:
     sync: Callable[[], None] = (lambda: None) if args.dry_run else torch.cuda.synchronize
     n = args.tokens // args.block
     kv = kv_caches(args.order, args.layers, 2 * n, args.heads, args.block, args.head, device)
-    fmt, _ = slot_format(kv, args.block, "auto", 0, 1)
+    fmt, _ = slot_format(kv, args.block, "auto", 0, 1, "bench@synthetic")
     kv_bytes = [byte_view(t) for t in kv.values()]
     nbytes = n * fmt.slot_bytes
     directory = tempfile.mkdtemp(prefix="tierd-bench", dir="/dev/shm")

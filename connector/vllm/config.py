@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from tierd.model_identity import validate_model_id
+
 _REMOVED = {
     "hash_algo": "vLLM 0.33 hashes every block itself (--prefix-caching-hash-algo)",
     "hash_seed": "vLLM 0.33 hashes every block itself (PYTHONHASHSEED seeds it)",
@@ -35,6 +37,11 @@ class TierdVllmConfig:
     """Load prefixes from tierd."""
     save: bool = True
     """Write newly computed full blocks through to tierd."""
+    model_id: str | None = None
+    """The model id blocks are shared under (``tierd.model_identity``). Unset, the connector
+    derives it from the weights vLLM loads and its dtype, quantization and ``--hf-overrides``.
+    Set it only to share one cache between checkpoints you know compute the same KV (copies
+    of one checkpoint share anyway): **a wrong value serves one model's KV to another**."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> TierdVllmConfig:
@@ -62,3 +69,5 @@ class TierdVllmConfig:
         for name in ("load", "save"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.model_id is not None:
+            validate_model_id(self.model_id)

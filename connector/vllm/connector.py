@@ -9,6 +9,7 @@ order in ``kv_tensors``); each method here only forwards to its side.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from .base import (HAVE_VLLM, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
                    KVConnectorWorkerMetadata)
 from .config import TierdVllmConfig
+from .identity import model_identity_from_vllm
 from .kv_tensors import KV_FORMAT, dtype_name
 from .link import DaemonLink
 from .metadata import TierdConnectorMetadata, TierdWorkerMetadata
@@ -31,9 +33,10 @@ VLLM_VERSIONS_TESTED = ("0.33.0",)
 """vLLM releases tierd's tests run against (``make test-vllm``)."""
 
 
-def layout_from_vllm_config(vllm_config: Any, tp_rank: int = 0) -> Layout:
+def layout_from_vllm_config(vllm_config: Any, model_id: str, tp_rank: int = 0) -> Layout:
     """The tierd ``Layout`` of TP rank ``tp_rank`` of the model vLLM serves (per-rank KV heads),
-    as the workers will find it in their KV tensors."""
+    as the workers will find it in their KV tensors; ``model_id``: its identity
+    (``model_identity_from_vllm``)."""
     model, cache, parallel = (vllm_config.model_config, vllm_config.cache_config,
                               vllm_config.parallel_config)
     return Layout(num_layers=int(model.get_num_layers(parallel)),
@@ -41,12 +44,18 @@ def layout_from_vllm_config(vllm_config: Any, tp_rank: int = 0) -> Layout:
                   head_size=int(model.get_head_size()),
                   dtype=dtype_name(model.dtype, getattr(cache, "cache_dtype", "auto")),
                   block_size=int(cache.block_size), tp_rank=tp_rank,
-                  tp_size=int(parallel.tensor_parallel_size), kv_format=KV_FORMAT)
+                  tp_size=int(parallel.tensor_parallel_size), kv_format=KV_FORMAT,
+                  model_id=model_id)
 
 
 def _config_from(vllm_config: Any, kv_transfer_config: Any) -> TierdVllmConfig:
+    """The extra config, its ``model_id`` resolved (derived unless given)."""
     extra = dict(getattr(kv_transfer_config, "kv_connector_extra_config", None) or {})
     config = TierdVllmConfig.from_extra_config(extra)
+    identity = model_identity_from_vllm(vllm_config, config.model_id)
+    _log.info("tierd: model id %s (%s, %.0f ms); engines share blocks only under the same id",
+              identity.model_id, identity.source, identity.seconds * 1e3)
+    config = replace(config, model_id=identity.model_id)
     theirs = getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None)
     if theirs is not None and theirs not in HASH_ALGOS:
         _log.warning("vLLM hashes blocks with %r: tierd shares them between vLLM instances with "
@@ -97,7 +106,8 @@ class TierdConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             size = int(vllm_config.parallel_config.tensor_parallel_size)
             name = f"{self._config.engine_name}-scheduler"
-            links = [DaemonLink(self._config, layout_from_vllm_config(vllm_config, rank),
+            model_id = self._model_id
+            links = [DaemonLink(self._config, layout_from_vllm_config(vllm_config, model_id, rank),
                                 name if rank == 0 else f"{name}-tp{rank}", attach=False)
                      for rank in range(size)]
             for link in links:
@@ -106,6 +116,11 @@ class TierdConnector(KVConnectorBase_V1):
             device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
             self._scheduler = SchedulerSide(links, load=self._config.load,
                                             save=self._config.save, stream=device == "cpu")
+
+    @property
+    def _model_id(self) -> str:
+        assert self._config.model_id is not None, "_config_from resolves the model id"
+        return self._config.model_id
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -155,7 +170,7 @@ class TierdConnector(KVConnectorBase_V1):
         self._worker = WorkerSide(self._config, kv_caches, int(cache.block_size),
                                   getattr(cache, "cache_dtype", "auto"), rank,
                                   int(self._vllm_config.parallel_config.tensor_parallel_size))
-        looked_up = layout_from_vllm_config(self._vllm_config, rank)
+        looked_up = layout_from_vllm_config(self._vllm_config, self._model_id, rank)
         if self._worker.link.layout != looked_up:
             _log.warning("tierd: the caches (%s) differ from the model config (%s); the scheduler "
                          "pins under the latter, so loads will miss", self._worker.link.layout,

@@ -108,9 +108,9 @@ def stack_layers(kv_bytes: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
 
 def slot_format(kv_caches: Mapping[str, torch.Tensor], block_size: int, cache_dtype: str,
-                tp_rank: int, tp_size: int) -> tuple[SlotFormat, Layout]:
-    """The slot format and tierd ``Layout`` of vLLM's registered caches (all layers alike).
-    ``ValueError`` naming the fix for caches tierd cannot store."""
+                tp_rank: int, tp_size: int, model_id: str) -> tuple[SlotFormat, Layout]:
+    """The slot format and tierd ``Layout`` of vLLM's registered caches (all layers alike) of
+    model ``model_id``. ``ValueError`` naming the fix for caches tierd cannot store."""
     if not kv_caches:
         raise ValueError("register_kv_caches got no layers")
     shapes = {name: tuple(byte_view(t).shape[1:]) for name, t in kv_caches.items()}
@@ -125,7 +125,7 @@ def slot_format(kv_caches: Mapping[str, torch.Tensor], block_size: int, cache_dt
                          f"{tokens}")
     layout = Layout(num_layers=len(kv_caches), num_kv_heads=heads, head_size=width // 2,
                     dtype=dtype_name(first.dtype, cache_dtype), block_size=block_size,
-                    tp_rank=tp_rank, tp_size=tp_size, kv_format=KV_FORMAT)
+                    tp_rank=tp_rank, tp_size=tp_size, kv_format=KV_FORMAT, model_id=model_id)
     fmt = SlotFormat(tuple(kv_caches), (heads, tokens, width * first.element_size()))
     assert fmt.slot_bytes == layout.block_bytes, "slot format and layout disagree on size"
     return fmt, layout

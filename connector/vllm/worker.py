@@ -113,13 +113,15 @@ class WorkerSide:
                  clock: Callable[[], float] = time.monotonic,
                  device_path: bool | None = None) -> None:
         """Take vLLM's per-layer caches (``ValueError`` naming the fix for ones tierd cannot
-        store), derive the slot format and try to reach the daemon (down is fine: see
+        store) of the model ``config.model_id`` (resolved: never None), derive the slot format and try to reach the daemon (down is fine: see
         ``DaemonLink.connect``). ``device_path``: copy through ``DeviceTransfer`` (default:
         when the caches are CUDA tensors; True on CPU tensors runs its logic with no-op
         streams, which is how the CPU suite covers it)."""
+        assert config.model_id is not None, "the connector resolves the model id first"
         self._config, self._clock = config, clock
         self.format: SlotFormat
-        self.format, layout = slot_format(kv_caches, block_size, cache_dtype, tp_rank, tp_size)
+        self.format, layout = slot_format(kv_caches, block_size, cache_dtype, tp_rank, tp_size,
+                                          config.model_id)
         self._layers = {name: i for i, name in enumerate(self.format.layer_names)}
         self._kv_bytes = [byte_view(t) for t in kv_caches.values()]
         self._stacked = stack_layers(self._kv_bytes)

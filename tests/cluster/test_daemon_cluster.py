@@ -12,7 +12,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import pytest
@@ -31,7 +31,8 @@ from tierd.types import BlockHash, make_key
 
 T = TypeVar("T")
 
-LAYOUT = Layout(num_layers=2, num_kv_heads=2, head_size=16, dtype="float16", block_size=16)
+LAYOUT = Layout(num_layers=2, num_kv_heads=2, head_size=16, dtype="float16", block_size=16,
+                model_id="test-model@0")
 """4096-byte blocks."""
 
 
@@ -317,12 +318,15 @@ def test_route_asks_a_daemon(cluster: Callable[..., Node],
     a, b = cluster("node-a"), cluster("node-b")
     lone = cluster("lone", redis_url="")
     hashes = chain(3, seed=12)
-    layout_flags = ["--num-layers", "2", "--num-kv-heads", "2", "--head-size", "16",
-                    "--dtype", "float16"]
+    layout_flags = ["--model", "test-model@0", "--num-layers", "2", "--num-kv-heads", "2",
+                    "--head-size", "16", "--dtype", "float16"]
     with a.client() as ca, b.client() as cb:
         assert store(ca, ca.register_engine(LAYOUT, "a"), hashes) == 3
         wait_for("published", lambda: cb.locate(None, hashes, layout=LAYOUT),
                  lambda r: nodes_of(r) == [("node-a", 3, ("dram",) * 3, 2.4)])
+        # Another model of the same shape: the directory holds nothing of its own.
+        other = cb.locate(None, hashes, layout=replace(LAYOUT, model_id="test-model-v2@1"))
+        assert not other.stale and nodes_of(other) == []
     parser = argparse.ArgumentParser()
     route.configure(parser)
     hexes = ",".join(h.hex() for h in hashes)

@@ -20,8 +20,9 @@ if TYPE_CHECKING:
     from conftest import RedisServer
 
 TOKENS = list(range(64))                # four 16-token blocks
-LAYOUT = Layout(2, 2, 64, "bfloat16", 16)
-LAYOUT_FLAGS = ["--num-layers", "2", "--num-kv-heads", "2", "--head-size", "64"]
+LAYOUT = Layout(2, 2, 64, "bfloat16", 16, model_id="route-model@0")
+LAYOUT_FLAGS = ["--model", "route-model@0", "--num-layers", "2", "--num-kv-heads", "2",
+                "--head-size", "64"]
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -43,7 +44,7 @@ async def publish(url: str, node_id: str, blocks: int) -> None:
 def test_route_ranks_nodes_from_tokens(redis_server: RedisServer,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     """Node a holds 3 of the prompt's 4 blocks, b holds 1: JSON ranks a then b; another
-    tenant's view of the same tokens finds nobody."""
+    tenant's view of the same tokens finds nobody, and so does another model's (same shape)."""
     asyncio.run(publish(redis_server.url, "a", 3))
     asyncio.run(publish(redis_server.url, "b", 1))
     tokens = ",".join(map(str, TOKENS))
@@ -55,6 +56,10 @@ def test_route_ranks_nodes_from_tokens(redis_server: RedisServer,
         ("a", 3, ["dram"] * 3, 2.4), ("b", 1, ["dram"], 0.8)]
     assert route.run(parse("--tokens", tokens, "--tenant", "other", *LAYOUT_FLAGS,
                            "--redis-url", redis_server.url, "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["nodes"] == []
+    assert route.run(parse("--tokens", tokens, "--tenant", "acme", *LAYOUT_FLAGS,
+                           "--model", "route-model-finetune@1", "--redis-url", redis_server.url,
+                           "--json")) == 0
     assert json.loads(capsys.readouterr().out)["nodes"] == []
 
 
@@ -76,7 +81,7 @@ def test_route_unreachable_redis_names_the_fix(redis_server: RedisServer,
                            "--redis-url", redis_server.url, "--timeout", "0.5")) == 1
     err = capsys.readouterr().err
     assert f"cannot reach Redis at {redis_server.url}" in err and "--redis-url" in err
-    with pytest.raises(ValueError, match="missing --num-layers"):
+    with pytest.raises(ValueError, match="missing --model, --num-layers"):
         route.run(parse("--hashes", "00" * 32, "--redis-url", redis_server.url))
     with pytest.raises(ValueError, match="32 or 64 hex digits"):
         route.run(parse("--hashes", "abc", "--namespace", "00" * 16))

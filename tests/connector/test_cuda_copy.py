@@ -46,7 +46,7 @@ def kv_views(order: str, device: str = "cpu", seed: int = 0) -> list[torch.Tenso
 
 def fmt_of(kv: list[torch.Tensor]) -> SlotFormat:
     caches = {f"layer.{i}": t.view(torch.float16) for i, t in enumerate(kv)}
-    return slot_format(caches, BS, "auto", 0, 1)[0]
+    return slot_format(caches, BS, "auto", 0, 1, "test-model@0")[0]
 
 
 def arena_for(fmt: SlotFormat, seed: int | None = None) -> torch.Tensor:

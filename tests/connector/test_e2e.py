@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tierd.connector.engine import EngineConfig, LLMEngine, Request
-from tierd.connector.model import LlamaModel
+from tierd.connector.model import LlamaModel, model_identity
 from tierd.connector.tierd_hooks import TierdHooks, TierdHooksConfig, layout_for
 from tierd.daemon.client import TierdClient
 
@@ -79,7 +79,7 @@ def test_identical_tokens_computed_hot_dram_ssd(tiny_model: LlamaModel, make_dae
     spec = hot.kv_cache.spec
     system_hashes = first.block_hashes[:SYSTEM // BS]
     with TierdClient(socket_path=daemon.config.socket_path) as client:
-        probe = client.register_engine(layout_for(spec))
+        probe = client.register_engine(layout_for(spec, model_identity(hot.model).model_id))
         assert client.lookup(probe.engine_id, system_hashes) == ["dram"] * 5
         for tier in ("dram", "ssd"):
             if tier == "ssd":
@@ -165,7 +165,7 @@ def test_ssd_load_after_kill_9_and_restart(tiny_model: LlamaModel, workdir: str,
     assert saver.flush() and saver.stats.saved_blocks == 4
     hashes = engine.add_request(tokens, 1).block_hashes[:4]
     with TierdClient(socket_path=socket_path) as client:
-        probe = client.register_engine(layout_for(engine.kv_cache.spec))
+        probe = client.register_engine(layout_for(engine.kv_cache.spec, model_identity(engine.model).model_id))
         wait_until(lambda: client.lookup(probe.engine_id, hashes) == ["ssd"] * 4, "demotion")
     saver.close()
     kill_9(processes[0])

@@ -66,7 +66,7 @@ class DictHooks:
         self.kv_cache: KVCache | None = None
         self.calls: list[str] = []
 
-    def register_kv_caches(self, kv_cache: KVCache) -> None:
+    def register_kv_caches(self, kv_cache: KVCache, model_id: str) -> None:
         self.kv_cache = kv_cache
 
     def lookup(self, request: Request) -> int:

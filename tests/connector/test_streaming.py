@@ -24,7 +24,8 @@ from tierd.daemon.client import EngineHandle, TierdClient
 from tierd.daemon.layout import Layout
 from tierd.types import BlockHash
 
-LAYOUT = Layout(num_layers=2, num_kv_heads=2, head_size=64, dtype="float16", block_size=16)
+LAYOUT = Layout(num_layers=2, num_kv_heads=2, head_size=64, dtype="float16", block_size=16,
+                model_id="test-model@0")
 BLOCK_BYTES = LAYOUT.block_bytes  # 16 KiB
 BLOCKS = 10
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from tierd.connector.engine import EngineConfig, LLMEngine, Request
-from tierd.connector.model import LlamaModel
+from tierd.connector.model import LlamaModel, model_identity
 from tierd.connector.tierd_hooks import TierdHooks, TierdHooksConfig, layout_for
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import TierdClient
@@ -78,7 +78,7 @@ def test_corrupted_arena_slot_is_recomputed(tiny_model: LlamaModel, make_daemon:
     engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=BS))
     hashes = engine.add_request(tokens, 1).block_hashes
     with TierdClient(socket_path=daemon.config.socket_path) as client:  # same tenant and layout
-        handle = client.register_engine(layout_for(engine.kv_cache.spec))
+        handle = client.register_engine(layout_for(engine.kv_cache.spec, model_identity(engine.model).model_id))
         got = client.acquire(handle.engine_id, hashes)
         arena = ShmArena.attach(handle.arena_name, directory=handle.arena_directory)
         arena.view(handle.geometry.offset(got.slot_ids[2]) + 100, 1)[0] ^= 0x01
@@ -257,3 +257,40 @@ def test_certain_misses_skip_the_round_trip_and_are_still_counted(
     again = run(tiny_model, loader, tokens)
     assert (loader.stats.filtered_lookups, again.num_loaded_tokens) == (0, 96)
     loader.close()
+
+
+def test_two_models_of_one_shape_never_share(tiny_model: LlamaModel, make_daemon: Any) -> None:
+    """A fine-tune (same config, other weights) on the daemon that holds the base model's blocks
+    of the same prompt loads none of them and generates its own tokens; the base model still
+    loads all 6. ``tierd stats`` counts each model's blocks apart, and the operator's
+    ``model_id`` override shares on purpose."""
+    from dataclasses import replace
+
+    daemon = make_daemon()
+    tokens = prompt(100, seed=9)
+    tuned = LlamaModel(replace(tiny_model.cfg, seed=tiny_model.cfg.seed + 1))
+    assert model_identity(tuned).model_id != model_identity(tiny_model).model_id
+    want_tuned = run(tuned, None, tokens).output_token_ids
+    saver = hooks_for(daemon.config.socket_path)
+    run(tiny_model, saver, tokens)
+    assert saver.flush() and saver.stats.saved_blocks == 6
+    saver.close()
+    other = hooks_for(daemon.config.socket_path)
+    request = run(tuned, other, tokens)
+    assert request.num_loaded_tokens == 0 and other.stats.lookup_hit_blocks == 0
+    assert request.output_token_ids == want_tuned
+    assert other.flush() and other.stats.saved_blocks == 6  # its own copy, beside the base's
+    other.close()
+    base = hooks_for(daemon.config.socket_path)
+    assert run(tiny_model, base, tokens).num_loaded_tokens == 96
+    base.close()
+    shared = hooks_for(daemon.config.socket_path, model_id=model_identity(tiny_model).model_id)
+    assert run(tuned, shared, tokens).num_loaded_tokens == 96  # the override: wrong on purpose
+    shared.close()
+    with TierdClient(socket_path=daemon.config.socket_path) as client:
+        models = {m.model_id: m for m in client.stats().models}
+    block = tiny_model.cfg.num_layers * 2 * 2 * 64 * BS * 4
+    for model in (tiny_model, tuned):
+        row = models[model_identity(model).model_id]
+        assert (row.blocks["dram"], row.bytes["dram"]) == (6, 6 * block)
+    daemon.check_integrity()

@@ -34,6 +34,7 @@ import torch
 from tierd.connector.vllm import (TierdConnector, TierdConnectorMetadata, TierdWorkerMetadata,
                                   layout_from_vllm_config)
 from tierd.connector.vllm.base import HAVE_VLLM, KVConnectorRole, StandinKVConnectorBase
+from tierd.connector.vllm.identity import model_identity_from_vllm
 from tierd.connector.vllm.metadata import LoadSpec, SaveSpec
 from tierd.connector.vllm.stats import TierdConnectorStats
 from tierd.connector.vllm.worker import WorkerSide
@@ -51,9 +52,11 @@ COUNTERS = ("loaded_blocks", "failed_blocks", "saved_blocks", "skipped_blocks", 
 def fake_config(extra: dict[str, Any], tp: int = 1, rank: int = 0) -> SimpleNamespace:
     """vLLM's ``VllmConfig`` as the connector reads it (``kv_transfer_config``, the model and
     cache settings ``layout_from_vllm_config`` reads, the TP size and this worker's rank)."""
-    model = SimpleNamespace(dtype=torch.float16, get_num_layers=lambda parallel: LAYERS,
+    model = SimpleNamespace(model="fake-llama", seed=0, dtype=torch.float16,
+                            get_num_layers=lambda parallel: LAYERS,
                             get_num_kv_heads=lambda parallel: HEADS, get_head_size=lambda: HEAD)
     return SimpleNamespace(
+        load_config=SimpleNamespace(load_format="dummy"),
         kv_transfer_config=SimpleNamespace(
             kv_connector="TierdConnector", kv_connector_module_path="tierd.connector.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute",
@@ -297,7 +300,8 @@ def usage(socket_path: str) -> tuple[int, int]:
 def corrupt(socket_path: str, config: Any, hashes: list[BlockHash], index: int) -> None:
     """Flip one byte of the stored slot of ``hashes[index]`` (``hashes``: a held chain)."""
     with TierdClient(socket_path=socket_path, timeout=10.0) as client:
-        engine = client.register_engine(layout_from_vllm_config(config), "corrupter")
+        layout = layout_from_vllm_config(config, model_identity_from_vllm(config).model_id)
+        engine = client.register_engine(layout, "corrupter")
         got = client.acquire(engine.engine_id, hashes)
         arena = ShmArena.attach(engine.arena_name, directory=engine.arena_directory)
         view = arena.view(engine.geometry.offset(got.slot_ids[index]) + 100, 1)

@@ -36,7 +36,8 @@ from node_rig import ARENA, LAYOUT, SLAB, SSD, FakeClock, MakeRig, Rig  # noqa: 
 
 T = TypeVar("T")
 
-SMALL_LAYOUT = Layout(num_layers=2, num_kv_heads=2, head_size=16, dtype="float16", block_size=16)
+SMALL_LAYOUT = Layout(num_layers=2, num_kv_heads=2, head_size=16, dtype="float16", block_size=16,
+                      model_id="test-model@0")
 """4096-byte blocks: 16 per 64 KiB slab."""
 
 

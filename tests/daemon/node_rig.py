@@ -16,7 +16,8 @@ from tierd.daemon.ssd import SsdStore
 from tierd.daemon.ssd.record import HEADER_BYTES
 from tierd.types import BlockHash
 
-LAYOUT = Layout(num_layers=1, num_kv_heads=1, head_size=16, dtype="float16", block_size=16)
+LAYOUT = Layout(num_layers=1, num_kv_heads=1, head_size=16, dtype="float16", block_size=16,
+                model_id="test-model@0")
 BLOCK = LAYOUT.block_bytes            # 1024 bytes
 ARENA = 8 * BLOCK                     # 8 slots: 2 slabs of 4
 SLAB = 4 * BLOCK

@@ -8,7 +8,8 @@ import pytest
 
 from tierd.daemon.layout import NAMESPACE_LEN, Layout, namespace_for
 
-LLAMA = Layout(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16)
+LLAMA = Layout(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16,
+               model_id="llama3-8b@0")
 
 
 def test_block_bytes_counts_k_and_v_of_every_layer() -> None:

@@ -24,8 +24,10 @@ from tierd.daemon.ssd import SsdStore
 from tierd.daemon.ssd.record import HEADER_BYTES
 from tierd.types import BlockHash
 
-SMALL = Layout(num_layers=1, num_kv_heads=1, head_size=16, dtype="float16", block_size=16)
-WIDE = Layout(num_layers=1, num_kv_heads=2, head_size=16, dtype="float16", block_size=16)
+SMALL = Layout(num_layers=1, num_kv_heads=1, head_size=16, dtype="float16", block_size=16,
+               model_id="test-model@0")
+WIDE = Layout(num_layers=1, num_kv_heads=2, head_size=16, dtype="float16", block_size=16,
+              model_id="test-model@0")
 ARENA, SLAB, SSD = 16 << 10, 4 << 10, 6 * (1024 + HEADER_BYTES)
 
 REMEMBERED_S = 30.0

@@ -48,17 +48,26 @@ def test_malformed_request_is_invalid_argument(daemon: Any, kit: Any) -> None:
 def test_bad_layout_is_invalid_argument(daemon: Any, kit: Any) -> None:
     """A layout with zero layers or an unknown dtype gets INVALID_ARGUMENT."""
     with daemon.client() as client:
-        bad = Layout(num_layers=0, num_kv_heads=2, head_size=16, dtype="float16", block_size=16)
+        bad = Layout(num_layers=0, num_kv_heads=2, head_size=16, dtype="float16", block_size=16,
+                     model_id="m@0")
         assert code_of(lambda: client.register_engine(bad)) == grpc.StatusCode.INVALID_ARGUMENT
         bad = Layout(num_layers=2, num_kv_heads=2, head_size=16, dtype="int4",  # type: ignore[arg-type]
-                     block_size=16)
+                     block_size=16, model_id="m@0")
+        assert code_of(lambda: client.register_engine(bad)) == grpc.StatusCode.INVALID_ARGUMENT
+        # An engine that names no model (a connector from before model identity) is refused:
+        # shape is not identity, so it could be handed another model's blocks.
+        bad = Layout(num_layers=2, num_kv_heads=2, head_size=16, dtype="float16", block_size=16)
+        assert code_of(lambda: client.register_engine(bad)) == grpc.StatusCode.INVALID_ARGUMENT
+        bad = Layout(num_layers=2, num_kv_heads=2, head_size=16, dtype="float16", block_size=16,
+                     model_id="no spaces|or bars")
         assert code_of(lambda: client.register_engine(bad)) == grpc.StatusCode.INVALID_ARGUMENT
     still_serving(daemon, kit)
 
 
 def test_block_larger_than_a_slab_is_resource_exhausted(daemon: Any, kit: Any) -> None:
     """A 128 KiB block cannot fit a 64 KiB slab: RESOURCE_EXHAUSTED at registration."""
-    huge = Layout(num_layers=64, num_kv_heads=2, head_size=16, dtype="float16", block_size=16)
+    huge = Layout(num_layers=64, num_kv_heads=2, head_size=16, dtype="float16", block_size=16,
+                  model_id="m@0")
     with daemon.client() as client:
         assert code_of(lambda: client.register_engine(huge)) == grpc.StatusCode.RESOURCE_EXHAUSTED
     still_serving(daemon, kit)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -31,7 +32,8 @@ def test_no_daemon_names_the_fix(workdir: str, capsys: pytest.CaptureFixture[str
 
 def test_json_and_table(daemon: Any, kit: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """After storing 3 blocks and looking up 4, --json shows 3 DRAM blocks, 64 queried / 48 hit
-    tokens; the table shows every tier and the reading."""
+    tokens; the table shows every tier and the reading. A second model of the same shape that
+    stored 1 block of the same chain has its own row: 3 blocks (12 KiB) and 1 block."""
     hashes = kit.chain(4)
     with daemon.client() as client:
         engine = client.register_engine(kit.layout, engine_name="e0")
@@ -39,22 +41,29 @@ def test_json_and_table(daemon: Any, kit: Any, capsys: pytest.CaptureFixture[str
         kit.store_blocks(client, engine, arena, hashes[:3])
         client.report_hot_blocks(engine.engine_id, stored=hashes[:1])
         client.lookup(engine.engine_id, hashes)
+        tuned = client.register_engine(replace(kit.layout, model_id="tuned@1"), engine_name="e1")
+        assert client.lookup(tuned.engine_id, hashes) == []
+        kit.store_blocks(client, tuned, arena, hashes[:1])
         arena.close()
     assert run_stats("--socket", daemon.config.socket_path, "--json") == 0
     data = json.loads(capsys.readouterr().out)
     dram = next(t for t in data["tiers"] if t["tier"] == "dram")
-    assert (dram["used_blocks"], dram["used_bytes"], dram["capacity_blocks"]) == (3, 12288, 4096)
-    assert (data["query_tokens"], data["hit_tokens"], data["hit_ratio"]) == (64, 48, 0.75)
+    assert (dram["used_blocks"], dram["used_bytes"], dram["capacity_blocks"]) == (4, 16384, 4096)
+    assert (data["query_tokens"], data["hit_tokens"], data["hit_ratio"]) == (128, 48, 0.375)
     assert data["engines"][0]["hbm_blocks"] == 1 and data["pool_too_small"] is False
+    assert [(m["model_id"], m["blocks"]["dram"], m["bytes"]["dram"], m["blocks"]["hbm"],
+             m["query_tokens"], m["hit_tokens"], m["engines"]) for m in data["models"]] == [
+        (kit.layout.model_id, 3, 12288, 1, 64, 48, 1), ("tuned@1", 1, 4096, 0, 64, 0, 1)]
     assert run_stats("--socket", daemon.config.socket_path) == 0
     out = capsys.readouterr().out
-    for word in ("hbm", "dram", "ssd", "e0", "reading: hit ratio 0.75: healthy"):
+    for word in ("hbm", "dram", "ssd", "e0", "reading: hit ratio 0.38: ordinary",
+                 kit.layout.model_id, "tuned@1", "3 (12.0K)"):
         assert word in out
 
 
 def _stats(gap: float | None, idle: float | None, ratio: float) -> DaemonStats:
     tier = TierUsage("dram", 10, 100, 40960, 409600, 0, 100, int(100 * ratio), 5, 0, 0)
-    return DaemonStats(tiers=[tier], engines=[], query_tokens=100, hit_tokens=int(100 * ratio),
+    return DaemonStats(tiers=[tier], engines=[], models=[], query_tokens=100, hit_tokens=int(100 * ratio),
                        hit_ratio=ratio, reading=f"hit ratio {ratio:.2f}: low", checksum_failures=0,
                        lease_expiries=0, ssd_healthy=True, reuse_gap_p90_seconds=gap,
                        idle_before_evict_p50_seconds=idle)

@@ -30,10 +30,12 @@ def model_dir() -> Iterator[str]:
 @pytest.fixture
 def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
     """A running daemon; ``@pytest.mark.parametrize("daemon", [...], indirect=True)`` with
-    "no-ssd" (DRAM only) or "demote-all" (every committed block moves to SSD at once)."""
+    "no-ssd" (DRAM only), "no-ssd-small" (a 4 MiB arena, DRAM only) or "demote-all" (every
+    committed block moves to SSD at once)."""
     workdir = tempfile.mkdtemp(prefix="tierd-v")
     mode = getattr(request, "param", "")
-    running = Daemon(workdir, ssd=mode != "no-ssd", demote_all=mode == "demote-all")
+    running = Daemon(workdir, ssd=not mode.startswith("no-ssd"), demote_all=mode == "demote-all",
+                     dram_bytes=(4 if mode == "no-ssd-small" else 32) << 20)
     running.start()
     yield running
     running.stop()

@@ -57,10 +57,14 @@ HEAD = 16
 VOCAB = 1000
 
 
-def model_dir_in(root: str) -> str:
-    """Write the tiny model's directory under ``root``; returns its path."""
-    path = os.path.join(root, "tiny-llama")
+def model_dir_in(root: str, name: str = "tiny-llama", seed: int = 0) -> str:
+    """Write the tiny model's directory under ``root`` (``config.json`` and one safetensors
+    file of seeded weights: every ``seed`` has the same config and shapes, other weights);
+    returns its path. The stand-in forward pass never reads the weights; tierd's model
+    identity does."""
+    path = os.path.join(root, name)
     os.makedirs(path, exist_ok=True)
+    write_weights(path, seed)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
               "intermediate_size": 128, "num_attention_heads": 4,
               "num_key_value_heads": KV_HEADS, "num_hidden_layers": LAYERS,
@@ -69,6 +73,28 @@ def model_dir_in(root: str) -> str:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     return path
+
+
+def write_weights(model_dir: str, seed: int) -> None:
+    """(Re)write the tiny model's weight file with weights drawn from ``seed``."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = {f"model.layers.{i}.self_attn.{w}.weight": torch.randn(64, 64, generator=gen)
+               .to(torch.float16) for i in range(LAYERS) for w in ("q_proj", "k_proj")}
+    weights["model.embed_tokens.weight"] = torch.randn(VOCAB, 64, generator=gen).to(torch.float16)
+    save_file(weights, os.path.join(model_dir, "model.safetensors"))
+
+
+def engine_layout(config: VllmConfig) -> Any:
+    """The tierd ``Layout`` TierdConnector registers for rank 0 of ``config`` (its model id
+    derived as the connector derives it)."""
+    from tierd.connector.vllm import layout_from_vllm_config
+    from tierd.connector.vllm.identity import model_identity_from_vllm
+
+    extra = config.kv_transfer_config.kv_connector_extra_config
+    model_id = model_identity_from_vllm(config, extra.get("model_id")).model_id
+    return layout_from_vllm_config(config, model_id)
 
 
 def vllm_config(model_dir: str, socket_path: str, *, policy: str = "recompute",
@@ -315,8 +341,10 @@ class Daemon:
     """A real `tierd serve` on a Unix socket in a temporary directory; ``restart`` kills it
     (SIGKILL) and starts a fresh one on the same socket with an empty SSD directory."""
 
-    def __init__(self, workdir: str, ssd: bool = True, demote_all: bool = False) -> None:
+    def __init__(self, workdir: str, ssd: bool = True, demote_all: bool = False,
+                 dram_bytes: int = 32 << 20) -> None:
         self.workdir, self.ssd, self.demote_all = workdir, ssd, demote_all
+        self.dram_bytes = dram_bytes
         self.socket_path = os.path.join(workdir, "tierd.sock")
         self.process: subprocess.Popen[bytes] | None = None
         self.generation = 0
@@ -341,7 +369,7 @@ class Daemon:
     def _spawn(self, ssd: str, log: Any) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             [sys.executable, "-m", "tierd.commands.serve", "--socket-path", self.socket_path,
-             "--dram-bytes", "32MiB", "--slab-bytes", "64KiB", "--no-prefault",
+             "--dram-bytes", str(self.dram_bytes), "--slab-bytes", "64KiB", "--no-prefault",
              "--ssd-dir", ssd if self.ssd else "", "--ssd-bytes", "8MiB",
              "--log-level", "WARNING",
              *(["--dram-high-watermark", "1e-9", "--dram-low-watermark", "1e-9",

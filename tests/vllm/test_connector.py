@@ -13,7 +13,8 @@ pytest.importorskip("vllm", reason="needs real vLLM: run `make test-vllm`")
 import torch  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from harness import BLOCK, HEAD, Daemon, Engine, make_request, vllm_config  # noqa: E402
+from harness import (BLOCK, HEAD, Daemon, Engine, engine_layout, make_request,  # noqa: E402
+                     vllm_config)
 
 pytestmark = pytest.mark.vllm
 
@@ -36,10 +37,8 @@ def wait_on_ssd(daemon: Daemon, engine: Engine, hashes: list[Any]) -> None:
     demotion pass of a "demote-all" daemon)."""
     import time
 
-    from tierd.connector.vllm import layout_from_vllm_config
-
     with daemon.client() as client:
-        probe = client.register_engine(layout_from_vllm_config(engine.config), "probe")
+        probe = client.register_engine(engine_layout(engine.config), "probe")
         for _ in range(600):
             if client.lookup(probe.engine_id, hashes) == ["ssd"] * len(hashes):
                 break
@@ -151,10 +150,11 @@ def test_lookup_reports_hit_sources_to_vllm(model_dir: str, daemon: Daemon) -> N
         second.close()
 
 
-@pytest.mark.parametrize("daemon", ["no-ssd"], indirect=True)
+@pytest.mark.parametrize("daemon", ["no-ssd-small"], indirect=True)
 def test_hit_stays_pinned_between_lookup_and_load(model_dir: str, daemon: Daemon) -> None:
-    """Another engine floods the DRAM tier (no SSD) between the scheduler's lookup and the
-    worker's load: the pinned hit is not evicted, so it loads in full."""
+    """Another engine floods the DRAM tier (4 MiB, no SSD) between the scheduler's lookup and
+    the worker's load: the pinned hit is not evicted, so it loads in full. (The arena is small
+    so the flood ends well inside the 30 s lease: a lapsed lease is another test's subject.)"""
     first = Engine.start(vllm_config(model_dir, daemon.socket_path))
     second = Engine.start(vllm_config(model_dir, daemon.socket_path))
     flood = Engine.start(vllm_config(model_dir, daemon.socket_path), num_blocks=4096)
@@ -163,10 +163,10 @@ def test_hit_stays_pinned_between_lookup_and_load(model_dir: str, daemon: Daemon
         if engine.between is None or not out.kv_connector_metadata.loads:  # type: ignore[attr-defined]
             return
         engine.between = None
-        prompts = [[(i * 7 + j) % 991 for i in range(128 * BLOCK + 1)] for j in range(48)]
+        prompts = [[(i * 7 + j) % 991 for i in range(128 * BLOCK + 1)] for j in range(8)]
         flood.run([make_request(f"f{j}", p, max_tokens=1) for j, p in enumerate(prompts)],
                   max_steps=5000)
-        arena_blocks = (32 << 20) // first.worker._worker.format.slot_bytes
+        arena_blocks = daemon.dram_bytes // first.worker._worker.format.slot_bytes
         assert flood.worker.worker_counters.data["saved_blocks"] > arena_blocks
 
     try:
@@ -453,12 +453,11 @@ def test_request_aborted_while_its_hit_streams(model_dir: str, daemon: Daemon) -
 def overwrite_slot(daemon: Daemon, engine: Engine, block_hash: bytes, offset: int) -> None:
     """Flip byte ``offset`` of the DRAM slot holding ``block_hash`` (a writer gone wrong after
     the block was committed), through a probe registration of ``engine``'s layout."""
-    from tierd.connector.vllm import layout_from_vllm_config
     from tierd.daemon.arena import ShmArena
     from tierd.types import BlockHash
 
     with daemon.client() as client:
-        probe = client.register_engine(layout_from_vllm_config(engine.config), "corrupter")
+        probe = client.register_engine(engine_layout(engine.config), "corrupter")
         got = client.acquire(probe.engine_id, [BlockHash(block_hash)])
         arena = ShmArena.attach(probe.arena_name, directory=probe.arena_directory)
         view = arena.view(probe.geometry.offset(got.slot_ids[0]) + offset, 1)

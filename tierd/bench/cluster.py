@@ -170,7 +170,8 @@ def _bench_rpc(url: str, args: argparse.Namespace) -> None:
     from tierd.cluster.directory import Directory, DirectoryConfig, NodeRecord
     from tierd.cluster.publisher import Publisher, PublisherConfig
 
-    layout = Layout(num_layers=2, num_kv_heads=2, head_size=64, dtype="float16", block_size=16)
+    layout = Layout(num_layers=2, num_kv_heads=2, head_size=64, dtype="float16", block_size=16,
+                    model_id="bench-cluster@synthetic")
     chain = [BlockHash(hashlib.sha256(b"rpc" + i.to_bytes(4, "big")).digest())
              for i in range(args.chain)]
     with tempfile.TemporaryDirectory(prefix="tierd-bench-cluster-") as workdir:

@@ -81,7 +81,7 @@ def _layout(layers: int) -> Any:
     from tierd.daemon.layout import Layout
 
     return Layout(num_layers=layers, num_kv_heads=8, head_size=128, dtype="float16",
-                  block_size=16)
+                  block_size=16, model_id="bench-daemon@synthetic")
 
 
 def _arena_bytes(block_bytes: int, blocks: int) -> int:

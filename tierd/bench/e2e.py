@@ -195,6 +195,7 @@ def _ttfts(args: argparse.Namespace, model: LlamaModel, workdir: str, dram_sock:
 
     from tierd.checksum import block_checksum
     from tierd.daemon.client import TierdClient
+    from tierd.connector.model import model_identity
     from tierd.daemon.layout import Layout
 
     prefix_tokens = args.prefix_tokens // BLOCK * BLOCK
@@ -204,7 +205,8 @@ def _ttfts(args: argparse.Namespace, model: LlamaModel, workdir: str, dram_sock:
     dst = torch.zeros(kv_bytes, dtype=torch.uint8)
     _memcpy_s(src, dst)
     rows = src.numpy().reshape(prefix_blocks, -1)
-    layout = Layout(args.layers, model.cfg.num_kv_heads, model.cfg.head_dim, "float32", BLOCK)
+    layout = Layout(args.layers, model.cfg.num_kv_heads, model.cfg.head_dim, "float32", BLOCK,
+                    model_id=model_identity(model).model_id)
     probe = TierdClient(socket_path=dram_sock)
     probe_engine = probe.register_engine(layout, "bench-e2e-probe").engine_id
     absent = [BlockHash(os.urandom(32))]

@@ -363,7 +363,7 @@ def _layout(block_bytes: int) -> Layout:
     if block_bytes % per_layer:
         raise ValueError(f"--block-kib must be a multiple of {per_layer >> 10}")
     return Layout(num_layers=block_bytes // per_layer, num_kv_heads=2, head_size=64,
-                  dtype="float16", block_size=16)
+                  dtype="float16", block_size=16, model_id="bench-soak@synthetic")
 
 
 if __name__ == "__main__":

@@ -176,7 +176,8 @@ class _Side:
         from tierd.connector.vllm.scheduler import SchedulerSide
         from tierd.connector.vllm.worker import WorkerSide
 
-        config = TierdVllmConfig(socket_path=sock, timeout_seconds=60.0, retry_seconds=0.0)
+        config = TierdVllmConfig(socket_path=sock, timeout_seconds=60.0, retry_seconds=0.0,
+                                 model_id="bench-vllm@synthetic")
         self.worker = WorkerSide(config, kv, BLOCK, "auto", 0, 1)
         link = DaemonLink(config, self.worker.link.layout, "bench-scheduler", attach=False)
         link.connect()

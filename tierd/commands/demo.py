@@ -287,13 +287,14 @@ class _Demo:
             hooks.close()
 
     def _tiers(self, engine: LLMEngine, prompt: list[int]) -> dict[str, int]:
+        from tierd.connector.model import model_identity
         from tierd.connector.tierd_hooks import layout_for
         from tierd.daemon.client import TierdClient
         from tierd.hashing import BlockHasher
 
         hashes = BlockHasher(16).append(prompt)
         with TierdClient(socket_path=self.socket_path) as client:
-            probe = client.register_engine(layout_for(engine.kv_cache.spec), "demo-probe")
+            probe = client.register_engine(layout_for(engine.kv_cache.spec, model_identity(engine.model).model_id), "demo-probe")
             tiers = client.lookup(probe.engine_id, hashes)
             client.unregister_engine(probe.engine_id)
         return {t: tiers.count(t) for t in dict.fromkeys(tiers)}

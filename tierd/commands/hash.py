@@ -63,6 +63,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="LoRA adapter path as vLLM was given it (LoRARequest.lora_path); vLLM "
         f"{hashing.VLLM_HASH_CONTRACT} hashes ('lora', name, path), so --lora-name needs it",
     )
+    parser.add_argument(
+        "--model",
+        metavar="DIR_OR_ID",
+        default=None,
+        help="also print the model id tierd keys these blocks under: of a checkpoint folder "
+        "(as an engine running it with its config's dtype derives it) or a model id, checked",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
 
 
@@ -112,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
         lora_path=args.lora_path,
     )
     hashes = hasher.append(tokens)
+    model = None
+    if args.model is not None:
+        from tierd.model_identity import identity_of_argument
+
+        model = identity_of_argument(args.model)
     root = hashing.none_hash(args.seed, args.algo)
     seed = hashing.DEFAULT_SEED if args.seed is None else args.seed
     left = len(tokens) - len(hashes) * size
@@ -129,9 +141,13 @@ def run(args: argparse.Namespace) -> int:
             "none_hash": root.hex(),
             "blocks": [_block(hasher.keys, i, size, h) for i, h in enumerate(hashes)],
         }
+        if model is not None:
+            report |= {"model_id": model.model_id, "model_source": model.source}
         print(json.dumps(report, indent=2))
         return 0
     print(f"algo {args.algo}, block size {size}, seed {seed!r}, {len(tokens)} tokens")
+    if model is not None:
+        print(f"model_id    {model.model_id}  ({model.source})")
     print(f"none_hash   {root.hex()}")
     for i, h in enumerate(hashes):
         print(f"block {i:<5} {h.hex()}  tokens {i * size}..{(i + 1) * size - 1}")

@@ -1,15 +1,18 @@
 """`tierd route`: rank the cluster's nodes for a prompt by the prefix they hold, from Redis or
 through a daemon's ``Locate`` RPC.
 
-    tierd route --tokens 0,1,2,...,63 --tenant acme --num-layers 32 --num-kv-heads 8 \\
-        --head-size 128 --dtype bfloat16 --redis-url redis://redis:6379/0
+    tierd route --tokens 0,1,2,...,63 --tenant acme --model /models/Llama-3-8B --num-layers 32 \\
+        --num-kv-heads 8 --head-size 128 --dtype bfloat16 --kv-format vllm-hnc-v1 \\
+        --redis-url redis://redis:6379/0
     tierd route --hashes dc918a88...,7f3a... --namespace 0123456789abcdef0123456789abcdef --json
-    tierd route --tokens - --num-layers 32 --num-kv-heads 8 --head-size 128 \\
-        --socket /run/tierd/tierd.sock
+    tierd route --tokens - --model Llama-3-8B@3f2a9c1b7d6e5f40 --num-layers 32 --num-kv-heads 8 \\
+        --head-size 128 --socket /run/tierd/tierd.sock
 
 The chain comes from token ids (hashed like vLLM 0.33: ``--block-size``, ``--hash-algo``,
 ``--cache-salt``, ``--lora-name`` with ``--lora-path``) or from hex block hashes; the namespace
-from a tenant and the engine's layout fields, or as 32 hex digits. One Redis round trip (the
+from a tenant, the model (``--model``: a checkpoint folder, or the model id an engine logs and
+``tierd stats`` lists) and the engine's layout fields, or as 32 hex digits. Nodes are ranked
+per model: another model's copy of the same prompt is never counted. One Redis round trip (the
 directory's locate script); a Redis that cannot be reached exits 1 with the URL and the fix.
 
 With ``--socket`` (or ``--address`` and ``--token``) the daemon asks its own Redis. The tenant
@@ -53,6 +56,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", metavar="HEX",
                         help="the 16-byte namespace as 32 hex digits (instead of the fields below)")
     parser.add_argument("--tenant", default="default", help="tenant name (default 'default')")
+    parser.add_argument("--model", metavar="DIR_OR_ID",
+                        help="the engines' model: a checkpoint folder (fingerprinted as an engine "
+                             "running it with its config's dtype does) or a model id as "
+                             "`tierd stats` lists it")
+    parser.add_argument("--kv-format", default="",
+                        help="layout: slot byte order ('vllm-hnc-v1' for vLLM engines; default "
+                             "'': the reference engine)")
     parser.add_argument("--num-layers", type=int, help="layout: layers")
     parser.add_argument("--num-kv-heads", type=int, help="layout: KV heads of this TP rank")
     parser.add_argument("--head-size", type=int, help="layout: head size")
@@ -92,12 +102,16 @@ def resolve_layout(args: argparse.Namespace) -> Layout:
     """The engine layout from the layout flags (``ValueError`` naming the missing ones)."""
     from tierd.daemon.layout import Layout
 
-    missing = [f"--{n.replace('_', '-')}" for n in ("num_layers", "num_kv_heads", "head_size")
-               if getattr(args, n) is None]
+    from tierd.model_identity import identity_of_argument
+
+    missing = [f"--{n.replace('_', '-')}" for n in ("model", "num_layers", "num_kv_heads",
+                                                     "head_size") if getattr(args, n) is None]
     if missing:
-        raise ValueError(f"give --namespace HEX, or the engine layout: missing {', '.join(missing)}")
+        raise ValueError(f"give --namespace HEX, or the model and engine layout: missing "
+                         f"{', '.join(missing)}")
     return Layout(args.num_layers, args.num_kv_heads, args.head_size, args.dtype,
-                  args.block_size, args.tp_rank, args.tp_size)
+                  args.block_size, args.tp_rank, args.tp_size, kv_format=args.kv_format,
+                  model_id=identity_of_argument(args.model).model_id)
 
 
 def resolve_namespace(args: argparse.Namespace) -> Namespace:

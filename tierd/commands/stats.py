@@ -89,7 +89,7 @@ def _size(n: int) -> str:
 
 
 def render(stats: DaemonStats, console: Console) -> None:
-    """Print the tier table, the engine table and the reading under them."""
+    """Print the tier table, the model and engine tables and the reading under them."""
     from rich import box
     from rich.table import Table
 
@@ -105,6 +105,17 @@ def render(stats: DaemonStats, console: Console) -> None:
                       _ratio(t.hit_tokens, t.query_tokens), str(t.evictions), str(t.demotions),
                       str(t.promotions))
     console.print(tiers)
+    if stats.models:
+        models = Table(title="models (this tenant)", box=box.SIMPLE_HEAD)
+        for column in ("model", "engines", "DRAM", "SSD", "HBM blocks", "hit"):
+            models.add_column(column, justify="left" if column == "model" else "right",
+                              no_wrap=column != "model")
+        for m in stats.models:
+            models.add_row(m.model_id, str(m.engines),
+                           f"{m.blocks['dram']} ({_size(m.bytes['dram'])})",
+                           f"{m.blocks['ssd']} ({_size(m.bytes['ssd'])})", str(m.blocks["hbm"]),
+                           _ratio(m.hit_tokens, m.query_tokens))
+        console.print(models)
     if stats.engines:
         engines = Table(title="engines (HBM, as reported)", box=box.SIMPLE_HEAD)
         for column in ("engine", "name", "HBM blocks", "HBM tokens", "HBM bytes"):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, cast
 
 from tierd.cluster.directory import Placement
 from tierd.daemon.layout import Layout
+from tierd.daemon.models import ModelUsage
 from tierd.daemon.slots import SlotGeometry
 from tierd.types import HASH_LENGTHS, TIERS, BlockHash, Tier
 from tierd.v1 import tierd_pb2 as pb
@@ -116,6 +117,8 @@ class DaemonStats:
 
     tiers: list[TierUsage]
     engines: list[EngineUsage]
+    models: list[ModelUsage]
+    """The caller's tenant's models, most bytes first."""
     query_tokens: int
     hit_tokens: int
     hit_ratio: float
@@ -154,7 +157,8 @@ def layout_to_pb(layout: Layout) -> pb.Layout:
     return pb.Layout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
                      head_size=layout.head_size, dtype=layout.dtype,
                      block_size=layout.block_size, tp_rank=layout.tp_rank,
-                     tp_size=layout.tp_size, kv_format=layout.kv_format)
+                     tp_size=layout.tp_size, kv_format=layout.kv_format,
+                     model_id=layout.model_id)
 
 
 def layout_from_pb(msg: pb.Layout) -> Layout:
@@ -162,7 +166,7 @@ def layout_from_pb(msg: pb.Layout) -> Layout:
     layout = Layout(num_layers=msg.num_layers, num_kv_heads=msg.num_kv_heads,
                     head_size=msg.head_size, dtype=cast("Dtype", msg.dtype),
                     block_size=msg.block_size, tp_rank=msg.tp_rank, tp_size=msg.tp_size or 1,
-                    kv_format=msg.kv_format)
+                    kv_format=msg.kv_format, model_id=msg.model_id)
     layout.validate()
     return layout
 
@@ -208,10 +212,11 @@ def _u64(value: int) -> int:
     return min(max(value, 0), U64_MAX)
 
 
-def stats_to_pb(stats: NodeStats, engines: Sequence[EngineInfo]) -> pb.StatsResponse:
-    """A node snapshot as the Stats reply, tiers fastest first; ``engines`` (the caller's
-    tenant's) limit the per-engine rows, so a tenant never sees another's engine ids. Counters
-    saturate at 2^64 - 1 rather than fail the reply."""
+def stats_to_pb(stats: NodeStats, engines: Sequence[EngineInfo],
+                models: Sequence[ModelUsage] = ()) -> pb.StatsResponse:
+    """A node snapshot as the Stats reply, tiers fastest first; ``engines`` and ``models`` (the
+    caller's tenant's) limit the per-engine and per-model rows, so a tenant never sees another's
+    engine ids or models. Counters saturate at 2^64 - 1 rather than fail the reply."""
     tiers = [pb.TierStats(tier=TIER_TO_PB[cast(Tier, name)], used_blocks=t.used_blocks,
                           capacity_blocks=t.capacity_blocks, used_bytes=t.used_bytes,
                           capacity_bytes=t.capacity_bytes, pinned_blocks=t.pinned_blocks,
@@ -225,7 +230,14 @@ def stats_to_pb(stats: NodeStats, engines: Sequence[EngineInfo]) -> pb.StatsResp
             for e in engines]
     queries = max((t.queries for t in stats.tiers.values()), default=0)
     hits = sum(t.hits for t in stats.tiers.values())
-    reply = pb.StatsResponse(tiers=tiers, engines=rows, query_tokens=_u64(queries),
+    per_model = [pb.ModelStats(model_id=m.model_id, dram_blocks=m.blocks["dram"],
+                               dram_bytes=_u64(m.bytes["dram"]), ssd_blocks=m.blocks["ssd"],
+                               ssd_bytes=_u64(m.bytes["ssd"]), hbm_blocks=m.blocks["hbm"],
+                               hbm_bytes=_u64(m.bytes["hbm"]),
+                               query_tokens=_u64(m.query_tokens), hit_tokens=_u64(m.hit_tokens),
+                               engines=m.engines) for m in models]
+    reply = pb.StatsResponse(tiers=tiers, engines=rows, models=per_model,
+                             query_tokens=_u64(queries),
                              hit_tokens=_u64(hits), hit_ratio=stats.hit_ratio,
                              reading=stats.reading(),
                              checksum_failures=_u64(stats.checksum_failures),
@@ -283,10 +295,14 @@ def stats_from_pb(msg: pb.StatsResponse) -> DaemonStats:
     engines = [EngineUsage(engine_id=e.engine_id, engine_name=e.engine_name,
                            hbm_blocks=e.hbm_blocks, block_size=e.block_size,
                            block_bytes=e.block_bytes) for e in msg.engines]
+    models = [ModelUsage(m.model_id, {"hbm": m.hbm_blocks, "dram": m.dram_blocks,
+                                      "ssd": m.ssd_blocks},
+                         {"hbm": m.hbm_bytes, "dram": m.dram_bytes, "ssd": m.ssd_bytes}, m.query_tokens,
+                         m.hit_tokens, m.engines) for m in msg.models]
     gap = msg.reuse_gap_p90_seconds if msg.HasField("reuse_gap_p90_seconds") else None
     idle = (msg.idle_before_evict_p50_seconds if msg.HasField("idle_before_evict_p50_seconds")
             else None)
-    return DaemonStats(tiers=tiers, engines=engines, query_tokens=msg.query_tokens,
+    return DaemonStats(tiers=tiers, engines=engines, models=models, query_tokens=msg.query_tokens,
                        hit_tokens=msg.hit_tokens, hit_ratio=msg.hit_ratio, reading=msg.reading,
                        checksum_failures=msg.checksum_failures, lease_expiries=msg.lease_expiries,
                        ssd_healthy=msg.ssd_healthy, reuse_gap_p90_seconds=gap,

@@ -1,10 +1,15 @@
 """An engine's KV layout, its fingerprint, and the namespace that scopes its blocks.
 
 A stored block is one engine block for all layers: K and V of every layer for ``block_size``
-tokens. Two engines may share blocks only if their layouts are byte-identical *and* they belong
-to the same tenant; the namespace (16 bytes, blake2b over tenant and fingerprint) encodes both,
-so the node index key ``make_key(namespace, hash)`` never collides across models, TP ranks or
-tenants. Namespaces are built only here.
+tokens. Two engines may share blocks only if they run the same model (``model_id``: the weights
+and settings, ``tierd.model_identity``), their layouts are byte-identical, *and* they belong to
+the same tenant; the namespace (16 bytes, blake2b over tenant and fingerprint) encodes all
+three, so the node index key ``make_key(namespace, hash)`` never collides across models, TP
+ranks or tenants. Namespaces are built only here.
+
+The fingerprint is versioned (``tierd-layout-v2`` since model ids): blocks stored under an
+earlier version's namespace (shape only, no model) can never be named again, so they are never
+served; they age out of the tiers by LRU like any unused block.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from tierd.daemon.errors import clip
+from tierd.model_identity import validate_model_id
 from tierd.types import Namespace
 
 NAMESPACE_LEN = 16
@@ -25,7 +31,7 @@ DTYPE_BYTES: dict[str, int] = {
 }
 assert set(DTYPE_BYTES) == set(get_args(Dtype)), "every dtype needs an element size"
 
-_FINGERPRINT_VERSION = b"tierd-layout-v1"
+_FINGERPRINT_VERSION = b"tierd-layout-v2"
 MAX_KV_FORMAT_LEN = 64
 
 
@@ -45,6 +51,10 @@ class Layout:
     """Byte order of a block inside its slot, named by the engine that writes it: "" is tierd's
     paged pool row (``tierd.gpu.layout``), ``vllm-hnc-v1`` the vLLM adapter's canonical order.
     Part of the fingerprint, so engines that order bytes differently never share blocks."""
+    model_id: str = ""
+    """The model that computes the blocks (``tierd.model_identity``: ``label@digest`` of the
+    weights and settings). Required: ``validate`` refuses an empty one, since shape is not
+    identity and two models of one shape must never share a block."""
 
     @property
     def block_bytes(self) -> int:
@@ -55,10 +65,9 @@ class Layout:
     def fingerprint(self) -> bytes:
         """A canonical, versioned byte string of every field: equal iff the layouts are equal."""
         fields = (self.num_layers, self.num_kv_heads, self.head_size, self.dtype,
-                  self.block_size, self.tp_rank, self.tp_size)
-        base = _FINGERPRINT_VERSION + b"|" + b"|".join(str(f).encode() for f in fields)
-        # "" adds nothing: fingerprints (and namespaces) from before the field stay valid.
-        return base + (b"|format=" + self.kv_format.encode() if self.kv_format else b"")
+                  self.block_size, self.tp_rank, self.tp_size, "format=" + self.kv_format,
+                  "model=" + self.model_id)
+        return _FINGERPRINT_VERSION + b"|" + b"|".join(str(f).encode() for f in fields)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the fix if any field is out of range."""
@@ -76,6 +85,10 @@ class Layout:
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"layout.tp_rank must be in [0, tp_size={self.tp_size}), "
                              f"got {self.tp_rank!r}")
+        try:
+            validate_model_id(self.model_id)
+        except ValueError as e:
+            raise ValueError(f"layout.{e}") from None
 
 
 def namespace_for(tenant: str, layout: Layout) -> Namespace:

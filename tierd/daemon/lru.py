@@ -235,6 +235,11 @@ class HbmIndex:
     def counts(self) -> dict[str, int]:
         return {engine: len(held) for engine, held in self._held.items()}
 
+    def told_keys(self) -> list[NamespacedKey]:
+        """Every key the listener holds as reported (one per engine that reports it)."""
+        return [make_key(self._namespaces[engine], h) for engine, held in self._held.items()
+                if engine in self._namespaces for h in held]
+
     def check_integrity(self) -> None:
         assert all(len(h) <= self.cap for h in self._held.values()), "HBM set over its cap"
 
@@ -279,7 +284,9 @@ class TierIndex:
 
     def emit(self, event: KVEvent, namespace: Namespace | None = None) -> None:
         """Record a tier event and tell the listener (``namespace`` scopes the event's hashes;
-        needed for ``BlockStored`` / ``BlockRemoved``)."""
+        needed for ``BlockStored`` / ``BlockRemoved``). While the SSD tier is hidden its block
+        events are not told: the listener heard it cleared, and hears every SSD block stored
+        when it is served again, so its view stays exact."""
         self.events.append(event)
         if self.listener is None:
             return
@@ -287,6 +294,8 @@ class TierIndex:
             self.listener.cleared(event.tier)
             return
         assert namespace is not None, "a block event for the listener needs its namespace"
+        if event.tier == "ssd" and not self._was_up:
+            return  # the listener holds no SSD block until check_ssd announces them all
         keys = [make_key(namespace, h) for h in event.block_hashes]
         if isinstance(event, BlockStored):
             self.listener.stored(keys, event.tier)
@@ -299,6 +308,11 @@ class TierIndex:
         if self.ssd_up:
             keys += [k for k, _ in self.disk.oldest_first()]
         return keys
+
+    @property
+    def ssd_told_up(self) -> bool:
+        """Whether the listener last heard the SSD tier as served (``check_ssd`` tells it)."""
+        return self._was_up
 
     @property
     def ssd_up(self) -> bool:

@@ -41,6 +41,7 @@ from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.leases import LeaseTable, ReadLease, WriteLease, new_lease_id
 from tierd.daemon.lru import DramBlock, HbmIndex, TierIndex, TierListener, TierListeners
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
+from tierd.daemon.models import ModelTable, ModelUsage, NamespaceModel
 from tierd.daemon.node_types import EngineInfo, Lease, LookupResult, NodeConfig, Reservation
 from tierd.daemon.promotion import Promoter, Promotion
 from tierd.daemon.slots import SlabAllocator
@@ -74,15 +75,16 @@ class NodeStore:
         self.metrics, self._events = NodeMetrics(), EventLog(config.event_log_events)
         if ssd is not None:
             self.metrics.watch_ssd(ssd)
+        self.models = ModelTable(ssd.directory if ssd is not None else None)
+        outside = [self.models] + ([listener] if listener is not None else [])
         self._t = TierIndex(arena, allocator, ssd, self.metrics, self._events,
-                            config.ghost_entries, clock, listener)
+                            config.ghost_entries, clock, TierListeners(outside))
         self._n = self._t.counts
         self._wb = WriteBehind(self._t, delay=config.write_behind_seconds,
                                min_hits=config.ssd_min_hits, batch_bytes=config.write_batch_bytes,
                                clock=clock)
         if ssd is not None and config.write_behind_seconds > 0:
-            self._t.listener = self._wb if listener is None else TierListeners([self._wb,
-                                                                                listener])
+            self._t.listener = TierListeners([self._wb, *outside])
         self._engines = EngineTable(config.engines)
         self._engine_gone: Callable[[str], None] = lambda engine_id: None
         self._leases = LeaseTable(remember_seconds=config.lease_seconds)
@@ -92,7 +94,7 @@ class NodeStore:
         self._inflight_pins: Counter[NamespacedKey] = Counter()  # pins of acquires in progress
         self._promoter = Promoter(self._t, arena, ssd, self._writing, self._inflight_pins, clock)
         self._promoting = self._promoter.active
-        self._hbm = HbmIndex(config.hbm_max_blocks_per_engine, listener)
+        self._hbm = HbmIndex(config.hbm_max_blocks_per_engine, TierListeners(outside))
         self._maintaining = asyncio.Lock()
         self.metrics.ssd_healthy.set(0.0)
 
@@ -103,6 +105,7 @@ class NodeStore:
         the bound shrank below them (blocking; call once at start-up)."""
         if self._ssd is None:
             return
+        self.models.load()
         self._t.load(self._ssd.open(), self._clock())
         self.metrics.ssd_healthy.set(1.0 if self._t.ssd_up else 0.0)
 
@@ -119,6 +122,8 @@ class NodeStore:
                           geometry, engine_name)
         self._engines.add(info, self._clock())
         self._t.classes.add(geometry.slot_bytes)
+        self.models.registered(namespace, NamespaceModel(tenant, layout.model_id,
+                                                         layout.block_bytes))
         return info
 
     @property
@@ -190,6 +195,7 @@ class NodeStore:
             count = tiers.count(tier)
             self._n.hits[tier] += count * tokens
             self.metrics.hits.labels(tier).inc(count * tokens)
+        self.models.queried(info.namespace, len(hashes) * tokens, len(tiers) * tokens)
         return tiers
 
     async def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
@@ -332,6 +338,7 @@ class NodeStore:
         With no free slot, LRU unpinned DRAM blocks are evicted synchronously. Never blocks.
         """
         info = self._engine(engine_id)
+        self.models.queried(info.namespace, filtered_query_tokens, 0)
         return self._reservations.reserve(info, hashes, self._keys(info, hashes),
                                           filtered_query_tokens)
 
@@ -441,10 +448,18 @@ class NodeStore:
             reuse_gap_p90=self.metrics.reuse_gap.quantile(0.9),
             idle_before_evict_p50=self.metrics.idle_before_evict.quantile(0.5))
 
+    def models_of(self, tenant: str) -> list[ModelUsage]:
+        """Occupancy and hits per model of ``tenant`` (``ModelTable.usage_of``)."""
+        return self.models.usage_of(tenant, [e.namespace for e in self.engines_of(tenant)])
+
     def check_integrity(self) -> None:
         """Assert every index, pin, lease and slot agrees with the allocator and the SSD store.
         Call between operations (tests do, after every step)."""
         self._t.check_integrity()
+        self.models.check_integrity({
+            "dram": [k for k, _ in self._t.dram.oldest_first()],
+            "ssd": [k for k, _ in self._t.disk.oldest_first()] if self._t.ssd_told_up else [],
+            "hbm": self._hbm.told_keys()})
         owned: Counter[tuple[int, int]] = Counter()
         for key, b in self._t.dram.oldest_first():
             assert key not in self._writing, f"{key.hex()} is both stored and reserved"

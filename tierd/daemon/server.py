@@ -255,8 +255,9 @@ class TierdServicer(pb_grpc.TierdServicer):
 
     async def Stats(self, request: pb.StatsRequest,
                     context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        engines = self._store.engines_of(self._tenant(context))
-        return convert.stats_to_pb(self._store.stats(), engines)
+        tenant = self._tenant(context)
+        return convert.stats_to_pb(self._store.stats(), self._store.engines_of(tenant),
+                                   self._store.models_of(tenant))
 
     async def Locate(self, request: pb.LocateRequest,
                      context: grpc.aio.ServicerContext) -> pb.LocateResponse:

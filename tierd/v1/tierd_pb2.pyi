@@ -21,7 +21,7 @@ TIER_SSD: Tier
 TIER_REMOTE: Tier
 
 class Layout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_size", "dtype", "block_size", "tp_rank", "tp_size", "kv_format")
+    __slots__ = ("num_layers", "num_kv_heads", "head_size", "dtype", "block_size", "tp_rank", "tp_size", "kv_format", "model_id")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class Layout(_message.Message):
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_size: int
@@ -38,7 +39,8 @@ class Layout(_message.Message):
     tp_rank: int
     tp_size: int
     kv_format: str
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., kv_format: _Optional[str] = ...) -> None: ...
+    model_id: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., kv_format: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class SlotGeometry(_message.Message):
     __slots__ = ("slab_bytes", "slot_bytes", "slots_per_slab")
@@ -252,6 +254,30 @@ class TierStats(_message.Message):
     promotions: int
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., used_blocks: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ...) -> None: ...
 
+class ModelStats(_message.Message):
+    __slots__ = ("model_id", "dram_blocks", "dram_bytes", "ssd_blocks", "ssd_bytes", "hbm_blocks", "query_tokens", "hit_tokens", "engines", "hbm_bytes")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SSD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SSD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HBM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    HBM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    dram_blocks: int
+    dram_bytes: int
+    ssd_blocks: int
+    ssd_bytes: int
+    hbm_blocks: int
+    query_tokens: int
+    hit_tokens: int
+    engines: int
+    hbm_bytes: int
+    def __init__(self, model_id: _Optional[str] = ..., dram_blocks: _Optional[int] = ..., dram_bytes: _Optional[int] = ..., ssd_blocks: _Optional[int] = ..., ssd_bytes: _Optional[int] = ..., hbm_blocks: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., engines: _Optional[int] = ..., hbm_bytes: _Optional[int] = ...) -> None: ...
+
 class EngineStats(_message.Message):
     __slots__ = ("engine_id", "engine_name", "hbm_blocks", "block_size", "block_bytes")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -267,7 +293,7 @@ class EngineStats(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., engine_name: _Optional[str] = ..., hbm_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "engines", "query_tokens", "hit_tokens", "hit_ratio", "reading", "checksum_failures", "lease_expiries", "ssd_healthy", "reuse_gap_p90_seconds", "idle_before_evict_p50_seconds")
+    __slots__ = ("tiers", "engines", "query_tokens", "hit_tokens", "hit_ratio", "reading", "checksum_failures", "lease_expiries", "ssd_healthy", "reuse_gap_p90_seconds", "idle_before_evict_p50_seconds", "models")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +305,7 @@ class StatsResponse(_message.Message):
     SSD_HEALTHY_FIELD_NUMBER: _ClassVar[int]
     REUSE_GAP_P90_SECONDS_FIELD_NUMBER: _ClassVar[int]
     IDLE_BEFORE_EVICT_P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     engines: _containers.RepeatedCompositeFieldContainer[EngineStats]
     query_tokens: int
@@ -290,7 +317,8 @@ class StatsResponse(_message.Message):
     ssd_healthy: bool
     reuse_gap_p90_seconds: float
     idle_before_evict_p50_seconds: float
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., reading: _Optional[str] = ..., checksum_failures: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., ssd_healthy: _Optional[bool] = ..., reuse_gap_p90_seconds: _Optional[float] = ..., idle_before_evict_p50_seconds: _Optional[float] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[ModelStats]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., reading: _Optional[str] = ..., checksum_failures: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., ssd_healthy: _Optional[bool] = ..., reuse_gap_p90_seconds: _Optional[float] = ..., idle_before_evict_p50_seconds: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ...) -> None: ...
 
 class LocateRequest(_message.Message):
     __slots__ = ("engine_id", "block_hashes", "layout")

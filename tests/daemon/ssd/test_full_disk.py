@@ -28,7 +28,8 @@ from tierd.types import BlockHash, Namespace
 NS = Namespace(b"N" * 16)
 BLOCK = 64 << 10
 REC = HEADER_BYTES + BLOCK
-LAYOUT = Layout(num_layers=4, num_kv_heads=4, head_size=64, dtype="float16", block_size=16)
+LAYOUT = Layout(num_layers=4, num_kv_heads=4, head_size=64, dtype="float16", block_size=16,
+                model_id="test-model@0")
 assert LAYOUT.block_bytes == BLOCK
 
 
