@@ -182,11 +182,14 @@ class _Read:
 
 
 def _file_parts(file: Path, stats: _Read) -> list[bytes]:
-    """The byte strings of one weight file that go into the digest."""
+    """The byte strings of one weight file that go into the digest: its size, a safetensors
+    header, then the sampled pieces (all announced to the kernel first with
+    ``POSIX_FADV_WILLNEED``, so cold pieces are read from disk in parallel, not seek by seek)."""
     with open(file, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
         out = [size.to_bytes(8, "little")]
-        spans = _safetensors_spans(f.fileno(), size, out) if file.name.endswith(".safetensors") else None
+        spans = _safetensors_spans(fd, size, out) if file.name.endswith(".safetensors") else None
         if spans is None:
             step = max(1, size // _SPREAD)
             spans = [(off, min(_SAMPLE, size - off)) for off in range(0, size, step)]
@@ -194,10 +197,10 @@ def _file_parts(file: Path, stats: _Read) -> list[bytes]:
         else:
             stats.tensors += len(spans) // 3
         for offset, length in spans:
-            piece = os.pread(f.fileno(), length, offset)
-            stats.bytes_read += len(piece)
-            out.append(piece)
-    return out
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        pieces = [os.pread(fd, length, offset) for offset, length in spans]
+    stats.bytes_read += sum(map(len, pieces))
+    return out + pieces
 
 
 def _safetensors_spans(fd: int, size: int, out: list[bytes]) -> list[tuple[int, int]] | None:

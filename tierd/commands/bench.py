@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = "Run a benchmark (hash, attention, daemon, e2e, cluster, soak, vllm, or all)."
+HELP = ("Run a benchmark (hash, attention, daemon, e2e, cluster, soak, vllm, identity, or "
+        "all).")
 
 # Benchmark name -> module under tierd.bench.
 BENCHMARKS: dict[str, str] = {
@@ -20,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "cluster": "cluster",
     "soak": "soak",
     "vllm": "vllm",
+    "identity": "identity",
 }
 
 
