@@ -122,3 +122,28 @@ def test_help_names_the_vllm_contract(capsys: pytest.CaptureFixture[str]) -> Non
         main(["hash", "--help"])
     out = capsys.readouterr().out
     assert "vLLM 0.33" in out and "--lora-path" in out
+
+
+def test_model_flag_prints_each_checkpoints_id(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--model DIR` prints the folder's model id (two same-shape folders with other weights:
+    two ids; the chain is the same); a badly spelled id exits 2 naming model_id."""
+    from pathlib import Path
+
+    ids = []
+    for name, seed in (("base", 1), ("tuned", 2)):
+        folder = Path(str(tmp_path)) / name
+        folder.mkdir()
+        (folder / "config.json").write_text('{"torch_dtype": "bfloat16", "hidden_size": 64}')
+        (folder / "pytorch_model.bin").write_bytes(bytes([seed]) * 100_000)
+        assert main(["hash", TOKENS_0_15, "--model", str(folder), "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["blocks"][0]["hash"] == BLOCK0_HEX
+        ids.append(out["model_id"])
+    assert ids[0].startswith("base@") and ids[1].startswith("tuned@")
+    assert ids[0].split("@")[1] != ids[1].split("@")[1]
+    assert main(["hash", TOKENS_0_15, "--model", "llama@1"]) == 0
+    assert "model_id    llama@1  (model_id override)" in capsys.readouterr().out
+    assert main(["hash", TOKENS_0_15, "--model", "not an id"]) == 2
+    assert "model_id must be" in capsys.readouterr().err

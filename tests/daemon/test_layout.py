@@ -29,12 +29,42 @@ def test_namespace_is_16_bytes_and_stable() -> None:
 @pytest.mark.parametrize("change", [
     {"num_layers": 31}, {"num_kv_heads": 4}, {"head_size": 64}, {"dtype": "float16"},
     {"block_size": 32}, {"tp_rank": 1, "tp_size": 2}, {"tp_size": 2},
+    {"kv_format": "vllm-hnc-v1"}, {"model_id": "llama3-8b-instruct@1"},
 ])
 def test_any_layout_difference_changes_the_namespace(change: dict[str, object]) -> None:
     """Two models or two TP ranks never share a namespace."""
     other = dataclasses.replace(LLAMA, **change)  # type: ignore[arg-type]
     assert other.fingerprint() != LLAMA.fingerprint()
     assert namespace_for("default", other) != namespace_for("default", LLAMA)
+
+
+def test_a_layout_needs_a_model_id() -> None:
+    """Shape is not identity: a layout without a model id (or a badly spelled one) is refused
+    with the fix."""
+    for bad in ("", "two words", "x" * 129):
+        with pytest.raises(ValueError, match="layout.model_id"):
+            dataclasses.replace(LLAMA, model_id=bad).validate()
+
+
+def test_earlier_shape_only_namespaces_are_never_named_again() -> None:
+    """Blocks stored by tierd before model ids live under blake2b(tenant, v1 fingerprint of the
+    shape): no layout of this version, whatever its model id, maps to such a namespace."""
+    import hashlib
+
+    def v1_namespace(tenant: str, layout: Layout) -> bytes:  # the earlier version's formula
+        fields = (layout.num_layers, layout.num_kv_heads, layout.head_size, layout.dtype,
+                  layout.block_size, layout.tp_rank, layout.tp_size)
+        base = b"tierd-layout-v1|" + b"|".join(str(f).encode() for f in fields)
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(len(tenant).to_bytes(4, "big") + tenant.encode())
+        digest.update(base + (b"|format=" + layout.kv_format.encode() if layout.kv_format
+                              else b""))
+        return digest.digest()
+
+    for model_id in ("llama3-8b@0", "", "x"):
+        layout = dataclasses.replace(LLAMA, model_id=model_id or "m")
+        assert namespace_for("default", layout) != v1_namespace("default", layout)
+    assert LLAMA.fingerprint().startswith(b"tierd-layout-v2|")
 
 
 def test_tenants_never_share_a_namespace() -> None:

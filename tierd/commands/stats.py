@@ -107,11 +107,11 @@ def render(stats: DaemonStats, console: Console) -> None:
     console.print(tiers)
     if stats.models:
         models = Table(title="models (this tenant)", box=box.SIMPLE_HEAD)
-        for column in ("model", "engines", "DRAM", "SSD", "HBM blocks", "hit"):
-            models.add_column(column, justify="left" if column == "model" else "right",
-                              no_wrap=column != "model")
+        models.add_column("model", overflow="fold")  # an id is never cut: it is the key
+        for column in ("engines", "DRAM", "SSD", "HBM blocks", "hit"):
+            models.add_column(column, justify="right", no_wrap=True)
         for m in stats.models:
-            models.add_row(m.model_id, str(m.engines),
+            models.add_row(m.model_id.replace("@", "\n@", 1), str(m.engines),
                            f"{m.blocks['dram']} ({_size(m.bytes['dram'])})",
                            f"{m.blocks['ssd']} ({_size(m.bytes['ssd'])})", str(m.blocks["hbm"]),
                            _ratio(m.hit_tokens, m.query_tokens))
