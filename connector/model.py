@@ -212,7 +212,6 @@ class LlamaModel(nn.Module):
         return logits
 
 
-
 _SAMPLE_BYTES = 4096
 
 

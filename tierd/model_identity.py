@@ -17,12 +17,13 @@ carries a *model id*, built only here, by every front end:
     name, dtype, shape and offsets) and 4 KiB from the start, middle and end of every tensor's
     bytes; other formats: 65 evenly spaced 4 KiB pieces.
 
-What this means: copies of one checkpoint in two places share blocks (same content); different
+What this means: copies of one checkpoint in two places, served under one name, share blocks
+(same content, same label: another name is another id, as an operator would expect); different
 weights, even with an identical ``config.json`` and identical headers, differ in the sampled
 bytes of every tensor a fine-tune, a merge or a quantization touches; rewriting the files in
 place changes the id. Not seen: an edit that leaves every sampled piece of every tensor as it
 was (set ``model_id`` by hand after such deliberate surgery). The cost is a few preads per
-tensor whatever the checkpoint's size (``tierd bench`` measures it: ``ModelIdentity.seconds``).
+tensor whatever the checkpoint's size (``tierd bench identity`` measures it).
 
 An operator may also give the id outright (``kv_connector_extra_config`` ``model_id``), e.g. to
 share one cache between checkpoints that differ only in ways that do not change KV. A wrong

@@ -41,7 +41,8 @@ class TierdVllmConfig:
     """The model id blocks are shared under (``tierd.model_identity``). Unset, the connector
     derives it from the weights vLLM loads and its dtype, quantization and ``--hf-overrides``.
     Set it only to share one cache between checkpoints you know compute the same KV (copies
-    of one checkpoint share anyway): **a wrong value serves one model's KV to another**."""
+    of one checkpoint served under one name share anyway): **a wrong value serves one model's
+    KV to another**."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> TierdVllmConfig:

@@ -11,14 +11,11 @@ every worker derive the id on their own (the same files, the same answer); the
 from __future__ import annotations
 
 import json
-import logging
 import os
 from typing import Any
 
 from tierd.model_identity import (ModelIdentity, identity_from_checkpoint, identity_from_parts,
                                   kv_settings, override)
-
-_log = logging.getLogger(__name__)
 
 
 def model_identity_from_vllm(vllm_config: Any, model_id: str | None = None) -> ModelIdentity:
