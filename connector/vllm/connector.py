@@ -29,8 +29,9 @@ from tierd.hashing import HASH_ALGOS
 
 _log = logging.getLogger(__name__)
 
-VLLM_VERSIONS_TESTED = ("0.33.0",)
-"""vLLM releases tierd's tests run against (``make test-vllm``)."""
+VLLM_VERSIONS_TESTED = ("0.32.0", "0.33.0")
+"""vLLM releases tierd's tests run against: 0.33.0 (``make test-vllm``: its scheduler and KV
+tensors) and 0.32.0's CPU build (``make test-vllm-serve``: real ``vllm serve``)."""
 
 
 def layout_from_vllm_config(vllm_config: Any, model_id: str, tp_rank: int = 0) -> Layout:

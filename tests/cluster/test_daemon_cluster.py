@@ -311,7 +311,7 @@ def test_ssd_eviction_feeds_the_remote_tier(cluster: Callable[..., Node]) -> Non
 
 def test_route_asks_a_daemon(cluster: Callable[..., Node],
                              capsys: pytest.CaptureFixture[str]) -> None:
-    """`tierd route --socket` ranks through B's Locate (tenant of the connection); a daemon
+    """`tierd route --socket-path` ranks through B's Locate (tenant of the connection); a daemon
     without Redis answers FAILED_PRECONDITION naming --redis-url, and route exits 1."""
     from tierd.commands import route
 
@@ -330,13 +330,13 @@ def test_route_asks_a_daemon(cluster: Callable[..., Node],
     parser = argparse.ArgumentParser()
     route.configure(parser)
     hexes = ",".join(h.hex() for h in hashes)
-    args = parser.parse_args(["--hashes", hexes, *layout_flags, "--socket", b.config.socket_path,
+    args = parser.parse_args(["--hashes", hexes, *layout_flags, "--socket-path", b.config.socket_path,
                               "--json"])
     assert route.run(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert [(n["node_id"], n["prefix_blocks"], n["score"]) for n in out["nodes"]] == [
         ("node-a", 3, 2.4)]
-    args = parser.parse_args(["--hashes", hexes, *layout_flags, "--socket",
+    args = parser.parse_args(["--hashes", hexes, *layout_flags, "--socket-path",
                               lone.config.socket_path])
     assert route.run(args) == 1
     err = capsys.readouterr().err

@@ -24,10 +24,10 @@ def run_stats(*argv: str) -> int:
 
 def test_no_daemon_names_the_fix(workdir: str, capsys: pytest.CaptureFixture[str]) -> None:
     """With nothing on the socket: exit 1 and a message saying to start `tierd serve` or pass
-    --socket."""
-    assert run_stats("--socket", os.path.join(workdir, "none.sock")) == 1
+    --socket-path."""
+    assert run_stats("--socket-path", os.path.join(workdir, "none.sock")) == 1
     err = capsys.readouterr().err
-    assert "no daemon answers at unix:" in err and "`tierd serve`" in err and "--socket" in err
+    assert "no daemon answers at unix:" in err and "`tierd serve`" in err and "--socket-path" in err
 
 
 def test_json_and_table(daemon: Any, kit: Any, capsys: pytest.CaptureFixture[str]) -> None:
@@ -45,7 +45,7 @@ def test_json_and_table(daemon: Any, kit: Any, capsys: pytest.CaptureFixture[str
         assert client.lookup(tuned.engine_id, hashes) == []
         kit.store_blocks(client, tuned, arena, hashes[:1])
         arena.close()
-    assert run_stats("--socket", daemon.config.socket_path, "--json") == 0
+    assert run_stats("--socket-path", daemon.config.socket_path, "--json") == 0
     data = json.loads(capsys.readouterr().out)
     dram = next(t for t in data["tiers"] if t["tier"] == "dram")
     assert (dram["used_blocks"], dram["used_bytes"], dram["capacity_blocks"]) == (4, 16384, 4096)
@@ -54,7 +54,7 @@ def test_json_and_table(daemon: Any, kit: Any, capsys: pytest.CaptureFixture[str
     assert [(m["model_id"], m["blocks"]["dram"], m["bytes"]["dram"], m["blocks"]["hbm"],
              m["query_tokens"], m["hit_tokens"], m["engines"]) for m in data["models"]] == [
         (kit.layout.model_id, 3, 12288, 1, 64, 48, 1), ("tuned@1", 1, 4096, 0, 64, 0, 1)]
-    assert run_stats("--socket", daemon.config.socket_path) == 0
+    assert run_stats("--socket-path", daemon.config.socket_path) == 0
     out = capsys.readouterr().out
     for word in ("hbm", "dram", "ssd", "e0", "reading: hit ratio 0.38: ordinary",
                  "test-model", "tuned", "@1", "3 (12.0K)"):  # an id shows as label, @digest
@@ -76,3 +76,11 @@ def test_pool_too_small_when_reuse_gap_p90_exceeds_idle_p50() -> None:
         stats_cmd.render(_stats(gap, 10.0, 0.05), console)
         assert ("pool too small" in console.export_text()) is expected
     assert _stats(None, 10.0, 0.05).pool_too_small is False
+
+
+def test_old_socket_flag_still_works_with_a_warning(workdir: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`--socket` (the earlier spelling) is `--socket-path`, with a warning naming the new one."""
+    assert run_stats("--socket", os.path.join(workdir, "none.sock")) == 1
+    err = capsys.readouterr().err
+    assert "--socket is now --socket-path" in err and "no daemon answers at unix:" in err

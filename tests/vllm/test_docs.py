@@ -18,28 +18,34 @@ pytestmark = pytest.mark.vllm
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "vllm.md")
 
 
-def documented_command() -> list[str]:
-    text = open(DOC).read()
-    block = re.search(r"```bash\n(.*?)```", text, re.S)
-    assert block is not None, "docs/vllm.md lost its command block"
-    line = " ".join(part.rstrip("\\").strip() for part in block.group(1).splitlines()
+def documented_commands() -> list[list[str]]:
+    """The `vllm serve` arguments of docs/vllm.md's command blocks (GPU, then CPU)."""
+    blocks = re.findall(r"```bash\n(.*?)```", open(DOC).read(), re.S)
+    assert len(blocks) >= 2, "docs/vllm.md lost its GPU or CPU command block"
+    return [documented_command(block) for block in blocks[:2]]
+
+
+def documented_command(block: str) -> list[str]:
+    line = " ".join(part.rstrip("\\").strip() for part in block.splitlines()
                     if part.strip() and not part.startswith("tierd serve"))
     words = shlex.split(line)
     assert words[:3] == ["PYTHONHASHSEED=0", "vllm", "serve"], words[:3]
     return words[3:]
 
 
-def test_documented_flags_parse_with_vllms_own_parser() -> None:
-    """`vllm serve`'s parser (vLLM 0.33) accepts the documented flags; the connector's extra
-    config parses with tierd's own keys."""
+@pytest.mark.parametrize("which,block_size", [(0, 16), (1, 32)], ids=["gpu", "cpu"])
+def test_documented_flags_parse_with_vllms_own_parser(which: int, block_size: int) -> None:
+    """`vllm serve`'s parser (vLLM 0.33) accepts the documented flags (GPU: block size 16; CPU:
+    32, which vLLM's CPU attention needs); the connector's extra config parses with tierd's own
+    keys."""
     import vllm
     from vllm.entrypoints.common.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     assert vllm.__version__ in VLLM_VERSIONS_TESTED
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(documented_command())
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(documented_commands()[which])
     assert args.model == "MODEL" or args.model_tag == "MODEL"
-    assert args.prefix_caching_hash_algo == "sha256_cbor" and args.block_size == 16
+    assert args.prefix_caching_hash_algo == "sha256_cbor" and args.block_size == block_size
     transfer = args.kv_transfer_config
     assert transfer.kv_connector == "TierdConnector"
     assert transfer.kv_connector_module_path == "tierd.connector.vllm"

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from tierd.commands.flags import add_socket_path
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -143,10 +145,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="SSD tier bound of the demo daemon in MiB (default 256).")
     parser.add_argument("--threads", type=int, default=2, metavar="N",
                         help="Torch CPU threads (default 2).")
-    parser.add_argument("--socket", metavar="PATH", default=None,
-                        help="Use the daemon already serving on this Unix socket instead of "
-                             "starting one (the SSD row is then skipped: only an embedded daemon "
-                             "can be told to demote).")
+    add_socket_path(parser, "Use the daemon already serving on this Unix socket instead of "
+                            "starting one (the SSD row is then skipped: only an embedded daemon "
+                            "can be told to demote).")
     parser.add_argument("--walkthrough", action="store_true",
                         help="Print the memory-planner walk-through instead (no torch, no "
                              "daemon).")
@@ -227,7 +228,7 @@ class _Demo:
         hooks.attach_block_events(engine.manager.take_events)
         if not hooks.wait_connected(timeout=10):
             raise ValueError(f"no tierd daemon answers at {self.socket_path}: start one with "
-                             "`tierd serve`, or run the demo without --socket")
+                             "`tierd serve`, or run the demo without --socket-path")
         self.hooks.append(hooks)
         return engine
 

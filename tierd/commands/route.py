@@ -6,7 +6,7 @@ through a daemon's ``Locate`` RPC.
         --redis-url redis://redis:6379/0
     tierd route --hashes dc918a88...,7f3a... --namespace 0123456789abcdef0123456789abcdef --json
     tierd route --tokens - --model Llama-3-8B@3f2a9c1b7d6e5f40 --num-layers 32 --num-kv-heads 8 \\
-        --head-size 128 --socket /run/tierd/tierd.sock
+        --head-size 128 --socket-path /run/tierd/tierd.sock
 
 The chain comes from token ids (hashed like vLLM 0.33: ``--block-size``, ``--hash-algo``,
 ``--cache-salt``, ``--lora-name`` with ``--lora-path``) or from hex block hashes; the namespace
@@ -15,7 +15,7 @@ from a tenant, the model (``--model``: a checkpoint folder, or the model id an e
 per model: another model's copy of the same prompt is never counted. One Redis round trip (the
 directory's locate script); a Redis that cannot be reached exits 1 with the URL and the fix.
 
-With ``--socket`` (or ``--address`` and ``--token``) the daemon asks its own Redis. The tenant
+With ``--socket-path`` (or ``--address`` and ``--token``) the daemon asks its own Redis. The tenant
 is then the connection's (the token's, or the daemon's default tenant), never ``--tenant``, and
 the layout fields are required: a caller cannot name another tenant's namespace.
 """
@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tierd import hashing
+from tierd.commands.flags import add_socket_path
 from tierd.types import BlockHash, Namespace
 
 if TYPE_CHECKING:
@@ -74,8 +75,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the cluster's Redis (default redis://127.0.0.1:6379/0)")
     parser.add_argument("--key-prefix", default="tierd:", help="directory key prefix")
     parser.add_argument("--timeout", type=float, default=2.0, help="Redis timeout, seconds")
-    parser.add_argument("--socket", metavar="PATH", default=None,
-                        help="ask the daemon on this Unix socket (Locate) instead of Redis")
+    add_socket_path(parser, "ask the daemon on this Unix socket (Locate) instead of Redis")
     parser.add_argument("--address", metavar="HOST:PORT", default=None,
                         help="ask the daemon at this TCP address (needs --token)")
     parser.add_argument("--token", default=None, help="bearer token for the daemon (its tenant)")
@@ -171,7 +171,7 @@ def _via_daemon(args: argparse.Namespace, chain: list[BlockHash]) -> tuple[int, 
                          timeout=args.timeout) as client:
             located = client.locate(None, chain, layout=layout)
     except grpc.RpcError as exc:
-        hint = ("start tierd serve, or pass --socket PATH"
+        hint = ("start tierd serve, or pass --socket-path PATH"
                 if exc.code() == grpc.StatusCode.UNAVAILABLE else exc.details())
         print(f"tierd route: error: daemon at {where}: {exc.code().name}: {hint}",
               file=sys.stderr)

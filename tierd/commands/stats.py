@@ -15,6 +15,8 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from tierd.commands.flags import add_socket_path
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -24,9 +26,8 @@ HELP = "Show tier occupancy, hit ratio and per-engine HBM use of a running daemo
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--socket", metavar="PATH", default=None,
-                        help="Daemon Unix socket (default: $TIERD_SOCKET_PATH, else the "
-                             "default socket of `tierd serve`).")
+    add_socket_path(parser, "Daemon Unix socket (default: $TIERD_SOCKET_PATH, else the "
+                            "default socket of `tierd serve`).")
     parser.add_argument("--address", metavar="HOST:PORT", default=None,
                         help="Reach the daemon over TCP instead (needs --token).")
     parser.add_argument("--token", default=None,
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     print(f"tierd stats: no daemon answers at {client.target}: start one with "
-                          "`tierd serve`, or point at it with --socket PATH "
+                          "`tierd serve`, or point at it with --socket-path PATH "
                           "(or --address HOST:PORT --token TOKEN)", file=sys.stderr)
                 else:
                     print(f"tierd stats: {exc.code().name}: {exc.details()}", file=sys.stderr)

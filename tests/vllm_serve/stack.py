@@ -1,0 +1,193 @@
+"""The real serving stack for tests/vllm_serve: `tierd serve` and `vllm serve` (vLLM's CPU
+build) as processes on loopback and Unix sockets, with the documented flags, and a streaming
+HTTP client on vLLM's OpenAI API (stdlib only)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierd.daemon.client import TierdClient
+
+BLOCK = 32
+"""vLLM's CPU attention needs a block size that is a multiple of 32."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(what: str, check: Any, timeout: float, every: float = 0.25) -> Any:
+    """Poll ``check()`` until it returns a truthy value (returned); AssertionError naming
+    ``what`` after ``timeout`` seconds (readiness, never a timed assertion of speed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(every)
+
+
+@dataclass
+class TierdServe:
+    """A `tierd serve` on ``socket_path`` with its SSD tier in ``ssd_dir`` (kept across
+    restarts: a SIGTERM writes DRAM blocks to SSD; a SIGKILL loses at most the write-behind)."""
+
+    workdir: str
+    socket_path: str
+    ssd_dir: str
+    process: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        log = open(os.path.join(self.workdir, f"tierd-{self.starts}.log"), "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tierd.commands.serve", "--socket-path", self.socket_path,
+             "--dram-bytes", "256MiB", "--no-prefault", "--ssd-dir", self.ssd_dir,
+             "--ssd-bytes", "1GiB", "--log-level", "WARNING"],
+            env={**os.environ, "TIERD_CONFIG": ""}, stdout=subprocess.DEVNULL, stderr=log)
+        log.close()
+        with TierdClient(socket_path=self.socket_path, timeout=10.0) as client:
+            client.wait_ready(timeout=60)
+
+    def stop(self, kill: bool = False) -> None:
+        if self.process is None:
+            return
+        self.process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        self.process.wait(timeout=60)
+        self.process = None
+
+    def stats(self) -> Any:
+        with TierdClient(socket_path=self.socket_path, timeout=10.0) as client:
+            return client.stats()
+
+    def pinned(self) -> int:
+        return sum(t.pinned_blocks for t in self.stats().tiers)
+
+
+@dataclass
+class VllmServe:
+    """One `vllm serve` process: ``model`` served as ``name`` with TierdConnector on
+    ``socket_path`` (engine name ``engine``), vLLM's own prefix cache on or off."""
+
+    python: str
+    workdir: str
+    model: str
+    name: str
+    engine: str
+    socket_path: str
+    prefix_caching: bool = True
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        transfer = {"kv_connector": "TierdConnector",
+                    "kv_connector_module_path": "tierd.connector.vllm", "kv_role": "kv_both",
+                    "kv_load_failure_policy": "recompute",
+                    "kv_connector_extra_config": {"socket_path": self.socket_path,
+                                                  "engine_name": self.engine,
+                                                  "retry_seconds": 1.0}}
+        vllm = os.path.join(os.path.dirname(self.python), "vllm")  # the console script
+        argv = [vllm, "serve", self.model,
+                "--served-model-name", self.name, "--host", "127.0.0.1",
+                "--port", str(self.port), "--prefix-caching-hash-algo", "sha256_cbor",
+                "--block-size", str(BLOCK), "--max-model-len", "4096", "--enforce-eager",
+                "--kv-transfer-config", json.dumps(transfer)]
+        if not self.prefix_caching:
+            argv.append("--no-enable-prefix-caching")
+        env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "TIERD_CONFIG": ""}
+        log = open(os.path.join(self.workdir, f"vllm-{self.engine}.log"), "ab")
+        self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=log,
+                                        start_new_session=True)
+        log.close()
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        def up() -> bool:
+            assert self.process is not None and self.process.poll() is None, (
+                f"vllm serve {self.engine} exited: see {self.workdir}/vllm-{self.engine}.log")
+            try:
+                return self._get("/health")[0] == 200
+            except OSError:
+                return False
+        wait_for(f"vllm serve {self.engine}", up, timeout, every=1.0)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.process = None
+
+    def complete(self, prompt: str, max_tokens: int = 8) -> str:
+        """The greedy text of a streamed completion (every chunk read to ``[DONE]``)."""
+        conn, response = self._stream(prompt, max_tokens)
+        text = []
+        try:
+            for line in response:
+                if not line.startswith(b"data: "):
+                    continue
+                body = line[6:].strip()
+                if body == b"[DONE]":
+                    break
+                text.append(json.loads(body)["choices"][0]["text"])
+        finally:
+            conn.close()
+        return "".join(text)
+
+    def abandon(self, prompt: str, max_tokens: int, chunks: int = 2) -> None:
+        """Start a streamed completion, read ``chunks`` events and disconnect (an abort)."""
+        conn, response = self._stream(prompt, max_tokens)
+        seen = 0
+        for line in response:
+            seen += line.startswith(b"data: ")
+            if seen >= chunks:
+                break
+        conn.close()
+
+    def metric(self, name: str) -> float:
+        """The sum of a Prometheus counter over its label sets (``name`` without _total)."""
+        status, body = self._get("/metrics")
+        assert status == 200
+        total = 0.0
+        for line in body.decode().splitlines():
+            if line.startswith(name + "_total{") or line.startswith(name + "_total "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def external_hits(self) -> float:
+        return self.metric("vllm:external_prefix_cache_hits")
+
+    def _stream(self, prompt: str, max_tokens: int) -> tuple[http.client.HTTPConnection, Any]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
+        body = json.dumps({"model": self.name, "prompt": prompt, "max_tokens": max_tokens,
+                           "temperature": 0, "stream": True})
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200, response.read()[:500]
+        return conn, response
+
+    def _get(self, path: str) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            conn.request("GET", path)
+            response = conn.getresponse()
+            return response.status, response.read()
+        finally:
+            conn.close()

@@ -1,0 +1,117 @@
+"""TierdConnector in real `vllm serve` (vLLM's CPU build: API server, engine core and worker
+processes, CPU attention, real KV tensors), driven over the OpenAI HTTP API with streamed
+greedy completions. The tests share one stack and run in order (each starts where the last one
+left the daemon); every hit is checked against the text of a cold run.
+
+Run by `make test-vllm-serve`; the main suite and `make test-vllm` skip this folder.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM's CPU build: run `make test-vllm-serve`")
+
+from model import prompt  # noqa: E402
+from stack import BLOCK, VllmServe, wait_for  # noqa: E402
+
+pytestmark = [pytest.mark.vllm_serve, pytest.mark.timeout(1200)]
+
+_FRESH = itertools.count(1000)
+TOKENS = 1000                       # 31 full blocks of 32 and a tail
+HIT = (TOKENS - 1) // BLOCK * BLOCK  # the tokens a full hit loads (never the last one)
+
+
+def connected(stack: Any, *servers: VllmServe) -> None:
+    """Send each server a throwaway request (a new prompt each time: a local prefix-cache hit
+    would leave the connector nothing to ask) until the daemon lists its scheduler and worker
+    (a connector retries a daemon that was down at most every retry_seconds = 1 s)."""
+    def registered() -> bool:
+        names = {e.engine_name for e in stack.daemon.stats().engines}
+        missing = [s for s in servers
+                   if not {f"{s.engine}-scheduler", f"{s.engine}-tp0"} <= names]
+        for server in missing:
+            server.complete(prompt(2 * BLOCK + 1, seed=next(_FRESH)), 1)
+        return not missing
+    wait_for("the connectors to reach the daemon", registered, timeout=120, every=1.0)
+
+
+def no_pins(stack: Any) -> None:
+    wait_for("every pin released", lambda: stack.daemon.pinned() == 0, timeout=30)
+
+
+def test_serves_without_a_daemon_then_picks_it_up(stack: Any) -> None:
+    """All three instances started with no daemon: they serve (text equal between the two of
+    model 1, as greedy must be). Once `tierd serve` is up they register and use it."""
+    text = prompt(TOKENS, seed=1)
+    assert stack.a.complete(text) == stack.b.complete(text) != ""
+    stack.daemon.start()
+    connected(stack, stack.a, stack.b, stack.c)
+
+
+def test_other_weights_of_one_shape_never_share(stack: Any) -> None:
+    """Model 2 (the same config.json and served name, other weights) stores a prompt first;
+    model 1 on the same daemon loads none of it (a miss, its own text); a second instance of
+    model 1 then hits model 1's copy in full, with model 1's text. `tierd stats` shows two
+    models."""
+    text = prompt(TOKENS, seed=2)
+    hits = [s.external_hits() for s in (stack.a, stack.b, stack.c)]
+    other = stack.c.complete(text)
+    mine = stack.a.complete(text)
+    assert stack.a.external_hits() == hits[0]          # nothing of model 2's served to model 1
+    assert stack.c.external_hits() == hits[2]
+    assert stack.b.complete(text) == mine
+    assert stack.b.external_hits() - hits[1] == HIT
+    assert mine != other  # other weights, other greedy text (a check that the models differ)
+    models = {m.model_id for m in stack.daemon.stats().models}
+    assert len(models) == 2 and all(m.startswith("tiny@") for m in models)
+    no_pins(stack)
+
+
+def test_second_instance_hits_dram_then_ssd_after_a_restart(stack: Any) -> None:
+    """A stores two prompts; B hits the first from DRAM (equal text). `tierd serve` restarts
+    (SIGTERM: DRAM blocks written to SSD); B hits the second from SSD (streamed), equal text."""
+    first, second = prompt(TOKENS, seed=3), prompt(TOKENS, seed=4)
+    want = [stack.a.complete(first), stack.a.complete(second)]
+    before = stack.b.external_hits()
+    assert stack.b.complete(first) == want[0]
+    assert stack.b.external_hits() - before == HIT
+    stack.daemon.stop()
+    stack.daemon.start()
+    connected(stack, stack.b)
+    before = stack.b.external_hits()
+    assert stack.b.complete(second) == want[1]
+    assert stack.b.external_hits() - before == HIT
+    no_pins(stack)
+
+
+def test_daemon_killed_while_serving(stack: Any) -> None:
+    """`tierd serve` SIGKILLed: A keeps serving (recompute) with the text B computes cold for
+    the same prompt; once the daemon is back, B hits what A stores."""
+    stack.daemon.stop(kill=True)
+    text = prompt(TOKENS, seed=5)
+    during = stack.a.complete(text)
+    stack.daemon.start()
+    connected(stack, stack.a, stack.b)
+    assert stack.b.complete(text) == during  # B: a miss (the daemon was empty), cold text
+    later = prompt(TOKENS, seed=6)
+    want = stack.a.complete(later)
+    before = stack.b.external_hits()
+    assert stack.b.complete(later) == want
+    assert stack.b.external_hits() - before == HIT
+    no_pins(stack)
+
+
+def test_aborted_streams_leave_no_pins(stack: Any) -> None:
+    """Clients that disconnect mid-stream, on a hit and on a miss: no pin stays, and the
+    instance serves the next request with the right text."""
+    text = prompt(TOKENS, seed=7)
+    want = stack.a.complete(text, 4)
+    stack.b.abandon(text, max_tokens=200)                    # a hit, aborted
+    stack.b.abandon(prompt(TOKENS, seed=8), max_tokens=200)  # a miss, aborted
+    no_pins(stack)
+    assert stack.b.complete(text, 4) == want
+    no_pins(stack)
