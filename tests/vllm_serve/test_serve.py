@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM's CPU build: run `make test-vllm-serve`")
 
-from model import prompt  # noqa: E402
-from stack import BLOCK, VllmServe, wait_for  # noqa: E402
+from tierd.bench.serve_stack import BLOCK, VllmServe, wait_for  # noqa: E402
+from tierd.bench.tiny_llama import prompt  # noqa: E402
 
 pytestmark = [pytest.mark.vllm_serve, pytest.mark.timeout(1200)]
 

@@ -3,7 +3,9 @@
 ``w1``, ... (one token each, so a prompt of N words is N tokens). Built once per parameter set
 under a cache directory and reused.
 
-    python tests/vllm_serve/model.py DIR [--seed S]      # build (or reuse) and print the path
+    python -m tierd.bench.tiny_llama DIR [--seed S]      # build (or reuse) and print the path
+
+Needs torch, transformers and tokenizers (vLLM's venv has them).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+from typing import Any
 
 VOCAB = 2048
 SPECIAL = ["<unk>", "<s>", "</s>"]
@@ -22,7 +25,7 @@ def config(seed: int) -> dict[str, object]:
     """The checkpoint's config: every seed the same shape (only the weights differ)."""
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
             "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "num_hidden_layers": 2, "vocab_size": VOCAB, "max_position_embeddings": 8192,
+            "num_hidden_layers": 2, "vocab_size": VOCAB, "max_position_embeddings": 32768,
             "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
             "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
 
@@ -35,14 +38,17 @@ def build(root: str, name: str, seed: int) -> str:
         return path
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    import transformers
+
+    # transformers' own annotations disagree with its documented use: handle it untyped.
+    hf: Any = transformers
 
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=root, prefix=f".{name}-")
     torch.manual_seed(seed)
     cfg = config(seed)
-    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items()
-                                            if k not in ("architectures", "torch_dtype")}))
+    model = hf.LlamaForCausalLM(hf.LlamaConfig(**{k: v for k, v in cfg.items()
+                                                  if k not in ("architectures", "torch_dtype")}))
     with torch.no_grad():  # larger weights than the default init: outputs depend on context
         for p in model.parameters():
             if p.dim() == 2:
@@ -51,8 +57,8 @@ def build(root: str, name: str, seed: int) -> str:
     words = SPECIAL + [f"w{i}" for i in range(VOCAB - len(SPECIAL))]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>")
+    fast = hf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                      eos_token="</s>")
     fast.save_pretrained(tmp)
     with open(os.path.join(tmp, "config.json")) as f:
         saved = json.load(f)

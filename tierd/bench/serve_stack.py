@@ -1,6 +1,6 @@
-"""The real serving stack for tests/vllm_serve: `tierd serve` and `vllm serve` (vLLM's CPU
-build) as processes on loopback and Unix sockets, with the documented flags, and a streaming
-HTTP client on vLLM's OpenAI API (stdlib only)."""
+"""The real serving stack of ``tierd bench serve`` and tests/vllm_serve: `tierd serve` and
+`vllm serve` (vLLM's CPU build) as processes on loopback and Unix sockets, with the documented
+flags, and a streaming HTTP client on vLLM's OpenAI API (stdlib only)."""
 
 from __future__ import annotations
 
@@ -90,6 +90,7 @@ class VllmServe:
     engine: str
     socket_path: str
     prefix_caching: bool = True
+    max_model_len: int = 4096
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
 
@@ -104,7 +105,7 @@ class VllmServe:
         argv = [vllm, "serve", self.model,
                 "--served-model-name", self.name, "--host", "127.0.0.1",
                 "--port", str(self.port), "--prefix-caching-hash-algo", "sha256_cbor",
-                "--block-size", str(BLOCK), "--max-model-len", "4096", "--enforce-eager",
+                "--block-size", str(BLOCK), "--max-model-len", str(self.max_model_len), "--enforce-eager",
                 "--kv-transfer-config", json.dumps(transfer)]
         if not self.prefix_caching:
             argv.append("--no-enable-prefix-caching")
@@ -137,7 +138,13 @@ class VllmServe:
 
     def complete(self, prompt: str, max_tokens: int = 8) -> str:
         """The greedy text of a streamed completion (every chunk read to ``[DONE]``)."""
+        return self.timed(prompt, max_tokens)[1]
+
+    def timed(self, prompt: str, max_tokens: int = 8) -> tuple[float, str]:
+        """(seconds to the first streamed token, the greedy text) of a completion."""
+        start = time.perf_counter()
         conn, response = self._stream(prompt, max_tokens)
+        first: float | None = None
         text = []
         try:
             for line in response:
@@ -146,10 +153,14 @@ class VllmServe:
                 body = line[6:].strip()
                 if body == b"[DONE]":
                     break
-                text.append(json.loads(body)["choices"][0]["text"])
+                piece = json.loads(body)["choices"][0]["text"]
+                if piece and first is None:
+                    first = time.perf_counter() - start
+                text.append(piece)
         finally:
             conn.close()
-        return "".join(text)
+        assert first is not None, "the completion streamed no text"
+        return first, "".join(text)
 
     def abandon(self, prompt: str, max_tokens: int, chunks: int = 2) -> None:
         """Start a streamed completion, read ``chunks`` events and disconnect (an abort)."""
