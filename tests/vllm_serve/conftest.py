@@ -1,5 +1,5 @@
 """Fixtures of the real `vllm serve` tests: the models (built once, cached), one `tierd serve`
-and three `vllm serve` processes for the whole module (each start costs ~1 min on CPU)."""
+and four `vllm serve` processes for the whole module (each start costs ~1 min on CPU)."""
 
 from __future__ import annotations
 
@@ -24,17 +24,19 @@ MODEL_CACHE = os.environ.get("TIERD_TEST_MODELS",
 @dataclass
 class Stack:
     """``a`` and ``b`` serve model 1, ``c`` model 2 (the same config.json, other weights), all
-    under one served name so only the weights tell them apart; one daemon for all three."""
+    under one served name so only the weights tell them apart; ``d`` model 1 with a KV cache of
+    48 blocks (preemptions); one daemon for all four."""
 
     daemon: TierdServe
     a: VllmServe
     b: VllmServe
     c: VllmServe
+    d: VllmServe
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    """Three vLLM instances started *before* their daemon (they must serve without it); the
+    """Four vLLM instances started *before* their daemon (they must serve without it); the
     daemon is started by the first test."""
     workdir = tempfile.mkdtemp(prefix="tierd-vs-")
     first = build(MODEL_CACHE, "tiny-llama-v2-seed0", seed=0)
@@ -43,6 +45,8 @@ def stack() -> Iterator[Stack]:
     daemon = TierdServe(workdir, sock, os.path.join(workdir, "ssd"))
     servers = [VllmServe(sys.executable, workdir, model, "tiny", engine, sock)
                for model, engine in ((first, "a"), (first, "b"), (second, "c"))]
+    servers.append(VllmServe(sys.executable, workdir, first, "tiny", "d", sock,
+                             max_model_len=1280, kv_blocks=48))
     try:
         for server in servers:
             server.start()

@@ -9,6 +9,7 @@ Run by `make test-vllm-serve`; the main suite and `make test-vllm` skip this fol
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -49,7 +50,7 @@ def test_serves_without_a_daemon_then_picks_it_up(stack: Any) -> None:
     text = prompt(TOKENS, seed=1)
     assert stack.a.complete(text) == stack.b.complete(text) != ""
     stack.daemon.start()
-    connected(stack, stack.a, stack.b, stack.c)
+    connected(stack, stack.a, stack.b, stack.c, stack.d)
 
 
 def test_other_weights_of_one_shape_never_share(stack: Any) -> None:
@@ -114,4 +115,21 @@ def test_aborted_streams_leave_no_pins(stack: Any) -> None:
     stack.b.abandon(prompt(TOKENS, seed=8), max_tokens=200)  # a miss, aborted
     no_pins(stack)
     assert stack.b.complete(text, 4) == want
+    no_pins(stack)
+
+
+def test_preemption_under_a_small_kv_cache_leaves_no_pins(stack: Any) -> None:
+    """Three requests at once on an instance whose KV cache holds 48 blocks: short prompts
+    (10 blocks, loaded from tierd) and long answers (22 more blocks each) outgrow it, so vLLM
+    preempts and readmits them, loading again each time; no pin is left. Each answer starts
+    like the cold run's (its first 16 tokens: a wrong block changes the first one). Not the
+    whole 700: vLLM's arithmetic depends on the batch (bf16, no batch-invariant mode), so long
+    greedy answers computed three at a time drift from one computed alone, tierd or not."""
+    prompts = [prompt(10 * BLOCK + 5, seed=20 + i) for i in range(3)]
+    want = [stack.a.complete(text, 700) for text in prompts]
+    before = stack.d.metric("vllm:num_preemptions")
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda text: stack.d.complete(text, 700), prompts))
+    assert [g.split()[:16] for g in got] == [w.split()[:16] for w in want]
+    assert stack.d.metric("vllm:num_preemptions") > before
     no_pins(stack)

@@ -91,6 +91,8 @@ class VllmServe:
     socket_path: str
     prefix_caching: bool = True
     max_model_len: int = 4096
+    kv_blocks: int | None = None
+    """Override vLLM's KV-cache size in blocks (a small cache forces preemptions)."""
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
 
@@ -109,6 +111,8 @@ class VllmServe:
                 "--kv-transfer-config", json.dumps(transfer)]
         if not self.prefix_caching:
             argv.append("--no-enable-prefix-caching")
+        if self.kv_blocks is not None:
+            argv += ["--num-gpu-blocks-override", str(self.kv_blocks)]
         env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                "TIERD_CONFIG": ""}
         log = open(os.path.join(self.workdir, f"vllm-{self.engine}.log"), "ab")
