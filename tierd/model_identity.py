@@ -111,10 +111,7 @@ def identity_from_checkpoint(path: str | os.PathLike[str], settings: Mapping[str
                          "tierd cannot tell these weights from others of the same shape: set "
                          "model_id explicitly (kv_connector_extra_config)")
     stats = _Read()
-    parts: list[bytes] = []
-    config = root / "config.json" if root.is_dir() else None
-    if config is not None and config.is_file():
-        parts.append(b"config.json" + _canonical(json.loads(config.read_text())))
+    parts = config_parts(root)
     for file in files:
         parts.append(file.name.encode())
         parts.extend(_file_parts(file, stats))
@@ -122,6 +119,15 @@ def identity_from_checkpoint(path: str | os.PathLike[str], settings: Mapping[str
     source = (f"weights of {root} ({len(files)} files, {stats.tensors} tensors, "
               f"{stats.bytes_read / 2**20:.1f} MiB sampled)")
     return ModelIdentity(found.model_id, source, time.perf_counter() - start)
+
+
+def config_parts(path: str | os.PathLike[str]) -> list[bytes]:
+    """The digest's part for the ``config.json`` of the checkpoint at ``path`` (canonical JSON;
+    none if it has no config)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return []
+    return [b"config.json" + _canonical(json.loads(config.read_text()))]
 
 
 def kv_settings(dtype: str, quantization: str | None,

@@ -10,12 +10,11 @@ every worker derive the id on their own (the same files, the same answer); the
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
-from tierd.model_identity import (ModelIdentity, identity_from_checkpoint, identity_from_parts,
-                                  kv_settings, override)
+from tierd.model_identity import (ModelIdentity, config_parts, identity_from_checkpoint,
+                                  identity_from_parts, kv_settings, override)
 
 
 def model_identity_from_vllm(vllm_config: Any, model_id: str | None = None) -> ModelIdentity:
@@ -30,8 +29,8 @@ def model_identity_from_vllm(vllm_config: Any, model_id: str | None = None) -> M
                            _overrides(getattr(model, "hf_overrides", None)))
     label = _label(model)
     if str(getattr(load, "load_format", "auto")) == "dummy":
-        config = _config_json(model.model)
-        return identity_from_parts(label, [b"vllm dummy weights", config],
+        return identity_from_parts(label, [b"vllm dummy weights", model.model.encode(),
+                                           *config_parts(model.model)],
                                    {**settings, "seed": getattr(model, "seed", None)})
     path = _checkpoint_dir(model.model, getattr(model, "revision", None),
                            getattr(load, "download_dir", None))
@@ -49,14 +48,6 @@ def _overrides(value: Any) -> dict[str, object]:
     if callable(value):  # a function of the config: its name is all that is stable
         return {"callable": f"{value.__module__}.{value.__qualname__}"}
     return dict(value or {})
-
-
-def _config_json(path: str) -> bytes:
-    config = os.path.join(path, "config.json")
-    if not os.path.isfile(config):
-        return path.encode()
-    with open(config) as f:
-        return json.dumps(json.load(f), sort_keys=True).encode()
 
 
 def _checkpoint_dir(model: str, revision: str | None, download_dir: str | None) -> str:

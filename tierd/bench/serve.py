@@ -40,11 +40,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
         raise ValueError("tierd bench serve needs vLLM's CPU build in this Python: run it with "
-                         "`make bench-serve`") from None
+                         "`make bench-serve`")
     from tierd.bench.serve_stack import TierdServe, VllmServe
     from tierd.bench.tiny_llama import build, prompt
 

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
     from tierd.daemon.convert import DaemonStats
 
-HELP = "Show tier occupancy, hit ratio and per-engine HBM use of a running daemon."
+HELP = ("Show tier occupancy, per-model occupancy and hits, hit ratio and per-engine HBM "
+        "use of a running daemon.")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
