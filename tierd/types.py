@@ -7,6 +7,7 @@ where a tenant-scoped key is expected. Composite keys are built and taken apart 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal, NewType
 
 BlockHash = NewType("BlockHash", bytes)
@@ -53,3 +54,17 @@ Tier = Literal["hbm", "dram", "ssd", "remote"]
 directory (cold), or the cluster's optional shared remote tier. Ordered fastest first."""
 
 TIERS: tuple[Tier, ...] = ("hbm", "dram", "ssd", "remote")
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One node's holding of a prompt's chain, as the cluster directory's ``locate`` ranks it
+    (here, not in ``tierd.cluster``, so clients read it without importing the Redis side)."""
+
+    node_id: str
+    address: str
+    prefix_blocks: int              # consecutive blocks from the chain's start it holds
+    tiers: tuple[Tier, ...]         # tier of each of those blocks, in chain order
+    score: float                    # sum of the tier weights of those blocks
+    capacity_bytes: int
+    heartbeat_age_s: float

@@ -20,7 +20,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from tierd.daemon.config import cache_dir
+from tierd.paths import cache_dir
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.serve_echo:
         asyncio.run(_serve_with_echo(args.serve_echo, args.arena_bytes))
         return 0
-    from tierd.daemon.config import cache_dir
+    from tierd.paths import cache_dir
 
     layout = _layout(args.layers)
     base = args.dir or str(cache_dir() / "bench")

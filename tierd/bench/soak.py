@@ -77,7 +77,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.client is not None:
         return _client(args)
-    from tierd.daemon.config import cache_dir, parse_bytes
+    from tierd.daemon.config import parse_bytes
+    from tierd.paths import cache_dir
 
     seconds = args.seconds if args.seconds is not None else (20.0 if args.quick else 120.0)
     dram = parse_bytes(args.dram_bytes or ("32MiB" if args.quick else "64MiB"))

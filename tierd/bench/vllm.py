@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from tierd.daemon.client import TierdClient
-    from tierd.daemon.config import cache_dir
+    from tierd.paths import cache_dir
 
     if args.tokens < BLOCK or args.repeat < 1:
         raise SystemExit(f"need --tokens >= {BLOCK} (one full block) and --repeat >= 1")

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-from tierd.types import TIERS, BlockHash, Namespace, NamespacedKey, Tier, make_key
+from tierd.types import TIERS, BlockHash, Namespace, NamespacedKey, Placement, Tier, make_key
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -77,19 +77,6 @@ class NodeRecord:
     def to_json(self) -> bytes:
         return json.dumps({"address": self.address, "capacity_bytes": self.capacity_bytes},
                           sort_keys=True).encode()
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """One node's holding of a prompt's chain, as ``locate`` ranks it."""
-
-    node_id: str
-    address: str
-    prefix_blocks: int              # consecutive blocks from the chain's start it holds
-    tiers: tuple[Tier, ...]         # tier of each of those blocks, in chain order
-    score: float                    # sum of the tier weights of those blocks
-    capacity_bytes: int
-    heartbeat_age_s: float
 
 
 # KEYS: block keys. ARGV: node id, ttl ms, one tier code per key.

@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 
 from tierd.daemon import convert
-from tierd.daemon.config import client_socket_path
+from tierd.paths import client_socket_path
 from tierd.daemon.convert import AcquiredBlocks, DaemonStats, EngineHandle, Located, ReservedSlots
 from tierd.daemon.layout import Layout
 from tierd.types import BlockHash, Tier

@@ -35,10 +35,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tierd.checksum import block_checksum
-from tierd.cluster.directory import Directory, DirectoryConfig, NodeRecord, Placement
+from tierd.cluster.directory import Directory, DirectoryConfig, NodeRecord
 from tierd.cluster.publisher import Publisher, PublisherConfig
 from tierd.cluster.remote import RemoteConfig, RemoteTier
-from tierd.types import BlockHash, Namespace, NamespacedKey, Tier
+from tierd.types import BlockHash, Namespace, NamespacedKey, Placement, Tier
 
 if TYPE_CHECKING:
     from tierd.daemon.arena import ShmArena

@@ -21,25 +21,15 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from tierd.daemon.presence import check_cells
+from tierd.paths import cache_dir, client_socket_path, default_socket_path
+
+__all__ = ["TierdConfig", "cache_dir", "client_socket_path", "default_socket_path", "field_help",
+           "keys", "load_config", "parse_bytes"]
 
 Compression = Literal["off", "lz4", "auto"]
 
 _MIB = 1 << 20
 _GIB = 1 << 30
-
-
-def cache_dir(env: Mapping[str, str] | None = None) -> Path:
-    """``$XDG_CACHE_HOME/tierd`` or ``~/.cache/tierd``."""
-    env = os.environ if env is None else env
-    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tierd"
-
-
-def default_socket_path(env: Mapping[str, str] | None = None) -> str:
-    """``$XDG_RUNTIME_DIR/tierd.sock`` when a runtime dir exists, else under the cache dir."""
-    env = os.environ if env is None else env
-    runtime = env.get("XDG_RUNTIME_DIR")
-    return os.path.join(runtime, "tierd.sock") if runtime else str(cache_dir(env) / "tierd.sock")
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,10 +295,3 @@ def load_config(path: str | os.PathLike[str] | None = None,
     config = TierdConfig(**values)
     config.validate()
     return config
-
-
-def client_socket_path(env: Mapping[str, str] | None = None) -> str:
-    """The socket a client (``tierd stats``, the connector) should dial: ``TIERD_SOCKET_PATH``
-    if set, else the daemon's default."""
-    env = os.environ if env is None else env
-    return env.get("TIERD_SOCKET_PATH") or default_socket_path(env)

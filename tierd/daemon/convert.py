@@ -13,11 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
-from tierd.cluster.directory import Placement
 from tierd.daemon.layout import Layout
 from tierd.daemon.models import ModelUsage
 from tierd.daemon.slots import SlotGeometry
-from tierd.types import HASH_LENGTHS, TIERS, BlockHash, Tier
+from tierd.types import HASH_LENGTHS, TIERS, BlockHash, Placement, Tier
 from tierd.v1 import tierd_pb2 as pb
 
 if TYPE_CHECKING:
