@@ -263,25 +263,29 @@ async def test_restart_cuts_torn_tail_resyncs_past_garbage_and_keeps_later_dupli
 
 async def test_open_deletes_files_of_the_one_file_per_block_format(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Old ``*.kvb`` records and ``*.tmp`` temporaries beside a segment: open deletes exactly
-    them with one warning of their count and bytes, keeps the segment's block and other files."""
+    """Old records and temporaries named as tierd named them beside a segment: open deletes
+    exactly them with one warning of their count and bytes, keeps the segment's block and every
+    other file, even one ending in ``.kvb`` or ``.tmp``."""
     first = SsdStore(tmp_path, 1 << 20)
     first.open()
     p = payload(1)
     assert await first.write(NS, h(1), p, block_checksum(p)) is not None
     first.close()
-    (tmp_path / ("ab" * 48 + ".kvb")).write_bytes(bytes(1000))
-    (tmp_path / ("cd" * 48 + ".kvb")).write_bytes(bytes(2000))
-    (tmp_path / (".ef.1a2b3c4d.tmp")).write_bytes(bytes(300))
-    (tmp_path / "notes.txt").write_text("not ours")
+    record = "ab" * 16 + "-" + "cd" * 32 + ".kvb"
+    (tmp_path / record).write_bytes(bytes(1000))
+    (tmp_path / ("ab" * 16 + "-" + "ef" * 16 + ".kvb")).write_bytes(bytes(2000))
+    (tmp_path / f".{record}.1a2b3c4d.tmp").write_bytes(bytes(300))
+    others = ["notes.txt", "upload.tmp", ".ef.1a2b3c4d.tmp", "ab" * 48 + ".kvb", "old.kvb"]
+    for name in others[:-1]:
+        (tmp_path / name).write_text("not ours")
     (tmp_path / "old.kvb").mkdir()  # not a regular file: left alone
 
     store = SsdStore(tmp_path, 1 << 20)
     with caplog.at_level("WARNING", logger="tierd.daemon.ssd.index"):
         entries = store.open()
     assert [e.block_hash for e in entries] == [h(1)]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "notes.txt", "old.kvb", "seg-0000000000000000.kvs"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        others + ["seg-0000000000000000.kvs"])
     warnings = [r.getMessage() for r in caplog.records if r.name == "tierd.daemon.ssd.index"]
     assert len(warnings) == 1 and "deleted 3 files (3300 bytes)" in warnings[0]
     assert store.used_bytes == store.physical_bytes == HEADER_BYTES + BLOCK

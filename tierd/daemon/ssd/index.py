@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +40,11 @@ _log = logging.getLogger(__name__)
 
 Key = tuple[Namespace, BlockHash]
 
-LEGACY_SUFFIXES = (".kvb", ".tmp")
-"""Files of the former one-file-per-block format (records and temporaries), deleted at load."""
+_RECORD = r"[0-9a-f]{32}-(?:[0-9a-f]{32}|[0-9a-f]{64})\.kvb"
+LEGACY_NAME = re.compile(rf"{_RECORD}|\.{_RECORD}\.[0-9a-f]{{8}}\.tmp")
+"""Names of the former one-file-per-block format, deleted at load: a record
+``<namespace hex>-<hash hex>.kvb`` and its temporary ``.<record>.<8 hex>.tmp``. Nothing else is
+touched, whatever its suffix."""
 
 READ_BATCH_BYTES = 2 << 20
 """About the bytes of one read task (at most ``io_threads`` of them), each on a thread of its own:
@@ -150,7 +154,7 @@ class SegmentTable:
     def _remove_legacy(self) -> None:
         count = size = 0
         for d in os.scandir(self.directory):
-            if d.name.endswith(LEGACY_SUFFIXES) and d.is_file(follow_symlinks=False):
+            if LEGACY_NAME.fullmatch(d.name) and d.is_file(follow_symlinks=False):
                 nbytes = d.stat(follow_symlinks=False).st_size
                 try:
                     os.unlink(d.path)

@@ -115,8 +115,10 @@ class SsdStore:
     def open(self) -> list[SsdEntry]:
         """Create the directory if needed, lock it (one daemon per directory) and rebuild the
         index by scanning every segment's headers in order. Blocks for one small read per record.
-        Files of the former one-file-per-block format (``*.kvb``, ``*.tmp``) are deleted, with
-        one warning naming their count and bytes: the cache starts without them.
+        Files of the former one-file-per-block format (named as tierd named them:
+        ``<namespace hex>-<hash hex>.kvb`` and ``.<that>.<8 hex>.tmp``) are deleted, with one
+        warning naming their count and bytes: the cache starts without them. Other files are
+        never touched.
 
         Only regular files with one link owned by the daemon are opened; anything else named
         like a segment is skipped with a warning and never touched (``scan``). A header that
