@@ -24,6 +24,7 @@ from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import EngineHandle, TierdClient
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.layout import Layout
+from tierd.daemon.lru import TierListener
 from tierd.daemon.node import NodeConfig, NodeStore
 from tierd.daemon.server import Daemon
 from tierd.daemon.slots import SlabAllocator
@@ -198,17 +199,18 @@ def serve(processes: list[subprocess.Popen[bytes]]) -> Callable[..., tuple[Any, 
 
 @pytest.fixture
 async def make_rig(tmp_path: Path) -> AsyncIterator[MakeRig]:
-    """Factory of rigs (``make_rig(ssd_dir=, ssd_bytes=, **NodeConfig overrides)``); each is
+    """Factory of rigs (``make_rig(ssd_dir=, ssd_bytes=, listener=, **NodeConfig overrides)``); each is
     checked for integrity, closed and its arena unlinked at teardown."""
     rigs: list[Rig] = []
 
-    def make(ssd_dir: str | None = None, ssd_bytes: int = SSD, **config: Any) -> Rig:
+    def make(ssd_dir: str | None = None, ssd_bytes: int = SSD,
+             listener: TierListener | None = None, **config: Any) -> Rig:
         arena = ShmArena.create(f"tierd-test-{os.getpid()}-{secrets.token_hex(4)}", ARENA,
                                 prefault=False)
         ssd = SsdStore(ssd_dir or tmp_path / "ssd", ssd_bytes, io_threads=2)
         clock = FakeClock()
         node = NodeStore(arena, SlabAllocator(ARENA, SLAB), ssd, NodeConfig(**config),
-                         clock=clock)
+                         clock=clock, listener=listener)
         node.open()
         rig = Rig(node, arena, ssd, clock, node.register_engine("default", LAYOUT, "eng"))
         rigs.append(rig)

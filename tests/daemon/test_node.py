@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +14,13 @@ import pytest
 
 from tierd.checksum import block_checksum
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
+from tierd.daemon.lru import Payload
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
 from tierd.daemon.node import EMPTY_LEASE
 from tierd.daemon.node_types import EngineCaps
 from tierd.daemon.ssd.record import HEADER_BYTES
 from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored
-from tierd.types import BlockHash
+from tierd.types import BlockHash, NamespacedKey, Tier
 
 from node_rig import BLOCK, LAYOUT, SSD, MakeRig, Rig, chain, payload  # noqa: E402
 
@@ -182,6 +184,48 @@ async def test_full_ssd_drops_its_lru_blocks(rig: Rig) -> None:
     stats = rig.node.stats()
     assert stats.tiers["ssd"].evictions == 2 and stats.tiers["ssd"].used_blocks == 4
     assert stats.tiers["ssd"].used_bytes == SSD == stats.tiers["ssd"].capacity_bytes
+    rig.node.check_integrity()
+
+
+class Evictions:
+    """A ``TierListener`` that takes every evicted block's bytes, noting at that moment whether
+    they were already read and whether the SSD record still existed."""
+
+    def __init__(self) -> None:
+        self.taken: list[tuple[BlockHash, bool, asyncio.Future[bytes | None]]] = []
+
+    def stored(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
+        pass
+
+    def removed(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
+        pass
+
+    def cleared(self, tier: Tier) -> None:
+        pass
+
+    def evicted(self, key: NamespacedKey, checksum: int, nbytes: int, payload: Payload) -> None:
+        got = payload()
+        self.taken.append((BlockHash(key[-32:]), got.done(), got))
+
+
+async def test_ssd_eviction_reads_the_evicted_record_off_the_event_loop(
+        make_rig: MakeRig) -> None:
+    """The SSD's LRU pair, dropped to make room, is handed to the listener as reads in flight on
+    an I/O thread (not done when ``evicted`` returns); their records are deleted at once and
+    the reads still deliver each block's bytes."""
+    evictions = Evictions()
+    rig = make_rig(listener=evictions)
+    hashes = chain(12)
+    rig.store(hashes[:8])
+    await rig.node.maintain()                  # 0, 1 -> SSD
+    rig.store(hashes[8:10])
+    await rig.node.maintain()                  # 2, 3 -> SSD (full: 4 records)
+    rig.store(hashes[10:12])
+    await rig.node.maintain()                  # 4, 5 -> SSD, dropping 0, 1
+    assert [(h, done) for h, done, _ in evictions.taken] == [(hashes[0], False),
+                                                              (hashes[1], False)]
+    assert not any(rig.ssd.contains(rig.engine.namespace, h) for h in hashes[:2])
+    assert [await got for _, _, got in evictions.taken] == [payload(h) for h in hashes[:2]]
     rig.node.check_integrity()
 
 

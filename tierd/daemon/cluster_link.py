@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -42,6 +42,7 @@ from tierd.types import BlockHash, Namespace, NamespacedKey, Placement, Tier
 
 if TYPE_CHECKING:
     from tierd.daemon.arena import ShmArena
+    from tierd.daemon.lru import Payload
     from tierd.daemon.node import EngineInfo, Lease, NodeStore
 
 _log = logging.getLogger(__name__)
@@ -78,7 +79,8 @@ class LinkStats:
 class _Evicted:
     namespace: Namespace
     block_hash: BlockHash
-    payload: bytes
+    payload: asyncio.Future[bytes | None]  # copied (DRAM) or being read (SSD)
+    nbytes: int
     checksum: int
 
 
@@ -158,20 +160,15 @@ class ClusterLink:
     def cleared(self, tier: Tier) -> None:
         self.publisher.cleared(tier)
 
-    def evicted(self, key: NamespacedKey, checksum: int, nbytes: int,
-                payload: Callable[[], bytes | None]) -> None:
+    def evicted(self, key: NamespacedKey, checksum: int, nbytes: int, payload: Payload) -> None:
         if self.remote is None:
             return
         if self._queued_bytes + nbytes > self.config.queue_bytes:
             self.stats.dropped_puts += 1
             return
-        data = payload()
-        if data is None:
-            self.stats.dropped_puts += 1
-            return
         namespace, block_hash = Namespace(key[:self._ns_len]), BlockHash(key[self._ns_len:])
-        self._queue.append(_Evicted(namespace, block_hash, data, checksum))
-        self._queued_bytes += len(data)
+        self._queue.append(_Evicted(namespace, block_hash, payload(), nbytes, checksum))
+        self._queued_bytes += nbytes
         self.stats.queued_puts += 1
 
     def _hbm_ref(self, key: NamespacedKey, delta: int) -> int:
@@ -200,8 +197,11 @@ class ClusterLink:
         stored = 0
         while self._queue and self.remote is not None:
             item = self._queue.popleft()
-            self._queued_bytes -= len(item.payload)
-            if await self.remote.put(item.namespace, item.block_hash, item.payload, item.checksum):
+            self._queued_bytes -= item.nbytes
+            data = await item.payload
+            if data is None:  # an SSD record that did not verify
+                self.stats.dropped_puts += 1
+            elif await self.remote.put(item.namespace, item.block_hash, data, item.checksum):
                 stored += 1
             else:
                 self.stats.remote_puts_failed += 1
@@ -266,7 +266,7 @@ class ClusterLink:
         """The publisher's and directory's invariants, and the queue's byte accounting."""
         self.publisher.check_integrity()
         self.directory.check_integrity()
-        assert self._queued_bytes == sum(len(e.payload) for e in self._queue), (
+        assert self._queued_bytes == sum(e.nbytes for e in self._queue), (
             "remote queue byte count disagrees with its blocks")
         assert self._queued_bytes <= self.config.queue_bytes, "remote queue over its bound"
         assert all(n > 0 for n in self._hbm_refs.values()), "a zero HBM reference kept"

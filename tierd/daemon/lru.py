@@ -65,6 +65,9 @@ class SsdBlock:
 
 E = TypeVar("E", DramBlock, SsdBlock)
 
+Payload = Callable[[], "asyncio.Future[bytes | None]"]
+"""How a ``TierListener`` takes an evicted block's bytes (see ``TierListener.evicted``)."""
+
 
 class TierListener(Protocol):
     """Told of every change of what the node holds, synchronously, on the event loop, as it
@@ -79,11 +82,11 @@ class TierListener(Protocol):
     def cleared(self, tier: Tier) -> None:
         """Every block of ``tier`` is gone (the SSD went unhealthy)."""
 
-    def evicted(self, key: NamespacedKey, checksum: int, nbytes: int,
-                payload: Callable[[], bytes | None]) -> None:
+    def evicted(self, key: NamespacedKey, checksum: int, nbytes: int, payload: Payload) -> None:
         """The block's last copy is leaving the node by eviction (not corruption). ``payload()``
-        returns its ``nbytes`` bytes (None if they cannot be read); valid only during this
-        call, and it costs a copy (DRAM) or a synchronous read (SSD): call it only to keep it."""
+        may be called only during this call, and only to keep the bytes: it copies them (DRAM)
+        or starts reading them on an I/O thread (SSD; the event loop never waits for the disk)
+        and returns a future of its ``nbytes`` bytes, None if they cannot be read."""
 
 
 class TierListeners:
@@ -104,8 +107,7 @@ class TierListeners:
         for listener in self._all:
             listener.cleared(tier)
 
-    def evicted(self, key: NamespacedKey, checksum: int, nbytes: int,
-                payload: Callable[[], bytes | None]) -> None:
+    def evicted(self, key: NamespacedKey, checksum: int, nbytes: int, payload: Payload) -> None:
         for listener in self._all:
             listener.evicted(key, checksum, nbytes, payload)
 
@@ -373,7 +375,7 @@ class TierIndex:
             return
         if last and self.listener is not None:
             view = self.arena.view(self.offset(block), block.slot_bytes)
-            self.listener.evicted(key, block.checksum, block.slot_bytes, lambda: bytes(view))
+            self.listener.evicted(key, block.checksum, block.slot_bytes, lambda: _ready(view))
         self.alloc.free(block.slot_bytes, block.slot_id)
         self.emit(BlockRemoved((block.block_hash,), "dram"), block.namespace)
         if not last:
@@ -391,7 +393,7 @@ class TierIndex:
         assert entry.pins == 0 or record_gone, f"{key.hex()}: dropping a pinned SSD block"
         if not record_gone and key not in self.dram and self.listener is not None:
             self.listener.evicted(key, entry.checksum, entry.payload_len,
-                                  lambda: self._read_now(entry))
+                                  lambda: self._read_later(entry))
         if not record_gone and self.ssd is not None:
             self.ssd.remove(entry.namespace, entry.block_hash)
         self.emit(BlockRemoved((entry.block_hash,), "ssd"), entry.namespace)
@@ -542,11 +544,18 @@ class TierIndex:
                 f"SSD index holds {total} bytes, the store accounts {self.ssd.used_bytes}")
         assert len(self.ghosts) <= self._ghost_entries, "ghost table over its bound"
 
-    def _read_now(self, entry: SsdBlock) -> bytes | None:
-        """The block's record, read and verified synchronously (the remote tier's copy of an
-        evicted block, taken just before its record is deleted). None if it does not verify."""
+    def _read_later(self, entry: SsdBlock) -> asyncio.Future[bytes | None]:
+        """Start reading and verifying the block's record on an I/O thread (the remote tier's
+        copy of an evicted block): its segment stays open until the read ends, so the record
+        may be deleted at once. The future holds the bytes, or None if they do not verify."""
         assert self.ssd is not None
-        return self.ssd.read_blocking(entry.namespace, entry.block_hash)
+        into = bytearray(entry.payload_len)
+        read = self.ssd.read_many([(entry.namespace, entry.block_hash, memoryview(into))])[0]
+        got: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
+        read.add_done_callback(lambda done: got.set_result(
+            bytes(into) if not done.cancelled() and done.exception() is None and done.result()
+            else None))
+        return got
 
     def offset(self, block: DramBlock) -> int:
         """Byte offset of ``block``'s slot in the arena."""
@@ -563,3 +572,10 @@ class TierIndex:
         self.ghosts.move_to_end(key)
         while len(self.ghosts) > self._ghost_entries:
             self.ghosts.popitem(last=False)
+
+
+def _ready(view: memoryview) -> asyncio.Future[bytes | None]:
+    """A copy of ``view``'s bytes, as a future already done."""
+    done: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
+    done.set_result(bytes(view))
+    return done

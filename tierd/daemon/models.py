@@ -18,12 +18,16 @@ import json
 import logging
 import os
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tierd.daemon.layout import NAMESPACE_LEN
 from tierd.types import Namespace, NamespacedKey, Tier
+
+if TYPE_CHECKING:
+    from tierd.daemon.lru import Payload
 
 _log = logging.getLogger(__name__)
 
@@ -135,8 +139,7 @@ class ModelTable:
         for counts in self._counts.values():
             counts.blocks.pop(tier, None)
 
-    def evicted(self, key: NamespacedKey, checksum: int, nbytes: int,
-                payload: Callable[[], bytes | None]) -> None:
+    def evicted(self, key: NamespacedKey, checksum: int, nbytes: int, payload: Payload) -> None:
         pass
 
     def check_integrity(self, held: dict[Tier, Iterable[NamespacedKey]]) -> None:

@@ -31,12 +31,16 @@ import hashlib
 import os
 import secrets
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.layout import NAMESPACE_LEN
 from tierd.types import Namespace, NamespacedKey, Tier
+
+if TYPE_CHECKING:
+    from tierd.daemon.lru import Payload
 
 SUFFIX = "-presence"
 """Appended to the arena's file name to name the filter's file (same directory)."""
@@ -139,8 +143,7 @@ class PresenceFilter:
         self._counts[:] = bytes(self.cells)
         self.stored(list(self._held()), "dram")
 
-    def evicted(self, key: NamespacedKey, checksum: int, nbytes: int,
-                payload: Callable[[], bytes | None]) -> None:
+    def evicted(self, key: NamespacedKey, checksum: int, nbytes: int, payload: Payload) -> None:
         """Nothing to do: the index reports the copy's removal separately."""
 
     def close(self) -> None:

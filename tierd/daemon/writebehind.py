@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tierd.daemon.lru import DramBlock, TierIndex
+from tierd.daemon.lru import DramBlock, Payload, TierIndex
 from tierd.types import NamespacedKey, Tier
 
 
@@ -152,6 +152,5 @@ class WriteBehind:
     def cleared(self, tier: Tier) -> None:
         """Nothing: a hidden SSD tier empties the noted set at the next ``run``."""
 
-    def evicted(self, key: NamespacedKey, checksum: int, nbytes: int,
-                payload: Callable[[], bytes | None]) -> None:
+    def evicted(self, key: NamespacedKey, checksum: int, nbytes: int, payload: Payload) -> None:
         """Nothing: the index reports the copy's removal separately."""

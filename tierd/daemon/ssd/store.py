@@ -348,17 +348,6 @@ class SsdStore:
             done.add_done_callback(functools.partial(self._settle_reads, task))
         return futures
 
-    def read_blocking(self, namespace: Namespace, block_hash: BlockHash) -> bytes | None:
-        """The block's payload, read and verified on the calling thread (blocks); None if not
-        indexed or it does not verify (the record is left to the caller)."""
-        loc = self._table.records.get((namespace, block_hash))
-        if loc is None or self._pool is None:
-            return None
-        into = bytearray(loc.head.payload_len)
-        read = Read((namespace, block_hash), loc, memoryview(into), None)
-        faults = read_runs([self._table.source([read])], [[read.into]])[0]
-        return bytes(into) if faults == [None] else None
-
     def remove(self, namespace: Namespace, block_hash: BlockHash) -> None:
         """Mark the block's record dead and free its bytes from ``used_bytes`` at once (its
         segment is unlinked when all its records are dead, else compacted later). No-op if
