@@ -1,7 +1,9 @@
-"""Every .cu file under gpu/ compiles with the machine's nvcc for sm_80 and sm_90 (no GPU needed)."""
+"""Every .cu file under gpu/ compiles with the machine's nvcc for sm_80 and sm_90 (no GPU needed;
+skipped without nvcc, except in CI)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,12 +21,15 @@ def test_there_is_a_kernel_source() -> None:
     assert [p.name for p in SOURCES] == ["paged_attention.cu"]
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH or at /usr/local/bin/nvcc")
+# CI (CI=true) has nvcc on its machine and the README says the kernel is compile-checked there:
+# without one the test fails in CI rather than skipping.
+@pytest.mark.skipif(NVCC is None and os.environ.get("CI") != "true",
+                    reason="nvcc not found on PATH or at /usr/local/bin/nvcc")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_cu_compiles(source: Path, arch: str, tmp_path: Path) -> None:
     """nvcc -cubin with the test instantiation set succeeds, and no kernel spills heavily."""
-    assert NVCC is not None
+    assert NVCC is not None, "CI must compile-check the kernel: no nvcc on PATH or in /usr/local/bin"
     cmd = [
         NVCC, "-cubin", f"-arch={arch}", "-std=c++17", "-DTIERD_INSTANTIATE_ALL",
         "-Xptxas", "-v", "-o", str(tmp_path / f"{source.stem}.cubin"), str(source),
