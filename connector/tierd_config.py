@@ -5,21 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from tierd.daemon.layout import Dtype, Layout
-from tierd.gpu.layout import KVCacheSpec
+from tierd.daemon.layout import Layout
+from tierd.gpu.layout import DTYPE_NAMES, KVCacheSpec
 from tierd.model_identity import validate_model_id
 
-_DTYPES: dict[torch.dtype, Dtype] = {
-    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-    torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2",
-}
 
 def layout_for(spec: KVCacheSpec, model_id: str, tp_rank: int = 0, tp_size: int = 1) -> Layout:
     """The daemon ``Layout`` of a paged pool of model ``model_id``: one pool row is one slot."""
-    layout = Layout(spec.num_layers, spec.num_kv_heads, spec.head_size, _DTYPES[spec.cache_dtype],
-                    spec.block_size, tp_rank, tp_size, model_id=model_id)
+    layout = Layout(spec.num_layers, spec.num_kv_heads, spec.head_size,
+                    DTYPE_NAMES[spec.cache_dtype], spec.block_size, tp_rank, tp_size,
+                    model_id=model_id)
     assert layout.block_bytes == spec.block_bytes, "pool row and daemon slot sizes disagree"
     return layout
 

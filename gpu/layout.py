@@ -18,11 +18,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tierd.daemon.layout import Dtype
+
 from .fp8 import KVCacheDtype, is_fp8, resolve_cache_dtype
 
 SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 112, 128, 256)
 SUPPORTED_BLOCK_SIZES: tuple[int, ...] = (8, 16, 32)
 MODEL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+DTYPE_NAMES: dict[torch.dtype, Dtype] = {
+    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+    torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2",
+}
+"""tierd's name (``Layout.dtype``) of each KV element type an engine may store."""
 VECTOR_BYTES = 16  # one 128-bit load: the unit K's innermost dimension is sized to
 
 

@@ -33,16 +33,13 @@ from dataclasses import dataclass
 import torch
 
 from tierd.daemon.layout import Dtype, Layout
+from tierd.gpu.layout import DTYPE_NAMES
 
 KV_FORMAT = "vllm-hnc-v1"
 """``Layout.kv_format`` of slots in the order above: engines that lay a block out differently
 (tierd's reference engine) never share a namespace with vLLM's, so they cannot read each
 other's bytes as their own."""
 
-_TORCH_DTYPES: dict[torch.dtype, Dtype] = {
-    torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
-    torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2",
-}
 _CACHE_DTYPES: dict[str, Dtype] = {
     "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "float16": "float16",
     "half": "float16", "bfloat16": "bfloat16", "float32": "float32", "float": "float32",
@@ -57,10 +54,10 @@ def dtype_name(tensor_dtype: torch.dtype, cache_dtype: str = "auto") -> Dtype:
             raise ValueError(f"kv cache dtype {cache_dtype!r} is not supported by tierd; use "
                              f"one of {sorted(_CACHE_DTYPES)} or 'auto'")
         return _CACHE_DTYPES[cache_dtype]
-    if tensor_dtype not in _TORCH_DTYPES:
+    if tensor_dtype not in DTYPE_NAMES:
         raise ValueError(f"KV cache dtype {tensor_dtype} is not supported by tierd: set "
                          "--kv-cache-dtype to auto (fp16/bf16/fp32 models) or fp8")
-    return _TORCH_DTYPES[tensor_dtype]
+    return DTYPE_NAMES[tensor_dtype]
 
 
 @dataclass(frozen=True, slots=True)
