@@ -107,7 +107,10 @@ bench-vllm: vllm-venv | $(TIERD_PATH)/tierd
 bench: venv
 	$(VENV)/bin/tierd bench all
 
+# ruff (pyflakes, pycodestyle errors at 100 columns, import order; `ruff check --fix .` sorts
+# imports), then mypy --strict (.ci/mypy).
 lint: venv
+	$(VENV)/bin/ruff check .
 	bash .ci/mypy $(abspath $(PY))
 
 # Regenerates the committed gRPC stubs (tierd/v1/*_pb2*.py) from proto/.

@@ -53,10 +53,24 @@ import torch
 from tierd.connector.engine import Request
 from tierd.connector.native import verified_copy
 from tierd.connector.tierd_config import TierdHooksConfig, TierdHooksStats, layout_for
-from tierd.connector.tierd_jobs import GATHERED, Held, HotJob, Job, ReleaseJob, SaveJob, Session, \
-    merged_reports
-from tierd.connector.transfer import ArenaSlots, StagingRing, allocate_staging, gather_rows, \
-    load_blocks, write_through
+from tierd.connector.tierd_jobs import (
+    GATHERED,
+    Held,
+    HotJob,
+    Job,
+    ReleaseJob,
+    SaveJob,
+    Session,
+    merged_reports,
+)
+from tierd.connector.transfer import (
+    ArenaSlots,
+    StagingRing,
+    allocate_staging,
+    gather_rows,
+    load_blocks,
+    write_through,
+)
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import AcquiredBlocks, TierdClient
 from tierd.daemon.layout import Layout
@@ -175,7 +189,8 @@ class TierdHooks:
         return not self._jobs.unfinished_tasks
 
     def close(self) -> None:
-        """Send what is queued (up to ``call_timeout_s``), stop the worker, unregister. Idempotent."""
+        """Send what is queued (up to ``call_timeout_s``), stop the worker, unregister.
+        Idempotent."""
         if self._worker is None or self._closing.is_set():
             return
         self._release_all()

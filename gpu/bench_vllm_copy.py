@@ -25,8 +25,12 @@ from typing import Any
 
 import torch
 
-from tierd.connector.vllm.cuda_copy import (DeviceTransfer, Layerwise, register_host_memory,
-                                            unregister_host_memory)
+from tierd.connector.vllm.cuda_copy import (
+    DeviceTransfer,
+    Layerwise,
+    register_host_memory,
+    unregister_host_memory,
+)
 from tierd.connector.vllm.kv_tensors import Run, byte_view, runs, save_layer, slot_format
 from tierd.daemon.arena import ShmArena
 

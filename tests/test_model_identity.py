@@ -11,8 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tierd.model_identity import (MAX_MODEL_ID_LEN, checkpoint_defaults, identity_from_checkpoint,
-                                  identity_of_argument, kv_settings, label_of, validate_model_id)
+from tierd.model_identity import (
+    MAX_MODEL_ID_LEN,
+    checkpoint_defaults,
+    identity_from_checkpoint,
+    identity_of_argument,
+    kv_settings,
+    label_of,
+    validate_model_id,
+)
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
           "num_key_value_heads": 2, "torch_dtype": "bfloat16"}

@@ -143,7 +143,8 @@ def test_walkthrough_prints_plans_and_trace(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_plan_never_imports_torch() -> None:
-    """`tierd plan` and `tierd demo --walkthrough` through the console entry point leave torch unimported."""
+    """`tierd plan` and `tierd demo --walkthrough` through the console entry point leave torch
+    unimported."""
     code = (
         "import sys, contextlib, io\n"
         "from tierd.cli import main\n"

@@ -38,7 +38,6 @@ from tierd.extra_keys import (
     ExtraKey,
     ExtraKeys,
     MultiModalItem,
-    RequestKeys,
     request_keys,
     to_event_extra_keys,
 )

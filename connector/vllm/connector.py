@@ -14,8 +14,16 @@ from typing import Any, ClassVar
 
 import torch
 
-from .base import (HAVE_VLLM, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
-                   KVConnectorWorkerMetadata)
+from tierd.daemon.layout import Layout
+from tierd.hashing import HASH_ALGOS
+
+from .base import (
+    HAVE_VLLM,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
 from .config import TierdVllmConfig
 from .identity import model_identity_from_vllm
 from .kv_tensors import KV_FORMAT, dtype_name
@@ -24,8 +32,6 @@ from .metadata import TierdConnectorMetadata, TierdWorkerMetadata
 from .scheduler import SchedulerSide
 from .stats import TierdConnectorStats
 from .worker import WorkerSide
-from tierd.daemon.layout import Layout
-from tierd.hashing import HASH_ALGOS
 
 _log = logging.getLogger(__name__)
 

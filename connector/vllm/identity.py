@@ -13,8 +13,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tierd.model_identity import (ModelIdentity, config_parts, identity_from_checkpoint,
-                                  identity_from_parts, kv_settings, override)
+from tierd.model_identity import (
+    ModelIdentity,
+    config_parts,
+    identity_from_checkpoint,
+    identity_from_parts,
+    kv_settings,
+    override,
+)
 
 
 def model_identity_from_vllm(vllm_config: Any, model_id: str | None = None) -> ModelIdentity:

@@ -17,11 +17,12 @@ from typing import Any
 
 import grpc
 
-from .config import TierdVllmConfig
 from tierd.connector.transfer import ArenaSlots
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import EngineHandle, TierdClient
 from tierd.daemon.layout import Layout
+
+from .config import TierdVllmConfig
 
 _log = logging.getLogger(__name__)
 

@@ -44,10 +44,11 @@ from typing import Any
 
 import grpc
 
-from .link import DaemonLink
-from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 from tierd.daemon.convert import AcquiredBlocks
 from tierd.types import BlockHash, Tier
+
+from .link import DaemonLink
+from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 
 _log = logging.getLogger(__name__)
 

@@ -36,11 +36,12 @@ from typing import Any
 
 import grpc
 
-from .metadata import LoadSpec
 from tierd.connector.transfer import ArenaSlots
 from tierd.daemon.client import TierdClient
 from tierd.daemon.convert import AcquiredBlocks
 from tierd.types import BlockHash
+
+from .metadata import LoadSpec
 
 _log = logging.getLogger(__name__)
 

@@ -55,19 +55,28 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from .config import TierdVllmConfig
-from .cuda_copy import DeviceTransfer, SaveTicket, register_host_memory, unregister_host_memory
-from .kv_tensors import (Run, SlotFormat, byte_view, load_blocks, runs, save_layer,
-                         slot_format, stack_layers)
-from .link import DaemonLink
-from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
-from .stats import TierdConnectorStats
-from .streaming import StreamedLoad, Streams
 from tierd.connector.native import verified_copy
 from tierd.connector.native.verified_copy import BlockRows
 from tierd.connector.transfer import ArenaSlots
 from tierd.daemon.client import TierdClient
 from tierd.types import BlockHash
+
+from .config import TierdVllmConfig
+from .cuda_copy import DeviceTransfer, SaveTicket, register_host_memory, unregister_host_memory
+from .kv_tensors import (
+    Run,
+    SlotFormat,
+    byte_view,
+    load_blocks,
+    runs,
+    save_layer,
+    slot_format,
+    stack_layers,
+)
+from .link import DaemonLink
+from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
+from .stats import TierdConnectorStats
+from .streaming import StreamedLoad, Streams
 
 _log = logging.getLogger(__name__)
 
@@ -113,10 +122,10 @@ class WorkerSide:
                  clock: Callable[[], float] = time.monotonic,
                  device_path: bool | None = None) -> None:
         """Take vLLM's per-layer caches (``ValueError`` naming the fix for ones tierd cannot
-        store) of the model ``config.model_id`` (resolved: never None), derive the slot format and try to reach the daemon (down is fine: see
-        ``DaemonLink.connect``). ``device_path``: copy through ``DeviceTransfer`` (default:
-        when the caches are CUDA tensors; True on CPU tensors runs its logic with no-op
-        streams, which is how the CPU suite covers it)."""
+        store) of the model ``config.model_id`` (resolved: never None), derive the slot format
+        and try to reach the daemon (down is fine: see ``DaemonLink.connect``). ``device_path``:
+        copy through ``DeviceTransfer`` (default: when the caches are CUDA tensors; True on CPU
+        tensors runs its logic with no-op streams, which is how the CPU suite covers it)."""
         assert config.model_id is not None, "the connector resolves the model id first"
         self._config, self._clock = config, clock
         self.format: SlotFormat

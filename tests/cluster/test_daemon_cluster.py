@@ -330,8 +330,8 @@ def test_route_asks_a_daemon(cluster: Callable[..., Node],
     parser = argparse.ArgumentParser()
     route.configure(parser)
     hexes = ",".join(h.hex() for h in hashes)
-    args = parser.parse_args(["--hashes", hexes, *layout_flags, "--socket-path", b.config.socket_path,
-                              "--json"])
+    args = parser.parse_args(["--hashes", hexes, *layout_flags,
+                              "--socket-path", b.config.socket_path, "--json"])
     assert route.run(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert [(n["node_id"], n["prefix_blocks"], n["score"]) for n in out["nodes"]] == [

@@ -68,7 +68,8 @@ async def test_prefix_published_by_a_is_located_on_a_from_b(redis_server: RedisS
         ("b", "b:50051", 2, ("ssd", "ssd"), 1.2)]
     assert ranked[0].capacity_bytes == 1 << 30
     assert await b.directory.locate(NS_A, chain(8, b"other")) == []   # nobody holds block 0
-    assert [p.prefix_blocks for p in await b.directory.locate(NS_A, hashes[:1] + chain(2, b"x") + hashes[2:])] == [
+    gapped = hashes[:1] + chain(2, b"x") + hashes[2:]
+    assert [p.prefix_blocks for p in await b.directory.locate(NS_A, gapped)] == [
         1, 1]                           # a gap ends every prefix
     assert b.directory.stats.published_blocks == 2 and a.directory.stats.published_blocks == 6
     await close(a, b)

@@ -15,10 +15,24 @@ import pytest
 import torch
 
 from tierd.connector.vllm import cuda_copy
-from tierd.connector.vllm.cuda_copy import (DeviceTransfer, Layerwise, Marker, _split,
-                                            register_host_memory, unregister_host_memory)
-from tierd.connector.vllm.kv_tensors import (Run, SlotFormat, byte_view, load_blocks, runs,
-                                             save_layer, slot_format, stack_layers)
+from tierd.connector.vllm.cuda_copy import (
+    DeviceTransfer,
+    Layerwise,
+    Marker,
+    _split,
+    register_host_memory,
+    unregister_host_memory,
+)
+from tierd.connector.vllm.kv_tensors import (
+    Run,
+    SlotFormat,
+    byte_view,
+    load_blocks,
+    runs,
+    save_layer,
+    slot_format,
+    stack_layers,
+)
 from tierd.daemon.arena import ShmArena
 
 LAYERS, HEADS, HEAD, BS, BLOCKS, SLOTS = 3, 2, 8, 4, 12, 10

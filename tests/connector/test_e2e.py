@@ -165,7 +165,8 @@ def test_ssd_load_after_kill_9_and_restart(tiny_model: LlamaModel, workdir: str,
     assert saver.flush() and saver.stats.saved_blocks == 4
     hashes = engine.add_request(tokens, 1).block_hashes[:4]
     with TierdClient(socket_path=socket_path) as client:
-        probe = client.register_engine(layout_for(engine.kv_cache.spec, model_identity(engine.model).model_id))
+        probe = client.register_engine(layout_for(engine.kv_cache.spec,
+                                                  model_identity(engine.model).model_id))
         wait_until(lambda: client.lookup(probe.engine_id, hashes) == ["ssd"] * 4, "demotion")
     saver.close()
     kill_9(processes[0])

@@ -78,7 +78,8 @@ def test_corrupted_arena_slot_is_recomputed(tiny_model: LlamaModel, make_daemon:
     engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=BS))
     hashes = engine.add_request(tokens, 1).block_hashes
     with TierdClient(socket_path=daemon.config.socket_path) as client:  # same tenant and layout
-        handle = client.register_engine(layout_for(engine.kv_cache.spec, model_identity(engine.model).model_id))
+        handle = client.register_engine(layout_for(engine.kv_cache.spec,
+                                                   model_identity(engine.model).model_id))
         got = client.acquire(handle.engine_id, hashes)
         arena = ShmArena.attach(handle.arena_name, directory=handle.arena_directory)
         arena.view(handle.geometry.offset(got.slot_ids[2]) + 100, 1)[0] ^= 0x01

@@ -9,8 +9,17 @@ import pytest
 import torch
 
 from tierd.checksum import block_checksum
-from tierd.connector.transfer import ArenaSlots, Span, StagingRing, allocate_staging, \
-    gather_rows, load_blocks, row_checksums, save_blocks, write_through
+from tierd.connector.transfer import (
+    ArenaSlots,
+    Span,
+    StagingRing,
+    allocate_staging,
+    gather_rows,
+    load_blocks,
+    row_checksums,
+    save_blocks,
+    write_through,
+)
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.slots import SlotGeometry
 

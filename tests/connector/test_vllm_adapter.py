@@ -31,8 +31,12 @@ from typing import Any
 import pytest
 import torch
 
-from tierd.connector.vllm import (TierdConnector, TierdConnectorMetadata, TierdWorkerMetadata,
-                                  layout_from_vllm_config)
+from tierd.connector.vllm import (
+    TierdConnector,
+    TierdConnectorMetadata,
+    TierdWorkerMetadata,
+    layout_from_vllm_config,
+)
 from tierd.connector.vllm.base import HAVE_VLLM, KVConnectorRole, StandinKVConnectorBase
 from tierd.connector.vllm.identity import model_identity_from_vllm
 from tierd.connector.vllm.metadata import LoadSpec, SaveSpec

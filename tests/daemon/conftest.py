@@ -13,8 +13,8 @@ import sys
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -132,7 +132,8 @@ class Kit:
     @staticmethod
     def chain(n: int, seed: int = 0, size: int = 32) -> list[BlockHash]:
         """``n`` distinct hashes of ``size`` bytes (stand-ins for a real chain)."""
-        return [BlockHash(bytes([seed % 256, i % 256, i // 256]) + bytes(size - 3)) for i in range(n)]
+        return [BlockHash(bytes([seed % 256, i % 256, i // 256]) + bytes(size - 3))
+                for i in range(n)]
 
     @staticmethod
     def block_bytes(key: BlockHash, nbytes: int) -> bytes:
@@ -199,8 +200,8 @@ def serve(processes: list[subprocess.Popen[bytes]]) -> Callable[..., tuple[Any, 
 
 @pytest.fixture
 async def make_rig(tmp_path: Path) -> AsyncIterator[MakeRig]:
-    """Factory of rigs (``make_rig(ssd_dir=, ssd_bytes=, listener=, **NodeConfig overrides)``); each is
-    checked for integrity, closed and its arena unlinked at teardown."""
+    """Factory of rigs (``make_rig(ssd_dir=, ssd_bytes=, listener=, **NodeConfig overrides)``);
+    each is checked for integrity, closed and its arena unlinked at teardown."""
     rigs: list[Rig] = []
 
     def make(ssd_dir: str | None = None, ssd_bytes: int = SSD,

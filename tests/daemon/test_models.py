@@ -7,9 +7,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-from tierd.daemon.models import FILE_NAME
-
 from node_rig import BLOCK, LAYOUT, MakeRig, chain  # noqa: E402
+
+from tierd.daemon.models import FILE_NAME
 
 TUNED = dataclasses.replace(LAYOUT, model_id="tuned@1")
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from node_rig import BLOCK, LAYOUT, SSD, MakeRig, Rig, chain, payload  # noqa: E402
 
 from tierd.checksum import block_checksum
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
@@ -22,7 +23,6 @@ from tierd.daemon.ssd.record import HEADER_BYTES
 from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored
 from tierd.types import BlockHash, NamespacedKey, Tier
 
-from node_rig import BLOCK, LAYOUT, SSD, MakeRig, Rig, chain, payload  # noqa: E402
 
 @pytest.fixture
 def rig(make_rig: MakeRig) -> Rig:

@@ -10,7 +10,6 @@ from typing import Any
 
 from tierd.checksum import block_checksum
 
-
 DEMOTE_ALL = ("--ssd-bytes", "4MiB", "--dram-high-watermark", "1e-9",
               "--dram-low-watermark", "1e-9", "--maintain-seconds", "0.05")
 """Every committed block is demoted to SSD by the background maintain pass (every 50 ms)."""

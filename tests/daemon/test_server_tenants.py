@@ -14,7 +14,8 @@ from tierd.daemon.client import TierdClient
 
 def test_two_tenants_over_tcp_are_isolated(make_daemon: Any, kit: Any, workdir: str) -> None:
     """Team A's stored blocks are misses for team B (same hashes, same layout); B using A's engine
-    id or lease ids gets NOT_FOUND; each sees only its own engines; no token over TCP is UNAUTHENTICATED."""
+    id or lease ids gets NOT_FOUND; each sees only its own engines; no token over TCP is
+    UNAUTHENTICATED."""
     tokens = os.path.join(workdir, "tokens.toml")
     with open(tokens, "w") as f:
         f.write('"token-a" = "team-a"\n"token-b" = "team-b"\n')

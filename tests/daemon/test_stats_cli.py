@@ -63,8 +63,9 @@ def test_json_and_table(daemon: Any, kit: Any, capsys: pytest.CaptureFixture[str
 
 def _stats(gap: float | None, idle: float | None, ratio: float) -> DaemonStats:
     tier = TierUsage("dram", 10, 100, 40960, 409600, 0, 100, int(100 * ratio), 5, 0, 0)
-    return DaemonStats(tiers=[tier], engines=[], models=[], query_tokens=100, hit_tokens=int(100 * ratio),
-                       hit_ratio=ratio, reading=f"hit ratio {ratio:.2f}: low", checksum_failures=0,
+    return DaemonStats(tiers=[tier], engines=[], models=[], query_tokens=100,
+                       hit_tokens=int(100 * ratio), hit_ratio=ratio,
+                       reading=f"hit ratio {ratio:.2f}: low", checksum_failures=0,
                        lease_expiries=0, ssd_healthy=True, reuse_gap_p90_seconds=gap,
                        idle_before_evict_p50_seconds=idle)
 

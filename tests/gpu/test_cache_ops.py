@@ -43,7 +43,8 @@ def test_fp8_store_saturates_and_scales() -> None:
     cache = allocate_kv_cache(1, 2, 1, 64, 8, torch.float32, kv_cache_dtype="fp8")
     key = torch.zeros(1, 1, 64)
     key[0, 0, 0], key[0, 0, 1] = 1000.0, 2.0
-    reshape_and_cache(key, key, cache.k_caches[0], cache.v_caches[0], torch.tensor([9]), k_scale=0.5)
+    reshape_and_cache(key, key, cache.k_caches[0], cache.v_caches[0], torch.tensor([9]),
+                      k_scale=0.5)
     stored = cache.k_caches[0][1, 0, 0, 1, :].float()
     assert stored[0].item() == 448.0
     assert stored[1].item() == 4.0

@@ -13,7 +13,8 @@ import pytest
 import tierd.gpu
 
 SOURCES = sorted(Path(tierd.gpu.__file__).parent.glob("*.cu"))
-NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
+NVCC = shutil.which("nvcc") or (
+    "/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
 
 
 def test_there_is_a_kernel_source() -> None:
@@ -29,7 +30,7 @@ def test_there_is_a_kernel_source() -> None:
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_cu_compiles(source: Path, arch: str, tmp_path: Path) -> None:
     """nvcc -cubin with the test instantiation set succeeds, and no kernel spills heavily."""
-    assert NVCC is not None, "CI must compile-check the kernel: no nvcc on PATH or in /usr/local/bin"
+    assert NVCC is not None, "CI compile-checks the kernel: no nvcc on PATH or /usr/local/bin"
     cmd = [
         NVCC, "-cubin", f"-arch={arch}", "-std=c++17", "-DTIERD_INSTANTIATE_ALL",
         "-Xptxas", "-v", "-o", str(tmp_path / f"{source.stem}.cubin"), str(source),

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierd.gpu import allocate_kv_cache, paged_attention, reshape_and_cache
-from tierd.gpu import cupy_attention
+from tierd.gpu import allocate_kv_cache, cupy_attention, paged_attention, reshape_and_cache
 
 
 def test_cupy_is_off_without_cuda() -> None:
@@ -32,7 +31,8 @@ def test_kernel_matches_torch(dtype, kv_cache_dtype, block_size, head_size) -> N
     gen = torch.Generator().manual_seed(0)
     lens = [1, 45, 300, 1000]
     need = [-(-n // block_size) for n in lens]
-    cache = allocate_kv_cache(2, sum(need) + 5, 2, head_size, block_size, dtype, "cuda", kv_cache_dtype)
+    cache = allocate_kv_cache(2, sum(need) + 5, 2, head_size, block_size, dtype, "cuda",
+                              kv_cache_dtype)
     perm = torch.randperm(sum(need) + 5, generator=gen)
     table = torch.zeros(len(lens), max(need), dtype=torch.int32)
     used = 0
@@ -43,9 +43,11 @@ def test_kernel_matches_torch(dtype, kv_cache_dtype, block_size, head_size) -> N
         pos = torch.arange(n)
         slots = (blocks[pos // block_size] * block_size + pos % block_size).cuda()
         kv = torch.randn(2, n, 2, head_size, generator=gen).to(dtype).cuda()
-        reshape_and_cache(kv[0], kv[1], cache.k_caches[1], cache.v_caches[1], slots, k_scale=0.02, v_scale=0.02)
+        reshape_and_cache(kv[0], kv[1], cache.k_caches[1], cache.v_caches[1], slots,
+                          k_scale=0.02, v_scale=0.02)
     q = torch.randn(len(lens), 8, head_size, generator=gen).to(dtype).cuda()
-    args = (q, cache.k_caches[1], cache.v_caches[1], table.cuda(), torch.tensor(lens).cuda(), head_size**-0.5)
+    args = (q, cache.k_caches[1], cache.v_caches[1], table.cuda(), torch.tensor(lens).cuda(),
+            head_size**-0.5)
     scales = dict(k_scale=0.02, v_scale=0.02) if kv_cache_dtype != "auto" else {}
     ref = paged_attention(*args, backend="torch", **scales)
     out = paged_attention(*args, backend="cupy", **scales)

@@ -31,7 +31,8 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("compute", ["query dtype", "fp32"])
-def test_decode_matches_dense(build_paged, monkeypatch, dtype, block_size, head_size, compute) -> None:  # type: ignore[no-untyped-def]
+def test_decode_matches_dense(  # type: ignore[no-untyped-def]
+        build_paged, monkeypatch, dtype, block_size, head_size, compute) -> None:
     """Ragged lengths 1, 37, block-aligned and 100 over scattered blocks, GQA 8 query / 2 KV
     heads; both matmul orientations (the compute dtype is forced: which one a host picks
     depends on its CPU)."""
@@ -42,7 +43,8 @@ def test_decode_matches_dense(build_paged, monkeypatch, dtype, block_size, head_
     q = torch.randn(len(lens), 8, head_size, generator=torch.Generator().manual_seed(4)).to(dtype)
     scale = head_size**-0.5
     out = paged_attention(
-        q, batch.cache.k_caches[0], batch.cache.v_caches[0], batch.block_tables, batch.seq_lens, scale
+        q, batch.cache.k_caches[0], batch.cache.v_caches[0], batch.block_tables, batch.seq_lens,
+        scale
     )
     assert out.dtype == dtype and out.shape == q.shape
     for i in range(len(lens)):

@@ -11,10 +11,8 @@ import pytest
 pytest.importorskip("vllm", reason="needs real vLLM: run `make test-vllm`")
 
 import torch  # noqa: E402
+from harness import BLOCK, HEAD, Daemon, Engine, engine_layout, make_request, vllm_config  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-
-from harness import (BLOCK, HEAD, Daemon, Engine, engine_layout, make_request,  # noqa: E402
-                     vllm_config)
 
 pytestmark = pytest.mark.vllm
 
@@ -234,7 +232,7 @@ def test_failed_load_of_a_shared_block_drops_other_requests_saves(model_dir: str
         first.run([make_request("a", prefix + [1])])
         restarted = restart_before_first_load(second, daemon)
         got = second.run([make_request("a2", prefix + tail_a), make_request("b2", prefix + tail_b)])
-        assert got == {"a2": want_a, "b2": want_b}
+        assert restarted and got == {"a2": want_a, "b2": want_b}
         third = Engine.start(vllm_config(model_dir, daemon.socket_path))
         try:
             got = third.run([make_request("a3", prefix + tail_a)])
@@ -540,7 +538,8 @@ def test_tp2_failed_load_on_one_rank_is_stored_on_no_rank(model_dir: str, daemon
         assert [w.worker_counters.data["saved_blocks"] for w in first.workers] == [6, 6]
         client = second.workers[1]._worker.link.client
         real = client.acquire
-        monkeypatch.setattr(client, "acquire", lambda eid, hashes, **kw: real(eid, hashes[:3], **kw))
+        monkeypatch.setattr(client, "acquire",
+                            lambda eid, hashes, **kw: real(eid, hashes[:3], **kw))
         assert second.run([make_request("b", longer)])["b"] == want
         assert second.invalid_reported
         assert third.run([make_request("c", longer)])["c"] == want

@@ -15,14 +15,22 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs real vLLM: run `make test-vllm`")
 
+from harness import (  # noqa: E402
+    BLOCK,
+    EOS,
+    Daemon,
+    Engine,
+    engine_layout,
+    make_request,
+    model_dir_in,
+    vllm_config,
+    write_weights,
+)
 from vllm import SamplingParams  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.utils.hashing import sha256_cbor  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
-
-from harness import (BLOCK, EOS, Daemon, Engine, engine_layout, make_request,  # noqa: E402
-                     model_dir_in, vllm_config, write_weights)
 
 pytestmark = pytest.mark.vllm
 

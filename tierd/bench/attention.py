@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     upcast = compute_dtype(q) != dtype
     dense_args = [(q, k, v)] + ([(q.float(), k.float(), v.float())] if upcast else [])
     dense_fns = [
-        lambda a=a: F.scaled_dot_product_attention(a[0].unsqueeze(2), a[1], a[2], scale=scale, enable_gqa=True)
+        lambda a=a: F.scaled_dot_product_attention(a[0].unsqueeze(2), a[1], a[2], scale=scale,
+                                                   enable_gqa=True)
         for a in dense_args
     ]  # fmt: skip
     for backend in backends:
@@ -145,17 +146,20 @@ def run(args: argparse.Namespace) -> int:
     q = torch.randn(new, heads, head, generator=gen).to(device=device, dtype=dtype)
     lens = torch.tensor([context], dtype=torch.int32, device=device)
     loc = torch.tensor([0, new], dtype=torch.int32, device=device)
-    mask = torch.arange(context, device=device) <= torch.arange(new, device=device).view(-1, 1) + (context - new)
+    mask = (torch.arange(context, device=device)
+            <= torch.arange(new, device=device).view(-1, 1) + (context - new))
     qd = q.transpose(0, 1).unsqueeze(0)
     kc, vc = cache.k_caches[0], cache.v_caches[0]
     dense_args = [(qd, k, v)] + ([(qd.float(), k.float(), v.float())] if upcast else [])
     dense_fns = [
-        lambda a=a: F.scaled_dot_product_attention(a[0], a[1], a[2], attn_mask=mask, scale=scale, enable_gqa=True)
+        lambda a=a: F.scaled_dot_product_attention(a[0], a[1], a[2], attn_mask=mask, scale=scale,
+                                                   enable_gqa=True)
         for a in dense_args
     ]  # fmt: skip
     paged_s, *dense_times = _time_alternating(
         [
-            lambda: paged_attention(q, kc, vc, table, lens, scale, query_start_loc=loc, backend="torch"),
+            lambda: paged_attention(q, kc, vc, table, lens, scale, query_start_loc=loc,
+                                    backend="torch"),
             *dense_fns,
         ],
         reps, sync,

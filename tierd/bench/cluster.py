@@ -164,11 +164,11 @@ def _bench_rpc(url: str, args: argparse.Namespace) -> None:
     EXISTS: what a router pays, and how much of it is the daemon's hop."""
     import redis as sync_redis
 
+    from tierd.cluster.directory import Directory, DirectoryConfig, NodeRecord
+    from tierd.cluster.publisher import Publisher, PublisherConfig
     from tierd.commands.demo import EmbeddedDaemon, embedded_config
     from tierd.daemon.client import TierdClient
     from tierd.daemon.layout import Layout, namespace_for
-    from tierd.cluster.directory import Directory, DirectoryConfig, NodeRecord
-    from tierd.cluster.publisher import Publisher, PublisherConfig
 
     layout = Layout(num_layers=2, num_kv_heads=2, head_size=64, dtype="float16", block_size=16,
                     model_id="bench-cluster@synthetic")
@@ -215,7 +215,8 @@ def _bench_rpc(url: str, args: argparse.Namespace) -> None:
 
                 rpc = statistics.median(
                     timed(lambda: client.locate(None, chain, layout=layout))) * 1e3
-                lookup = statistics.median(timed(lambda: client.lookup(engine.engine_id, chain))) * 1e3
+                lookup = statistics.median(
+                    timed(lambda: client.lookup(engine.engine_id, chain))) * 1e3
                 raw = statistics.median(timed(exists)) * 1e3
                 sync.close()
         finally:

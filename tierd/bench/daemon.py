@@ -185,7 +185,9 @@ def _interleaved(a: Any, b: Any, calls: int) -> tuple[list[float], list[float]]:
 
 
 def _pct(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if q < 100 else max(values)
+    if q >= 100:
+        return max(values)
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def _copy_figures(arena: Any, geometry: Any, slots: list[int], payloads: list[bytes],
@@ -307,7 +309,8 @@ def _report(f: dict[str, Any], args: argparse.Namespace) -> int:
           f"reply {f['lookup_reply_bytes']} B")
     print(f"  lookup over Unix socket   p50 {f['lookup_p50_ms']:.3f} ms  p99 "
           f"{f['lookup_p99_ms']:.3f} ms")
-    print(f"  gRPC echo, same sizes     p50 {f['echo_p50_ms']:.3f} ms  p99 {f['echo_p99_ms']:.3f} ms")
+    print(f"  gRPC echo, same sizes     p50 {f['echo_p50_ms']:.3f} ms  "
+          f"p99 {f['echo_p99_ms']:.3f} ms")
     print(f"  copy out of DRAM arena    {f['dram_copy_gbps']:.2f} GB/s   memcpy same pieces "
           f"{f['memcpy_gbps']:.2f} GB/s (one contiguous memcpy {f['memcpy_contiguous_gbps']:.2f})")
     print(f"  SSD tier write / read     {f['ssd_write_gbps']:.2f} / {f['ssd_read_gbps']:.2f} GB/s"

@@ -194,8 +194,8 @@ def _ttfts(args: argparse.Namespace, model: LlamaModel, workdir: str, dram_sock:
     import torch
 
     from tierd.checksum import block_checksum
-    from tierd.daemon.client import TierdClient
     from tierd.connector.model import model_identity
+    from tierd.daemon.client import TierdClient
     from tierd.daemon.layout import Layout
 
     prefix_tokens = args.prefix_tokens // BLOCK * BLOCK

@@ -107,7 +107,8 @@ class VllmServe:
         argv = [vllm, "serve", self.model,
                 "--served-model-name", self.name, "--host", "127.0.0.1",
                 "--port", str(self.port), "--prefix-caching-hash-algo", "sha256_cbor",
-                "--block-size", str(BLOCK), "--max-model-len", str(self.max_model_len), "--enforce-eager",
+                "--block-size", str(BLOCK), "--max-model-len", str(self.max_model_len),
+                "--enforce-eager",
                 "--kv-transfer-config", json.dumps(transfer)]
         if not self.prefix_caching:
             argv.append("--no-enable-prefix-caching")

@@ -4,13 +4,13 @@ working set of 3x its DRAM arena: are there errors, wrong bytes, leaked pins, or
 The daemon is a child process on a Unix socket in a temporary directory (loopback only: nothing
 listens on TCP), with its own SSD directory and the default policy (watermarks, write-behind,
 a pre-faulted arena, so the arena's pages are resident from the start and RSS growth is the
-daemon's own memory); only the sizes and the lease are set. Each client process registers an engine of the shared
-layout (one tenant, so clients hit each other's blocks) and, until the deadline, picks a random
-chain of the working set and does what an engine does: ``Acquire`` with ``count_lookup``,
-verifies every acquired block where it lies in the arena (its checksum against the one the
-daemon returned and against the content the chain's hash determines: a mismatch is a wrong
-byte), ``Release``, then ``Reserve`` + copy + ``Commit`` of the blocks that missed. Every RPC is
-timed; any RPC error is counted.
+daemon's own memory); only the sizes and the lease are set. Each client process registers an
+engine of the shared layout (one tenant, so clients hit each other's blocks) and, until the
+deadline, picks a random chain of the working set and does what an engine does: ``Acquire``
+with ``count_lookup``, verifies every acquired block where it lies in the arena (its checksum
+against the one the daemon returned and against the content the chain's hash determines: a
+mismatch is a wrong byte), ``Release``, then ``Reserve`` + copy + ``Commit`` of the blocks that
+missed. Every RPC is timed; any RPC error is counted.
 
 Figures, each judged against a limit measured in the same run:
 
@@ -173,7 +173,8 @@ def _soak(args: argparse.Namespace, daemon: subprocess.Popen[bytes], sock: str, 
         "anon_first_mib": samples[0].anon_mib if samples else 0.0,
         "anon_last_mib": samples[-1].anon_mib if samples else 0.0,
         "anon_slope_mib_per_min": anon.slope * 60,
-        "fds_first": samples[0].fds if samples else 0, "fds_last": samples[-1].fds if samples else 0,
+        "fds_first": samples[0].fds if samples else 0,
+        "fds_last": samples[-1].fds if samples else 0,
         "fds_max": max((s.fds for s in samples), default=0),
         "fds_slope_per_min": fds.slope * 60, "fds_growth": fds.growth,
         "samples": len(samples),
@@ -252,7 +253,8 @@ def _report(f: dict[str, Any], as_json: bool) -> int:
         return 0 if ok else 1
     mib = 1 << 20
     print(f"tierd bench soak: {f['clients']} clients for {f['seconds']:.1f} s; working set "
-          f"{f['working_set_bytes'] / mib:.0f} MiB = {f['working_set_bytes'] / f['dram_bytes']:.1f}x"
+          f"{f['working_set_bytes'] / mib:.0f} MiB = "
+          f"{f['working_set_bytes'] / f['dram_bytes']:.1f}x"
           f" DRAM {f['dram_bytes'] / mib:.0f} MiB, blocks of {f['block_bytes'] >> 10} KiB, "
           f"lease {f['lease_seconds']:g} s")
     print(f"  ops          {f['rpcs']} RPCs = {f['ops_per_s']:.0f}/s; latency p50 "

@@ -37,8 +37,8 @@ def build(root: str, name: str, seed: int) -> str:
     if os.path.isfile(os.path.join(path, "model.safetensors")):
         return path
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
     import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     # transformers' own annotations disagree with its documented use: handle it untyped.
     hf: Any = transformers

@@ -70,8 +70,12 @@ def kv_tensors(layers: int, heads: int, head: int, num_blocks: int,
 
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     try:
-        from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheTensor,
-                                                compute_layout_strides, create_kv_cache_views)
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheTensor,
+            compute_layout_strides,
+            create_kv_cache_views,
+        )
         from vllm.v1.kv_cache_layout import KVCacheLayout
     except ImportError:
         return _own_views(names, heads, head, num_blocks, layout_name), "tierd (no vLLM)"

@@ -295,7 +295,9 @@ class _Demo:
 
         hashes = BlockHasher(16).append(prompt)
         with TierdClient(socket_path=self.socket_path) as client:
-            probe = client.register_engine(layout_for(engine.kv_cache.spec, model_identity(engine.model).model_id), "demo-probe")
+            probe = client.register_engine(
+                layout_for(engine.kv_cache.spec, model_identity(engine.model).model_id),
+                "demo-probe")
             tiers = client.lookup(probe.engine_id, hashes)
             client.unregister_engine(probe.engine_id)
         return {t: tiers.count(t) for t in dict.fromkeys(tiers)}

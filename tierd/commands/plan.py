@@ -18,7 +18,8 @@ from pathlib import Path
 from tierd import planner
 from tierd.planner import Plan, PlanInputs, TraceWaste
 
-HELP = "Plan KV-cache memory: vLLM's start-up figures, concurrency advice, paged-vs-contiguous waste."
+HELP = ("Plan KV-cache memory: vLLM's start-up figures, concurrency advice, "
+        "paged-vs-contiguous waste.")
 
 _BUNDLED_TRACE = Path(__file__).resolve().parents[2] / "examples" / "chat_trace.jsonl"
 

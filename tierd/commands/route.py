@@ -101,7 +101,6 @@ def parse_hashes(text: str) -> list[BlockHash]:
 def resolve_layout(args: argparse.Namespace) -> Layout:
     """The engine layout from the layout flags (``ValueError`` naming the missing ones)."""
     from tierd.daemon.layout import Layout
-
     from tierd.model_identity import identity_of_argument
 
     missing = [f"--{n.replace('_', '-')}" for n in ("model", "num_layers", "num_kv_heads",

@@ -114,7 +114,8 @@ class ShmArena:
         try:
             size = os.fstat(fd).st_size
             if size <= 0:
-                raise ValueError(f"{path} is empty: it is not a tierd arena (daemon still starting?)")
+                raise ValueError(f"{path} is empty: it is not a tierd arena "
+                                 "(daemon still starting?)")
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)

@@ -31,9 +31,9 @@ from typing import Any
 import grpc
 
 from tierd.daemon import convert
-from tierd.paths import client_socket_path
 from tierd.daemon.convert import AcquiredBlocks, DaemonStats, EngineHandle, Located, ReservedSlots
 from tierd.daemon.layout import Layout
+from tierd.paths import client_socket_path
 from tierd.types import BlockHash, Tier
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc

@@ -17,7 +17,6 @@ import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any, Literal, get_args
 
 from tierd.daemon.presence import check_cells

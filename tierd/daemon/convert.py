@@ -198,7 +198,8 @@ def checksums_to_pb(checksums: Sequence[int | None]) -> list[pb.CommittedBlock]:
     return [pb.CommittedBlock() if c is None else pb.CommittedBlock(checksum=c) for c in checksums]
 
 
-def reserved_to_pb(slot_ids: Sequence[int | None], already: Sequence[bool]) -> list[pb.ReservedSlot]:
+def reserved_to_pb(slot_ids: Sequence[int | None],
+                   already: Sequence[bool]) -> list[pb.ReservedSlot]:
     return [pb.ReservedSlot(already_stored=a) if s is None else
             pb.ReservedSlot(slot_id=s, already_stored=a) for s, a in zip(slot_ids, already)]
 
@@ -296,8 +297,8 @@ def stats_from_pb(msg: pb.StatsResponse) -> DaemonStats:
                            block_bytes=e.block_bytes) for e in msg.engines]
     models = [ModelUsage(m.model_id, {"hbm": m.hbm_blocks, "dram": m.dram_blocks,
                                       "ssd": m.ssd_blocks},
-                         {"hbm": m.hbm_bytes, "dram": m.dram_bytes, "ssd": m.ssd_bytes}, m.query_tokens,
-                         m.hit_tokens, m.engines) for m in msg.models]
+                         {"hbm": m.hbm_bytes, "dram": m.dram_bytes, "ssd": m.ssd_bytes},
+                         m.query_tokens, m.hit_tokens, m.engines) for m in msg.models]
     gap = msg.reuse_gap_p90_seconds if msg.HasField("reuse_gap_p90_seconds") else None
     idle = (msg.idle_before_evict_p50_seconds if msg.HasField("idle_before_evict_p50_seconds")
             else None)

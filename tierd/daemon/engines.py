@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import secrets
 from collections import Counter, OrderedDict
+
 from tierd.daemon.errors import NotFound, ResourceExhausted, clip
 from tierd.daemon.node_types import EngineCaps, EngineInfo
 

@@ -7,9 +7,10 @@ random secret of this filter (made at each daemon start, never written anywhere)
 is told only its own namespace's prefix (``RegisterEngine``'s ``namespace``), so an engine of
 another tenant, which can map the same file, cannot compute which cell holds a given block of
 this tenant: the unkeyed namespace (blake2b of the tenant name and layout) is public knowledge,
-the prefix is not. What it can still see is that some cell changed. The daemon keeps, per cell, the number of DRAM and SSD copies of the keys that map to it: the
-filter is a ``TierListener`` of the tier index, so it changes exactly when the index does, on
-the event loop, before the call that caused the change returns. A counter that reaches 255
+the prefix is not. What it can still see is that some cell changed. The daemon keeps, per cell,
+the number of DRAM and SSD copies of the keys that map to it: the filter is a ``TierListener``
+of the tier index, so it changes exactly when the index does, on the event loop, before the
+call that caused the change returns. A counter that reaches 255
 stays there (it can no longer count down, so it stays "maybe").
 
 An engine reads the cell of the first block it would ask the daemon for. 0 means the node holds

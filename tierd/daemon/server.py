@@ -36,9 +36,9 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from tierd.checksum import checksums_at
+from tierd.cluster.directory import NodeRecord
 from tierd.daemon import convert
 from tierd.daemon.arena import ShmArena
-from tierd.cluster.directory import NodeRecord
 from tierd.daemon.auth import Authenticator, TokenTable
 from tierd.daemon.cluster_link import ClusterLink, LinkConfig
 from tierd.daemon.config import TierdConfig

@@ -4,13 +4,13 @@ corruption, restart after a real SIGKILL, a sick disk."""
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import random
 import signal
 import subprocess
 import sys
 import textwrap
-import mmap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,7 +69,8 @@ def store(tmp_path: Path) -> Iterator[SsdStore]:
     s.close()
 
 
-async def read_back(store: SsdStore, ns: Namespace, bh: BlockHash, size: int = BLOCK) -> bytes | None:
+async def read_back(store: SsdStore, ns: Namespace, bh: BlockHash,
+                    size: int = BLOCK) -> bytes | None:
     into = bytearray(size)
     return bytes(into) if await store.read(ns, bh, memoryview(into)) else None
 
@@ -523,7 +524,8 @@ async def test_dead_segment_unlinked_and_compaction_frees_garbage(tmp_path: Path
     store = SsdStore(tmp_path, 32 * REC, segment_bytes=4 * REC)
     store.open()
     for b in range(6):
-        batch = [(NS, h(i), payload(i), block_checksum(payload(i))) for i in range(4 * b, 4 * b + 4)]
+        batch = [(NS, h(i), payload(i), block_checksum(payload(i)))
+                 for i in range(4 * b, 4 * b + 4)]
         assert all(await store.write_many(batch))
     assert len(segments(tmp_path)) == 6
     for i in range(4):  # segment 0 entirely
@@ -557,7 +559,8 @@ async def test_compaction_does_not_disturb_reads_in_flight(tmp_path: Path) -> No
     store = SsdStore(tmp_path, 16 * REC, segment_bytes=4 * REC, garbage_fraction=0.1)
     store.open()
     for b in range(3):
-        batch = [(NS, h(i), payload(i), block_checksum(payload(i))) for i in range(4 * b, 4 * b + 4)]
+        batch = [(NS, h(i), payload(i), block_checksum(payload(i)))
+                 for i in range(4 * b, 4 * b + 4)]
         assert all(await store.write_many(batch))
     for i in (0, 1, 4, 5):
         store.remove(NS, h(i))

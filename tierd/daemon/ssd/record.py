@@ -32,7 +32,7 @@ FLAG_LZ4 = 1
 HASH_LENS = (16, 32)
 _FIELDS = struct.Struct("<4sHHBB2xQQQ16s32s")  # 84 bytes, then zeros, then the header checksum
 _HCS_AT = HEADER_BYTES - 8
-_AUTO_SAMPLE = 64 << 10  # "auto" compresses a sample this big first; gives up unless it saves >= 10%
+_AUTO_SAMPLE = 64 << 10  # "auto" compresses a sample this big first; gives up below 10% saved
 _AUTO_MIN_SAVING = 0.10
 
 Compression = Literal["off", "lz4", "auto"]

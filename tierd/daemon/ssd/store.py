@@ -40,14 +40,21 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from tierd.daemon.ssd.bound import Bound, segment_for
-from tierd.daemon.ssd.index import READ_BATCH_BYTES, Key, Loc, Read, Segment, SegmentTable
+from tierd.daemon.ssd.index import (
+    READ_BATCH_BYTES,
+    Key,
+    Loc,
+    Read,
+    Segment,
+    SegmentTable,
+    batches,
+    runs,
+)
 from tierd.daemon.ssd.index import RecordSpan as RecordSpan
 from tierd.daemon.ssd.index import SsdEntry as SsdEntry
-from tierd.daemon.ssd.index import batches, runs
 from tierd.daemon.ssd.rawdisk import o_direct_supported
 from tierd.daemon.ssd.record import Compression, check_key, footprint
 from tierd.daemon.ssd.segment import AppendJob, Placed, SegmentWriter, WriterReport, read_runs
