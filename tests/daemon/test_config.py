@@ -91,3 +91,22 @@ def test_tenant_resolution(tmp_path: str) -> None:
         with pytest.raises(Unauthenticated):
             auth.tenant(peer, md)
     assert bearer_token([("x-other", "1")]) is None
+
+
+def test_node_config_takes_every_shared_key() -> None:
+    """Each NodeConfig key that `tierd serve` has reaches the node store with its value, the
+    engine caps too; the node store's own checks run at load (inverted watermarks)."""
+    config = load_config(None, env={}, overrides={
+        "lease_seconds": 7.0, "dram_high_watermark": 0.8, "dram_low_watermark": 0.6,
+        "ssd_min_hits": 2, "max_blocks_per_request": 99, "write_behind_seconds": 0.5,
+        "stop_flush_seconds": 3.0, "engine_idle_seconds": 11.0, "max_engines_per_tenant": 5,
+        "max_name_bytes": 64})
+    node = config.node_config()
+    assert (node.lease_seconds, node.dram_high_watermark, node.dram_low_watermark,
+            node.ssd_min_hits, node.max_blocks_per_request, node.write_behind_seconds,
+            node.stop_flush_seconds) == (7.0, 0.8, 0.6, 2, 99, 0.5, 3.0)
+    assert (node.engines.idle_seconds, node.engines.max_per_tenant,
+            node.engines.max_name_bytes) == (11.0, 5, 64)
+    assert node.event_log_events == 0
+    with pytest.raises(ValueError, match="ssd_min_hits"):
+        load_config(None, env={}, overrides={"ssd_min_hits": -1})

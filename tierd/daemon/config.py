@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
 
+from tierd.daemon.node_types import EngineCaps, NodeConfig
 from tierd.daemon.presence import check_cells
 from tierd.paths import cache_dir, client_socket_path, default_socket_path
 
@@ -142,21 +143,12 @@ class TierdConfig:
                              f"({self.dram_bytes})")
         if self.ssd_dir and self.ssd_bytes <= 0:
             raise ValueError(f"ssd_bytes must be positive, got {self.ssd_bytes} (or ssd_dir='')")
-        if not 0.0 < self.dram_low_watermark <= self.dram_high_watermark <= 1.0:
-            raise ValueError("need 0 < dram_low_watermark <= dram_high_watermark <= 1, got "
-                             f"{self.dram_low_watermark} and {self.dram_high_watermark}")
         if self.ssd_compression not in get_args(Compression):
             raise ValueError(f"ssd_compression must be one of {get_args(Compression)}")
-        for name in ("write_behind_seconds", "stop_flush_seconds"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
-        for name in ("lease_seconds", "maintain_seconds", "engine_idle_seconds",
-                     "max_engines_per_tenant", "max_name_bytes"):
+        for name in ("maintain_seconds", "max_message_bytes", "ssd_io_threads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_blocks_per_request", "max_message_bytes", "ssd_io_threads"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        self.node_config().validate()  # watermarks, lease, write-behind, engine caps
         if not self.default_tenant:
             raise ValueError("default_tenant must not be empty")
         if self.presence_cells:
@@ -185,6 +177,13 @@ class TierdConfig:
                      "recompute_tokens_per_second"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def node_config(self) -> NodeConfig:
+        """The node store's settings: each ``NodeConfig`` key this config has, by name."""
+        shared = {f.name: getattr(self, f.name) for f in fields(NodeConfig) if f.name in keys()}
+        return NodeConfig(**shared, event_log_events=0,  # nobody takes them: listeners see all
+                          engines=EngineCaps(self.engine_idle_seconds,
+                                             self.max_engines_per_tenant, self.max_name_bytes))
 
     def published_address(self, tcp_port: int | None) -> str:
         """``node_address``, or where this daemon listens (``tcp_port``: the bound port)."""

@@ -46,7 +46,6 @@ from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted,
 from tierd.daemon.layout import NAMESPACE_LEN, Layout, namespace_for
 from tierd.daemon.lru import TierListener, TierListeners
 from tierd.daemon.node import NodeConfig, NodeStore
-from tierd.daemon.node_types import EngineCaps
 from tierd.daemon.presence import PresenceFilter
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd import SsdStore
@@ -384,17 +383,7 @@ class Daemon:
         ssd = (SsdStore(config.ssd_dir, footprint_bytes=config.ssd_bytes,  # headroom included
                         compression=config.ssd_compression, io_threads=config.ssd_io_threads)
                if config.ssd_dir else None)
-        node_config = NodeConfig(lease_seconds=config.lease_seconds,
-                                 dram_high_watermark=config.dram_high_watermark,
-                                 dram_low_watermark=config.dram_low_watermark,
-                                 ssd_min_hits=config.ssd_min_hits,
-                                 max_blocks_per_request=config.max_blocks_per_request,
-                                 write_behind_seconds=config.write_behind_seconds,
-                                 stop_flush_seconds=config.stop_flush_seconds,
-                                 event_log_events=0,  # nobody takes them: listeners see all
-                                 engines=EngineCaps(config.engine_idle_seconds,
-                                                    config.max_engines_per_tenant,
-                                                    config.max_name_bytes))
+        node_config = config.node_config()
         cluster = None
         if config.redis_url:
             cluster = ClusterLink(_link_config(config), NAMESPACE_LEN)
