@@ -343,6 +343,22 @@ class TierIndex:
             slot = self.alloc.allocate(slot_bytes)
         return slot
 
+    def pin(self, key: NamespacedKey, count: int = 1) -> DramBlock:
+        """Take ``count`` pins on the DRAM block under ``key`` (it must be there): a pinned
+        block is neither evicted, demoted nor moved until as many ``unpin``s."""
+        block = self.dram.get(key)
+        assert block is not None, f"{key.hex()}: pinning a block that is not in DRAM"
+        block.pins += count
+        return block
+
+    def unpin(self, keys: Iterable[NamespacedKey]) -> None:
+        """Drop one pin from each key's DRAM block (a key twice: two pins); each must hold it."""
+        get = self.dram.get
+        for key in keys:  # a lease may hold thousands of blocks
+            block = get(key)
+            assert block is not None and block.pins > 0, f"{key.hex()}: unpin without a pin"
+            block.pins -= 1
+
     def count_hits(self, keys: Sequence[NamespacedKey], blocks: Sequence[DramBlock], now: float,
                    *, pin: bool) -> None:
         """DRAM blocks an acquire returns (``blocks[i]`` indexed under ``keys[i]``, in chain

@@ -259,15 +259,14 @@ class NodeStore:
             if ended or block is None or (promotion is not None and not promotion.done.result()):
                 ended = True
                 if inflight:
-                    self._unpin(key)
+                    self._t.unpin((key,))
                 continue
             if not inflight:
-                block.pins += 1
+                self._t.pin(key)
             keys.append(key)
             blocks.append(block)
         if info.engine_id not in self._engines:
-            for key in keys:
-                self._unpin(key)
+            self._t.unpin(keys)
             raise NotFound(f"engine {info.engine_id} was unregistered during acquire")
         return self._lease(info, keys, blocks, start, pin=False)
 
@@ -519,21 +518,10 @@ class NodeStore:
     def _end(self, lease: ReadLease | WriteLease) -> None:
         """Free what an already finished lease held: unpin its blocks or free its slots."""
         if isinstance(lease, ReadLease):
-            get = self._t.dram.get
-            for key in lease.keys:  # _unpin, inlined: a lease may hold thousands of blocks
-                block = get(key)
-                assert block is not None and block.pins > 0, f"{key.hex()}: unpin without a pin"
-                block.pins -= 1
+            self._t.unpin(lease.keys)
             return
         self._reservations.free(lease)
 
     def _pin_inflight(self, key: NamespacedKey) -> None:
-        block = self._t.dram.get(key)
-        assert block is not None, f"{key.hex()}: pinning a block that is not in DRAM"
-        block.pins += 1
+        self._t.pin(key)
         self._inflight_pins[key] += 1
-
-    def _unpin(self, key: NamespacedKey) -> None:
-        block = self._t.dram.get(key)
-        assert block is not None and block.pins > 0, f"{key.hex()}: unpin without a pin"
-        block.pins -= 1

@@ -108,9 +108,10 @@ class Promoter:
             s = p.source
             block = DramBlock(s.namespace, s.block_hash, p.slot_bytes, p.slot_id, s.checksum,
                               s.created, s.last_access, s.hits)
-            block.pins, p.landed = p.waiters, True
-            self._inflight[p.key] += p.waiters
             t.dram.add(p.key, block)
+            t.pin(p.key, p.waiters)
+            p.landed = True
+            self._inflight[p.key] += p.waiters
             if p.key in t.disk:
                 t.disk.touch(p.key)
             counts.promotions += 1
