@@ -24,7 +24,7 @@ from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import EngineHandle, TierdClient
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.layout import Layout
-from tierd.daemon.lru import TierListener
+from tierd.daemon.listeners import TierListener
 from tierd.daemon.node import NodeConfig, NodeStore
 from tierd.daemon.server import Daemon
 from tierd.daemon.slots import SlabAllocator

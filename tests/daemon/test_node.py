@@ -15,7 +15,7 @@ from node_rig import BLOCK, LAYOUT, SSD, MakeRig, Rig, chain, payload  # noqa: E
 
 from tierd.checksum import block_checksum
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
-from tierd.daemon.lru import Payload
+from tierd.daemon.listeners import Payload
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
 from tierd.daemon.node import EMPTY_LEASE
 from tierd.daemon.node_types import EngineCaps

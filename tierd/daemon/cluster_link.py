@@ -42,7 +42,7 @@ from tierd.types import BlockHash, Namespace, NamespacedKey, Placement, Tier
 
 if TYPE_CHECKING:
     from tierd.daemon.arena import ShmArena
-    from tierd.daemon.lru import Payload
+    from tierd.daemon.listeners import Payload
     from tierd.daemon.node import EngineInfo, Lease, NodeStore
 
 _log = logging.getLogger(__name__)

@@ -6,9 +6,8 @@ the only code that drops a copy of a block. The node store decides *when* (lease
 this module decides *which* (least recently used, never pinned). Times come from the node
 store's clock (monotonic seconds).
 
-A ``TierListener`` (the cluster link, when the daemon has one) is told of every change of what
-the node holds, with namespaced keys, at the moment it happens: the events above carry no
-namespace, so they cannot feed a cluster directory.
+A ``TierListener`` (``tierd.daemon.listeners``) is told of every change of what the node
+holds, with namespaced keys, at the moment it happens.
 """
 
 from __future__ import annotations
@@ -18,12 +17,13 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
+from tierd.daemon.listeners import TierListener
 from tierd.daemon.metrics import NodeCounts, NodeMetrics, TierStats
 from tierd.daemon.slots import SlabAllocator
 from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEvent
-from tierd.types import BlockHash, Namespace, NamespacedKey, Tier, make_key
+from tierd.types import BlockHash, Namespace, NamespacedKey, make_key
 
 if TYPE_CHECKING:
     from tierd.daemon.arena import ShmArena
@@ -64,53 +64,6 @@ class SsdBlock:
 
 
 E = TypeVar("E", DramBlock, SsdBlock)
-
-Payload = Callable[[], "asyncio.Future[bytes | None]"]
-"""How a ``TierListener`` takes an evicted block's bytes (see ``TierListener.evicted``)."""
-
-
-class TierListener(Protocol):
-    """Told of every change of what the node holds, synchronously, on the event loop, as it
-    happens. Implementations must not block or do I/O (queue the work instead)."""
-
-    def stored(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
-        """These blocks gained a copy in ``tier`` (for "hbm": one more engine reports them)."""
-
-    def removed(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
-        """These blocks lost their copy in ``tier`` (for "hbm": one engine fewer)."""
-
-    def cleared(self, tier: Tier) -> None:
-        """Every block of ``tier`` is gone (the SSD went unhealthy)."""
-
-    def evicted(self, key: NamespacedKey, checksum: int, nbytes: int, payload: Payload) -> None:
-        """The block's last copy is leaving the node by eviction (not corruption). ``payload()``
-        may be called only during this call, and only to keep the bytes: it copies them (DRAM)
-        or starts reading them on an I/O thread (SSD; the event loop never waits for the disk)
-        and returns a future of its ``nbytes`` bytes, None if they cannot be read."""
-
-
-class TierListeners:
-    """One ``TierListener`` that tells each of several others of every change, in order."""
-
-    def __init__(self, listeners: Sequence[TierListener]) -> None:
-        self._all = list(listeners)
-
-    def stored(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
-        for listener in self._all:
-            listener.stored(keys, tier)
-
-    def removed(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
-        for listener in self._all:
-            listener.removed(keys, tier)
-
-    def cleared(self, tier: Tier) -> None:
-        for listener in self._all:
-            listener.cleared(tier)
-
-    def evicted(self, key: NamespacedKey, checksum: int, nbytes: int, payload: Payload) -> None:
-        for listener in self._all:
-            listener.evicted(key, checksum, nbytes, payload)
-
 
 class LruIndex(Generic[E]):
     """Key -> entry, iterated least recently used first. O(1) add, touch, pop."""

@@ -27,7 +27,7 @@ from tierd.daemon.layout import NAMESPACE_LEN
 from tierd.types import Namespace, NamespacedKey, Tier
 
 if TYPE_CHECKING:
-    from tierd.daemon.lru import Payload
+    from tierd.daemon.listeners import Payload
 
 _log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from tierd.daemon.layout import NAMESPACE_LEN
 from tierd.types import Namespace, NamespacedKey, Tier
 
 if TYPE_CHECKING:
-    from tierd.daemon.lru import Payload
+    from tierd.daemon.listeners import Payload
 
 SUFFIX = "-presence"
 """Appended to the arena's file name to name the filter's file (same directory)."""

@@ -44,7 +44,7 @@ from tierd.daemon.cluster_link import ClusterLink, LinkConfig
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, Unauthenticated
 from tierd.daemon.layout import NAMESPACE_LEN, Layout, namespace_for
-from tierd.daemon.lru import TierListener, TierListeners
+from tierd.daemon.listeners import TierListener, TierListeners
 from tierd.daemon.node import NodeConfig, NodeStore
 from tierd.daemon.presence import PresenceFilter
 from tierd.daemon.slots import SlabAllocator

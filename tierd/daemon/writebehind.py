@@ -29,7 +29,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tierd.daemon.lru import DramBlock, Payload, TierIndex
+from tierd.daemon.listeners import Payload
+from tierd.daemon.lru import DramBlock, TierIndex
 from tierd.types import NamespacedKey, Tier
 
 
