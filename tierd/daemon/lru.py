@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+from tierd.daemon.eviction import LruEviction
 from tierd.daemon.listeners import TierListener
 from tierd.daemon.metrics import NodeCounts, NodeMetrics, TierStats
 from tierd.daemon.slots import SlabAllocator
@@ -223,6 +224,7 @@ class TierIndex:
         self.ghosts: OrderedDict[NamespacedKey, float] = OrderedDict()  # key -> last access
         self._ghost_entries = ghost_entries
         self._was_up = ssd is not None
+        self.eviction = LruEviction()
 
     def load(self, entries: list[SsdEntry], now: float) -> None:
         """Index the records an opened SSD store found (oldest first), then drop the oldest
@@ -279,22 +281,31 @@ class TierIndex:
         return sum(self.alloc.used_slots(c) * c for c in self.classes)
 
     def allocate(self, slot_bytes: int, now: float) -> int | None:
-        """A free slot, evicting LRU unpinned DRAM blocks (this size class first, then any, one
-        at a time) until one frees up; None if every block is pinned. Never blocks."""
-        slot = self.alloc.allocate(slot_bytes)
-        while slot is None:
-            victim = None
-            for same_class in (True, False):
-                victim = next((k for k, b in self.dram.oldest_first()
-                               if b.pins == 0 and not b.demoting
-                               and (b.slot_bytes == slot_bytes) == same_class), None)
-                if victim is not None:
-                    break
-            if victim is None:
-                return None
-            self.drop_dram(victim, now)
+        """``allocate_many`` of one slot; None if every block is pinned."""
+        slots = self.allocate_many(slot_bytes, 1, now)
+        return slots[0] if slots else None
+
+    def allocate_many(self, slot_bytes: int, count: int, now: float) -> list[int]:
+        """Up to ``count`` free slots of ``slot_bytes``, in order, evicting the DRAM blocks the
+        eviction policy names until they free up (this size class first, found in one pass for
+        the whole batch, then other classes one at a time); fewer if the rest are pinned. Never
+        blocks."""
+        slots: list[int] = []
+        victims: list[NamespacedKey] | None = None
+        while len(slots) < count:
             slot = self.alloc.allocate(slot_bytes)
-        return slot
+            if slot is not None:
+                slots.append(slot)
+                continue
+            if victims is None:
+                victims = self.eviction.dram_victims(self.dram, slot_bytes, count - len(slots))
+                victims.reverse()  # popped LRU first
+            victim = (victims.pop() if victims
+                      else self.eviction.dram_victim_other_class(self.dram, slot_bytes))
+            if victim is None:
+                break
+            self.drop_dram(victim, now)
+        return slots
 
     def pin(self, key: NamespacedKey, count: int = 1) -> DramBlock:
         """Take ``count`` pins on the DRAM block under ``key`` (it must be there): a pinned
@@ -383,7 +394,7 @@ class TierIndex:
         for key, block in self.dram.oldest_first():
             if excess <= 0 or (probe and victims):
                 break
-            if block.pins == 0 and not block.demoting and not (probe and key in self.disk):
+            if self.eviction.evictable(block) and not (probe and key in self.disk):
                 victims.append((key, block))
                 excess -= block.slot_bytes
         await self.write_to_ssd(victims, min_hits, now)
@@ -435,15 +446,9 @@ class TierIndex:
             fit -= 1
         need = sum(bounds[:fit])
         free = self.ssd.capacity_bytes - self.ssd.used_bytes
-        victims: list[NamespacedKey] = []
-        for key, entry in self.disk.oldest_first():
-            if free >= need:
-                break
-            if entry.pins == 0:
-                victims.append(key)
-                free += entry.stored_bytes
-        for key in victims:
+        for key in self.eviction.ssd_victims(self.disk, need - free):
             self.drop_ssd(key, now)
+        free = self.ssd.capacity_bytes - self.ssd.used_bytes
         while fit and free < need:
             fit -= 1
             need -= bounds[fit]

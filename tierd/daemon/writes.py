@@ -59,22 +59,23 @@ class Reservations:
         self._expire(now)
         lease_id = new_lease_id()
         slot_bytes = info.geometry.slot_bytes
-        slots: list[int | None] = []
-        stored: list[bool] = []
+        slots: list[int | None] = [None] * len(keys)
         room = True
-        for key in keys:
-            on_node = key in t.dram or (t.ssd_up and key in t.disk)
-            stored.append(on_node)
-            slot = None
-            if not on_node and room and key not in self.writing:
+        while room:  # again if making room evicted one of these keys: it needs a slot now
+            wanted: dict[NamespacedKey, int] = {}  # key -> its first index, in chain order
+            for i, key in enumerate(keys):
+                if key not in self.writing and key not in wanted and not (
+                        key in t.dram or (t.ssd_up and key in t.disk)):
+                    wanted[key] = i
+            got = t.allocate_many(slot_bytes, len(wanted), now)
+            room = bool(wanted) and len(got) == len(wanted)
+            for (key, i), slot in zip(wanted.items(), got):
                 last_access = t.ghosts.pop(key, None)
                 if last_access is not None:
                     t.metrics.reuse_gap.observe(max(0.0, now - last_access))
-                slot = t.allocate(slot_bytes, now)
-                room = slot is not None
-                if slot is not None:
-                    self.writing[key] = lease_id
-            slots.append(slot)
+                slots[i] = slot
+                self.writing[key] = lease_id
+        stored = [key in t.dram or (t.ssd_up and key in t.disk) for key in keys]
         deadline = now + self._lease_seconds
         self._leases.add(WriteLease(lease_id, info.engine_id, deadline, info.namespace,
                                     info.layout.block_size, slot_bytes, list(hashes), slots))
