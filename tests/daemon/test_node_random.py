@@ -172,7 +172,7 @@ async def test_random_operations_keep_every_invariant(seed: int, tmp_path: Path)
         node.check_integrity()
         stats = node.stats()
         assert stats.tiers["dram"].pinned_blocks == 0
-        assert stats.tiers["dram"].used_blocks == len(node._t.dram)
+        assert stats.tiers["dram"].used_blocks == len(node._tiers.dram)
         ssd.check_integrity(disk=True)
     finally:
         await node.close()

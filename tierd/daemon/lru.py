@@ -481,9 +481,9 @@ class TierIndex:
         free_slabs = self.alloc.free_slabs()
         taken = largest = 0
         for c in self.classes:
-            taken += self.alloc.capacity_slots(c) - free_slabs * self._spp(c)
+            taken += self.alloc.capacity_slots(c) - free_slabs * self._slots_per_slab(c)
             largest = max(largest, c)
-        capacity = taken + (free_slabs * self._spp(largest) if largest else 0)
+        capacity = taken + (free_slabs * self._slots_per_slab(largest) if largest else 0)
         pinned = sum(1 for _, b in self.dram.oldest_first() if b.pins) + reserved
         tiers = {"dram": TierStats(
             sum(self.alloc.used_slots(c) for c in self.classes), capacity, self.dram_used_bytes(),
@@ -535,7 +535,7 @@ class TierIndex:
         """Byte offset of ``block``'s slot in the arena."""
         return self.alloc.geometry(block.slot_bytes).offset(block.slot_id)
 
-    def _spp(self, slot_bytes: int) -> int:
+    def _slots_per_slab(self, slot_bytes: int) -> int:
         return self.alloc.geometry(slot_bytes).slots_per_slab
 
     def _left_node(self, key: NamespacedKey, created: float, last_access: float,

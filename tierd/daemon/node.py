@@ -78,22 +78,23 @@ class NodeStore:
             self.metrics.watch_ssd(ssd)
         self.models = ModelTable(ssd.directory if ssd is not None else None)
         outside = [self.models] + ([listener] if listener is not None else [])
-        self._t = TierIndex(arena, allocator, ssd, self.metrics, self._events,
+        self._tiers = TierIndex(arena, allocator, ssd, self.metrics, self._events,
                             config.ghost_entries, clock, TierListeners(outside))
-        self._n = self._t.counts
-        self._wb = WriteBehind(self._t, delay=config.write_behind_seconds,
+        self._counts = self._tiers.counts
+        self._write_behind = WriteBehind(self._tiers, delay=config.write_behind_seconds,
                                min_hits=config.ssd_min_hits, batch_bytes=config.write_batch_bytes,
                                clock=clock)
         if ssd is not None and config.write_behind_seconds > 0:
-            self._t.listener = TierListeners([self._wb, *outside])
+            self._tiers.listener = TierListeners([self._write_behind, *outside])
         self._engines = EngineTable(config.engines)
         self._engine_gone: Callable[[str], None] = lambda engine_id: None
         self._leases = LeaseTable(remember_seconds=config.lease_seconds)
-        self._reservations = Reservations(self._t, self._leases, config.lease_seconds,
+        self._reservations = Reservations(self._tiers, self._leases, config.lease_seconds,
                                           self._expire, clock)
         self._writing = self._reservations.writing  # reserved key -> its write lease id
         self._inflight_pins: Counter[NamespacedKey] = Counter()  # pins of acquires in progress
-        self._promoter = Promoter(self._t, arena, ssd, self._writing, self._inflight_pins, clock)
+        self._promoter = Promoter(self._tiers, arena, ssd, self._writing, self._inflight_pins,
+                                  clock)
         self._promoting = self._promoter.active
         self._hbm = HbmIndex(config.hbm_max_blocks_per_engine, TierListeners(outside))
         self._maintaining = asyncio.Lock()
@@ -107,8 +108,8 @@ class NodeStore:
         if self._ssd is None:
             return
         self.models.load()
-        self._t.load(self._ssd.open(), self._clock())
-        self.metrics.ssd_healthy.set(1.0 if self._t.ssd_up else 0.0)
+        self._tiers.load(self._ssd.open(), self._clock())
+        self.metrics.ssd_healthy.set(1.0 if self._tiers.ssd_up else 0.0)
 
     def register_engine(self, tenant: str, layout: Layout, engine_name: str = "") -> EngineInfo:
         """Give an engine an id, its namespace and its slot geometry. ValueError for a bad
@@ -116,13 +117,13 @@ class NodeStore:
         cannot fit a slab or the tenant has ``max_engines_per_tenant`` engines."""
         namespace = namespace_for(tenant, layout)
         try:
-            geometry = self._t.alloc.geometry(layout.block_bytes)
+            geometry = self._tiers.alloc.geometry(layout.block_bytes)
         except ValueError as e:
             raise ResourceExhausted(f"a block of {layout.block_bytes} bytes cannot fit: {e}") from e
         info = EngineInfo(self._engines.new_id(tenant, engine_name), tenant, namespace, layout,
                           geometry, engine_name)
         self._engines.add(info, self._clock())
-        self._t.classes.add(geometry.slot_bytes)
+        self._tiers.classes.add(geometry.slot_bytes)
         self.models.registered(namespace, NamespaceModel(tenant, layout.model_id,
                                                          layout.block_bytes))
         return info
@@ -162,22 +163,22 @@ class NodeStore:
 
     def held_keys(self) -> list[NamespacedKey]:
         """``TierIndex.held_keys``: the key of every DRAM copy and every served SSD copy."""
-        return self._t.held_keys()
+        return self._tiers.held_keys()
 
     def lookup(self, engine_id: str, hashes: Sequence[BlockHash]) -> LookupResult:
         """The longest consecutive prefix of ``hashes`` held on this node, with the fastest tier
         of each block. Pins nothing, changes no LRU order; counts queried and hit tokens."""
         info = self._engine(engine_id)
         keys = self._keys(info, hashes)
-        return LookupResult(self._query(info, hashes, keys, len(self._t.dram.prefix(keys))))
+        return LookupResult(self._query(info, hashes, keys, len(self._tiers.dram.prefix(keys))))
 
     def _query(self, info: EngineInfo, hashes: Sequence[BlockHash],
                keys: Sequence[NamespacedKey], dram_run: int) -> list[Tier]:
         """The tiers of the held prefix (``lookup``'s answer), counted as queried and hit
         tokens. ``dram_run``: how many leading ``keys`` DRAM holds."""
         hbm = self._hbm.held(info.engine_id)
-        ssd_up = self._t.ssd_up
-        in_dram = self._t.dram.get
+        ssd_up = self._tiers.ssd_up
+        in_dram = self._tiers.dram.get
         tiers: list[Tier] = (["hbm" if h in hbm else "dram" for h in hashes[:dram_run]] if hbm
                              else ["dram"] * dram_run)
         for block_hash, key in zip(hashes[dram_run:], keys[dram_run:]):
@@ -185,16 +186,16 @@ class NodeStore:
                 tiers.append("hbm")
             elif in_dram(key) is not None:
                 tiers.append("dram")
-            elif ssd_up and key in self._t.disk:
+            elif ssd_up and key in self._tiers.disk:
                 tiers.append("ssd")
             else:
                 break
         tokens = info.layout.block_size
-        self._n.queries += len(hashes) * tokens
+        self._counts.queries += len(hashes) * tokens
         self.metrics.queries.inc(len(hashes) * tokens)
         for tier in set(tiers):
             count = tiers.count(tier)
-            self._n.hits[tier] += count * tokens
+            self._counts.hits[tier] += count * tokens
             self.metrics.hits.labels(tier).inc(count * tokens)
         self.models.queried(info.namespace, len(hashes) * tokens, len(tiers) * tokens)
         return tiers
@@ -213,20 +214,20 @@ class NodeStore:
         """
         info = self._engine(engine_id)
         keys = self._keys(info, hashes)
-        blocks = self._t.dram.prefix(keys)
+        blocks = self._tiers.dram.prefix(keys)
         hit = len(blocks)
         if count_lookup:
             self._query(info, hashes, keys, hit)
         now = self._clock()
         self._expire(now)
         if hit == len(keys) or not (keys[hit] in self._promoting or (
-                self._t.ssd_up and keys[hit] in self._t.disk)):
+                self._tiers.ssd_up and keys[hit] in self._tiers.disk)):
             return self._lease(info, keys[:hit], blocks, now, pin=True)  # nothing to read
         # A promotion may evict unpinned DRAM blocks: the plan's DRAM hits take in-flight pins.
         plan: list[tuple[NamespacedKey, Promotion | None]] = []  # None: already in DRAM
         reads: list[tuple[Promotion, memoryview]] = []  # started here: one batched SSD read
         for key in keys:
-            if self._t.dram.get(key) is not None:
+            if self._tiers.dram.get(key) is not None:
                 self._pin_inflight(key)
                 plan.append((key, None))
                 continue
@@ -256,18 +257,18 @@ class NodeStore:
                 self._inflight_pins[key] -= 1
                 if not self._inflight_pins[key]:
                     del self._inflight_pins[key]
-            block = self._t.dram.get(key)
+            block = self._tiers.dram.get(key)
             if ended or block is None or (promotion is not None and not promotion.done.result()):
                 ended = True
                 if inflight:
-                    self._t.unpin((key,))
+                    self._tiers.unpin((key,))
                 continue
             if not inflight:
-                self._t.pin(key)
+                self._tiers.pin(key)
             keys.append(key)
             blocks.append(block)
         if info.engine_id not in self._engines:
-            self._t.unpin(keys)
+            self._tiers.unpin(keys)
             raise NotFound(f"engine {info.engine_id} was unregistered during acquire")
         return self._lease(info, keys, blocks, start, pin=False)
 
@@ -279,7 +280,7 @@ class NodeStore:
         deadline = self._clock() + self._config.lease_seconds
         if not keys:  # a miss pins nothing: no lease to track (release("") is a no-op)
             return Lease(EMPTY_LEASE, deadline, [], [], self._config.lease_seconds)
-        self._t.count_hits(keys, blocks, start, pin=pin)
+        self._tiers.count_hits(keys, blocks, start, pin=pin)
         lease = ReadLease(new_lease_id(), info.engine_id, deadline, keys)
         self._leases.add(lease)
         return Lease(lease.lease_id, deadline, [b.slot_id for b in blocks],
@@ -314,14 +315,14 @@ class NodeStore:
         if corrupt_from is None:
             return False
         key = lease.keys[corrupt_from]
-        block = self._t.dram.get(key)
+        block = self._tiers.dram.get(key)
         if block is None or block.pins or block.demoting:
             return False  # gone, or still in use: its readers verify it themselves
-        if block_checksum(self._arena.view(self._t.offset(block), block.slot_bytes)) == \
+        if block_checksum(self._arena.view(self._tiers.offset(block), block.slot_bytes)) == \
                 block.checksum:
             return False
         log.warning("DRAM block %s failed its checksum: dropped", key.hex())
-        self._t.drop_dram(key, self._clock(), corrupt=True)
+        self._tiers.drop_dram(key, self._clock(), corrupt=True)
         return True
 
     # -- writes --------------------------------------------------------------------------------
@@ -388,11 +389,12 @@ class NodeStore:
                          self._config.engines.idle_seconds)
                 self.unregister_engine(engine_id)
                 self._engine_gone(engine_id)
-            self._t.check_ssd()
+            self._tiers.check_ssd()
             high = self._config.dram_high_watermark * self._arena.size
-            if self._ssd is not None and self._t.dram_used_bytes() > high:
+            if self._ssd is not None and self._tiers.dram_used_bytes() > high:
                 low = self._config.dram_low_watermark * self._arena.size
-                await self._t.demote(low, self._config.ssd_min_hits, not self._t.ssd_up, now)
+                await self._tiers.demote(low, self._config.ssd_min_hits, not self._tiers.ssd_up,
+                                         now)
             self.stats()
 
     def take_events(self) -> list[KVEvent]:
@@ -408,10 +410,10 @@ class NodeStore:
         written. The daemon calls it every half ``write_behind_seconds``."""
         if self._ssd is None:
             return 0
-        written = await self._wb.run(self._maintaining,
+        written = await self._write_behind.run(self._maintaining,
                                      lambda: [p.done for p in self._promoting.values()])
         self.metrics.persisted.labels("write_behind").inc(written)
-        self.metrics.write_behind_lag.set(self._wb.lag_seconds(self._clock()))
+        self.metrics.write_behind_lag.set(self._write_behind.lag_seconds(self._clock()))
         return written
 
     async def close(self) -> Flushed:
@@ -424,7 +426,8 @@ class NodeStore:
         flushed = Flushed(0, 0, 0.0)
         if self._ssd is not None:
             async with self._maintaining:
-                flushed = await self._wb.flush(self._clock() + self._config.stop_flush_seconds)
+                flushed = await self._write_behind.flush(
+                    self._clock() + self._config.stop_flush_seconds)
             self.metrics.persisted.labels("stop").inc(flushed.written)
             self._ssd.close()
         return flushed
@@ -435,15 +438,15 @@ class NodeStore:
         """A snapshot of every tier (see ``TierStats``) and refresh the Prometheus gauges.
         Demotions are reported on "dram" (where blocks left), promotions on "ssd"."""
         self._expire(self._clock())
-        n = self._n
-        tiers = self._t.stats(reserved=len(self._writing) + len(self._promoting))
+        n = self._counts
+        tiers = self._tiers.stats(reserved=len(self._writing) + len(self._promoting))
         hbm = self._hbm.counts()
         tiers["hbm"] = TierStats(sum(hbm.values()), 0, 0, 0, 0, n.hits["hbm"], n.queries,
                                  0, 0, 0)
-        self.metrics.set_gauges(tiers, hbm, self._t.ssd_up)
+        self.metrics.set_gauges(tiers, hbm, self._tiers.ssd_up)
         return NodeStats(
             tiers=tiers, hbm_blocks=hbm, checksum_failures=n.checksum_failures,
-            lease_expiries=n.lease_expiries, ssd_healthy=self._t.ssd_up,
+            lease_expiries=n.lease_expiries, ssd_healthy=self._tiers.ssd_up,
             hit_ratio=sum(n.hits.values()) / n.queries if n.queries else 0.0,
             reuse_gap_p90=self.metrics.reuse_gap.quantile(0.9),
             idle_before_evict_p50=self.metrics.idle_before_evict.quantile(0.5))
@@ -455,13 +458,14 @@ class NodeStore:
     def check_integrity(self) -> None:
         """Assert every index, pin, lease and slot agrees with the allocator and the SSD store.
         Call between operations (tests do, after every step)."""
-        self._t.check_integrity()
+        self._tiers.check_integrity()
         self.models.check_integrity({
-            "dram": [k for k, _ in self._t.dram.oldest_first()],
-            "ssd": [k for k, _ in self._t.disk.oldest_first()] if self._t.ssd_told_up else [],
+            "dram": [k for k, _ in self._tiers.dram.oldest_first()],
+            "ssd": ([k for k, _ in self._tiers.disk.oldest_first()]
+                    if self._tiers.ssd_told_up else []),
             "hbm": self._hbm.told_keys()})
         owned: Counter[tuple[int, int]] = Counter()
-        for key, b in self._t.dram.oldest_first():
+        for key, b in self._tiers.dram.oldest_first():
             assert key not in self._writing, f"{key.hex()} is both stored and reserved"
             owned[(b.slot_bytes, b.slot_id)] += 1
         pins: Counter[NamespacedKey] = Counter(self._inflight_pins)
@@ -479,21 +483,22 @@ class NodeStore:
             owned[(p.slot_bytes, p.slot_id)] += 1
             assert p.source.pins > 0, f"promotion of {p.key.hex()} does not pin its source"
         assert all(n == 1 for n in owned.values()), "an arena slot has two owners"
-        for c in self._t.classes:
+        for c in self._tiers.classes:
             mine = sum(1 for size, _ in owned if size == c)
-            assert mine == self._t.alloc.used_slots(c), (
-                f"class {c}: allocator has {self._t.alloc.used_slots(c)} slots used, index {mine}")
-        for key, b in self._t.dram.oldest_first():
+            assert mine == self._tiers.alloc.used_slots(c), (
+                f"class {c}: allocator has {self._tiers.alloc.used_slots(c)} slots used, "
+                f"index {mine}")
+        for key, b in self._tiers.dram.oldest_first():
             assert b.pins == pins.get(key, 0), (
                 f"{key.hex()}: {b.pins} pins but {pins.get(key, 0)} lease references")
-        assert set(pins) <= {k for k, _ in self._t.dram.oldest_first()}, "a lease pins a ghost"
+        assert set(pins) <= {k for k, _ in self._tiers.dram.oldest_first()}, "a lease pins a ghost"
         ssd_pins = Counter(p.key for p in self._promoting.values())
-        for key, e in self._t.disk.oldest_first():
+        for key, e in self._tiers.disk.oldest_first():
             assert e.pins == ssd_pins.get(key, 0), f"{key.hex()}: SSD pins disagree"
         assert all(e in self._engines for e in self._hbm.counts()), "HBM of unknown engine"
         self._hbm.check_integrity()
         self._engines.check_integrity()
-        self._wb.check_integrity()
+        self._write_behind.check_integrity()
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -512,17 +517,17 @@ class NodeStore:
         """End every lease past its deadline, freeing what it held."""
         for lease in self._leases.pop_expired(now):
             kind = "read" if isinstance(lease, ReadLease) else "write"
-            self._n.lease_expiries += 1
+            self._counts.lease_expiries += 1
             self.metrics.lease_expiries.labels(kind).inc()
             self._end(lease)
 
     def _end(self, lease: ReadLease | WriteLease) -> None:
         """Free what an already finished lease held: unpin its blocks or free its slots."""
         if isinstance(lease, ReadLease):
-            self._t.unpin(lease.keys)
+            self._tiers.unpin(lease.keys)
             return
         self._reservations.free(lease)
 
     def _pin_inflight(self, key: NamespacedKey) -> None:
-        self._t.pin(key)
+        self._tiers.pin(key)
         self._inflight_pins[key] += 1

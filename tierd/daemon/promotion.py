@@ -57,7 +57,7 @@ class Promoter:
     def __init__(self, tiers: TierIndex, arena: ShmArena, ssd: SsdStore | None,
                  writing: dict[NamespacedKey, str], inflight: Counter[NamespacedKey],
                  clock: Callable[[], float]) -> None:
-        self._t, self._arena, self._ssd = tiers, arena, ssd
+        self._tiers, self._arena, self._ssd = tiers, arena, ssd
         self._writing, self._inflight, self._clock = writing, inflight, clock
         self.active: dict[NamespacedKey, Promotion] = {}
 
@@ -67,10 +67,10 @@ class Promoter:
         ``reads``; None if not on (a served) SSD or no room. Every ``READ_BATCH_BYTES`` of
         records, ``reads`` is started and emptied (an I/O thread starts while the rest of a long
         prefix is staged, once it gets the GIL); the caller starts what is left."""
-        source = self._t.disk.get(key) if self._t.ssd_up else None
+        source = self._tiers.disk.get(key) if self._tiers.ssd_up else None
         if source is None:
             return None
-        slot = self._t.allocate(geometry.slot_bytes, now)
+        slot = self._tiers.allocate(geometry.slot_bytes, now)
         if slot is None:
             return None
         assert self._ssd is not None
@@ -103,7 +103,7 @@ class Promoter:
         del self.active[p.key]
         p.source.pins -= 1
         now = self._clock()
-        t, counts = self._t, self._t.counts
+        t, counts = self._tiers, self._tiers.counts
         if ok and p.key not in t.dram and p.key not in self._writing:
             s = p.source
             block = DramBlock(s.namespace, s.block_hash, p.slot_bytes, p.slot_id, s.checksum,

@@ -50,7 +50,7 @@ class WriteBehind:
 
     def __init__(self, tiers: TierIndex, *, delay: float, min_hits: int, batch_bytes: int,
                  clock: Callable[[], float]) -> None:
-        self._t, self.delay, self._min_hits = tiers, delay, min_hits
+        self._tiers, self.delay, self._min_hits = tiers, delay, min_hits
         self._batch_bytes, self._clock = batch_bytes, clock
         self._noted: OrderedDict[NamespacedKey, float] = OrderedDict()  # key -> noted at
         self.written = 0          # blocks written by ``run`` since start-up
@@ -71,7 +71,7 @@ class WriteBehind:
         hidden (unhealthy) everything noted is forgotten. Returns the blocks written."""
         total = 0
         while self._noted:
-            if not self._t.ssd_up:
+            if not self._tiers.ssd_up:
                 self._noted.clear()
                 break
             batch = self._take()
@@ -81,8 +81,8 @@ class WriteBehind:
             if waiting:
                 await asyncio.wait(waiting, timeout=self.delay / 4)
             async with lock:  # the awaits above may have evicted some: their slots moved on
-                batch = [(k, b) for k, b in batch if self._t.dram.get(k) is b]
-                total += await self._t.write_to_ssd(batch, self._min_hits, self._clock())
+                batch = [(k, b) for k, b in batch if self._tiers.dram.get(k) is b]
+                total += await self._tiers.write_to_ssd(batch, self._min_hits, self._clock())
         self.written += total
         return total
 
@@ -92,12 +92,12 @@ class WriteBehind:
         would make it drop what this flush wrote. Call with no other pass running (at stop)."""
         start = self._clock()
         self._noted.clear()
-        ssd = self._t.ssd
-        if ssd is None or not self._t.ssd_up:
+        ssd = self._tiers.ssd
+        if ssd is None or not self._tiers.ssd_up:
             return Flushed(0, self._dram_only(), 0.0)
-        todo = [(k, b) for k, b in self._t.dram.newest_first() if k not in self._t.disk]
+        todo = [(k, b) for k, b in self._tiers.dram.newest_first() if k not in self._tiers.disk]
         room, written, i = ssd.capacity_bytes, 0, 0
-        while i < len(todo) and self._clock() < deadline and self._t.ssd_up:
+        while i < len(todo) and self._clock() < deadline and self._tiers.ssd_up:
             batch: list[tuple[NamespacedKey, DramBlock]] = []
             size = 0
             while i < len(todo) and size < self._batch_bytes:
@@ -108,8 +108,8 @@ class WriteBehind:
                 size, room, i = size + todo[i][1].slot_bytes, room - need, i + 1
             if not batch:
                 break
-            batch = [(k, b) for k, b in batch if self._t.dram.get(k) is b]
-            written += await self._t.write_to_ssd(batch, self._min_hits, self._clock())
+            batch = [(k, b) for k, b in batch if self._tiers.dram.get(k) is b]
+            written += await self._tiers.write_to_ssd(batch, self._min_hits, self._clock())
         return Flushed(written, self._dram_only(), self._clock() - start)
 
     def _take(self) -> list[tuple[NamespacedKey, DramBlock]]:
@@ -117,7 +117,7 @@ class WriteBehind:
         SSD copy and not being written; drop noted keys that no longer are."""
         batch: list[tuple[NamespacedKey, DramBlock]] = []
         size = 0
-        dram, disk = self._t.dram, self._t.disk
+        dram, disk = self._tiers.dram, self._tiers.disk
         while self._noted and size < self._batch_bytes:
             key, _ = self._noted.popitem(last=False)
             block = dram.get(key)
@@ -128,11 +128,11 @@ class WriteBehind:
         return batch
 
     def _dram_only(self) -> int:
-        return sum(1 for k, _ in self._t.dram.oldest_first() if k not in self._t.disk)
+        return sum(1 for k, _ in self._tiers.dram.oldest_first() if k not in self._tiers.disk)
 
     def check_integrity(self) -> None:
         """Assert every noted key is a DRAM block (the set is bounded by the arena)."""
-        assert all(k in self._t.dram for k in self._noted), "a noted key has no DRAM block"
+        assert all(k in self._tiers.dram for k in self._noted), "a noted key has no DRAM block"
 
     # -- TierListener --------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ class Reservations:
 
     def __init__(self, tiers: TierIndex, leases: LeaseTable, lease_seconds: float,
                  expire: Callable[[float], None], clock: Callable[[], float]) -> None:
-        self._t, self._leases, self._lease_seconds = tiers, leases, lease_seconds
+        self._tiers, self._leases, self._lease_seconds = tiers, leases, lease_seconds
         self._expire, self._clock = expire, clock
         self.writing: dict[NamespacedKey, str] = {}
 
@@ -51,7 +51,7 @@ class Reservations:
         if not 0 <= filtered_query_tokens <= MAX_FILTERED_QUERY_TOKENS:
             raise ValueError(f"filtered_query_tokens {filtered_query_tokens} is over 2^40, the "
                              "most one Reserve may report: send the count since the last Reserve")
-        t = self._t
+        t = self._tiers
         if filtered_query_tokens:
             t.counts.queries += filtered_query_tokens
             t.metrics.queries.inc(filtered_query_tokens)
@@ -99,28 +99,30 @@ class Reservations:
                 key = make_key(lease.namespace, block_hash)
                 del self.writing[key]
                 if checksum is None:
-                    self._t.alloc.free(lease.slot_bytes, slot)
+                    self._tiers.alloc.free(lease.slot_bytes, slot)
                 else:
-                    self._t.dram.add(key, DramBlock(lease.namespace, block_hash, lease.slot_bytes,
-                                                  slot, checksum, created=now, last_access=now))
+                    self._tiers.dram.add(key, DramBlock(
+                        lease.namespace, block_hash, lease.slot_bytes, slot, checksum,
+                        created=now, last_access=now))
                     if not run:
                         parent = lease.hashes[i - 1] if i > 0 else None
                     run.append(block_hash)
                     count += 1
                     continue
             if run:
-                self._t.emit(BlockStored(tuple(run), parent, "dram", lease.block_size), ns)
+                self._tiers.emit(BlockStored(tuple(run), parent, "dram", lease.block_size), ns)
                 run = []
         if run:
-            self._t.emit(BlockStored(tuple(run), parent, "dram", lease.block_size), ns)
+            self._tiers.emit(BlockStored(tuple(run), parent, "dram", lease.block_size), ns)
         return count
 
     def written_spans(self, lease_id: str, written: Sequence[bool], engine_id: str | None
                       ) -> list[tuple[int, int] | None]:
         """``NodeStore.written_spans``: (address, length) in the arena of each written slot."""
         lease = self._write_lease(lease_id, engine_id, len(written), "written flag")
-        geometry = self._t.alloc.geometry(lease.slot_bytes)
-        return [(self._t.arena.address(geometry.offset(slot), lease.slot_bytes), lease.slot_bytes)
+        geometry = self._tiers.alloc.geometry(lease.slot_bytes)
+        arena, size = self._tiers.arena, lease.slot_bytes
+        return [(arena.address(geometry.offset(slot), size), size)
                 if wrote and slot is not None else None
                 for wrote, slot in zip(written, lease.slots)]
 
@@ -140,7 +142,7 @@ class Reservations:
         for block_hash, slot in zip(lease.hashes, lease.slots):
             if slot is not None:
                 del self.writing[make_key(lease.namespace, block_hash)]
-                self._t.alloc.free(lease.slot_bytes, slot)
+                self._tiers.alloc.free(lease.slot_bytes, slot)
 
     def _write_lease(self, lease_id: str, engine_id: str | None, entries: int,
                      what: str) -> WriteLease:
