@@ -599,6 +599,30 @@ async def test_metrics_live_in_the_nodes_own_registry(rig: Rig) -> None:
     rig.node.check_integrity()
 
 
+async def test_prometheus_counters_read_the_stats_totals(rig: Rig) -> None:
+    """The scraped counters are the node's one set of totals: after evictions, demotions,
+    promotions and an expired lease, each equals what ``stats()`` reports."""
+    hashes = chain(12)
+    rig.store(hashes[:8])
+    await rig.node.maintain()                                   # 0, 1 -> SSD
+    rig.store(hashes[8:12])                                     # DRAM full: evicts
+    lease = await rig.node.acquire(rig.engine.engine_id, hashes[:1])   # promotes 0
+    rig.clock.advance(31)
+    rig.node.stats()                                            # expires the lease
+    stats = rig.node.stats()
+    m = rig.node.metrics.registry.get_sample_value
+    for tier in ("dram", "ssd"):
+        assert m("tierd_evictions_total", {"tier": tier}) == stats.tiers[tier].evictions or (
+            m("tierd_evictions_total", {"tier": tier}) is None
+            and stats.tiers[tier].evictions == 0)
+    assert m("tierd_demotions_total") == stats.tiers["dram"].demotions == 2
+    assert m("tierd_promotions_total") == stats.tiers["ssd"].promotions == 1
+    assert stats.tiers["dram"].evictions > 0
+    assert m("tierd_lease_expiries_total", {"kind": "read"}) == stats.lease_expiries == 1
+    assert lease.slot_ids
+    rig.node.check_integrity()
+
+
 def _stats(hit_ratio: float, queries: int = 160) -> NodeStats:
     tier = TierStats(0, 0, 0, 0, 0, 0, queries, 0, 0, 0)
     return NodeStats({"dram": tier}, {}, 0, 0, True, hit_ratio, None, None)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 from tierd.daemon.eviction import LruEviction
 from tierd.daemon.listeners import TierListener
-from tierd.daemon.metrics import NodeCounts, NodeMetrics, TierStats
+from tierd.daemon.metrics import NodeMetrics, TierStats
 from tierd.daemon.slots import SlabAllocator
 from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEvent
 from tierd.types import BlockHash, Namespace, NamespacedKey, make_key
@@ -220,7 +220,7 @@ class TierIndex:
         self.dram: LruIndex[DramBlock] = LruIndex()
         self.disk: LruIndex[SsdBlock] = LruIndex()
         self.classes: set[int] = set()          # slot sizes of every layout ever registered
-        self.counts = NodeCounts()
+        self.counts = metrics.counts
         self.ghosts: OrderedDict[NamespacedKey, float] = OrderedDict()  # key -> last access
         self._ghost_entries = ghost_entries
         self._was_up = ssd is not None
@@ -350,8 +350,7 @@ class TierIndex:
         if corrupt:
             self.alloc.free(block.slot_bytes, block.slot_id)
             self.emit(BlockRemoved((block.block_hash,), "dram"), block.namespace)
-            self.counts.checksum_failures += 1
-            self.metrics.checksum_failures.labels("dram").inc()
+            self.counts.checksum_failures["dram"] += 1
             return
         if last and self.listener is not None:
             view = self.arena.view(self.offset(block), block.slot_bytes)
@@ -360,10 +359,8 @@ class TierIndex:
         self.emit(BlockRemoved((block.block_hash,), "dram"), block.namespace)
         if not last:
             self.counts.demotions += 1
-            self.metrics.demotions.inc()
         else:
             self.counts.evictions["dram"] += 1
-            self.metrics.evictions.labels("dram").inc()
             self._left_node(key, block.created, block.last_access, now)
 
     def drop_ssd(self, key: NamespacedKey, now: float, *, record_gone: bool = False) -> None:
@@ -379,7 +376,6 @@ class TierIndex:
         self.emit(BlockRemoved((entry.block_hash,), "ssd"), entry.namespace)
         if not record_gone:
             self.counts.evictions["ssd"] += 1
-            self.metrics.evictions.labels("ssd").inc()
         if key not in self.dram:
             self._left_node(key, entry.created, entry.last_access, now)
 

@@ -53,9 +53,8 @@ class NodeMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.queries = Counter("tierd_prefix_cache_queries", "Tokens looked up", registry=r)
-        self.hits = Counter("tierd_prefix_cache_hits", "Tokens of the hit prefix, by tier",
-                            ["tier"], registry=r)
+        self.counts = NodeCounts()
+        r.register(_CountsCollector(self.counts))
         self.used_blocks = Gauge("tierd_tier_used_blocks", "Blocks held", ["tier"], registry=r)
         self.capacity_blocks = Gauge("tierd_tier_capacity_blocks", "Blocks the tier can hold",
                                      ["tier"], registry=r)
@@ -69,15 +68,6 @@ class NodeMetrics:
         self.hbm_blocks = Gauge("tierd_hbm_blocks", "Blocks an engine reports in its GPU pool",
                                 ["engine"], registry=r)
         self.ssd_healthy = Gauge("tierd_ssd_healthy", "1 if the SSD tier is in use", registry=r)
-        self.evictions = Counter("tierd_evictions", "Blocks dropped from a tier with no copy "
-                                 "below it", ["tier"], registry=r)
-        self.demotions = Counter("tierd_demotions", "DRAM copies dropped with an SSD copy kept",
-                                 registry=r)
-        self.promotions = Counter("tierd_promotions", "SSD blocks read into DRAM", registry=r)
-        self.checksum_failures = Counter("tierd_checksum_failures", "Payloads that failed their "
-                                         "checksum (served as misses)", ["tier"], registry=r)
-        self.lease_expiries = Counter("tierd_lease_expiries", "Leases that passed their deadline",
-                                      ["kind"], registry=r)
         self.persisted = Counter("tierd_persisted_blocks", "DRAM blocks written to SSD by the "
                                  "write-behind or at a graceful stop", ["how"], registry=r)
         self.write_behind_lag = Gauge("tierd_write_behind_lag_seconds", "Wait of the oldest "
@@ -156,16 +146,50 @@ class _SsdCollector:
 
 @dataclass(slots=True)
 class NodeCounts:
-    """Plain totals behind ``NodeStats`` (the Prometheus counters mirror them)."""
+    """The node's running totals: the one copy behind both ``NodeStats`` and the Prometheus
+    counters (``_CountsCollector`` reads them at each scrape). Written on the event loop only."""
 
-    queries: int = 0                                         # tokens looked up
+    queries: int = 0                                                  # tokens looked up
     hits: collections.Counter[str] = field(default_factory=collections.Counter)  # tier -> tokens
-    evictions: collections.Counter[str] = field(
-        default_factory=collections.Counter)  # tier -> blocks
+    evictions: collections.Counter[str] = field(default_factory=collections.Counter)  # by tier
     demotions: int = 0
     promotions: int = 0
-    checksum_failures: int = 0
-    lease_expiries: int = 0
+    checksum_failures: collections.Counter[str] = field(
+        default_factory=collections.Counter)                          # tier -> payloads
+    lease_expiries: collections.Counter[str] = field(
+        default_factory=collections.Counter)                          # "read" | "write" -> leases
+
+
+class _CountsCollector:
+    """``NodeCounts`` as Prometheus counters, read when scraped on the metrics server's thread
+    (a few ints and dict copies; the event loop is the only writer)."""
+
+    def __init__(self, counts: NodeCounts) -> None:
+        self._counts = counts
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return list(self.collect())
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        c = self._counts
+        yield CounterMetricFamily("tierd_prefix_cache_queries", "Tokens looked up",
+                                  value=c.queries)
+        for name, doc, label, values in (
+                ("tierd_prefix_cache_hits", "Tokens of the hit prefix, by tier", "tier", c.hits),
+                ("tierd_evictions", "Blocks dropped from a tier with no copy below it", "tier",
+                 c.evictions),
+                ("tierd_checksum_failures", "Payloads that failed their checksum (served as "
+                 "misses)", "tier", c.checksum_failures),
+                ("tierd_lease_expiries", "Leases that passed their deadline", "kind",
+                 c.lease_expiries)):
+            family = CounterMetricFamily(name, doc, labels=[label])
+            for value, n in sorted(dict(values).items()):
+                family.add_metric([value], n)
+            yield family
+        yield CounterMetricFamily("tierd_demotions", "DRAM copies dropped with an SSD copy kept",
+                                  value=c.demotions)
+        yield CounterMetricFamily("tierd_promotions", "SSD blocks read into DRAM",
+                                  value=c.promotions)
 
 
 class AgeHistogram:

@@ -192,11 +192,9 @@ class NodeStore:
                 break
         tokens = info.layout.block_size
         self._counts.queries += len(hashes) * tokens
-        self.metrics.queries.inc(len(hashes) * tokens)
         for tier in set(tiers):
             count = tiers.count(tier)
             self._counts.hits[tier] += count * tokens
-            self.metrics.hits.labels(tier).inc(count * tokens)
         self.models.queried(info.namespace, len(hashes) * tokens, len(tiers) * tokens)
         return tiers
 
@@ -445,8 +443,8 @@ class NodeStore:
                                  0, 0, 0)
         self.metrics.set_gauges(tiers, hbm, self._tiers.ssd_up)
         return NodeStats(
-            tiers=tiers, hbm_blocks=hbm, checksum_failures=n.checksum_failures,
-            lease_expiries=n.lease_expiries, ssd_healthy=self._tiers.ssd_up,
+            tiers=tiers, hbm_blocks=hbm, checksum_failures=n.checksum_failures.total(),
+            lease_expiries=n.lease_expiries.total(), ssd_healthy=self._tiers.ssd_up,
             hit_ratio=sum(n.hits.values()) / n.queries if n.queries else 0.0,
             reuse_gap_p90=self.metrics.reuse_gap.quantile(0.9),
             idle_before_evict_p50=self.metrics.idle_before_evict.quantile(0.5))
@@ -517,8 +515,7 @@ class NodeStore:
         """End every lease past its deadline, freeing what it held."""
         for lease in self._leases.pop_expired(now):
             kind = "read" if isinstance(lease, ReadLease) else "write"
-            self._counts.lease_expiries += 1
-            self.metrics.lease_expiries.labels(kind).inc()
+            self._counts.lease_expiries[kind] += 1
             self._end(lease)
 
     def _end(self, lease: ReadLease | WriteLease) -> None:

@@ -115,15 +115,13 @@ class Promoter:
             if p.key in t.disk:
                 t.disk.touch(p.key)
             counts.promotions += 1
-            t.metrics.promotions.inc()
             t.emit(BlockStored((s.block_hash,), None, "dram"), s.namespace)
         else:
             t.alloc.free(p.slot_bytes, p.slot_id)
         if not ok:
             if failure is not None:
                 log.warning("SSD read of %s failed: %r", p.key.hex(), failure)
-            counts.checksum_failures += 1
-            t.metrics.checksum_failures.labels("ssd").inc()
+            counts.checksum_failures["ssd"] += 1
             if t.disk.get(p.key) is p.source:
                 if self._ssd is not None and failure is not None:
                     self._ssd.remove(p.source.namespace, p.source.block_hash)

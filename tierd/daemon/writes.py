@@ -54,7 +54,6 @@ class Reservations:
         t = self._tiers
         if filtered_query_tokens:
             t.counts.queries += filtered_query_tokens
-            t.metrics.queries.inc(filtered_query_tokens)
         now = self._clock()
         self._expire(now)
         lease_id = new_lease_id()
