@@ -36,15 +36,14 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from tierd.checksum import checksums_at
-from tierd.cluster.directory import NodeRecord
 from tierd.daemon import convert
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.auth import Authenticator, TokenTable
-from tierd.daemon.cluster_link import ClusterLink, LinkConfig
+from tierd.daemon.build import Node, build_node
+from tierd.daemon.cluster_link import ClusterLink
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, Unauthenticated
-from tierd.daemon.layout import NAMESPACE_LEN, Layout, namespace_for
-from tierd.daemon.listeners import TierListener, TierListeners
+from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.node import NodeConfig, NodeStore
 from tierd.daemon.presence import PresenceFilter
 from tierd.daemon.slots import SlabAllocator
@@ -379,41 +378,19 @@ class Daemon:
     @classmethod
     async def _start_with(cls, config: TierdConfig, arena: ShmArena,
                           extra_handlers: Sequence[grpc.GenericRpcHandler]) -> Daemon:
-        allocator = SlabAllocator(config.dram_bytes, config.slab_bytes)
-        ssd = (SsdStore(config.ssd_dir, footprint_bytes=config.ssd_bytes,  # headroom included
-                        compression=config.ssd_compression, io_threads=config.ssd_io_threads)
-               if config.ssd_dir else None)
-        node_config = config.node_config()
-        cluster = None
-        if config.redis_url:
-            cluster = ClusterLink(_link_config(config), NAMESPACE_LEN)
-        presence = None
-        if config.presence_cells and not config.remote_tier:
-            presence = PresenceFilter.create(arena, config.presence_cells)
+        node = build_node(config, arena)
         try:
-            return await cls._serve(config, arena, allocator, ssd, node_config, cluster, presence,
-                                    extra_handlers)
+            return await cls._serve(config, arena, node, extra_handlers)
         except BaseException:
-            if presence is not None:
-                presence.close()
+            if node.presence is not None:
+                node.presence.close()
             raise
 
     @classmethod
-    async def _serve(cls, config: TierdConfig, arena: ShmArena, allocator: SlabAllocator,
-                     ssd: SsdStore | None, node_config: NodeConfig, cluster: ClusterLink | None,
-                     presence: PresenceFilter | None,
+    async def _serve(cls, config: TierdConfig, arena: ShmArena, node: Node,
                      extra_handlers: Sequence[grpc.GenericRpcHandler]) -> Daemon:
-        listeners: list[TierListener] = [x for x in (cluster, presence) if x is not None]
-        listener: TierListener | None = listeners[0] if len(listeners) == 1 else None
-        if len(listeners) > 1:
-            listener = TierListeners(listeners)
-        store = NodeStore(arena, allocator, ssd, node_config, listener=listener)
-        if presence is not None:
-            presence.bind(store.held_keys)
-        if cluster is not None:
-            cluster.bind(store, arena)
-            cluster.register_metrics(store.metrics.registry)
-        store.open()
+        store, allocator, ssd = node.store, node.allocator, node.ssd
+        cluster, presence = node.cluster, node.presence
         latency = store.metrics.rpc_latency
         server = grpc.aio.server(
             interceptors=[ErrorInterceptor(lambda m, s: latency.labels(m).observe(s))],
@@ -421,8 +398,8 @@ class Daemon:
                      ("grpc.max_send_message_length", config.max_message_bytes),
                      ("grpc.so_reuseport", 0)])
         auth = Authenticator(TokenTable.load(config.token_file), config.default_tenant)
-        servicer = TierdServicer(store, arena, allocator, ssd, node_config, auth, cluster,
-                                 presence)
+        servicer = TierdServicer(store, arena, allocator, ssd, config.node_config(), auth,
+                                 cluster, presence)
         store.watch_engines(servicer.engine_lapsed)
         pb_grpc.add_TierdServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
         server.add_generic_rpc_handlers(list(extra_handlers))
@@ -527,18 +504,6 @@ def format_bytes(n: int) -> str:
         if n >= 1 << shift:
             return f"{n / (1 << shift):.4g} {unit}"
     return f"{n} B"
-
-
-def _link_config(config: TierdConfig) -> LinkConfig:
-    """The cluster link's settings (the address is filled in once the listeners are bound)."""
-    return LinkConfig(
-        redis_url=config.redis_url,
-        node=NodeRecord(config.node_id, config.node_address,
-                        config.dram_bytes + (config.ssd_bytes if config.ssd_dir else 0)),
-        heartbeat_s=config.cluster_heartbeat_seconds, node_ttl_s=config.cluster_node_ttl_seconds,
-        block_ttl_s=config.cluster_block_ttl_seconds, remote_tier=config.remote_tier,
-        remote_tier_bytes=config.remote_tier_bytes, queue_bytes=config.remote_queue_bytes,
-        recompute_tokens_per_second=config.recompute_tokens_per_second)
 
 
 def _bracket(host: str) -> str:
