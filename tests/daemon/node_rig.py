@@ -1,6 +1,6 @@
-"""The node-store test rig shared by ``test_node`` and ``test_writebehind``: a real
-shared-memory arena, slab allocator and SSD directory under a ``NodeStore`` with a hand-moved
-clock (the ``make_rig`` fixture is in this folder's conftest)."""
+"""The node-store test rig shared by the node store's tests (``test_node*``,
+``test_writebehind``): a real shared-memory arena, slab allocator and SSD directory under a
+``NodeStore`` with a hand-moved clock (the ``make_rig`` fixture is in this folder's conftest)."""
 
 from __future__ import annotations
 

@@ -6,22 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from node_rig import BLOCK, LAYOUT, SSD, MakeRig, Rig, chain, payload  # noqa: E402
+from node_rig import BLOCK, LAYOUT, MakeRig, Rig, chain, payload  # noqa: E402
 
 from tierd.checksum import block_checksum
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
-from tierd.daemon.listeners import Payload
-from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
 from tierd.daemon.node import EMPTY_LEASE
 from tierd.daemon.node_types import EngineCaps
 from tierd.daemon.ssd.record import HEADER_BYTES
-from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored
-from tierd.types import BlockHash, NamespacedKey, Tier
+from tierd.events import BlockRemoved, BlockStored
+from tierd.types import BlockHash
 
 
 @pytest.fixture
@@ -164,68 +161,6 @@ async def test_ssd_min_hits_evicts_cold_blocks_instead(make_rig: MakeRig) -> Non
     assert rig.tiers(hashes[:2]) == ["ssd"]
     stats = rig.node.stats()
     assert (stats.tiers["dram"].demotions, stats.tiers["dram"].evictions) == (1, 1)
-    rig.node.check_integrity()
-
-
-async def test_full_ssd_drops_its_lru_blocks(rig: Rig) -> None:
-    """The 4-record SSD takes 2 demotions per pass; the third pass drops SSD's LRU pair."""
-    hashes = chain(14)
-    rig.store(hashes[:8])
-    await rig.node.maintain()                  # 0, 1 -> SSD
-    rig.store(hashes[8:10])
-    await rig.node.maintain()                  # 2, 3 -> SSD (full: 4 records)
-    rig.store(hashes[10:12])
-    rig.node.take_events()
-    await rig.node.maintain()                  # 4, 5 -> SSD, dropping 0, 1
-    assert rig.node.take_events() == [
-        BlockRemoved((hashes[0],), "ssd"), BlockRemoved((hashes[1],), "ssd"),
-        BlockStored((hashes[4],), None, "ssd"), BlockStored((hashes[5],), None, "ssd"),
-        BlockRemoved((hashes[4],), "dram"), BlockRemoved((hashes[5],), "dram")]
-    stats = rig.node.stats()
-    assert stats.tiers["ssd"].evictions == 2 and stats.tiers["ssd"].used_blocks == 4
-    assert stats.tiers["ssd"].used_bytes == SSD == stats.tiers["ssd"].capacity_bytes
-    rig.node.check_integrity()
-
-
-class Evictions:
-    """A ``TierListener`` that takes every evicted block's bytes, noting at that moment whether
-    they were already read and whether the SSD record still existed."""
-
-    def __init__(self) -> None:
-        self.taken: list[tuple[BlockHash, bool, asyncio.Future[bytes | None]]] = []
-
-    def stored(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
-        pass
-
-    def removed(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
-        pass
-
-    def cleared(self, tier: Tier) -> None:
-        pass
-
-    def evicted(self, key: NamespacedKey, checksum: int, nbytes: int, payload: Payload) -> None:
-        got = payload()
-        self.taken.append((BlockHash(key[-32:]), got.done(), got))
-
-
-async def test_ssd_eviction_reads_the_evicted_record_off_the_event_loop(
-        make_rig: MakeRig) -> None:
-    """The SSD's LRU pair, dropped to make room, is handed to the listener as reads in flight on
-    an I/O thread (not done when ``evicted`` returns); their records are deleted at once and
-    the reads still deliver each block's bytes."""
-    evictions = Evictions()
-    rig = make_rig(listener=evictions)
-    hashes = chain(12)
-    rig.store(hashes[:8])
-    await rig.node.maintain()                  # 0, 1 -> SSD
-    rig.store(hashes[8:10])
-    await rig.node.maintain()                  # 2, 3 -> SSD (full: 4 records)
-    rig.store(hashes[10:12])
-    await rig.node.maintain()                  # 4, 5 -> SSD, dropping 0, 1
-    assert [(h, done) for h, done, _ in evictions.taken] == [(hashes[0], False),
-                                                              (hashes[1], False)]
-    assert not any(rig.ssd.contains(rig.engine.namespace, h) for h in hashes[:2])
-    assert [await got for _, _, got in evictions.taken] == [payload(h) for h in hashes[:2]]
     rig.node.check_integrity()
 
 
@@ -402,87 +337,6 @@ async def test_unregister_ends_the_engines_leases(rig: Rig) -> None:
     rig.node.check_integrity()
 
 
-async def test_corrupt_ssd_record_is_a_miss(rig: Rig) -> None:
-    """A demoted block whose record is flipped on disk ends the acquired prefix there, is
-    dropped from the index and counted; the slot it was staged in is freed."""
-    hashes = chain(8)
-    rig.store(hashes)
-    await rig.node.maintain()                                  # 0, 1 -> SSD
-    span = rig.ssd.locate(rig.engine.namespace, hashes[1])
-    assert span is not None
-    raw = bytearray(span.path.read_bytes())
-    raw[span.offset + span.size - 1] ^= 0xFF               # the record's last payload byte
-    span.path.write_bytes(raw)
-    rig.node.take_events()
-    lease = await rig.node.acquire(rig.engine.engine_id, hashes)
-    assert len(lease.slot_ids) == 1
-    assert rig.copy_out(lease.slot_ids) == [payload(hashes[0])]
-    assert BlockRemoved((hashes[1],), "ssd") in rig.node.take_events()
-    assert rig.tiers(hashes) == ["dram"]
-    stats = rig.node.stats()
-    assert stats.checksum_failures == 1 and stats.tiers["ssd"].used_blocks == 1
-    rig.node.release(lease.lease_id)
-    rig.node.check_integrity()
-
-
-async def test_unusable_ssd_directory_degrades_to_dram_only(make_rig: MakeRig,
-                                                            tmp_path: Path) -> None:
-    """An SSD "directory" that is a file: the node serves DRAM only, maintain evicts nothing
-    it cannot demote, reserve evicts on demand, stats say unhealthy."""
-    blocker = tmp_path / "not-a-dir"
-    blocker.write_bytes(b"x")
-    rig = make_rig(ssd_dir=str(blocker))
-    hashes = chain(8)
-    rig.store(hashes)
-    await rig.node.maintain()
-    assert rig.tiers(hashes) == ["dram"] * 8
-    stats = rig.node.stats()
-    assert stats.ssd_healthy is False and stats.tiers["dram"].used_blocks == 8
-    assert rig.node.metrics.registry.get_sample_value("tierd_ssd_healthy") == 0.0
-    res = rig.store(chain(2, "b"))
-    assert None not in res.slot_ids
-    assert rig.tiers(hashes) == []                            # 0, 1 evicted for them
-    rig.node.check_integrity()
-
-
-async def test_ssd_going_unhealthy_hides_it_and_a_good_write_brings_it_back(rig: Rig) -> None:
-    """When the SSD store reports unhealthy its blocks stop being served (AllBlocksCleared);
-    a successful probe demotion brings them back (one BlockStored of them all)."""
-    hashes = chain(8)
-    rig.store(hashes)
-    await rig.node.maintain()                                  # 0, 1 -> SSD
-    rig.node.take_events()
-    rig.ssd.healthy = False                                    # as after a disk error
-    assert rig.tiers(hashes) == []
-    new = chain(2, "b")
-    rig.store(new)                                             # 8/8 again
-    await rig.node.maintain()                                  # probe: 2 -> SSD, healthy
-    assert rig.node.take_events() == [
-        BlockStored(tuple(new), None, "dram", 16), AllBlocksCleared("ssd"),
-        BlockStored((hashes[2],), None, "ssd"),
-        BlockStored((hashes[0], hashes[1], hashes[2]), None, "ssd"),
-        BlockRemoved((hashes[2],), "dram")]
-    assert rig.node.stats().ssd_healthy is True
-    assert rig.tiers(hashes[:4]) == ["ssd", "ssd", "ssd", "dram"]
-    rig.node.check_integrity()
-
-
-async def test_restart_finds_ssd_blocks_again(make_rig: MakeRig, tmp_path: Path) -> None:
-    """A new node on the same SSD directory serves the demoted blocks bit-exact (no flush at
-    close: only the demotion wrote)."""
-    first = make_rig(ssd_dir=str(tmp_path / "shared"), stop_flush_seconds=0.0)
-    hashes = chain(8)
-    first.store(hashes)
-    await first.node.maintain()
-    await first.node.close()
-    second = make_rig(ssd_dir=str(tmp_path / "shared"))
-    assert second.tiers(hashes[:2]) == ["ssd", "ssd"]
-    lease = await second.node.acquire(second.engine.engine_id, hashes[:2])
-    assert second.copy_out(lease.slot_ids) == [payload(h) for h in hashes[:2]]
-    second.node.release(lease.lease_id)
-    second.node.check_integrity()
-
-
 async def test_concurrent_acquires_promote_a_block_once(rig: Rig) -> None:
     """Two acquires of the same SSD prefix at once read each block once and share the slots."""
     hashes = chain(8)
@@ -525,160 +379,6 @@ async def test_long_ssd_prefix_is_read_in_batches_started_while_staging(
     assert rig.node.stats().tiers["ssd"].promotions == 8
     rig.node.release(lease.lease_id)
     rig.node.check_integrity()
-
-
-async def test_reuse_gap_idle_time_and_pool_too_small(rig: Rig) -> None:
-    """Fake-clock timeline: a 10 s hit, an eviction after 70 s idle, a re-store 370 s after
-    the last use (a ghost) evicting a block idle 370 s: reuse-gap P90 540 s > idle P50 120 s."""
-    hashes = chain(8)
-    rig.store(hashes)                                          # t = 1000
-    rig.clock.advance(10)
-    rig.node.release((await rig.node.acquire(rig.engine.engine_id, hashes[:1])).lease_id)
-    rig.clock.advance(60)
-    rig.store(chain(1, "b"))                                   # evicts 1 (idle 70 s)
-    rig.clock.advance(300)
-    rig.store(hashes[1:2])                                     # ghost: gap 370 s; evicts 2
-    m = rig.node.metrics.registry.get_sample_value
-    assert m("tierd_block_reuse_gap_seconds_sum") == 380.0
-    assert m("tierd_block_idle_before_evict_seconds_sum") == 440.0
-    assert m("tierd_block_lifetime_seconds_sum") == 440.0
-    rig.node.lookup(rig.engine.engine_id, hashes[:1])          # a reading needs lookups
-    stats = rig.node.stats()
-    assert (stats.reuse_gap_p90, stats.idle_before_evict_p50) == (540.0, 120.0)
-    assert stats.pool_too_small and stats.tiers["dram"].evictions == 2
-    assert stats.reading() == ("hit ratio 1.00: healthy (multi-turn chat / fixed system "
-                               "prompt); pool too small (reuse gap P90 > idle-before-evict P50)")
-    rig.node.check_integrity()
-
-
-async def test_a_chain_acquire_counts_each_block_and_touches_it_in_chain_order(rig: Rig) -> None:
-    """Blocks 0-1 stored at t=1000 with 4 others, 2-3 at t=1100: acquiring 0-3 at t=1200
-    counts reuse gaps 200, 200, 100, 100 and makes the chain newest in chain order, so 5 new
-    blocks evict the 4 others, then block 0; the engine then holds a 3-block chain from 1."""
-    hashes, others = chain(4), chain(4, "o")
-    rig.store(hashes[:2])
-    rig.store(others)
-    rig.clock.advance(100)
-    rig.store(hashes[2:])                                      # DRAM full: 8 blocks
-    rig.clock.advance(100)
-    lease = await rig.node.acquire(rig.engine.engine_id, hashes)
-    assert rig.copy_out(lease.slot_ids) == [payload(h) for h in hashes]
-    rig.node.release(lease.lease_id)
-    m = rig.node.metrics.registry.get_sample_value
-    assert m("tierd_block_reuse_gap_seconds_sum") == 600.0
-    assert m("tierd_block_reuse_gap_seconds_bucket", {"le": "120.0"}) == 2.0
-    assert m("tierd_block_reuse_gap_seconds_bucket", {"le": "300.0"}) == 4.0
-    rig.node.take_events()
-    rig.store(chain(5, "n"))
-    assert [e for e in rig.node.take_events() if isinstance(e, BlockRemoved)] == [
-        BlockRemoved((h,), "dram") for h in [*others, hashes[0]]]
-    assert rig.tiers(hashes) == [] and rig.tiers(hashes[1:]) == ["dram"] * 3
-    rig.node.check_integrity()
-
-
-async def test_metrics_live_in_the_nodes_own_registry(rig: Rig) -> None:
-    """Counters and gauges carry the documented names; a second store's registry is separate."""
-    hashes = chain(8)
-    rig.store(hashes)
-    rig.tiers(hashes + chain(2, "miss"))
-    await rig.node.maintain()
-    rig.node.release((await rig.node.acquire(rig.engine.engine_id, hashes[:1])).lease_id)
-    rig.node.metrics.rpc_latency.labels("Lookup").observe(0.0004)
-    m = rig.node.metrics.registry.get_sample_value
-    assert m("tierd_prefix_cache_queries_total") == 10 * 16
-    assert m("tierd_prefix_cache_hits_total", {"tier": "dram"}) == 8 * 16
-    assert m("tierd_demotions_total") == 2.0 and m("tierd_promotions_total") == 1.0
-    assert m("tierd_tier_used_blocks", {"tier": "dram"}) == 6.0       # as of maintain
-    assert m("tierd_tier_occupancy_ratio", {"tier": "dram"}) == 0.75
-    assert m("tierd_tier_used_blocks", {"tier": "ssd"}) == 2.0
-    assert m("tierd_ssd_healthy") == 1.0
-    assert m("tierd_rpc_latency_seconds_count", {"method": "Lookup"}) == 1.0
-    assert m("tierd_block_reuse_gap_seconds_count") == 1.0
-    assert rig.node.stats().hit_ratio == 0.8
-    assert NodeMetrics().registry.get_sample_value("tierd_prefix_cache_queries_total") == 0.0
-    rig.node.check_integrity()
-
-
-async def test_prometheus_counters_read_the_stats_totals(rig: Rig) -> None:
-    """The scraped counters are the node's one set of totals: after evictions, demotions,
-    promotions and an expired lease, each equals what ``stats()`` reports."""
-    hashes = chain(12)
-    rig.store(hashes[:8])
-    await rig.node.maintain()                                   # 0, 1 -> SSD
-    rig.store(hashes[8:12])                                     # DRAM full: evicts
-    lease = await rig.node.acquire(rig.engine.engine_id, hashes[:1])   # promotes 0
-    rig.clock.advance(31)
-    rig.node.stats()                                            # expires the lease
-    stats = rig.node.stats()
-    m = rig.node.metrics.registry.get_sample_value
-    for tier in ("dram", "ssd"):
-        assert m("tierd_evictions_total", {"tier": tier}) == stats.tiers[tier].evictions or (
-            m("tierd_evictions_total", {"tier": tier}) is None
-            and stats.tiers[tier].evictions == 0)
-    assert m("tierd_demotions_total") == stats.tiers["dram"].demotions == 2
-    assert m("tierd_promotions_total") == stats.tiers["ssd"].promotions == 1
-    assert stats.tiers["dram"].evictions > 0
-    assert m("tierd_lease_expiries_total", {"kind": "read"}) == stats.lease_expiries == 1
-    assert lease.slot_ids
-    rig.node.check_integrity()
-
-
-def _stats(hit_ratio: float, queries: int = 160) -> NodeStats:
-    tier = TierStats(0, 0, 0, 0, 0, 0, queries, 0, 0, 0)
-    return NodeStats({"dram": tier}, {}, 0, 0, True, hit_ratio, None, None)
-
-
-@pytest.mark.parametrize("ratio, words", [
-    (0.8, "healthy"), (0.5, "check prompt template order"), (0.2, "low"),
-    (0.05, "check routing"),
-])
-def test_reading_follows_the_essay(ratio: float, words: str) -> None:
-    """> 0.7 healthy; 0.3-0.7 template order; < 0.1 routing, pool size, timestamps."""
-    assert words in _stats(ratio).reading()
-    assert _stats(0.0, queries=0).reading() == "no lookups yet"
-    assert "timestamps" in _stats(0.05).reading() and "pool size" in _stats(0.05).reading()
-
-
-def test_histogram_quantile_interpolates_within_a_bucket() -> None:
-    """One 10 s observation: P50 7.5 (middle of (5, 10]); nothing observed: None."""
-    metrics = NodeMetrics()
-    assert metrics.reuse_gap.quantile(0.5) is None
-    metrics.reuse_gap.observe(10)
-    assert metrics.reuse_gap.quantile(0.5) == 7.5
-    metrics.reuse_gap.observe(10 ** 6)                  # past the last finite bucket
-    assert metrics.reuse_gap.quantile(0.99) == 86400
-    m = metrics.registry.get_sample_value
-    assert m("tierd_block_reuse_gap_seconds_bucket", {"le": "10.0"}) == 1.0
-    assert m("tierd_block_reuse_gap_seconds_bucket", {"le": "+Inf"}) == 2.0
-    assert m("tierd_block_reuse_gap_seconds_count") == 2.0
-
-
-def test_histogram_observe_many_counts_like_one_observe_each() -> None:
-    """A batch with runs of equal values and a negative one counts exactly as one observe per
-    value, the negative as 0."""
-    one, many = NodeMetrics(), NodeMetrics()
-    values = [5.0, 5.0, 5.0, 100.0, -1.0, 100.0, 7200.5, 5.0]
-    for value in values:
-        one.reuse_gap.observe(max(0.0, value))
-    many.reuse_gap.observe_many(values)
-    assert (many.reuse_gap.counts, many.reuse_gap.sum) == (one.reuse_gap.counts, one.reuse_gap.sum)
-    assert sum(many.reuse_gap.counts) == len(values)
-
-
-async def test_restart_with_a_smaller_bound_drops_the_oldest_records(make_rig: MakeRig,
-                                                                     tmp_path: Path) -> None:
-    """Reopened with room for one record, the node keeps the newest (append order) and drops
-    the other (no flush at close: only the demotion wrote)."""
-    first = make_rig(ssd_dir=str(tmp_path / "shared"), stop_flush_seconds=0.0)
-    hashes = chain(8)
-    first.store(hashes)
-    await first.node.maintain()                                # 0, 1 written
-    await first.node.close()
-    second = make_rig(ssd_dir=str(tmp_path / "shared"), ssd_bytes=BLOCK + HEADER_BYTES)
-    assert second.tiers(hashes[1:2]) == ["ssd"] and second.tiers(hashes[:1]) == []
-    assert second.node.take_events()[-1] == BlockRemoved((hashes[0],), "ssd")
-    second.ssd.check_integrity(disk=True)
-    second.node.check_integrity()
 
 
 async def test_acquire_with_count_lookup_counts_like_a_lookup(make_rig: MakeRig,
