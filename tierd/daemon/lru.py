@@ -129,77 +129,6 @@ class LruIndex(Generic[E]):
         return items
 
 
-class HbmIndex:
-    """Per engine, the block hashes it reports in its GPU pool (an insertion-ordered set, at most
-    ``cap`` per engine: past it the oldest reported are forgotten)."""
-
-    def __init__(self, cap: int, listener: TierListener | None = None) -> None:
-        self.cap = cap
-        self._held: dict[str, dict[BlockHash, None]] = {}
-        self._listener = listener
-        self._namespaces: dict[str, Namespace] = {}     # engine -> namespace, for the listener
-
-    def held(self, engine_id: str) -> dict[BlockHash, None]:
-        """The engine's set (read only; empty if it never reported)."""
-        return self._held.get(engine_id, {})
-
-    def report(self, engine_id: str, stored: Iterable[BlockHash], removed: Iterable[BlockHash],
-               cleared: bool, namespace: Namespace | None = None) -> None:
-        """Apply a batch: ``cleared`` first, then ``stored``, then ``removed``. The listener
-        hears exactly what changed in this engine's set (``namespace`` scopes the keys)."""
-        held = self._held.setdefault(engine_id, {})
-        listener = self._listener if namespace is not None else None
-        added: list[BlockHash] = []
-        gone: list[BlockHash] = []
-        if namespace is not None:
-            self._namespaces[engine_id] = namespace
-        if cleared:
-            if listener is not None:
-                self._tell(engine_id, list(held), removed=True)
-            held.clear()
-        for block_hash in stored:
-            if held.pop(block_hash, 0) is not None:
-                added.append(block_hash)
-            held[block_hash] = None
-        for block_hash in removed:
-            if held.pop(block_hash, 0) is None:
-                gone.append(block_hash)
-        for _ in range(len(held) - self.cap):
-            oldest = next(iter(held))
-            del held[oldest]
-            gone.append(oldest)
-        if listener is not None:
-            self._tell(engine_id, added, removed=False)
-            self._tell(engine_id, gone, removed=True)
-
-    def drop(self, engine_id: str) -> None:
-        held = self._held.pop(engine_id, None)
-        if held:
-            self._tell(engine_id, list(held), removed=True)
-        self._namespaces.pop(engine_id, None)
-
-    def _tell(self, engine_id: str, hashes: list[BlockHash], *, removed: bool) -> None:
-        namespace = self._namespaces.get(engine_id)
-        if self._listener is None or namespace is None or not hashes:
-            return
-        keys = [make_key(namespace, h) for h in hashes]
-        if removed:
-            self._listener.removed(keys, "hbm")
-        else:
-            self._listener.stored(keys, "hbm")
-
-    def counts(self) -> dict[str, int]:
-        return {engine: len(held) for engine, held in self._held.items()}
-
-    def told_keys(self) -> list[NamespacedKey]:
-        """Every key the listener holds as reported (one per engine that reports it)."""
-        return [make_key(self._namespaces[engine], h) for engine, held in self._held.items()
-                if engine in self._namespaces for h in held]
-
-    def check_integrity(self) -> None:
-        assert all(len(h) <= self.cap for h in self._held.values()), "HBM set over its cap"
-
-
 class TierIndex:
     """What is where below HBM: the DRAM and SSD indexes, the arena's allocator and the SSD
     store. The only code that drops a copy of a block: it frees the slot or record, emits
@@ -306,6 +235,51 @@ class TierIndex:
                 break
             self.drop_dram(victim, now)
         return slots
+
+    def add_dram(self, key: NamespacedKey, block: DramBlock) -> None:
+        """Index a block whose bytes are now in its slot (a commit) as the most recently used,
+        unpinned. Emits nothing: the caller emits its ``BlockStored`` (a commit emits runs)."""
+        assert key not in self.dram, f"{key.hex()}: stored in DRAM twice"
+        self.dram.add(key, block)
+
+    def free_slot(self, slot_bytes: int, slot_id: int) -> None:
+        """Give back a slot no block was indexed in (an aborted, expired or failed write)."""
+        self.alloc.free(slot_bytes, slot_id)
+
+    def note_restore(self, key: NamespacedKey, now: float) -> None:
+        """A key is about to be stored again: if it left the node recently (a ghost), observe
+        the gap since its last access and forget it."""
+        last_access = self.ghosts.pop(key, None)
+        if last_access is not None:
+            self.metrics.reuse_gap.observe(max(0.0, now - last_access))
+
+    def land(self, key: NamespacedKey, source: SsdBlock, slot_bytes: int, slot_id: int,
+             pins: int) -> None:
+        """An SSD block read into DRAM slot ``slot_id`` becomes a DRAM block (most recently
+        used, its SSD copy touched too) with ``pins`` pins: a promotion, ``BlockStored``
+        "dram"."""
+        self.add_dram(key, DramBlock(source.namespace, source.block_hash, slot_bytes, slot_id,
+                                     source.checksum, source.created, source.last_access,
+                                     source.hits))
+        self.pin(key, pins)
+        if key in self.disk:
+            self.disk.touch(key)
+        self.counts.promotions += 1
+        self.emit(BlockStored((source.block_hash,), None, "dram"), source.namespace)
+
+    def unreadable(self, key: NamespacedKey, source: SsdBlock, failure: BaseException | None,
+                   now: float) -> None:
+        """An SSD record did not verify (``failure`` None) or could not be read: counted as a
+        checksum failure, its entry dropped if still indexed (and its record, on a read error;
+        the store already dropped a corrupt one), the SSD's health rechecked."""
+        if failure is not None:
+            log.warning("SSD read of %s failed: %r", key.hex(), failure)
+        self.counts.checksum_failures["ssd"] += 1
+        if self.disk.get(key) is source:
+            if self.ssd is not None and failure is not None:
+                self.ssd.remove(source.namespace, source.block_hash)
+            self.drop_ssd(key, now, record_gone=True)
+        self.check_ssd()
 
     def pin(self, key: NamespacedKey, count: int = 1) -> DramBlock:
         """Take ``count`` pins on the DRAM block under ``key`` (it must be there): a pinned

@@ -37,10 +37,11 @@ from typing import TYPE_CHECKING
 from tierd.checksum import block_checksum
 from tierd.daemon.engines import EngineTable
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, clip
+from tierd.daemon.hbm import HbmIndex
 from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.leases import LeaseTable, ReadLease, WriteLease, new_lease_id
 from tierd.daemon.listeners import TierListener, TierListeners
-from tierd.daemon.lru import DramBlock, HbmIndex, TierIndex
+from tierd.daemon.lru import DramBlock, TierIndex
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
 from tierd.daemon.models import ModelTable, ModelUsage, NamespaceModel
 from tierd.daemon.node_types import EngineInfo, Lease, LookupResult, NodeConfig, Reservation

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tierd.daemon.lru import DramBlock, SsdBlock, TierIndex
+from tierd.daemon.lru import SsdBlock, TierIndex
 from tierd.daemon.slots import SlotGeometry
 from tierd.daemon.ssd.index import READ_BATCH_BYTES
-from tierd.events import BlockStored
 from tierd.types import NamespacedKey
 
 if TYPE_CHECKING:
@@ -29,8 +27,6 @@ if TYPE_CHECKING:
 
     from tierd.daemon.arena import ShmArena
     from tierd.daemon.ssd import SsdStore
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -102,29 +98,13 @@ class Promoter:
         ok = not read.cancelled() and failure is None and read.result()
         del self.active[p.key]
         p.source.pins -= 1
-        now = self._clock()
-        t, counts = self._tiers, self._tiers.counts
+        t = self._tiers
         if ok and p.key not in t.dram and p.key not in self._writing:
-            s = p.source
-            block = DramBlock(s.namespace, s.block_hash, p.slot_bytes, p.slot_id, s.checksum,
-                              s.created, s.last_access, s.hits)
-            t.dram.add(p.key, block)
-            t.pin(p.key, p.waiters)
+            t.land(p.key, p.source, p.slot_bytes, p.slot_id, p.waiters)
             p.landed = True
             self._inflight[p.key] += p.waiters
-            if p.key in t.disk:
-                t.disk.touch(p.key)
-            counts.promotions += 1
-            t.emit(BlockStored((s.block_hash,), None, "dram"), s.namespace)
         else:
-            t.alloc.free(p.slot_bytes, p.slot_id)
+            t.free_slot(p.slot_bytes, p.slot_id)
         if not ok:
-            if failure is not None:
-                log.warning("SSD read of %s failed: %r", p.key.hex(), failure)
-            counts.checksum_failures["ssd"] += 1
-            if t.disk.get(p.key) is p.source:
-                if self._ssd is not None and failure is not None:
-                    self._ssd.remove(p.source.namespace, p.source.block_hash)
-                t.drop_ssd(p.key, now, record_gone=True)
-            t.check_ssd()
+            t.unreadable(p.key, p.source, failure, self._clock())
         p.done.set_result(bool(ok))

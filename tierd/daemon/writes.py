@@ -69,9 +69,7 @@ class Reservations:
             got = t.allocate_many(slot_bytes, len(wanted), now)
             room = bool(wanted) and len(got) == len(wanted)
             for (key, i), slot in zip(wanted.items(), got):
-                last_access = t.ghosts.pop(key, None)
-                if last_access is not None:
-                    t.metrics.reuse_gap.observe(max(0.0, now - last_access))
+                t.note_restore(key, now)
                 slots[i] = slot
                 self.writing[key] = lease_id
         stored = [key in t.dram or (t.ssd_up and key in t.disk) for key in keys]
@@ -98,9 +96,9 @@ class Reservations:
                 key = make_key(lease.namespace, block_hash)
                 del self.writing[key]
                 if checksum is None:
-                    self._tiers.alloc.free(lease.slot_bytes, slot)
+                    self._tiers.free_slot(lease.slot_bytes, slot)
                 else:
-                    self._tiers.dram.add(key, DramBlock(
+                    self._tiers.add_dram(key, DramBlock(
                         lease.namespace, block_hash, lease.slot_bytes, slot, checksum,
                         created=now, last_access=now))
                     if not run:
@@ -141,7 +139,7 @@ class Reservations:
         for block_hash, slot in zip(lease.hashes, lease.slots):
             if slot is not None:
                 del self.writing[make_key(lease.namespace, block_hash)]
-                self._tiers.alloc.free(lease.slot_bytes, slot)
+                self._tiers.free_slot(lease.slot_bytes, slot)
 
     def _write_lease(self, lease_id: str, engine_id: str | None, entries: int,
                      what: str) -> WriteLease:
