@@ -17,7 +17,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, Literal, TypeVar
 
 from tierd.daemon.eviction import LruEviction
 from tierd.daemon.listeners import TierListener
@@ -65,6 +65,10 @@ class SsdBlock:
 
 
 E = TypeVar("E", DramBlock, SsdBlock)
+
+DropReason = Literal["evicted", "corrupt"]
+"""Why a copy leaves a tier: LRU policy (counted as an eviction or demotion, may be handed to
+the remote tier) or bytes that failed their checksum (counted as a checksum failure)."""
 
 class LruIndex(Generic[E]):
     """Key -> entry, iterated least recently used first. O(1) add, touch, pop."""
@@ -276,9 +280,7 @@ class TierIndex:
             log.warning("SSD read of %s failed: %r", key.hex(), failure)
         self.counts.checksum_failures["ssd"] += 1
         if self.disk.get(key) is source:
-            if self.ssd is not None and failure is not None:
-                self.ssd.remove(source.namespace, source.block_hash)
-            self.drop_ssd(key, now, record_gone=True)
+            self.drop_ssd(key, now, "corrupt")
         self.check_ssd()
 
     def pin(self, key: NamespacedKey, count: int = 1) -> DramBlock:
@@ -314,14 +316,14 @@ class TierIndex:
         self.metrics.reuse_gap.observe_many(gaps)
         self.dram.touch_all(keys)
 
-    def drop_dram(self, key: NamespacedKey, now: float, *, corrupt: bool = False) -> None:
-        """Remove an unpinned DRAM copy and free its slot (a demotion if an SSD copy remains).
-        ``corrupt``: its bytes no longer match its checksum: counted as a checksum failure, not
-        an eviction, and never handed on (no remote-tier put)."""
+    def drop_dram(self, key: NamespacedKey, now: float, reason: DropReason = "evicted") -> None:
+        """Remove an unpinned DRAM copy and free its slot: "evicted" is a demotion if an SSD
+        copy remains, else an eviction (the listener may keep its bytes); "corrupt" (its bytes
+        no longer match its checksum) is counted as a checksum failure and never handed on."""
         block = self.dram.pop(key)
         assert block.pins == 0 and not block.demoting, f"{key.hex()}: dropping a pinned block"
         last = not (self.ssd_up and key in self.disk)
-        if corrupt:
+        if reason == "corrupt":
             self.alloc.free(block.slot_bytes, block.slot_id)
             self.emit(BlockRemoved((block.block_hash,), "dram"), block.namespace)
             self.counts.checksum_failures["dram"] += 1
@@ -337,18 +339,21 @@ class TierIndex:
             self.counts.evictions["dram"] += 1
             self._left_node(key, block.created, block.last_access, now)
 
-    def drop_ssd(self, key: NamespacedKey, now: float, *, record_gone: bool = False) -> None:
-        """Remove an SSD copy and its record. ``record_gone``: the store already deleted a
-        corrupt record (not an eviction: counted as a checksum failure by the caller)."""
+    def drop_ssd(self, key: NamespacedKey, now: float, reason: DropReason = "evicted") -> None:
+        """Remove an SSD copy and its record (a no-op for the store if it already dropped a
+        corrupt one). "evicted": counted, and the listener may keep its bytes if it was the
+        last copy; "corrupt": neither (the caller counts the checksum failure), and a promotion
+        may still pin it."""
         entry = self.disk.pop(key)
-        assert entry.pins == 0 or record_gone, f"{key.hex()}: dropping a pinned SSD block"
-        if not record_gone and key not in self.dram and self.listener is not None:
+        evicted = reason == "evicted"
+        assert entry.pins == 0 or not evicted, f"{key.hex()}: dropping a pinned SSD block"
+        if evicted and key not in self.dram and self.listener is not None:
             self.listener.evicted(key, entry.checksum, entry.payload_len,
                                   lambda: self._read_later(entry))
-        if not record_gone and self.ssd is not None:
+        if self.ssd is not None:
             self.ssd.remove(entry.namespace, entry.block_hash)
         self.emit(BlockRemoved((entry.block_hash,), "ssd"), entry.namespace)
-        if not record_gone:
+        if evicted:
             self.counts.evictions["ssd"] += 1
         if key not in self.dram:
             self._left_node(key, entry.created, entry.last_access, now)

@@ -321,7 +321,7 @@ class NodeStore:
                 block.checksum:
             return False
         log.warning("DRAM block %s failed its checksum: dropped", key.hex())
-        self._tiers.drop_dram(key, self._clock(), corrupt=True)
+        self._tiers.drop_dram(key, self._clock(), "corrupt")
         return True
 
     # -- writes --------------------------------------------------------------------------------
