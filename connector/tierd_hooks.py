@@ -56,7 +56,7 @@ from tierd.connector.tierd_config import TierdHooksConfig, TierdHooksStats, layo
 from tierd.connector.tierd_jobs import GATHERED, Held, HotJob, Job, ReleaseJob, SaveJob, Session, \
     merged_reports
 from tierd.connector.transfer import ArenaSlots, StagingRing, allocate_staging, gather_rows, \
-    load_blocks, write_through
+    load_blocks
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import AcquiredBlocks, TierdClient
 from tierd.daemon.layout import Layout
@@ -175,15 +175,15 @@ class TierdHooks:
         return not self._jobs.unfinished_tasks
 
     def close(self) -> None:
-        """Send what is queued (up to ``call_timeout_s``), stop the worker, unregister. Idempotent."""
+        """Send what is queued (up to ``timeout_seconds``), stop the worker, unregister. Idempotent."""
         if self._worker is None or self._closing.is_set():
             return
         self._release_all()
         self._queue_loaded()
-        self.flush(self.config.call_timeout_s)
+        self.flush(self.config.timeout_seconds)
         self._closing.set()
         self._put(None)
-        self._worker.join(timeout=self.config.call_timeout_s + 1)
+        self._worker.join(timeout=self.config.timeout_seconds + 1)
         session, self._session = self._session, None
         if session is not None:
             try:
@@ -377,7 +377,7 @@ class TierdHooks:
         cfg = self.config
         assert self._layout is not None
         client = TierdClient(socket_path=cfg.socket_path, address=cfg.address, token=cfg.token,
-                             timeout=cfg.call_timeout_s)
+                             timeout=cfg.timeout_seconds)
         try:
             engine = client.register_engine(self._layout, cfg.engine_name)
             arena = ShmArena.attach(engine.arena_name, directory=engine.arena_directory)
@@ -428,16 +428,16 @@ class TierdHooks:
         if self.config.worker_nice and sys.platform == "linux":  # per thread on Linux only
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
                            os.getpriority(os.PRIO_PROCESS, 0) + self.config.worker_nice)
-        backoff, next_try = self.config.reconnect_min_s, 0.0
+        backoff, next_try = self.config.retry_seconds, 0.0
         held: list[Job] = []  # taken off the queue while batching saves, not yet done
         while not self._closing.is_set():
             if self._session is None and time.monotonic() >= next_try:
                 session = self._connect()
                 if session is None:
                     next_try = time.monotonic() + backoff
-                    backoff = min(backoff * 2, self.config.reconnect_max_s)
+                    backoff = min(backoff * 2, self.config.longest_retry)
                 else:
-                    backoff = self.config.reconnect_min_s
+                    backoff = self.config.retry_seconds
                     self._session = session
             wait = max(0.0, next_try - time.monotonic()) if self._session is None else None
             try:
@@ -535,16 +535,17 @@ class TierdHooks:
             reserved = client.reserve(engine_id, hashes, filtered_query_tokens=sum(
                 save.query_tokens for save in saves))
             self.stats.save_batches += 1
-            checksums: list[int | None] = []
+            written = [s is not None for s in reserved.slot_ids]
             try:
+                done = 0
                 for save in saves:
-                    slots = reserved.slot_ids[len(checksums):len(checksums) + len(save.hashes)]
-                    rows = self._ring.rows[save.span.start:save.span.stop]
-                    checksums += write_through(session.slots, slots, rows)
+                    slots = reserved.slot_ids[done:done + len(save.hashes)]
+                    done += len(save.hashes)
+                    session.slots.write(slots, self._ring.rows[save.span.start:save.span.stop])
             except ValueError as exc:  # slots outside the arena we mapped: a daemon bug
                 log.warning("tierd save rejected: %s", exc)
-                checksums = [None] * n  # the commit frees every reserved slot
-            stored = client.commit(engine_id, reserved.lease_id, checksums)
+                written = [False] * n  # the commit frees every reserved slot
+            stored = client.commit(engine_id, reserved.lease_id, written)
         except grpc.RpcError as exc:
             self.stats.rpc_errors += 1
             self.stats.unsaved_blocks += n

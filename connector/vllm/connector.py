@@ -19,7 +19,7 @@ from .base import (HAVE_VLLM, KVConnectorBase_V1, KVConnectorMetadata, KVConnect
 from .config import TierdVllmConfig
 from .identity import model_identity_from_vllm
 from .kv_tensors import KV_FORMAT, dtype_name
-from .link import DaemonLink
+from tierd.connector.core.link import DaemonLink
 from .metadata import TierdConnectorMetadata, TierdWorkerMetadata
 from .scheduler import SchedulerSide
 from .stats import TierdConnectorStats

@@ -59,7 +59,7 @@ from .config import TierdVllmConfig
 from .cuda_copy import DeviceTransfer, SaveTicket, register_host_memory, unregister_host_memory
 from .kv_tensors import (Run, SlotFormat, byte_view, load_blocks, runs, save_layer,
                          slot_format, stack_layers)
-from .link import DaemonLink
+from tierd.connector.core.link import DaemonLink
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 from .stats import TierdConnectorStats
 from .streaming import StreamedLoad, Streams
@@ -551,6 +551,6 @@ def _commit(client: TierdClient, engine_id: str, lease_id: str, written: list[bo
     if ticket is not None:
         ticket.landed.synchronize()
     try:
-        return client.commit_written(engine_id, lease_id, written), 0, None
+        return client.commit(engine_id, lease_id, written), 0, None
     except grpc.RpcError as exc:
         return 0, sum(written), exc

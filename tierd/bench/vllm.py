@@ -172,7 +172,7 @@ class _Side:
 
     def __init__(self, sock: str, kv: dict[str, Any]) -> None:
         from tierd.connector.vllm.config import TierdVllmConfig
-        from tierd.connector.vllm.link import DaemonLink
+        from tierd.connector.core.link import DaemonLink
         from tierd.connector.vllm.scheduler import SchedulerSide
         from tierd.connector.vllm.worker import WorkerSide
 
