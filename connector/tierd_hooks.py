@@ -216,8 +216,9 @@ class TierdHooks:
     def load(self, request: Request, block_ids: Sequence[int],
              block_hashes: Sequence[BlockHash]) -> list[bool]:
         """Copy and verify under the lease ``lookup`` took (Acquire now if there is none for
-        these hashes; ``core.load.load_leased``); True for each leading block now in the pool.
-        The lease's Release is queued to the worker at ``step_end``, so its round trip never runs beside the forward
+        these hashes; ``core.load.load_leased``); True for each leading block now in the pool
+        (none if the lease's deadline passed before the copy was done). The lease's Release is
+        queued to the worker at ``step_end``, so its round trip never runs beside the forward
         pass that computes the request's first token (the lease is held one step longer); one
         that reports a corrupt block is queued at once, ahead of the step's saves, so the
         daemon drops the bad copy before the recomputed block is written through."""
