@@ -22,7 +22,7 @@ import grpc
 
 from .cuda_copy import SaveTicket
 from .stats import Counters
-from tierd.connector.core.link import DaemonLink
+from tierd.connector.core.link import DaemonLink, Session
 from tierd.connector.core.save import Reservation, commit
 from tierd.daemon.client import TierdClient
 
@@ -49,7 +49,7 @@ class Committer:
         self._link, self._counters, self._slot_bytes = link, counters, slot_bytes
         self._tp_size = tp_size
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tierd-commit")
-        self._futures: list[Future[_Outcome]] = []
+        self._futures: list[tuple[Session | None, Future[_Outcome]]] = []
         self._client: TierdClient | None = None
         self._held: list[HeldCommit] = []
 
@@ -78,17 +78,18 @@ class Committer:
 
     def harvest(self, wait: bool = False) -> None:
         """Count the outcomes of landed Commits (of all of them, with ``wait``)."""
-        keep: list[Future[_Outcome]] = []
-        for future in self._futures:
+        keep: list[tuple[Session | None, Future[_Outcome]]] = []
+        for session, future in self._futures:
             if not wait and not future.done():
-                keep.append(future)
+                keep.append((session, future))
                 continue
             stored, lost, exc = future.result()
             if exc is not None:
                 if self._client is not None:  # a fresh channel next time
                     self._client.close()
                     self._client = None
-                self._link.failed(exc, names_lease=True)
+                if session is not None:  # a failure of an older session drops nothing
+                    self._link.failed(exc, session, names_lease=True)
             self._counters.count("dropped_blocks", lost)
             self._counters.count("saved_blocks", stored)
             self._counters.count("saved_bytes", stored * self._slot_bytes)
@@ -108,8 +109,8 @@ class Committer:
                 ticket: SaveTicket | None) -> None:
         if self._client is None:
             self._client = self._link.new_client()
-        self._futures.append(self._thread.submit(_commit, self._client, reservation, written,
-                                                 ticket))
+        self._futures.append((self._link.session, self._thread.submit(
+            _commit, self._client, reservation, written, ticket)))
 
 
 def _commit(client: TierdClient, reservation: Reservation, written: list[bool],
