@@ -9,8 +9,9 @@ finish (a layer never arrived, a load it depends on failed) calls ``abort`` inst
 with those blocks' flags False. A reservation that is neither committed nor aborted lapses on
 the daemon after its lease time.
 
-(Engines no longer send checksums: the daemon's Commit ignores none and rejects the old
-``blocks`` field; see ``proto/tierd/v1/tierd.proto``.)
+Engines never send checksums: the daemon refuses a Commit carrying the retired ``blocks``
+field (INVALID_ARGUMENT; the field stays in ``proto/tierd/v1/tierd.proto`` so its number is
+never reused).
 """
 
 from __future__ import annotations
