@@ -3,8 +3,10 @@ paged pool. Plain values, importable from ``tierd.connector.tierd_hooks`` too.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import InitVar, dataclass
 
+from tierd.connector.core.settings import ClientSettings
 from tierd.daemon.layout import Layout
 from tierd.gpu.layout import DTYPE_NAMES, KVCacheSpec
 from tierd.model_identity import validate_model_id
@@ -19,22 +21,26 @@ def layout_for(spec: KVCacheSpec, model_id: str, tp_rank: int = 0, tp_size: int 
     return layout
 
 
+_RENAMED = {"call_timeout_s": "timeout_seconds", "reconnect_min_s": "retry_seconds",
+            "reconnect_max_s": "retry_max_seconds"}
+"""Keys of earlier versions, still accepted (with a ``DeprecationWarning``), and their names
+now (``ClientSettings``, the same as the vLLM connector's)."""
+
+
 @dataclass(frozen=True)
-class TierdHooksConfig:
-    """Where the daemon is and how much the hooks may buffer.
+class TierdHooksConfig(ClientSettings):
+    """Where the daemon is (``ClientSettings``: ``socket_path``, ``address`` + ``token``,
+    ``timeout_seconds``; a lost daemon is retried after ``retry_seconds``, doubling up to
+    ``retry_max_seconds``) and how much the hooks may buffer. Staging memory is allocated once
+    at ``register_kv_caches``. The old keys ``call_timeout_s``, ``reconnect_min_s`` and
+    ``reconnect_max_s`` still work, with a warning."""
 
-    ``socket_path`` (default: ``tierd serve``'s default socket) or ``address`` ("host:port",
-    needs ``token``); ``token`` selects the tenant. Staging memory is allocated once at
-    ``register_kv_caches``."""
-
-    socket_path: str | None = None
-    address: str | None = None
-    token: str | None = None
     engine_name: str = "reference-engine"
+    retry_seconds: float = 0.2
+    retry_max_seconds: float | None = 5.0
     model_id: str | None = None
     """Overrides the engine's model id (``tierd.model_identity``: derived from the weights).
     Engines with equal ids share blocks: a wrong value serves one model's KV to another."""
-    call_timeout_s: float = 5.0
     save_staging_bytes: int = 32 << 20
     """Bound of blocks waiting to be written to the daemon; past it new saves are dropped."""
     load_staging_bytes: int = 16 << 20
@@ -51,22 +57,32 @@ class TierdHooksConfig:
     """Niceness added to the worker thread (Linux; 0: none). The worker only does background
     work (copies into the arena, round trips), so on a busy host it runs in the gaps the
     engine's compute leaves instead of taking a core from it."""
-    reconnect_min_s: float = 0.2
-    reconnect_max_s: float = 5.0
     tp_rank: int = 0
     tp_size: int = 1
+    call_timeout_s: InitVar[float | None] = None
+    reconnect_min_s: InitVar[float | None] = None
+    reconnect_max_s: InitVar[float | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, call_timeout_s: float | None, reconnect_min_s: float | None,
+                      reconnect_max_s: float | None) -> None:
+        old = {"call_timeout_s": call_timeout_s, "reconnect_min_s": reconnect_min_s,
+               "reconnect_max_s": reconnect_max_s}
+        for key, value in old.items():
+            if value is not None:
+                warnings.warn(f"TierdHooksConfig({key}=...) is now {_RENAMED[key]}",
+                              DeprecationWarning, stacklevel=3)
+                object.__setattr__(self, _RENAMED[key], value)
+        self.validate_client()
         if self.model_id is not None:
             validate_model_id(self.model_id)
-        if self.call_timeout_s <= 0 or self.reconnect_min_s <= 0:
-            raise ValueError("call_timeout_s and reconnect_min_s must be positive")
+        if self.retry_seconds <= 0:
+            raise ValueError(f"retry_seconds={self.retry_seconds} must be positive")
         if not 0 <= self.worker_nice <= 19:
             raise ValueError(f"worker_nice={self.worker_nice} must lie in [0, 19]")
         if self.save_batch_s < 0:
             raise ValueError(f"save_batch_s={self.save_batch_s} must be >= 0 (0: no batching)")
-        if self.reconnect_max_s < self.reconnect_min_s or self.max_queued_jobs < 1:
-            raise ValueError("need reconnect_max_s >= reconnect_min_s and max_queued_jobs >= 1")
+        if self.max_queued_jobs < 1:
+            raise ValueError(f"max_queued_jobs={self.max_queued_jobs} must be >= 1")
 
 
 @dataclass(slots=True)

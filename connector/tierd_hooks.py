@@ -7,10 +7,12 @@ Per engine step (see ``tierd.connector.hooks`` for the call order)::
              node's count); else one Acquire round trip for the chain past the hot-tier hit
              (``count_lookup``: the daemon counts it as a Lookup): pins the loadable prefix under
              a lease (SSD hits are staged into DRAM by the daemon), kept until its ``load``
-    load     no round trip: checksum of each block where it lies in the arena under that lease,
-             one batched copy of the verified run straight into a host pool (through staging for
-             a device pool or a lease about to lapse); the Release is queued to the worker at
-             ``step_end`` (after the forward pass, so it never delays compute). A lease whose
+    load     no round trip: ``core.load.load_leased`` under that lease through the ``PoolRows``
+             sink (each block checked where it lies in the arena while it is copied straight
+             into a host pool, in one pass; through staging for a device pool); a copy counts
+             only if the lease's deadline had not passed when it was done; the Release is queued
+             to the worker at ``step_end`` (after the forward pass, so it never delays compute). A
+             lease whose
              ``load`` never comes (allocation failed, request finished) is released at
              ``request_finished`` / ``step_end``
     save     one copy pool -> staging ring per run of consecutive pool blocks (the pool block
@@ -18,21 +20,23 @@ Per engine step (see ``tierd.connector.hooks`` for the call order)::
              to ``save_batch_s`` or half the ring, then makes one Reserve (blocks the node
              already holds are skipped), copies staging -> arena slots with plain host memcpys
              (no torch op: no second OpenMP team beside the engine's), and one Commit with the
-             checksums. The worker runs at a lower priority (``worker_nice``).
+             written flags (``core.save``: the daemon checksums). The worker runs at a lower
+             priority (``worker_nice``).
     step_end the engine's hot-tier (HBM) BlockStored/BlockRemoved events, batched, are queued for
              ReportHotBlocks (when ``attach_block_events`` was called); the worker gathers them
              with the saves and sends the reports of a batch merged into one
 
 Failure is never an exception out of the engine. A failed load (lease expired, checksum mismatch,
 daemon gone, any gRPC error) returns False for that block and all after it, so the engine
-recomputes them. A save that cannot be queued (ring or queue full) is dropped and counted. If the
-daemon is down at start or goes away (UNAVAILABLE, or NOT_FOUND for our engine after a restart),
-the hooks behave like ``NullHooks`` and the worker reconnects with exponential backoff,
-re-registering the engine and attaching the new arena.
+recomputes them. A save that cannot be queued (ring or queue full) is dropped and counted. The
+daemon link is ``core.link.DaemonLink``, failed calls classified by ``core.errors``: if the daemon
+is down at start or goes away, the hooks behave like ``NullHooks`` and the worker reconnects with
+exponential backoff (``retry_seconds`` .. ``retry_max_seconds``), re-registering the engine and
+attaching the new arena.
 
 Threads: hook methods run on the engine thread; one worker thread does the queued round trips and
-the reconnects. Every arena and lease belongs to one ``Session``; work for a lost session is
-dropped, never applied to the next one.
+the reconnects. Every arena and lease belongs to one ``core.link.Session``; work for a lost
+session is dropped, never applied to the next one.
 """
 
 from __future__ import annotations
@@ -48,10 +52,14 @@ from functools import wraps
 from typing import Concatenate, ParamSpec, TypeVar
 
 import grpc
-import torch
 
+from tierd.connector.core.errors import Failure, describe
+from tierd.connector.core.lease import Lease, Release, acquire
+from tierd.connector.core.link import DaemonLink, Session
+from tierd.connector.core.load import load_leased
+from tierd.connector.core.save import commit, reserve, write_rows
+from tierd.connector.core.sinks import PoolRows
 from tierd.connector.engine import Request
-from tierd.connector.native import verified_copy
 from tierd.connector.tierd_config import TierdHooksConfig, TierdHooksStats, layout_for
 from tierd.connector.tierd_jobs import (
     GATHERED,
@@ -60,21 +68,9 @@ from tierd.connector.tierd_jobs import (
     Job,
     ReleaseJob,
     SaveJob,
-    Session,
     merged_reports,
 )
-from tierd.connector.transfer import (
-    ArenaSlots,
-    StagingRing,
-    allocate_staging,
-    gather_rows,
-    load_blocks,
-    write_through,
-)
-from tierd.daemon.arena import ShmArena
-from tierd.daemon.client import AcquiredBlocks, TierdClient
-from tierd.daemon.layout import Layout
-from tierd.daemon.presence import PresenceView
+from tierd.connector.transfer import StagingRing, gather_rows
 from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from tierd.gpu.layout import KVCache
 from tierd.types import BlockHash, Namespace, make_key
@@ -83,14 +79,6 @@ from tierd.types import BlockHash, Namespace, make_key
 __all__ = ["TierdHooks", "TierdHooksConfig", "TierdHooksStats", "layout_for"]
 
 log = logging.getLogger(__name__)
-
-_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED)
-"""Codes that mean the session is gone (no daemon, or a restarted one that forgot us)."""
-_DIRECT_LOAD_MARGIN_S = 1.0
-"""A load copies straight from the arena (no staging) only if the lease has this long left."""
-
-
-
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -119,11 +107,10 @@ class TierdHooks:
         self.config = config or TierdHooksConfig()
         self.stats = TierdHooksStats()
         self._kv: KVCache | None = None
-        self._layout: Layout | None = None
-        self._session: Session | None = None
+        self._link: DaemonLink | None = None
         self._jobs: queue.Queue[Job] = queue.Queue(self.config.max_queued_jobs + 1)
         self._ring: StagingRing | None = None
-        self._load_staging: torch.Tensor | None = None
+        self._sink: PoolRows | None = None
         self._pending: set[BlockHash] = set()  # queued for save; guarded by _lock
         self._held: dict[str, Held] = {}  # request id -> its looked-up lease (engine thread)
         self._loaded: list[ReleaseJob] = []  # Releases of this step's loads (engine thread)
@@ -144,13 +131,12 @@ class TierdHooks:
         assert self._kv is None, "register_kv_caches is called once per engine"
         cfg, row = self.config, kv_cache.spec.block_bytes
         self._kv = kv_cache
-        self._layout = layout_for(kv_cache.spec, cfg.model_id or model_id, cfg.tp_rank,
-                                  cfg.tp_size)
+        layout = layout_for(kv_cache.spec, cfg.model_id or model_id, cfg.tp_rank, cfg.tp_size)
         self._ring = StagingRing(max(1, cfg.save_staging_bytes // row), row)
-        self._load_staging = allocate_staging(max(1, cfg.load_staging_bytes // row), row)
-        if kv_cache.pool.device.type == "cpu":
-            verified_copy.available()  # build the one-pass load now, not on the first load
-        self._session = self._connect()
+        self._sink = PoolRows(kv_cache.pool, cfg.load_staging_bytes // row)
+        self._link = DaemonLink(cfg, layout, attach=True, presence=True,
+                                on_session=self._session_changed)
+        self._link.connect()
         self._worker = threading.Thread(target=self._run, name="tierd-hooks", daemon=True)
         self._worker.start()
 
@@ -159,6 +145,11 @@ class TierdHooks:
         daemon, batched once per step, so ``tierd stats`` and routers see the HBM tier."""
         self._events = take_events
         self._hot_cleared = True  # the first report starts the daemon's view afresh
+
+    @property
+    def _session(self) -> Session | None:
+        """The link's current session (None while the daemon is out of reach)."""
+        return self._link.session if self._link is not None else None
 
     @property
     def connected(self) -> bool:
@@ -189,23 +180,18 @@ class TierdHooks:
         return not self._jobs.unfinished_tasks
 
     def close(self) -> None:
-        """Send what is queued (up to ``call_timeout_s``), stop the worker, unregister.
+        """Send what is queued (up to ``timeout_seconds``), stop the worker, unregister.
         Idempotent."""
         if self._worker is None or self._closing.is_set():
             return
         self._release_all()
         self._queue_loaded()
-        self.flush(self.config.call_timeout_s)
+        self.flush(self.config.timeout_seconds)
         self._closing.set()
         self._put(None)
-        self._worker.join(timeout=self.config.call_timeout_s + 1)
-        session, self._session = self._session, None
-        if session is not None:
-            try:
-                session.client.unregister_engine(session.engine.engine_id)
-            except grpc.RpcError:
-                pass  # the daemon is gone or forgot us: nothing to undo
-            self._end(session)
+        self._worker.join(timeout=self.config.timeout_seconds + 1)
+        if self._link is not None:
+            self._link.close()
 
     # -- KVTransferHooks -----------------------------------------------------------------------
 
@@ -227,21 +213,20 @@ class TierdHooks:
             self.stats.filtered_lookups += 1
             self._filtered_tokens += len(hashes) * self._block_size
             return 0
-        acquired = self._acquire(session, hashes, count_lookup=True)
-        if acquired is None:
+        lease = self._acquire(session, hashes, count_lookup=True)
+        if lease is None:
             return 0
-        got, deadline = acquired
-        if got.num_blocks:
-            self._held[request.request_id] = Held(session, hashes[:got.num_blocks], got,
-                                                   deadline)
-        self.stats.lookup_hit_blocks += got.num_blocks
-        return got.num_blocks
+        if lease.num_blocks:
+            self._held[request.request_id] = Held(session, hashes[:lease.num_blocks], lease)
+        self.stats.lookup_hit_blocks += lease.num_blocks
+        return lease.num_blocks
 
     @_engine_thread
     def load(self, request: Request, block_ids: Sequence[int],
              block_hashes: Sequence[BlockHash]) -> list[bool]:
         """Copy and verify under the lease ``lookup`` took (Acquire now if there is none for
-        these hashes); True for each leading block now in the pool. The lease's Release is
+        these hashes; ``core.load.load_leased``); True for each leading block now in the pool
+        (none if the lease's deadline passed before the copy was done). The lease's Release is
         queued to the worker at ``step_end``, so its round trip never runs beside the forward
         pass that computes the request's first token (the lease is held one step longer); one
         that reports a corrupt block is queued at once, ahead of the step's saves, so the
@@ -259,32 +244,19 @@ class TierdHooks:
             return [False] * n
         self.stats.loads += 1
         if held is None:
-            acquired = self._acquire(session, block_hashes, count_lookup=False)
-            if acquired is None:
+            lease = self._acquire(session, block_hashes, count_lookup=False)
+            if lease is None:
                 self.stats.failed_load_blocks += n
                 return [False] * n
-            held = Held(session, list(block_hashes[:acquired[0].num_blocks]), *acquired)
-        got = held.got
-        assert self._kv is not None and self._load_staging is not None
-        m = min(n, got.num_blocks)
-        good, corrupt = 0, None
-        try:
-            # Straight from the arena while the lease surely outlives the copy, else staged.
-            good = load_blocks(session.slots, got.slot_ids[:m], got.checksums[:m], self._kv.pool,
-                               block_ids, self._load_staging,
-                               direct=held.deadline - time.monotonic() > _DIRECT_LOAD_MARGIN_S)
-            corrupt = good if good < m else None  # reported so the daemon drops a bad block
-        except ValueError as exc:  # slots outside the arena we mapped: a daemon bug, a miss here
-            log.warning("tierd load rejected: %s", exc)
-        finally:  # always release, even if the copy failed
-            if corrupt is not None:  # now: the daemon must drop the block before our re-save
-                self._release(held, corrupt_from=corrupt)
-            elif got.num_blocks:  # after this step's forward pass
-                self._loaded.append(ReleaseJob(held.session, got.lease_id, None))
-        self.stats.checksum_failures += good < m
-        self.stats.loaded_blocks += good
-        self.stats.failed_load_blocks += n - good
-        return [i < good for i in range(n)]
+            held = Held(session, list(block_hashes[:lease.num_blocks]), lease)
+        assert self._sink is not None and session.slots is not None
+        done = load_leased(held.lease, block_ids, session.slots, self._sink,
+                           self._deferred_release(session), time.monotonic)
+        self.stats.checksum_failures += done.corrupt
+        self.stats.lease_expiries += done.lease_lost
+        self.stats.loaded_blocks += done.placed
+        self.stats.failed_load_blocks += n - done.placed
+        return [i < done.placed for i in range(n)]
 
     @_engine_thread
     def save(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
@@ -351,22 +323,33 @@ class TierdHooks:
         return int(self._kv.spec.block_size)
 
     def _acquire(self, session: Session, hashes: Sequence[BlockHash], *,
-                 count_lookup: bool) -> tuple[AcquiredBlocks, float] | None:
-        """Acquire on the engine thread: the pinned prefix and the monotonic time by which its
-        lease may end; None (counted, the session dropped if lost) on a failed call."""
-        start = time.monotonic()
+                 count_lookup: bool) -> Lease | None:
+        """Acquire on the engine thread; None (counted, the session dropped if lost) on a
+        failed call."""
         try:
-            got = session.client.acquire(session.engine.engine_id, hashes,
-                                         count_lookup=count_lookup)
+            return acquire(session.client, session.engine_id, hashes, clock=time.monotonic,
+                           count_lookup=count_lookup)
         except grpc.RpcError as exc:
             self._failed(session, exc)
             return None
-        return got, start + got.seconds_left
 
-    def _release(self, held: Held | None, *, corrupt_from: int | None = None) -> None:
+    def _deferred_release(self, session: Session) -> Release:
+        """A load's Release, queued to the worker (``core.load``: the lease's deadline alone
+        decides): one that reports a corrupt block at once, ahead of the step's saves, so the
+        daemon drops the bad copy before the recomputed block is written through; the others
+        at ``step_end``, after the forward pass."""
+        def release(lease: Lease, corrupt_from: int | None) -> None:
+            job = ReleaseJob(session, lease.lease_id, corrupt_from)
+            if corrupt_from is not None:
+                self._put(job)
+            else:
+                self._loaded.append(job)
+        return release
+
+    def _release(self, held: Held | None) -> None:
         """Queue the Release of a held lease (the worker sends it; nothing for an empty one)."""
-        if held is not None and held.got.num_blocks:
-            self._put(ReleaseJob(held.session, held.got.lease_id, corrupt_from))
+        if held is not None and held.lease.num_blocks:
+            self._put(ReleaseJob(held.session, held.lease.lease_id, None))
 
     def _queue_loaded(self) -> None:
         """Queue the Releases of the leases this step's loads are done with."""
@@ -387,74 +370,39 @@ class TierdHooks:
             self.stats.dropped_jobs += 1
             return False
 
-    def _connect(self) -> Session | None:
-        """Register the engine and attach the arena; None (logged) if the daemon is not there."""
-        cfg = self.config
-        assert self._layout is not None
-        client = TierdClient(socket_path=cfg.socket_path, address=cfg.address, token=cfg.token,
-                             timeout=cfg.call_timeout_s)
-        try:
-            engine = client.register_engine(self._layout, cfg.engine_name)
-            arena = ShmArena.attach(engine.arena_name, directory=engine.arena_directory)
-        except (grpc.RpcError, OSError, ValueError) as exc:
-            client.close()
-            log.info("tierd not reachable at %s (%s): running without it", client.target,
-                     exc.code().name if isinstance(exc, grpc.RpcError) else exc)
-            return None
-        tensor = arena.as_tensor()  # pre-faulted: no page fault per page on the first copies
-        slots = ArenaSlots(tensor, engine.geometry)
-        presence = None
-        if engine.presence_name:
-            try:
-                presence = PresenceView(engine.presence_name, engine.arena_directory)
-            except (OSError, ValueError) as exc:  # then every lookup asks: slower, still right
-                log.warning("tierd presence filter not mapped (%s): asking on every lookup", exc)
-        self.stats.connects += 1
-        self._hot_cleared = True
-        log.info("tierd connected at %s: engine %s", client.target, engine.engine_id)
-        return Session(client, engine, arena, slots, presence)
+    def _session_changed(self, session: Session | None) -> None:
+        """The link's listener: count (re)connects and losses; after a loss wake the worker
+        (it reconnects); a new session gets the hot-tier view afresh."""
+        if session is None:
+            self.stats.disconnects += 1
+            self._put(None)
+        else:
+            self.stats.connects += 1
+            self._hot_cleared = True
 
-    def _failed(self, session: Session, exc: grpc.RpcError) -> None:
-        """A call of ``session`` failed: count it; if the session is gone, drop it (the worker
-        reconnects)."""
-        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+    def _failed(self, session: Session, exc: grpc.RpcError, *,
+                names_lease: bool = False) -> Failure:
+        """A call of ``session`` failed: classify it (``core.errors``, through the link, which
+        drops the session if it is lost) and count a lease that had ended."""
+        assert self._link is not None
+        failure = self._link.failed(exc, session, names_lease=names_lease)
+        if failure == "lease":
             self.stats.lease_expiries += 1  # counted from either thread: advisory
-            return
-        if exc.code() not in _LOST:
-            log.warning("tierd call failed: %s %s", exc.code().name, exc.details())
-            return
-        with self._lock:
-            if self._session is not session:
-                return
-            self._session = None
-        self._end(session)
-        self.stats.disconnects += 1
-        log.warning("tierd session lost (%s): running without it, reconnecting", exc.code().name)
-        self._put(None)
-
-    def _end(self, session: Session) -> None:
-        """Close the session's channel. Its arena is not closed here: unmapping it while another
-        thread may still copy through ``session.slots`` would fault (torch tensors over the
-        mapping do not pin it); the mapping goes when the last reference to the session does."""
-        session.client.close()
+        elif failure == "request":
+            log.warning("tierd call failed: %s", describe(exc))
+        return failure
 
     def _run(self) -> None:
         """Worker: send queued jobs in order; reconnect with backoff while disconnected."""
         if self.config.worker_nice and sys.platform == "linux":  # per thread on Linux only
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
                            os.getpriority(os.PRIO_PROCESS, 0) + self.config.worker_nice)
-        backoff, next_try = self.config.reconnect_min_s, 0.0
+        link = self._link
+        assert link is not None
         held: list[Job] = []  # taken off the queue while batching saves, not yet done
         while not self._closing.is_set():
-            if self._session is None and time.monotonic() >= next_try:
-                session = self._connect()
-                if session is None:
-                    next_try = time.monotonic() + backoff
-                    backoff = min(backoff * 2, self.config.reconnect_max_s)
-                else:
-                    backoff = self.config.reconnect_min_s
-                    self._session = session
-            wait = max(0.0, next_try - time.monotonic()) if self._session is None else None
+            link.connect()  # nothing while up or before the link's back-off has passed
+            wait = max(0.0, link.retry_at - time.monotonic()) if not link.up else None
             try:
                 job = held.pop() if held else self._jobs.get(
                     timeout=wait if wait is not None else 1.0)
@@ -529,41 +477,45 @@ class TierdHooks:
                                                      job.removed, job.cleared)
                 self.stats.hot_reports += 1
         except grpc.RpcError as exc:
-            if isinstance(job, ReleaseJob) and exc.code() == grpc.StatusCode.NOT_FOUND:
-                self.stats.lease_expiries += 1  # the lease ended (expired); the session is fine
-                return
-            self.stats.rpc_errors += 1
-            self._failed(job.session, exc)
+            release = isinstance(job, ReleaseJob)
+            if self._failed(job.session, exc, names_lease=release) != "lease" or not release:
+                self.stats.rpc_errors += 1  # a Release of a lease that had ended is no error
 
     def _write_through(self, saves: list[SaveJob]) -> None:
-        """One Reserve for every queued save, host memcpys of the staged rows into the
-        reserved slots (with checksums), one Commit."""
+        """``core.save``: one Reserve for every queued save, host memcpys of the staged rows
+        into the reserved slots, one Commit of the written flags (the daemon checksums)."""
         session = saves[0].session
         hashes = [h for save in saves for h in save.hashes]
         n = len(hashes)
         if session is not self._session:
             self.stats.unsaved_blocks += n
             return
-        client, engine_id = session.client, session.engine.engine_id
-        assert self._ring is not None
+        assert self._ring is not None and session.slots is not None
         try:
-            reserved = client.reserve(engine_id, hashes, filtered_query_tokens=sum(
-                save.query_tokens for save in saves))
-            self.stats.save_batches += 1
-            checksums: list[int | None] = []
-            try:
-                for save in saves:
-                    slots = reserved.slot_ids[len(checksums):len(checksums) + len(save.hashes)]
-                    rows = self._ring.rows[save.span.start:save.span.stop]
-                    checksums += write_through(session.slots, slots, rows)
-            except ValueError as exc:  # slots outside the arena we mapped: a daemon bug
-                log.warning("tierd save rejected: %s", exc)
-                checksums = [None] * n  # the commit frees every reserved slot
-            stored = client.commit(engine_id, reserved.lease_id, checksums)
+            reserved = reserve(session.client, session.engine_id, hashes,
+                               filtered_query_tokens=sum(save.query_tokens for save in saves))
         except grpc.RpcError as exc:
             self.stats.rpc_errors += 1
             self.stats.unsaved_blocks += n
             self._failed(session, exc)
+            return
+        self.stats.save_batches += 1
+        written = reserved.all_written()
+        try:
+            done = 0
+            for save in saves:
+                slots = reserved.slot_ids[done:done + len(save.hashes)]
+                done += len(save.hashes)
+                write_rows(session.slots, slots, self._ring.rows[save.span.start:save.span.stop])
+        except ValueError as exc:  # slots outside the arena we mapped: a daemon bug
+            log.warning("tierd save rejected: %s", exc)
+            written = [False] * n  # the commit frees every reserved slot
+        try:
+            stored = commit(session.client, reserved, written)
+        except grpc.RpcError as exc:
+            self.stats.rpc_errors += 1
+            self.stats.unsaved_blocks += n
+            self._failed(session, exc, names_lease=True)
             return
         already = sum(reserved.already_stored)
         self.stats.saved_blocks += stored

@@ -1,5 +1,5 @@
-"""What ``TierdHooks``' engine thread hands its worker: the session a job belongs to, and the
-queued jobs (saves, Releases, hot-tier reports), with the merge of several reports into one.
+"""What ``TierdHooks``' engine thread hands its worker: the queued jobs (saves, Releases,
+hot-tier reports) of a ``core.link.Session``, with the merge of several reports into one.
 
 Internal to ``tierd.connector.tierd_hooks``; a job of a session that is gone is dropped by the
 worker, never applied to the next session.
@@ -9,20 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tierd.connector.transfer import ArenaSlots, Span
-from tierd.daemon.arena import ShmArena
-from tierd.daemon.client import AcquiredBlocks, EngineHandle, TierdClient
-from tierd.daemon.presence import PresenceView
+from tierd.connector.core.lease import Lease
+from tierd.connector.core.link import Session
+from tierd.connector.transfer import Span
 from tierd.types import BlockHash
-
-
-@dataclass(frozen=True, slots=True)
-class Session:
-    client: TierdClient
-    engine: EngineHandle
-    arena: ShmArena
-    slots: ArenaSlots
-    presence: PresenceView | None  # the daemon's presence filter, if it publishes one
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +39,7 @@ class Held:
 
     session: Session
     hashes: list[BlockHash]     # the acquired blocks' hashes, chain order
-    got: AcquiredBlocks
-    deadline: float             # time.monotonic() by which the daemon may end the lease
+    lease: Lease
 
 
 @dataclass(frozen=True, slots=True)

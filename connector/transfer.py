@@ -10,19 +10,20 @@ Python loop per block; the checksums (xxh3-64,
 ``tierd.checksum.block_checksum``, ~30 GB/s) are computed block by block over memory already in
 place.
 
-Load (``load_blocks``), host pool: each slot checked where it lies in the arena (pinned by the
-caller's lease) as it is copied into its pool row, in one pass (``native.verified_copy``), or,
-without the native helper, verify every slot, then one gather of the leading run that verified
-straight into the pool rows. Device pool (or a lease about to lapse): arena slots -> private
+Load (``load_blocks``, the copy under ``core.sinks.PoolRows``), host pool: each slot checked
+where it lies in the arena (pinned by the caller's lease) as it is copied into its pool row, in
+one pass (``native.verified_copy``), or, without the native helper, verify every slot, then one
+gather of the leading run that verified straight into the pool rows. Device pool: arena slots ->
+private
 pre-touched host staging (one gather) -> verify there -> pool rows (one scatter). Either way a
 mismatch makes that block and every later one a miss, recomputed in its row (in one pass its
 row may hold some of the bad bytes until then, as it held stale ones before).
 
-Save (``save_blocks``, ``write_through``): rows already copied out of the pool into staging
-(``StagingRing``; ``gather_rows`` on the engine thread, a memcpy per run of consecutive pool
-rows, so the pool may be reused at once) -> checksums -> reserved arena slots, by plain host
+Save (``ArenaSlots.write``, used by ``core.save.write_rows``): rows already copied out of the
+pool into staging (``StagingRing``; ``gather_rows`` on the engine thread, a memcpy per run of
+consecutive pool rows, so the pool may be reused at once) -> reserved arena slots, by plain host
 memcpys of runs of adjacent slots (no torch op, so a background thread does not start a second
-OpenMP team beside the engine's).
+OpenMP team beside the engine's). The daemon checksums the slots at the Commit.
 
 Staging memory is allocated and zero-filled once (first touch of fresh pages costs ~2.5 s/GiB on
 these hosts; a per-call temporary would pay it on every transfer).
@@ -54,6 +55,7 @@ class ArenaSlots:
             raise ValueError("arena must be the 1-D uint8 tensor of ShmArena.as_tensor()")
         if geometry.slots_per_slab * geometry.slot_bytes > geometry.slab_bytes:
             raise ValueError(f"geometry {geometry} puts more slot bytes in a slab than it has")
+        self.arena = arena  # the whole mapping, as given
         self.geometry = geometry
         self.slot_bytes = geometry.slot_bytes
         size = arena.numel()
@@ -221,14 +223,6 @@ def gather_rows(pool: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor)
         out.copy_(torch.index_select(pool, 0, ids))
 
 
-def row_checksums(rows: torch.Tensor) -> list[int]:
-    """``block_checksum`` of each row of a contiguous uint8 CPU tensor ``[n, row_bytes]``."""
-    assert rows.device.type == "cpu" and rows.is_contiguous(), "checksums read host rows in place"
-    flat = rows.numpy().data.cast("B")
-    width = rows.shape[1]
-    return [block_checksum(flat[i * width:(i + 1) * width]) for i in range(rows.shape[0])]
-
-
 def verified_prefix(rows: torch.Tensor, checksums: Sequence[int]) -> int:
     """How many leading rows of ``rows`` match ``checksums`` (stops at the first mismatch)."""
     width = rows.shape[1]
@@ -258,8 +252,8 @@ def load_blocks(arena: ArenaSlots, slot_ids: Sequence[int], checksums: Sequence[
     ``slot_ids[i]``/``checksums[i]`` describe the block that goes to ``block_ids[i]``; extra
     ``block_ids`` (past ``len(slot_ids)``) are left alone. ``direct`` (host pools): check the
     slots where they lie while copying them straight into the pool (one pass; or verify, then
-    copy the verified run, without the native helper; safe while the caller's lease pins the
-    slots, so pass False when the lease may lapse during the call). Otherwise, per chunk of
+    copy the verified run, without the native helper). Otherwise (device pools, or
+    ``direct=False``), per chunk of
     ``len(staging)`` blocks: one gather from the arena into private staging, the checksums
     there, one scatter of the verified rows into the pool.
     The caller keeps the slots pinned (a lease) until this returns; blocks until done."""
@@ -290,28 +284,6 @@ def load_blocks(arena: ArenaSlots, slot_ids: Sequence[int], checksums: Sequence[
         if good < n:
             break
     return done
-
-
-def save_blocks(arena: ArenaSlots, slot_ids: Sequence[int], rows: torch.Tensor) -> list[int]:
-    """Write staged ``rows`` into reserved arena slots and return their checksums, computed on
-    the staged bytes, for ``commit``."""
-    checksums = row_checksums(rows)
-    arena.write(slot_ids, rows)
-    return checksums
-
-
-def write_through(arena: ArenaSlots, slot_ids: Sequence[int | None], rows: torch.Tensor
-                  ) -> list[int | None]:
-    """``save_blocks`` for a reservation: row ``i`` goes to ``slot_ids[i]``; rows without a
-    slot (already stored, or no room) are skipped and get None, as ``commit`` expects. Host
-    memcpys and xxh3 only (no torch op): safe to run beside the engine's compute."""
-    assert rows.device.type == "cpu" and rows.is_contiguous(), "staged rows are host rows"
-    flat, width = rows.numpy().data.cast("B"), rows.shape[1]
-    checksums: list[int | None] = [
-        None if s is None else block_checksum(flat[i * width:(i + 1) * width])
-        for i, s in enumerate(slot_ids)]
-    arena.write(slot_ids, rows)
-    return checksums
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from tierd.connector.core.settings import ClientSettings
 from tierd.model_identity import validate_model_id
 
 _REMOVED = {
@@ -17,22 +18,13 @@ _REMOVED = {
 
 
 @dataclass(frozen=True, slots=True)
-class TierdVllmConfig:
-    """The adapter's settings, from ``kv_connector_extra_config`` (same key names)."""
+class TierdVllmConfig(ClientSettings):
+    """The adapter's settings, from ``kv_connector_extra_config`` (same key names): the
+    daemon client's (``ClientSettings``: ``socket_path``, ``address``, ``token``,
+    ``engine_name``, ``timeout_seconds``, ``retry_seconds``, ``retry_max_seconds``) and these."""
 
-    socket_path: str | None = None
-    """Daemon Unix socket; default ``TIERD_SOCKET_PATH`` or tierd's default socket."""
-    address: str | None = None
-    """``host:port`` of a daemon's TCP listener instead of the socket (needs ``token``)."""
-    token: str | None = None
-    """Bearer token: selects the tenant whose blocks this engine shares (none: the daemon's
-    default tenant over the Unix socket)."""
     engine_name: str = "vllm"
     """Shown by ``tierd stats``; the scheduler appends ``-scheduler``, workers ``-tp<rank>``."""
-    timeout_seconds: float = 5.0
-    """Deadline of each daemon call."""
-    retry_seconds: float = 10.0
-    """Least time between two attempts to reach a daemon that was down."""
     load: bool = True
     """Load prefixes from tierd."""
     save: bool = True
@@ -62,11 +54,7 @@ class TierdVllmConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the fix for a value out of range."""
-        if not self.timeout_seconds > 0 or self.retry_seconds < 0:
-            raise ValueError("need timeout_seconds > 0 and retry_seconds >= 0, got "
-                             f"{self.timeout_seconds} and {self.retry_seconds}")
-        if self.address and not self.token:
-            raise ValueError("a TCP address needs a bearer token: set 'token' too")
+        self.validate_client()
         for name in ("load", "save"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

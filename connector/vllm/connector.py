@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from tierd.connector.core.link import DaemonLink
 from tierd.daemon.layout import Layout
 from tierd.hashing import HASH_ALGOS
 
@@ -27,7 +28,6 @@ from .base import (
 from .config import TierdVllmConfig
 from .identity import model_identity_from_vllm
 from .kv_tensors import KV_FORMAT, dtype_name
-from .link import DaemonLink
 from .metadata import TierdConnectorMetadata, TierdWorkerMetadata
 from .scheduler import SchedulerSide
 from .stats import TierdConnectorStats

@@ -328,6 +328,7 @@ class DeviceTransfer:
             raise ValueError(f"max_staging_bytes {max_staging_bytes} is below one slot "
                              f"({fmt.slot_bytes} bytes): raise it")
         self.arena, self._fmt, self._kv = arena, fmt, list(kv_bytes)  # the mapping held
+        self.format = fmt
         self.max_staging_bytes = max_staging_bytes
         self._layerwise = layerwise
         cuda = self.device.type == "cuda"

@@ -44,10 +44,10 @@ from typing import Any
 
 import grpc
 
+from tierd.connector.core.link import DaemonLink
 from tierd.daemon.convert import AcquiredBlocks
 from tierd.types import BlockHash, Tier
 
-from .link import DaemonLink
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 
 _log = logging.getLogger(__name__)
@@ -274,9 +274,8 @@ class SchedulerSide:
             try:
                 link.client.release(link.engine.engine_id, lease_id,
                                     corrupt_from=pin.failed_from)
-            except grpc.RpcError as exc:  # the lease ended, or the daemon is gone
-                if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: nothing held any more
-                    link.failed(exc)
+            except grpc.RpcError as exc:  # the lease ended (nothing held any more), or the
+                link.failed(exc, names_lease=True)  # daemon is gone
         pin.leases.clear()
 
     def hit_tiers(self, req_id: str, num_tokens: int) -> dict[Tier, int]:

@@ -47,3 +47,23 @@ class TierdConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.get(name, 0) for name in COUNTERS)
+
+
+class Counters:
+    """A worker's counters twice: ``totals`` since start (logs, tests) and those since the last
+    ``take`` (vLLM's ``get_kv_connector_stats``)."""
+
+    def __init__(self) -> None:
+        self.totals = TierdConnectorStats()
+        self._since = TierdConnectorStats()
+
+    def count(self, name: str, amount: int) -> None:
+        """Add ``amount`` (may be negative: a load taken back) to counter ``name``."""
+        if amount:
+            self._since.add(name, amount)
+            self.totals.add(name, amount)
+
+    def take(self) -> TierdConnectorStats | None:
+        """The counts since the last call (None if all are 0)."""
+        since, self._since = self._since, TierdConnectorStats()
+        return None if since.is_empty() else since

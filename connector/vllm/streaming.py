@@ -6,8 +6,9 @@ other requests. Here, at ``start_load_kv``, the worker sends one Acquire per chu
 (``CHUNK_BYTES``, about 32 MiB), all at once, so the daemon reads every chunk's SSD blocks into
 DRAM in parallel (its I/O threads) and answers each Acquire as soon as its chunk is staged. One
 background thread takes the chunks in order: it waits for a chunk's Acquire, checks and copies
-its slots into vLLM's blocks (the worker's ``copy_in``: one pass with ``verified_copy``), releases
-its lease, and goes on, so the engine's copy of a chunk overlaps the disk reads of the chunks
+its slots into vLLM's blocks (``core.load``: through the worker's ``LayerViews`` sink, one
+pass with ``verified_copy``), releases its lease, and goes on, so the engine's copy of a chunk
+overlaps the disk reads of the chunks
 after it; the load ends a copy of one chunk after the last read.
 
 A load ends at the first block that did not arrive or did not verify: the rest of its chunks are
@@ -16,7 +17,7 @@ over the loads that ended, with how many leading blocks are in place; the worker
 request as finished receiving and the blocks after those as load errors in the same step, as
 vLLM requires, so vLLM recomputes from there. A load of a request vLLM aborted (``cancel``) stops
 copying and is handed over too (vLLM frees the blocks only then). Each chunk's lease is checked
-after its copy: one that ran out fails the load from that chunk on.
+after its copy (``core.load``'s one rule): one that ran out fails the load from that chunk on.
 
 Thread use: ``start``, ``cancel`` and ``take_finished`` on the engine thread; the copies, the
 waits and the Releases on the stream thread, over the client, arena tensor and slots captured at
@@ -30,15 +31,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 
+from tierd.connector.core.errors import describe
+from tierd.connector.core.lease import Lease, PendingLease, acquire_async, releaser
+from tierd.connector.core.load import Sink, finish_load, start_load
 from tierd.connector.transfer import ArenaSlots
 from tierd.daemon.client import TierdClient
-from tierd.daemon.convert import AcquiredBlocks
 from tierd.types import BlockHash
 
 from .metadata import LoadSpec
@@ -49,17 +51,12 @@ CHUNK_BYTES = 32 << 20
 """Bytes per Acquire of a streamed load: small enough that the copy of the last chunk (the part
 that cannot overlap a read) is short, large enough that the round trips stay few."""
 
-CopyIn = Callable[[ArenaSlots, Any, list[int], list[int], list[int]], int]
-"""``copy_in(slots, arena_tensor, slot_ids, checksums, block_ids)``: check and copy leased slots
-into vLLM's blocks, returning how many leading blocks verified (the worker's host copy)."""
-
 
 @dataclass(slots=True)
 class _Chunk:
     first: int                        # index of the chunk's first block in the load
     count: int
-    asked: float                      # when its Acquire was sent (the lease is at least this old)
-    reply: Future[AcquiredBlocks]
+    lease: PendingLease
 
 
 @dataclass(slots=True)
@@ -77,28 +74,31 @@ class StreamedLoad:
 class Streams:
     """The worker's streamed loads and the one thread that copies them (see the module doc)."""
 
-    def __init__(self, client: TierdClient, copy_in: CopyIn, slot_bytes: int,
+    def __init__(self, client: TierdClient, sink: Sink, slot_bytes: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """``client``: a channel of the streams' own (Acquires and Releases); ``copy_in`` as
-        in ``CopyIn``; ``slot_bytes``: the size of one block's slot."""
-        self._client, self._copy_in, self._clock = client, copy_in, clock
+        """``client``: a channel of the streams' own (Acquires and Releases); ``sink``: where
+        the chunks go (synchronous: the worker's ``LayerViews`` on one thread); ``slot_bytes``:
+        the size of one block's slot."""
+        self._client, self._sink, self._clock = client, sink, clock
+        self._release = releaser(client, lambda exc: _log.debug(
+            "tierd: release of a streamed chunk failed: %s", describe(exc)))
         self._chunk_blocks = max(1, CHUNK_BYTES // slot_bytes)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tierd-stream")
         self._lock = threading.Lock()
         self._active: dict[str, StreamedLoad] = {}
         self._ended: list[StreamedLoad] = []
 
-    def start(self, spec: LoadSpec, engine_id: str, slots: ArenaSlots, arena: Any) -> None:
+    def start(self, spec: LoadSpec, engine_id: str, slots: ArenaSlots) -> None:
         """Send the Acquires of ``spec``'s chunks now and queue its copies on the thread."""
         load = StreamedLoad(spec, engine_id)
         hashes = [BlockHash(h) for h in spec.block_hashes]
         for first in range(0, len(hashes), self._chunk_blocks):
             part = hashes[first:first + self._chunk_blocks]
-            load.chunks.append(_Chunk(first, len(part), self._clock(),
-                                      self._client.acquire_async(engine_id, part)))
+            load.chunks.append(_Chunk(first, len(part), acquire_async(
+                self._client, engine_id, part, clock=self._clock)))
         with self._lock:
             self._active[spec.req_id] = load
-        self._thread.submit(self._run, load, slots, arena)
+        self._thread.submit(self._run, load, slots)
 
     def cancel(self, req_ids: Iterable[str]) -> None:
         """vLLM finished (aborted) these requests: their loads stop copying."""
@@ -128,14 +128,14 @@ class Streams:
         self._thread.shutdown(wait=True)
         self._client.close()
 
-    def _run(self, load: StreamedLoad, slots: ArenaSlots, arena: Any) -> None:
+    def _run(self, load: StreamedLoad, slots: ArenaSlots) -> None:
         """Stream thread: the chunks in order (see the module doc). Never raises: whatever
         goes wrong ends the load where it stands (vLLM must hear of every load's end)."""
         ok = True
         try:
             for chunk in load.chunks:
                 try:
-                    got = chunk.reply.result()
+                    lease = chunk.lease.wait()
                 except grpc.RpcError as exc:
                     if ok and not load.cancelled:
                         _log.warning("tierd: streamed load of %s: Acquire failed (%s); vLLM "
@@ -144,15 +144,15 @@ class Streams:
                     ok = False
                     continue
                 if not ok or load.cancelled:
-                    self._release(load, got, None)
+                    self._release(lease, None)
                     ok = False
                     continue
                 try:
-                    good = self._copy_chunk(load, chunk, got, slots, arena)
+                    good = self._copy_chunk(load, chunk, lease, slots)
                 except Exception:  # a bug: the rest of the load is a miss, its leases released
                     _log.exception("tierd: streamed load of %s failed; vLLM recomputes from "
                                    "block %d", load.spec.req_id, chunk.first)
-                    self._release(load, got, None)
+                    self._release(lease, None)
                     good = 0
                 load.placed += good
                 ok = good == chunk.count
@@ -162,37 +162,17 @@ class Streams:
                     del self._active[load.spec.req_id]
                 self._ended.append(load)
 
-    def _copy_chunk(self, load: StreamedLoad, chunk: _Chunk, got: AcquiredBlocks,
-                    slots: ArenaSlots, arena: Any) -> int:
-        """Copy one acquired chunk; how many of its leading blocks are in place and valid."""
-        slot_ids = got.slot_ids[:chunk.count]
-        block_ids = load.spec.block_ids[chunk.first:chunk.first + len(slot_ids)]
-        try:
-            good = self._copy_in(slots, arena, slot_ids, got.checksums[:len(slot_ids)], block_ids)
-        except ValueError as exc:  # slot ids outside the mapped arena: another daemon's
-            _log.warning("tierd: streamed load of %s rejected: %s", load.spec.req_id, exc)
-            good = 0
-        in_time = self._clock() < chunk.asked + got.seconds_left
-        corrupt = good if good < len(slot_ids) else None
-        if not self._release(load, got, corrupt):
-            in_time = False
-        if not in_time:
+    def _copy_chunk(self, load: StreamedLoad, chunk: _Chunk, lease: Lease,
+                    slots: ArenaSlots) -> int:
+        """Copy one acquired chunk (``core.load``); how many of its leading blocks are in place
+        and valid."""
+        block_ids = load.spec.block_ids[chunk.first:chunk.first + chunk.count]
+        done = finish_load(start_load(lease, block_ids, slots, self._sink), self._sink,
+                           self._release, self._clock)
+        if done.lease_lost:
             _log.warning("tierd: lease on a chunk of %s expired before its copy finished; vLLM "
                          "recomputes from block %d", load.spec.req_id, chunk.first)
-            return 0
-        if corrupt is not None:
+        elif done.corrupt:
             _log.warning("tierd: block %d of %s failed its checksum; vLLM recomputes from there",
-                         chunk.first + good, load.spec.req_id)
-        return good
-
-    def _release(self, load: StreamedLoad, got: AcquiredBlocks, corrupt_from: int | None
-                 ) -> bool:
-        """Release a chunk's lease; False if the daemon no longer held it (or is gone)."""
-        if not got.num_blocks:
-            return True
-        try:
-            self._client.release(load.engine_id, got.lease_id, corrupt_from=corrupt_from)
-        except grpc.RpcError as exc:
-            _log.debug("tierd: release of a streamed chunk failed: %s", exc.code().name)
-            return False
-        return True
+                         chunk.first + done.verified, load.spec.req_id)
+        return done.placed

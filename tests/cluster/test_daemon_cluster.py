@@ -118,19 +118,16 @@ def block_bytes(key: BlockHash, nbytes: int) -> bytes:
 
 
 def store(client: TierdClient, engine: EngineHandle, hashes: list[BlockHash]) -> int:
-    """An engine saving blocks: reserve, copy into the arena, commit with checksums."""
+    """An engine saving blocks: reserve, copy into the arena, commit (the daemon checksums)."""
     arena = ShmArena.attach(engine.arena_name, directory=engine.arena_directory)
     try:
         res = client.reserve(engine.engine_id, hashes)
-        sums: list[int | None] = []
         for key, slot in zip(hashes, res.slot_ids):
-            if slot is None:
-                sums.append(None)
-                continue
-            data = block_bytes(key, engine.geometry.slot_bytes)
-            arena.view(engine.geometry.offset(slot), engine.geometry.slot_bytes)[:] = data
-            sums.append(block_checksum(data))
-        return client.commit(engine.engine_id, res.lease_id, sums)
+            if slot is not None:
+                data = block_bytes(key, engine.geometry.slot_bytes)
+                arena.view(engine.geometry.offset(slot), engine.geometry.slot_bytes)[:] = data
+        return client.commit(engine.engine_id, res.lease_id,
+                             [s is not None for s in res.slot_ids])
     finally:
         arena.close()
 

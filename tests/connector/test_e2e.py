@@ -30,9 +30,9 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def hooks_for(socket_path: str | None = None, **overrides: Any) -> TierdHooks:
-    values: dict[str, Any] = dict(socket_path=socket_path, call_timeout_s=5.0,
+    values: dict[str, Any] = dict(socket_path=socket_path, timeout_seconds=5.0,
                                   save_staging_bytes=2 << 20, load_staging_bytes=1 << 20,
-                                  reconnect_min_s=0.05, reconnect_max_s=0.2)
+                                  retry_seconds=0.05, retry_max_seconds=0.2)
     values.update(overrides)
     return TierdHooks(TierdHooksConfig(**values))
 

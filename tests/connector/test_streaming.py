@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
 import pytest
 import torch
 
-from tierd.checksum import block_checksum
 from tierd.connector.native.verified_copy import BlockRows
 from tierd.connector.transfer import ArenaSlots
 from tierd.connector.vllm import streaming
@@ -47,15 +46,14 @@ class Rig:
         reserved = self.client.reserve(self.engine.engine_id, self.hashes)
         slot_ids = [s for s in reserved.slot_ids if s is not None]
         self.slots.write(slot_ids, self.data)
-        self.client.commit(self.engine.engine_id, reserved.lease_id,
-                           [block_checksum(row.numpy().tobytes()) for row in self.data])
+        self.client.commit(self.engine.engine_id, reserved.lease_id, [True] * BLOCKS)
         daemon.maintain()
         assert self.client.lookup(self.engine.engine_id, self.hashes) == ["ssd"] * BLOCKS
         self.pool = torch.zeros(BLOCKS + 2, BLOCK_BYTES, dtype=torch.uint8)
         self.rows = BlockRows.of(self.pool)
 
-    def copy_in(self, slots: ArenaSlots, arena: Any, slot_ids: list[int],
-                checksums: list[int], block_ids: list[int]) -> int:
+    def copy_in(self, slots: ArenaSlots, slot_ids: Sequence[int], checksums: Sequence[int],
+                block_ids: Sequence[int]) -> int:
         good = slots.load_verified(slot_ids, checksums, self.rows, block_ids, threads=1)
         assert good is not None, "the native helper is built on these hosts"
         return good
@@ -84,12 +82,22 @@ def rig(make_daemon: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Rig]:
     made.close()
 
 
+class FnSink:
+    """A synchronous load sink (``core.load.Sink``) that copies with ``place``."""
+
+    def __init__(self, place: Callable[..., int]) -> None:
+        self.place = place
+
+    def settle(self) -> None:
+        pass
+
+
 def _run(rig: Rig, copy_in: Callable[..., int], before_wait: Callable[[Streams], None]
          = lambda s: None) -> StreamedLoad:
     streams = Streams(TierdClient(socket_path=rig.daemon.config.socket_path, timeout=10),
-                      copy_in, BLOCK_BYTES)
+                      FnSink(copy_in), BLOCK_BYTES)
     try:
-        streams.start(rig.spec(), rig.engine.engine_id, rig.slots, rig.arena)
+        streams.start(rig.spec(), rig.engine.engine_id, rig.slots)
         before_wait(streams)
         for _ in range(2000):  # readiness wait: the disk reads and copies finish
             ended = streams.take_finished()
@@ -108,7 +116,7 @@ def test_every_chunk_is_read_copied_and_released(rig: Rig) -> None:
     order: list[list[int]] = []
 
     def copy_in(*args: Any) -> int:
-        order.append(list(args[4]))
+        order.append(list(args[3]))
         return rig.copy_in(*args)
 
     load = _run(rig, copy_in)
@@ -122,11 +130,11 @@ def test_every_chunk_is_read_copied_and_released(rig: Rig) -> None:
 def test_a_block_that_does_not_verify_ends_the_load_there(rig: Rig) -> None:
     """Block 4's checksum is wrong: blocks 0-3 are placed, the chunks after block 4's are released
     uncopied, the daemon re-checks block 4 (a false report: it keeps it), no lease is left."""
-    def copy_in(slots: ArenaSlots, arena: Any, slot_ids: list[int], checksums: list[int],
-                block_ids: list[int]) -> int:
+    def copy_in(slots: ArenaSlots, slot_ids: Sequence[int], checksums: Sequence[int],
+                block_ids: Sequence[int]) -> int:
         if block_ids[0] == 5:  # the second chunk: blocks 3-5, block 4 is its second
             checksums = [checksums[0], checksums[1] ^ 1, *checksums[2:]]
-        return rig.copy_in(slots, arena, slot_ids, checksums, block_ids)
+        return rig.copy_in(slots, slot_ids, checksums, block_ids)
 
     load = _run(rig, copy_in)
     assert load.placed == 4
@@ -165,7 +173,7 @@ def test_a_copy_that_raises_ends_the_load_and_releases_everything(rig: Rig) -> N
     """The second chunk's copy raises (a bug): the load still ends (3 blocks placed, the error
     logged), and every chunk's lease is released, the failed one's too."""
     def copy_in(*args: Any) -> int:
-        if args[4][0] == 5:
+        if args[3][0] == 5:
             raise RuntimeError("copy bug")
         return rig.copy_in(*args)
 
@@ -178,10 +186,10 @@ def test_a_daemon_that_went_away_fails_the_load(rig: Rig) -> None:
     """The Acquires fail (the daemon stopped): nothing placed, the load still ends (vLLM must
     hear of it to free the blocks)."""
     streams = Streams(TierdClient(socket_path=rig.daemon.config.socket_path, timeout=2),
-                      rig.copy_in, BLOCK_BYTES)
+                      FnSink(rig.copy_in), BLOCK_BYTES)
     rig.daemon.stop()
     try:
-        streams.start(rig.spec(), rig.engine.engine_id, rig.slots, rig.arena)
+        streams.start(rig.spec(), rig.engine.engine_id, rig.slots)
         for _ in range(1000):
             ended = streams.take_finished()
             if ended:

@@ -16,9 +16,6 @@ from tierd.connector.transfer import (
     allocate_staging,
     gather_rows,
     load_blocks,
-    row_checksums,
-    save_blocks,
-    write_through,
 )
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.slots import SlotGeometry
@@ -29,6 +26,17 @@ def arena(tmp_path: object) -> Iterator[ShmArena]:
     made = ShmArena.create("tierd-transfer-test", 4096, directory=str(tmp_path), prefault=False)
     yield made
     made.unlink()
+
+
+def _sums(rows: torch.Tensor) -> list[int]:
+    """``block_checksum`` of each row (what the daemon computes at a Commit)."""
+    return [block_checksum(r.numpy().tobytes()) for r in rows]
+
+
+def _save(slots: ArenaSlots, slot_ids: list[int], rows: torch.Tensor) -> list[int]:
+    """Write ``rows`` into ``slot_ids``, as an engine does before its Commit; their checksums."""
+    slots.write(slot_ids, rows)
+    return _sums(rows)
 
 
 def _rows(n: int, width: int, seed: int) -> torch.Tensor:
@@ -42,8 +50,7 @@ def test_write_then_read_slots_exact(arena: ShmArena, geometry: SlotGeometry) ->
     """Rows written to slots 5, 0, 9 land at SlotGeometry.offset and read back bit-exact."""
     slots = ArenaSlots(arena.as_tensor(), geometry)
     rows = _rows(3, geometry.slot_bytes, seed=1)
-    checksums = save_blocks(slots, [5, 0, 9], rows)
-    assert checksums == [block_checksum(r.numpy().tobytes()) for r in rows]
+    slots.write([5, 0, 9], rows)
     for slot, row in zip([5, 0, 9], rows):
         off = geometry.offset(slot)
         assert bytes(arena.view(off, geometry.slot_bytes)) == row.numpy().tobytes()
@@ -63,7 +70,7 @@ def test_load_verifies_and_stops_at_first_mismatch(arena: ShmArena, direct: bool
     geometry = SlotGeometry(1024, 128, 8)
     slots = ArenaSlots(arena.as_tensor(), geometry)
     rows = _rows(5, 128, seed=2)
-    checksums = save_blocks(slots, [0, 1, 2, 3, 4], rows)
+    checksums = _save(slots, [0, 1, 2, 3, 4], rows)
     arena.view(geometry.offset(3), 1)[0] ^= 0xFF
     pool = torch.zeros(8, 128, dtype=torch.uint8)
     got = load_blocks(slots, [0, 1, 2, 3, 4], checksums, pool, [7, 2, 4, 5, 6],
@@ -71,7 +78,7 @@ def test_load_verifies_and_stops_at_first_mismatch(arena: ShmArena, direct: bool
     assert got == 3
     assert torch.equal(pool[[7, 2, 4]], rows[:3])
     assert int(pool[[0, 1, 3] if direct else [0, 1, 3, 5, 6]].sum()) == 0
-    assert row_checksums(pool[[7, 2, 4]].contiguous()) == checksums[:3]
+    assert _sums(pool[[7, 2, 4]]) == checksums[:3]
 
 
 def test_staging_ring_bounds_wraps_and_returns_in_order() -> None:
@@ -94,20 +101,18 @@ def test_staging_ring_bounds_wraps_and_returns_in_order() -> None:
     ring.check_integrity()
 
 
-def test_write_through_skips_rows_without_a_slot(arena: ShmArena) -> None:
-    """Rows 0-3 to slots 4, None, 5, 9: checksums for rows 0, 2, 3 and None for row 1; slots 4,
-    5 and 9 hold rows 0, 2, 3 bit-exact and slot 6 (between them) stays zero."""
+def test_write_skips_rows_without_a_slot(arena: ShmArena) -> None:
+    """Rows 0-3 to slots 4, None, 5, 9: slots 4, 5 and 9 hold rows 0, 2, 3 bit-exact, slot 6
+    (between them) stays zero; a slot named twice is refused."""
     geometry = SlotGeometry(1024, 128, 8)
     slots = ArenaSlots(arena.as_tensor(), geometry)
     rows = _rows(4, 128, seed=3)
-    got = write_through(slots, [4, None, 5, 9], rows)
-    want = [block_checksum(rows[i].numpy().tobytes()) for i in (0, 2, 3)]
-    assert got == [want[0], None, want[1], want[2]]
+    slots.write([4, None, 5, 9], rows)
     for slot, row in ((4, 0), (5, 2), (9, 3)):
         assert bytes(arena.view(geometry.offset(slot), 128)) == rows[row].numpy().tobytes()
     assert bytes(arena.view(geometry.offset(6), 128)) == bytes(128)
     with pytest.raises(ValueError, match="distinct"):
-        write_through(slots, [4, 4, None, None], rows)
+        slots.write([4, 4, None, None], rows)
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
@@ -117,7 +122,7 @@ def test_load_paths_place_the_same_bytes(arena: ShmArena, direct: bool) -> None:
     geometry = SlotGeometry(1024, 128, 8)
     slots = ArenaSlots(arena.as_tensor(), geometry)
     rows = _rows(4, 128, seed=4)
-    checksums = save_blocks(slots, [3, 4, 0, 1], rows)
+    checksums = _save(slots, [3, 4, 0, 1], rows)
     pool = torch.zeros(8, 128, dtype=torch.uint8)
     got = load_blocks(slots, [3, 4, 0, 1], checksums, pool, [2, 3, 4, 6],
                       allocate_staging(1, 128), direct=direct)

@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tierd.checksum import block_checksum
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import EngineHandle, TierdClient
 from tierd.daemon.config import TierdConfig
@@ -144,18 +143,15 @@ class Kit:
     @staticmethod
     def store_blocks(client: TierdClient, engine: EngineHandle, arena: ShmArena,
                      hashes: list[BlockHash]) -> int:
-        """What an engine does to save blocks: reserve, copy each into its slot, commit with the
-        checksums. Returns the number of blocks stored."""
+        """What an engine does to save blocks: reserve, copy each into its slot, commit the
+        written flags (the daemon checksums). Returns the number of blocks stored."""
         reserved = client.reserve(engine.engine_id, hashes)
-        checksums: list[int | None] = []
         for key, slot in zip(hashes, reserved.slot_ids):
-            if slot is None:
-                checksums.append(None)
-                continue
-            data = Kit.block_bytes(key, engine.geometry.slot_bytes)
-            arena.view(engine.geometry.offset(slot), engine.geometry.slot_bytes)[:] = data
-            checksums.append(block_checksum(data))
-        return client.commit(engine.engine_id, reserved.lease_id, checksums)
+            if slot is not None:
+                data = Kit.block_bytes(key, engine.geometry.slot_bytes)
+                arena.view(engine.geometry.offset(slot), engine.geometry.slot_bytes)[:] = data
+        return client.commit(engine.engine_id, reserved.lease_id,
+                             [s is not None for s in reserved.slot_ids])
 
     @staticmethod
     def attach(engine: EngineHandle) -> ShmArena:

@@ -62,15 +62,14 @@ def test_commit_with_written_flags_lets_the_daemon_checksum(daemon: Any, kit: An
             arena.view(engine.geometry.offset(slot), 4096)[:] = kit.block_bytes(key, 4096)
         for bad in ([True], None):
             with pytest.raises(grpc.RpcError) as err:
-                if bad is None:  # blocks and written flags at once
+                if bad is None:  # the retired engine checksums
                     client._call("Commit", pb.CommitRequest(
                         engine_id=engine.engine_id, lease_id=reserved.lease_id,
-                        blocks=[pb.CommittedBlock(checksum=1)] * 3, written=[True] * 3))
+                        blocks=[pb.CommittedBlock(checksum=1)] * 3))
                 else:
-                    client.commit_written(engine.engine_id, reserved.lease_id, bad)
+                    client.commit(engine.engine_id, reserved.lease_id, bad)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert client.commit_written(engine.engine_id, reserved.lease_id,
-                                     [True, True, False]) == 2
+        assert client.commit(engine.engine_id, reserved.lease_id, [True, True, False]) == 2
         assert client.lookup(engine.engine_id, hashes) == ["dram"] * 2
         got = client.acquire(engine.engine_id, hashes[:2])
         assert got.checksums == [block_checksum(kit.block_bytes(h, 4096)) for h in hashes[:2]]
@@ -193,7 +192,7 @@ async def test_async_client_round_trip(daemon: Any, kit: Any) -> None:
             data = kit.block_bytes(key, 4096)
             arena.view(engine.geometry.offset(slot), 4096)[:] = data
             checksums.append(block_checksum(data))
-        assert await client.commit(engine.engine_id, reserved.lease_id, checksums) == 3
+        assert await client.commit(engine.engine_id, reserved.lease_id, [True] * 3) == 3
         assert await client.lookup(engine.engine_id, hashes) == ["dram"] * 3
         got = await client.acquire(engine.engine_id, hashes)
         assert got.checksums == checksums

@@ -117,7 +117,7 @@ def test_unknown_engine_and_lease_are_not_found(daemon: Any, kit: Any) -> None:
             grpc.StatusCode.NOT_FOUND
         engine = client.register_engine(kit.layout)
         for call in (lambda: client.release(engine.engine_id, "no-such-lease"),
-                     lambda: client.commit(engine.engine_id, "no-such-lease", [1]),
+                     lambda: client.commit(engine.engine_id, "no-such-lease", [True]),
                      lambda: client.abort(engine.engine_id, "no-such-lease")):
             assert code_of(call) == grpc.StatusCode.NOT_FOUND
         client.unregister_engine(engine.engine_id)
@@ -135,20 +135,20 @@ def test_double_commit_is_failed_precondition(daemon: Any, kit: Any) -> None:
         engine = client.register_engine(kit.layout)
         arena = kit.attach(engine)
         reserved = client.reserve(engine.engine_id, hashes)
-        assert client.commit(engine.engine_id, reserved.lease_id, [None, None]) == 0
+        assert client.commit(engine.engine_id, reserved.lease_id, [False, False]) == 0
         assert code_of(lambda: client.commit(engine.engine_id, reserved.lease_id,
-                                             [None, None])) == grpc.StatusCode.FAILED_PRECONDITION
+                                             [False, False])) == grpc.StatusCode.FAILED_PRECONDITION
         assert kit.store_blocks(client, engine, arena, hashes) == 2
         arena.close()
     still_serving(daemon, kit)
 
 
 def test_commit_with_wrong_count_is_invalid_argument(daemon: Any, kit: Any) -> None:
-    """A commit with 1 checksum for a 2-block reservation gets INVALID_ARGUMENT."""
+    """A commit with 1 written flag for a 2-block reservation gets INVALID_ARGUMENT."""
     with daemon.client() as client:
         engine = client.register_engine(kit.layout)
         reserved = client.reserve(engine.engine_id, kit.chain(2))
-        assert code_of(lambda: client.commit(engine.engine_id, reserved.lease_id, [None])) == \
+        assert code_of(lambda: client.commit(engine.engine_id, reserved.lease_id, [False])) == \
             grpc.StatusCode.INVALID_ARGUMENT
         client.abort(engine.engine_id, reserved.lease_id)
     still_serving(daemon, kit)
@@ -165,7 +165,7 @@ def test_commit_after_lease_expiry_is_failed_precondition(make_daemon: Any, kit:
         time.sleep(0.3)
         daemon.maintain()
         assert code_of(lambda: client.commit(engine.engine_id, reserved.lease_id,
-                                             [1, 2, 3])) == grpc.StatusCode.FAILED_PRECONDITION
+                                             [True] * 3)) == grpc.StatusCode.FAILED_PRECONDITION
         stats = client.stats()
     assert stats.tiers[1].used_blocks == 0 and stats.lease_expiries == 1
     still_serving(daemon, kit)
@@ -253,7 +253,7 @@ def test_release_of_an_expired_lease_is_not_found(make_daemon: Any, kit: Any) ->
         time.sleep(0.3)                                        # past both deadlines
         assert code_of(lambda: client.release(engine.engine_id, got.lease_id)) == \
             grpc.StatusCode.NOT_FOUND
-        assert code_of(lambda: client.commit(engine.engine_id, reserved.lease_id, [1])) == \
+        assert code_of(lambda: client.commit(engine.engine_id, reserved.lease_id, [True])) == \
             grpc.StatusCode.FAILED_PRECONDITION
         arena.close()
     still_serving(daemon, kit)

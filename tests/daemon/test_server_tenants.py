@@ -48,7 +48,7 @@ def test_two_tenants_over_tcp_are_isolated(make_daemon: Any, kit: Any, workdir: 
         lease_a = a.acquire(engine_a.engine_id, hashes)
         reserved_a = a.reserve(engine_a.engine_id, kit.chain(2, seed=7))
         for call in (lambda: b.release(engine_b.engine_id, lease_a.lease_id),
-                     lambda: b.commit(engine_b.engine_id, reserved_a.lease_id, [None, None]),
+                     lambda: b.commit(engine_b.engine_id, reserved_a.lease_id, [False, False]),
                      lambda: b.abort(engine_b.engine_id, reserved_a.lease_id)):
             with pytest.raises(grpc.RpcError) as info:
                 call()

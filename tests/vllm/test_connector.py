@@ -385,15 +385,19 @@ def test_streamed_load_failure_is_recomputed(model_dir: str, daemon: Daemon) -> 
     want = baseline(model_dir, daemon, longer)
     first = Engine.start(vllm_config(model_dir, daemon.socket_path))
     second = Engine.start(vllm_config(model_dir, daemon.socket_path))
-    worker = second.worker._worker
-    real = worker._stream_copy
+    streaming = second.worker._worker._streaming
+    real = streaming.sink
 
-    def one_bad(slots, arena, slot_ids, checksums, block_ids):  # type: ignore[no-untyped-def]
-        return real(slots, arena, slot_ids, checksums[:3] + [checksums[3] ^ 1] + checksums[4:],
-                    block_ids)
+    class OneBad:  # the streams' sink, with block 3's checksum wrong
+        def place(self, slots, slot_ids, checksums, block_ids):  # type: ignore[no-untyped-def]
+            sums = list(checksums)
+            return real.place(slots, slot_ids, sums[:3] + [sums[3] ^ 1] + sums[4:], block_ids)
 
-    worker._stream_copy = one_bad
-    worker._streams = None  # built on the first stream, with the patched copy
+        def settle(self) -> None:
+            real.settle()
+
+    streaming.sink = OneBad()
+    streaming.streams = None  # built on the first stream, with the patched sink
     try:
         request = make_request("a", PROMPT[:6 * BLOCK + 1])
         first.run([request])

@@ -154,16 +154,13 @@ def _measure(args: argparse.Namespace, layout: Any, sock: str, workdir: str) -> 
 
 def _store(client: Any, engine: Any, arena: Any, hashes: list[Any]) -> list[bytes]:
     """Store every block through reserve / copy / commit; returns the payloads."""
-    from tierd.checksum import block_checksum
-
     n = engine.geometry.slot_bytes
     payloads = [os.urandom(64) * (n // 64) for _ in hashes]
     reserved = client.reserve(engine.engine_id, hashes)
     for slot, data in zip(reserved.slot_ids, payloads):
         assert slot is not None, "the benchmark arena must hold every block"
         arena.view(engine.geometry.offset(slot), n)[:] = data
-    stored = client.commit(engine.engine_id, reserved.lease_id,
-                           [block_checksum(p) for p in payloads])
+    stored = client.commit(engine.engine_id, reserved.lease_id, [True] * len(payloads))
     assert stored == len(hashes), f"stored {stored} of {len(hashes)} blocks"
     return payloads
 

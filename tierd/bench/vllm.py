@@ -175,8 +175,8 @@ class _Side:
     """The connector's scheduler and worker halves on one daemon, over the engine's tensors."""
 
     def __init__(self, sock: str, kv: dict[str, Any]) -> None:
+        from tierd.connector.core.link import DaemonLink
         from tierd.connector.vllm.config import TierdVllmConfig
-        from tierd.connector.vllm.link import DaemonLink
         from tierd.connector.vllm.scheduler import SchedulerSide
         from tierd.connector.vllm.worker import WorkerSide
 

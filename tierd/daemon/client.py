@@ -85,13 +85,7 @@ class _Requests:
                                  count_lookup=count_lookup)
 
     @staticmethod
-    def commit(engine_id: str, lease_id: str,
-               checksums: Sequence[int | None]) -> pb.CommitRequest:
-        return pb.CommitRequest(engine_id=engine_id, lease_id=lease_id,
-                                blocks=convert.checksums_to_pb(checksums))
-
-    @staticmethod
-    def commit_written(engine_id: str, lease_id: str, written: Sequence[bool]) -> pb.CommitRequest:
+    def commit(engine_id: str, lease_id: str, written: Sequence[bool]) -> pb.CommitRequest:
         return pb.CommitRequest(engine_id=engine_id, lease_id=lease_id, written=list(written))
 
     @staticmethod
@@ -188,17 +182,11 @@ class TierdClient:
         reply = self._call("Reserve", _Requests.reserve(engine_id, hashes, filtered_query_tokens))
         return convert.reserved_from_pb(reply)
 
-    def commit(self, engine_id: str, lease_id: str, checksums: Sequence[int | None]) -> int:
-        """Publish the written blocks: ``checksums[i]`` is ``block_checksum`` of the bytes
-        written for the i-th reserved hash, None if not written. Returns blocks now stored."""
-        reply = self._call("Commit", _Requests.commit(engine_id, lease_id, checksums))
-        return int(reply.stored)
-
-    def commit_written(self, engine_id: str, lease_id: str, written: Sequence[bool]) -> int:
-        """``commit`` leaving the checksums to the daemon: ``written[i]`` is True if the i-th
-        reserved slot was written; the daemon checksums those bytes itself. Returns blocks
-        now stored."""
-        reply = self._call("Commit", _Requests.commit_written(engine_id, lease_id, written))
+    def commit(self, engine_id: str, lease_id: str, written: Sequence[bool]) -> int:
+        """Publish the written blocks: ``written[i]`` is True if the i-th reserved slot was
+        written (False for a hash without a slot); the daemon checksums those bytes itself.
+        Returns blocks now stored."""
+        reply = self._call("Commit", _Requests.commit(engine_id, lease_id, written))
         return int(reply.stored)
 
     def abort(self, engine_id: str, lease_id: str) -> None:
@@ -288,10 +276,9 @@ class AsyncTierdClient:
                                                               filtered_query_tokens))
         return convert.reserved_from_pb(reply)
 
-    async def commit(self, engine_id: str, lease_id: str,
-                     checksums: Sequence[int | None]) -> int:
+    async def commit(self, engine_id: str, lease_id: str, written: Sequence[bool]) -> int:
         """See ``TierdClient.commit``."""
-        reply = await self._call("Commit", _Requests.commit(engine_id, lease_id, checksums))
+        reply = await self._call("Commit", _Requests.commit(engine_id, lease_id, written))
         return int(reply.stored)
 
     async def abort(self, engine_id: str, lease_id: str) -> None:

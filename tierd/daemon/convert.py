@@ -190,14 +190,6 @@ def tiers_from_pb(raw: Sequence[int]) -> list[Tier]:
     return [TIER_FROM_PB[t] for t in raw]
 
 
-def checksums_from_pb(blocks: Sequence[pb.CommittedBlock]) -> list[int | None]:
-    return [b.checksum if b.HasField("checksum") else None for b in blocks]
-
-
-def checksums_to_pb(checksums: Sequence[int | None]) -> list[pb.CommittedBlock]:
-    return [pb.CommittedBlock() if c is None else pb.CommittedBlock(checksum=c) for c in checksums]
-
-
 def reserved_to_pb(slot_ids: Sequence[int | None],
                    already: Sequence[bool]) -> list[pb.ReservedSlot]:
     return [pb.ReservedSlot(already_stored=a) if s is None else

@@ -122,7 +122,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 
 HASH_THREADS = 2
-"""Threads that checksum the slots of daemon-checksummed Commits (the GIL is released)."""
+"""Threads that checksum the slots of every Commit (the GIL is released)."""
 
 
 class TierdServicer(pb_grpc.TierdServicer):
@@ -138,7 +138,7 @@ class TierdServicer(pb_grpc.TierdServicer):
         self._auth = auth
         self._cluster = cluster
         self._acquire = store.acquire if cluster is None else cluster.acquire
-        # Commits whose engine left the checksums to the daemon hash here, off the event loop
+        # Commits hash the written slots here, off the event loop
         # (a 2k-token Llama-3-8B prefix is 256 MiB: ~20 ms of xxh3 on one core).
         self._hashers = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="tierd-hash")
 
@@ -224,18 +224,14 @@ class TierdServicer(pb_grpc.TierdServicer):
     async def Commit(self, request: pb.CommitRequest,
                      context: grpc.aio.ServicerContext) -> pb.CommitResponse:
         engine_id = self._engine(context, request.engine_id)
-        if request.written:
-            if request.blocks:
-                raise ValueError("a Commit carries blocks (engine checksums) or written flags "
-                                 "(daemon checksums), not both")
-            spans = self._store.written_spans(request.lease_id, list(request.written),
-                                              engine_id=engine_id)
-            checksums = await self._checksums(spans)
-            stored = self._store.commit(request.lease_id, checksums, engine_id=engine_id)
-        else:
-            stored = self._store.commit(request.lease_id,
-                                        convert.checksums_from_pb(request.blocks),
-                                        engine_id=engine_id)
+        if request.blocks:
+            raise ValueError("engine checksums (CommitRequest.blocks) are no longer accepted: "
+                             "send written flags, the daemon checksums the slots; upgrade the "
+                             "engine's tierd")
+        spans = self._store.written_spans(request.lease_id, list(request.written),
+                                          engine_id=engine_id)
+        checksums = await self._checksums(spans)
+        stored = self._store.commit(request.lease_id, checksums, engine_id=engine_id)
         return pb.CommitResponse(stored=stored)
 
     async def Abort(self, request: pb.AbortRequest,
