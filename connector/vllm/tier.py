@@ -70,6 +70,8 @@ METRICS = {
 }
 _FAILED_KEYS = 1 << 16
 """Keys remembered as failed loads (least recently failed forgotten first)."""
+_PROBE_BYTES = 32 << 20
+"""Bytes of chunks one Acquire asks for (a request's lookups are split into pieces of this)."""
 _LEASE_MARGIN = 1.0
 """Seconds before a lease's end at which its slots are no longer copied (asked again)."""
 
@@ -172,6 +174,13 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         self._counts: dict[str, int] = {}
         self._counts_lock = threading.Lock()
         self._closed = False
+        self._pool.submit("probe", self.connect)  # register and map the arena before requests
+
+    def connect(self) -> bool:
+        """Register with the daemon and map its arena now, if not done yet (blocks for one
+        round trip at most); whether the daemon is reachable. Called on a pool thread at start;
+        jobs and lookups connect by themselves."""
+        return self._daemon.session() is not None
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -199,15 +208,19 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         return LookupResult.MISS if state.phase == "miss" else LookupResult.RETRY
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        """Send this step's new keys to the daemon, one Acquire per request (in the order the
-        request will load them: its chunk positions where vLLM recorded them)."""
+        """Send this step's new keys to the daemon, per request in the order it will load them
+        (its chunk positions where vLLM recorded them), as Acquires of ``_PROBE_BYTES`` each,
+        all at once: the first pieces answer (and vLLM starts loading them) while the daemon
+        still reads later ones from SSD."""
         batches, self._batches = self._batches, {}
+        step = max(1, _PROBE_BYTES // self._layout.block_bytes)
         for req_context, keys in batches.values():
             where = [req_context.get_offload_key_position(k) for k in keys]
             if None not in where:
                 keys = [k for _, k in sorted(zip(where, keys), key=lambda p: p[0])]
-            self._probes += 1
-            self._pool.submit("probe", functools.partial(self._probe, keys))
+            for first in range(0, len(keys), step):
+                self._probes += 1
+                self._pool.submit("probe", functools.partial(self._probe, keys[first:first + step]))
 
     def _probe(self, keys: list[OffloadKey]) -> None:
         """Pool thread: Acquire ``keys``' longest held prefix; the answer goes to the inbox."""
