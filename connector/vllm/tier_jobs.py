@@ -37,7 +37,7 @@ class JobPool:
     first in first out. ``submit`` never blocks. Thread-safe."""
 
     def __init__(self, threads: int, name: str) -> None:
-        self._queues: dict[Kind, deque[Callable[[], None]]] = {k: deque() for k in _ORDER}
+        self._queues: dict[Kind, deque[Callable[[], object]]] = {k: deque() for k in _ORDER}
         self._cond = threading.Condition()
         self._running: dict[Kind, int] = {k: 0 for k in _ORDER}
         self._stopping = False
@@ -46,7 +46,7 @@ class JobPool:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, kind: Kind, task: Callable[[], None]) -> None:
+    def submit(self, kind: Kind, task: Callable[[], object]) -> None:
         """Queue ``task``. It must not raise (an exception is logged and the thread goes on)."""
         with self._cond:
             assert not self._stopping, "submit after stop"
