@@ -370,9 +370,8 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         written = store_rows(primary, session, chunks, reserved.slot_ids)
         self._inbox.put(_Done(job_id, keys, [], [], seconds=time.perf_counter() - start,
                               nbytes=sum(written) * primary.slot_bytes))
-        try:
-            if any(written):
-                self._daemon.commit(session, reserved.lease_id, written)
+        try:  # also with nothing written: it ends the reservation
+            self._daemon.commit(session, reserved.lease_id, written)
         except grpc.RpcError as exc:  # the blocks are not stored; the job had freed its rows
             self._daemon.failed(session, exc)
             self._count("vllm:kv_offload_tierd_daemon_errors")
