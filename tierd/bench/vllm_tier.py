@@ -11,11 +11,13 @@ stores, engine B (another manager, its own primary region) loads. Interleaved re
 2. store: ``complete_store`` until the tier's job is reported done (the primary rows are free);
    for TierdTier also until the daemon can serve the blocks (its Commit landed), no target;
 3. DRAM load: B's lookups and promotion until every chunk is a primary-tier HIT (tierd: from
-   its DRAM arena; fs: whatever its files cost right after the store);
+   its DRAM arena; fs: whatever its files cost right after the store). Rows 2 and 3 use a
+   daemon without an SSD tier, as ``tierd bench vllm`` does: on 2 cores the write-behind of
+   earlier repetitions would otherwise share the CPU with the copy measured;
 4. cold load: the page cache dropped, blocks only on disk (tierd: a second `tierd serve` that
    demotes every block to SSD at once), a fresh engine B;
-5. load after a restart: tierd restarted (SIGTERM: it writes DRAM blocks to SSD, a new daemon
-   serves them), fs: a fresh engine on the same directory;
+5. load after a restart: that daemon restarted (SIGTERM, then a new one on the same SSD
+   directory), the same blocks, a fresh engine; fs: a fresh engine on the same directory;
 6. the raw cold read of the same bytes from the same disk (``measure_raw_disk``).
 
 Then the footprint after writing 3x tierd's bound (DRAM + SSD bytes of a third daemon) through
@@ -69,8 +71,7 @@ def run(args: argparse.Namespace) -> int:
     need = (args.repeat + 3) * nbytes * 3 + (2 << 30)
     if need > shutil.disk_usage(base).free:
         raise SystemExit(f"need ~{need >> 20} MiB free on {base}: pass --dir, fewer --repeat")
-    daemons = {"dram": _Daemon(socks, "dram", dram, os.path.join(work, "ssd-dram"),
-                               (args.repeat + 3) * nbytes, demote=False),
+    daemons = {"dram": _Daemon(socks, "dram", dram, "", 0, demote=False),
                "ssd": _Daemon(socks, "ssd", dram, os.path.join(work, "ssd-cold"),
                               (args.repeat + 3) * nbytes, demote=True),
                "bound": _Daemon(socks, "bound", 2 * slab, os.path.join(work, "ssd-bound"),
@@ -96,8 +97,9 @@ class _Daemon:
                  demote: bool) -> None:
         self.sock = os.path.join(socks, f"{name}.sock")
         self.flags = ["--socket-path", self.sock, "--dram-bytes", str(dram), "--slab-bytes",
-                      "64MiB", "--log-level", "WARNING", "--ssd-dir", ssd, "--ssd-bytes",
-                      str(ssd_bytes)]
+                      "64MiB", "--log-level", "WARNING", "--ssd-dir", ssd]
+        if ssd:
+            self.flags += ["--ssd-bytes", str(ssd_bytes)]
         self.ssd = ssd
         if demote:
             self.flags += ["--dram-high-watermark", "1e-9", "--dram-low-watermark", "1e-9",
@@ -172,7 +174,8 @@ class _Engine:
             return bool(self.manager.has_pending_work())
 
     def store(self, keys: list[bytes]) -> float:
-        """Seconds from ``complete_store`` until the tier reported its job done."""
+        """Seconds from ``complete_store`` until the manager has the tier's job result (the
+        primary rows are free again; TierdTier's Commit may still be on its way)."""
         ctx = self._ctx()
         with self.manager.lock:
             self.manager.on_new_request(ctx)
@@ -181,9 +184,16 @@ class _Engine:
             start = time.perf_counter()
             self.manager.complete_store(keys, ctx, True)
             self.manager.on_request_finished(ctx)
+        while True:
+            self._step()
+            with self.manager.lock:
+                if not self.manager._jobs:  # the manager's in-flight transfer jobs
+                    break
+            time.sleep(0.0005)
+        elapsed = time.perf_counter() - start
         while self._step():
             time.sleep(0.0005)
-        return time.perf_counter() - start
+        return elapsed
 
     def load(self, keys: list[bytes]) -> float:
         """Seconds from a new request's first lookup until every chunk is a primary HIT."""
@@ -285,8 +295,10 @@ def _measure(args: argparse.Namespace, daemons: dict[str, _Daemon], work: str,
     for rep in range(args.repeat + 1):  # round 0 warms up
         record = put if rep else (lambda key, seconds: None)
         for name in ("tierd", "fs"):
-            a = _Engine(_tierd(daemons["dram"].sock) if name == "tierd" else _fs(fs_root), n)
-            b = _Engine(_tierd(daemons["dram"].sock) if name == "tierd" else _fs(fs_root), n)
+            def tier(daemon: str) -> dict[str, Any]:
+                return _tierd(daemons[daemon].sock) if name == "tierd" else _fs(fs_root)
+
+            a, b = _Engine(tier("dram"), n), _Engine(tier("dram"), n)
             start = time.perf_counter()
             a.rows[n:2 * n].copy_(a.rows[:n])
             record("memcpy", time.perf_counter() - start)
@@ -296,24 +308,23 @@ def _measure(args: argparse.Namespace, daemons: dict[str, _Daemon], work: str,
             if name == "tierd":
                 record("tierd_visible", _wait_visible(a, daemons["dram"].sock, keys, start))
             record(f"{name}_dram_load", b.load(keys))
-            b.close()
-            if name == "tierd":
-                daemons["dram"].restart()
-            fresh = _Engine(_tierd(daemons["dram"].sock) if name == "tierd" else _fs(fs_root), n)
-            record(f"{name}_restart_load", fresh.load(keys))
-            fresh.close()
             a.close()
-            sock = daemons["ssd"].sock
-            a = _Engine(_tierd(sock) if name == "tierd" else _fs(fs_root), n)
+            b.close()
+            a = _Engine(tier("ssd"), n)
             cold = _keys(n)
             a.store(cold)
             if name == "tierd":
-                _wait_on_ssd(a, sock, cold)
+                _wait_on_ssd(a, daemons["ssd"].sock, cold)
             a.close()
-            b = _Engine(_tierd(sock) if name == "tierd" else _fs(fs_root), n)
+            b = _Engine(tier("ssd"), n)
             _drop_page_cache()
             record(f"{name}_cold_load", b.load(cold))
             b.close()
+            if name == "tierd":
+                daemons["ssd"].restart()
+            fresh = _Engine(tier("ssd"), n)
+            record(f"{name}_restart_load", fresh.load(cold))
+            fresh.close()
         _drop_page_cache()
         _, read_gbs = measure_raw_disk(work, nbytes)
         record("raw_read", nbytes / (read_gbs * 1e9))
