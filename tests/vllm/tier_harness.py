@@ -13,6 +13,7 @@ CUDA); the primary rows are what they would read and write.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -47,7 +48,7 @@ def offloading_config(model_dir: str, tier: dict[str, Any], *, tp: int = 1,
                                       group_id=0),),
         worker_kv_bytes_per_block=SLOT // tp, enable_kv_cache_events=events,
         extra_config=extra, engine_id=engine_id or f"tierd-test-{uuid.uuid4().hex[:12]}",
-        model=OffloadingModelConfig(name=model_dir, dtype="float16", max_model_len=2048),
+        model=OffloadingModelConfig(name=model_dir, dtype="float16"),
         cache=OffloadingCacheConfig(tokens_per_hash=BLOCK, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
             rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=1,
@@ -69,6 +70,8 @@ class TierEngine:
         self.spec = TieringOffloadingSpec(self.config)
         self.manager = self.spec.get_manager()
         self.tier = self.manager.secondary_tiers[0]
+        # vLLM 0.33's manager lock (0.32's manager is entered from one thread and has none)
+        self.lock = getattr(self.manager, "lock", contextlib.nullcontext())
         self._n = 0
 
     def rows(self) -> np.ndarray:
@@ -80,7 +83,7 @@ class TierEngine:
         return ReqContext(req_id=f"req-{self._n}")
 
     def step(self) -> None:
-        with self.manager.lock:
+        with self.lock:
             self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
 
     def settle(self, timeout: float = 30.0) -> None:
@@ -88,7 +91,7 @@ class TierEngine:
         deadline = time.monotonic() + timeout
         while True:
             self.step()
-            with self.manager.lock:
+            with self.lock:
                 if not self.manager.has_pending_work():
                     return
             assert time.monotonic() < deadline, "the tier kept work pending"
@@ -98,7 +101,7 @@ class TierEngine:
         """A request computes ``keys``: vLLM stores them into the primary tier (the rows
         written here stand in for its GPU copy), which cascades them to the tier."""
         ctx = self.context()
-        with self.manager.lock:
+        with self.lock:
             self.manager.on_new_request(ctx)
             out = self.manager.prepare_store(keys, ctx)
         assert out is not None, "the primary tier had no room"
@@ -107,7 +110,7 @@ class TierEngine:
             data = payloads[keys.index(key)]
             rows[int(chunk), :len(data)] = np.frombuffer(data, dtype=np.uint8)
         del rows
-        with self.manager.lock:
+        with self.lock:
             self.manager.complete_store(keys, ctx, True)
             self.manager.on_request_finished(ctx)
         self.settle()
@@ -118,7 +121,7 @@ class TierEngine:
         deadline = time.monotonic() + timeout
         while True:
             hits, deferred = 0, False
-            with self.manager.lock:
+            with self.lock:
                 for key in keys:
                     result = self.manager.lookup(key, ctx)
                     if result is LookupResult.MISS:
@@ -137,15 +140,15 @@ class TierEngine:
         """A new request with ``keys`` as its prompt's chunks: lookup (promoting from the tier)
         until vLLM would schedule it, then read the hit rows as vLLM's GPU load would."""
         ctx = self.context()
-        with self.manager.lock:
+        with self.lock:
             self.manager.on_new_request(ctx)
         hits = self.lookup(keys, ctx, between=between)
-        with self.manager.lock:
+        with self.lock:
             spec = self.manager.prepare_load(keys[:hits], ctx)
         rows = self.rows()
         out = [rows[int(chunk), :SLOT].tobytes() for chunk in spec.chunk_ids]
         del rows
-        with self.manager.lock:
+        with self.lock:
             self.manager.complete_load(keys[:hits], ctx)
             self.manager.on_request_finished(ctx)
         self.settle()
