@@ -100,6 +100,9 @@ class _Key:
 
 @dataclass(frozen=True, slots=True)
 class _Probed:
+    """Pool -> scheduler thread: the daemon's answer to one Acquire of ``keys`` (``session``
+    None: no daemon; ``error``: the call failed; both mean MISS)."""
+
     keys: list[OffloadKey]
     session: Session | None
     got: AcquiredBlocks | None
@@ -108,6 +111,8 @@ class _Probed:
 
 @dataclass(frozen=True, slots=True)
 class _Done:
+    """Pool -> scheduler thread: a load or store job ended (``dropped``: a store not made)."""
+
     job_id: int
     ok: list[OffloadKey]
     failed: list[OffloadKey]
@@ -119,6 +124,8 @@ class _Done:
 
 @dataclass(frozen=True, slots=True)
 class _Stored:
+    """Pool -> scheduler thread: a store's Commit landed; the daemon serves ``keys``."""
+
     keys: list[OffloadKey]
 
 
