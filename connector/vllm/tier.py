@@ -38,10 +38,9 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Literal
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 import grpc
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -56,6 +55,7 @@ from .identity import model_identity_for_tier
 from .tier_daemon import Session, TierDaemon
 from .tier_jobs import JobPool, PrimaryRows, load_rows, store_rows
 from .tier_layout import daemon_hash, slot_bytes, tier_layout
+from .tier_lookups import Answer, Lease, LoadPart, Lookups
 from tierd.daemon.client import AcquiredBlocks
 
 _log = logging.getLogger(__name__)
@@ -68,34 +68,10 @@ METRICS = {
     "vllm:kv_offload_tierd_checksum_failures": "Chunks whose slot failed its checksum on load.",
     "vllm:kv_offload_tierd_daemon_errors": "Daemon calls of TierdTier that failed.",
 }
-_FAILED_KEYS = 1 << 16
-"""Keys remembered as failed loads (least recently failed forgotten first)."""
+_RESULTS: dict[Answer, LookupResult] = {"hit": LookupResult.HIT, "miss": LookupResult.MISS,
+                                        "retry": LookupResult.RETRY}
 _PROBE_BYTES = 32 << 20
 """Bytes of chunks one Acquire asks for (a request's lookups are split into pieces of this)."""
-_LEASE_MARGIN = 1.0
-"""Seconds before a lease's end at which its slots are no longer copied (asked again)."""
-
-
-@dataclass(slots=True)
-class _Lease:
-    """One Acquire's pinned prefix: released when no key refers to it any more."""
-
-    session: Session
-    got: AcquiredBlocks
-    expires: float
-    refs: int
-    corrupt_from: int | None = None
-
-
-@dataclass(slots=True)
-class _Key:
-    """What this tier knows of one key. ``asking``: in the step's batch or at the daemon;
-    ``hit``: pinned by ``lease`` at ``index``; ``miss``; ``loading``: owned by a load job."""
-
-    phase: Literal["asking", "hit", "miss", "loading"]
-    requests: set[str] = field(default_factory=set)
-    lease: _Lease | None = None
-    index: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +92,8 @@ class _Done:
     job_id: int
     ok: list[OffloadKey]
     failed: list[OffloadKey]
-    corrupt: list[tuple[_Lease, int]]  # (lease, index of its first bad slot)
+    corrupt: list[tuple[Lease, int]]  # (lease, index of its first bad slot)
+    load: bool
     dropped: int = 0
     seconds: float | None = None
     nbytes: int | None = None
@@ -171,10 +148,7 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         self._daemon = TierDaemon(self._config, self._layout, name)
         self._pool = JobPool(config.workers, f"tierd-{tier_type}")
         self._inbox: queue.SimpleQueue[_Probed | _Done | _Stored] = queue.SimpleQueue()
-        self._keys: dict[OffloadKey, _Key] = {}
-        self._batches: dict[str, tuple[ReqContext, list[OffloadKey]]] = {}
-        self._req_keys: dict[str, set[OffloadKey]] = {}
-        self._failed: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._lookups = Lookups()
         self._jobs: set[int] = set()
         self._results: list[JobResult] = []
         self._probes = 0
@@ -196,38 +170,19 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._take_inbox()
-        if key in self._failed or not self._config.load:
+        if not self._config.load:
             return LookupResult.MISS
-        state = self._keys.get(key)
-        if state is not None and state.phase == "hit":
-            assert state.lease is not None, "a hit key is pinned by a lease"
-            if time.monotonic() < state.lease.expires:
-                state.requests.add(req_context.req_id)
-                self._req_keys.setdefault(req_context.req_id, set()).add(key)
-                return LookupResult.HIT
-            self._forget(key, state)  # its pin is about to lapse: ask again
-            state = None
-        if state is None:
-            state = self._keys[key] = _Key("asking")
-            self._batches.setdefault(req_context.req_id, (req_context, []))[1].append(key)
-        state.requests.add(req_context.req_id)
-        self._req_keys.setdefault(req_context.req_id, set()).add(key)
-        return LookupResult.MISS if state.phase == "miss" else LookupResult.RETRY
+        answer, free = self._lookups.lookup(key, req_context)
+        self._release_all(free)
+        return _RESULTS[answer]
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        """Send this step's new keys to the daemon, per request in the order it will load them
-        (its chunk positions where vLLM recorded them), as Acquires of ``_PROBE_BYTES`` each,
-        all at once: the first pieces answer (and vLLM starts loading them) while the daemon
-        still reads later ones from SSD."""
-        batches, self._batches = self._batches, {}
-        step = max(1, _PROBE_BYTES // self._layout.block_bytes)
-        for req_context, keys in batches.values():
-            where = [req_context.get_offload_key_position(k) for k in keys]
-            if None not in where:
-                keys = [k for _, k in sorted(zip(where, keys), key=lambda p: p[0])]
-            for first in range(0, len(keys), step):
-                self._probes += 1
-                self._pool.submit("probe", functools.partial(self._probe, keys[first:first + step]))
+        """Send this step's new keys to the daemon as Acquires of ``_PROBE_BYTES`` each, all at
+        once: the first pieces answer (and vLLM starts loading them) while the daemon still
+        reads later ones from SSD."""
+        for keys in self._lookups.take_batches(max(1, _PROBE_BYTES // self._layout.block_bytes)):
+            self._probes += 1
+            self._pool.submit("probe", functools.partial(self._probe, keys))
 
     def _probe(self, keys: list[OffloadKey]) -> None:
         """Pool thread: Acquire ``keys``' longest held prefix; the answer goes to the inbox."""
@@ -250,51 +205,17 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
             self._count("vllm:kv_offload_tierd_daemon_errors")
             session, error = done.session, done.error
             self._pool.submit("probe", lambda: self._daemon.failed(session, error))
-        got = done.got
-        hits = got.num_blocks if got is not None else 0
-        lease = None
-        if got is not None and hits:
-            assert done.session is not None
-            lease = _Lease(done.session, got, time.monotonic() + got.seconds_left - _LEASE_MARGIN,
-                           refs=hits)
-        for i, key in enumerate(done.keys):
-            state = self._keys.get(key)
-            live = state is not None and state.phase == "asking" and bool(state.requests)
-            if lease is not None and i < hits:
-                if live:
-                    assert state is not None
-                    state.phase, state.lease, state.index = "hit", lease, i
-                    continue
-                self._unref(lease)
-            if state is not None and state.phase == "asking":
-                if state.requests:
-                    state.phase = "miss"
-                else:
-                    del self._keys[key]
+        self._release_all(self._lookups.answer(done.keys, done.session, done.got))
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        # Its batch still goes out at the step's end: another request may wait on those keys.
-        for key in self._req_keys.pop(req_context.req_id, ()):
-            state = self._keys.get(key)
-            if state is None:
-                continue
-            state.requests.discard(req_context.req_id)
-            if not state.requests and state.phase in ("hit", "miss"):
-                self._forget(key, state)
+        self._release_all(self._lookups.finish(req_context.req_id))
 
-    def _forget(self, key: OffloadKey, state: _Key) -> None:
-        del self._keys[key]
-        if state.lease is not None:
-            self._unref(state.lease)
-            state.lease = None
+    def _release_all(self, leases: list[Lease]) -> None:
+        for lease in leases:
+            self._pool.submit("probe", functools.partial(self._release, lease))
 
-    def _unref(self, lease: _Lease) -> None:
-        lease.refs -= 1
-        if lease.refs == 0:
-            self._pool.submit("probe", lambda: self._release(lease))
-
-    def _release(self, lease: _Lease) -> None:
-        """Pool thread: end a lease (its corrupt block reported)."""
+    def _release(self, lease: Lease) -> None:
+        """Pool thread: end a lease (its damaged slot reported)."""
         try:
             self._daemon.release(lease.session, lease.got.lease_id, lease.corrupt_from)
         except grpc.RpcError as exc:  # a daemon that restarted forgot it: nothing is pinned
@@ -305,53 +226,45 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
     def submit_load(self, job_metadata: TransferJob) -> None:
         """Copy pinned slots into the job's primary rows on a pool thread (module doc)."""
         self._take_inbox()
-        parts: list[tuple[OffloadKey, int, _Lease, int]] = []
-        missing: list[OffloadKey] = []
-        for key, chunk in zip(job_metadata.keys, job_metadata.chunk_ids):
-            state = self._keys.get(key)
-            if state is None or state.phase != "hit" or state.lease is None:
-                missing.append(key)  # vLLM only loads keys this tier answered HIT for
-                continue
-            state.phase = "loading"
-            parts.append((key, int(chunk), state.lease, state.index))
+        parts, missing = self._lookups.start_load(list(job_metadata.keys),
+                                                  [int(c) for c in job_metadata.chunk_ids])
         self._jobs.add(job_metadata.job_id)
         self._pool.submit("load", lambda: self._load(job_metadata.job_id, parts, missing))
 
-    def _load(self, job_id: int, parts: list[tuple[OffloadKey, int, _Lease, int]],
-              missing: list[OffloadKey]) -> None:
+    def _load(self, job_id: int, parts: list[LoadPart], missing: list[OffloadKey]) -> None:
         """Pool thread: one verified copy per lease; the outcome goes to the inbox."""
         primary = self._primary
         assert primary is not None, "no job runs after shutdown"
         start = time.perf_counter()
         ok: list[OffloadKey] = []
         failed, corrupt = list(missing), []
-        by_lease: dict[int, list[tuple[OffloadKey, int, _Lease, int]]] = {}
+        by_lease: dict[int, list[LoadPart]] = {}
         for part in parts:
-            by_lease.setdefault(id(part[2]), []).append(part)
+            by_lease.setdefault(id(part.lease), []).append(part)
         for group in by_lease.values():
-            lease = group[0][2]
+            lease, got = group[0].lease, group[0].lease.got
             if time.monotonic() >= lease.expires:  # the pin may lapse mid-copy: do not copy
-                failed += [key for key, *_ in group]
+                failed += [p.key for p in group]
                 continue
-            got = lease.got
-            good = load_rows(primary, lease.session, [got.slot_ids[i] for *_, i in group],
-                             [got.checksums[i] for *_, i in group], [c for _, c, _, _ in group])
-            ok += [key for key, *_ in group[:good]]
-            failed += [key for key, *_ in group[good:]]
+            good = load_rows(primary, lease.session, [got.slot_ids[p.nth] for p in group],
+                             [got.checksums[p.nth] for p in group], [p.chunk for p in group])
+            ok += [p.key for p in group[:good]]
+            failed += [p.key for p in group[good:]]
             if good < len(group):
-                corrupt.append((lease, group[good][3]))
-        self._inbox.put(_Done(job_id, ok, failed, corrupt, seconds=time.perf_counter() - start,
+                corrupt.append((lease, group[good].nth))
+        self._inbox.put(_Done(job_id, ok, failed, corrupt, load=True,
+                              seconds=time.perf_counter() - start,
                               nbytes=len(ok) * primary.slot_bytes))
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Reserve, copy and commit on a pool thread, or drop the job at once (module doc)."""
         self._take_inbox()
         keys = list(job_metadata.keys)
-        for key in keys:
-            self._failed.pop(key, None)
+        self._lookups.stored(keys)
         self._jobs.add(job_metadata.job_id)
         if not self._config.save or self._pool.queued("store") >= self._config.max_queued_stores:
-            self._inbox.put(_Done(job_metadata.job_id, [], keys, [], dropped=len(keys)))
+            self._inbox.put(_Done(job_metadata.job_id, [], keys, [], load=False,
+                                  dropped=len(keys)))
             return
         chunks = [int(c) for c in job_metadata.chunk_ids]
         queued = time.monotonic()
@@ -364,18 +277,19 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         assert primary is not None, "no job runs after shutdown"
         session = self._daemon.session()
         if session is None or time.monotonic() - queued > self._config.timeout_seconds:
-            self._inbox.put(_Done(job_id, [], keys, [], dropped=len(keys)))
+            self._inbox.put(_Done(job_id, [], keys, [], load=False, dropped=len(keys)))
             return
         start = time.perf_counter()
         try:
             reserved = self._daemon.reserve(session, [daemon_hash(k) for k in keys])
         except grpc.RpcError as exc:
             self._daemon.failed(session, exc)
-            self._inbox.put(_Done(job_id, [], keys, [], dropped=len(keys)))
+            self._inbox.put(_Done(job_id, [], keys, [], load=False, dropped=len(keys)))
             self._count("vllm:kv_offload_tierd_daemon_errors")
             return
         written = store_rows(primary, session, chunks, reserved.slot_ids)
-        self._inbox.put(_Done(job_id, keys, [], [], seconds=time.perf_counter() - start,
+        self._inbox.put(_Done(job_id, keys, [], [], load=False,
+                              seconds=time.perf_counter() - start,
                               nbytes=sum(written) * primary.slot_bytes))
         try:  # also with nothing written: it ends the reservation
             self._daemon.commit(session, reserved.lease_id, written)
@@ -406,23 +320,14 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
 
     def _finished(self, done: _Done) -> JobResult:
         self._jobs.discard(done.job_id)
-        for lease, index in done.corrupt:
-            lease.corrupt_from = index if lease.corrupt_from is None else min(index,
-                                                                              lease.corrupt_from)
-            self._count("vllm:kv_offload_tierd_checksum_failures")
-        for key in [*done.ok, *done.failed]:
-            state = self._keys.get(key)
-            if state is not None and state.phase == "loading":
-                self._forget(key, state)
-        if done.dropped:
+        if done.load:
+            self._release_all(self._lookups.end_load(done.ok, done.failed, done.corrupt))
+            if done.corrupt:
+                self._count("vllm:kv_offload_tierd_checksum_failures", len(done.corrupt))
+            if done.failed:
+                self._count("vllm:kv_offload_tierd_load_failures", len(done.failed))
+        elif done.dropped:
             self._count("vllm:kv_offload_tierd_stores_dropped", done.dropped)
-        elif done.failed:
-            self._count("vllm:kv_offload_tierd_load_failures", len(done.failed))
-            for key in done.failed:
-                self._failed[key] = None
-                self._failed.move_to_end(key)
-            while len(self._failed) > _FAILED_KEYS:
-                self._failed.popitem(last=False)
         partial = tuple(done.ok) if done.failed and done.ok else None
         return JobResult(job_id=done.job_id, success=not done.failed, successful_keys=partial,
                          transfer_time=done.seconds, transfer_bytes=done.nbytes)
@@ -469,25 +374,13 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         if not self._pool.stop(self._config.timeout_seconds + 10.0):
             _log.error("tierd tier: a job still runs at shutdown; keeping the primary view")
             return
-        self._keys.clear()
         self._daemon.close()  # unregistering ends every lease and reservation of this tier
         self._primary = None
 
     def check_integrity(self) -> None:
-        """Assert that exactly the hit and loading keys hold a lease, that each lease counts
-        the keys holding it, and that every key of the step's batches is being asked."""
-        holders: dict[int, tuple[_Lease, int]] = {}
-        for key, state in self._keys.items():
-            pinned = state.phase in ("hit", "loading")
-            assert (state.lease is not None) == pinned, f"{state.phase} key with lease {state.lease}"
-            if state.lease is not None:
-                lease, n = holders.get(id(state.lease), (state.lease, 0))
-                holders[id(lease)] = (lease, n + 1)
-        for lease, n in holders.values():
-            assert lease.refs == n, f"a lease counts {lease.refs} keys, {n} hold it"
-        for _, keys in self._batches.values():
-            assert all(self._keys[k].phase == "asking" for k in keys), "a batched key is answered"
-        assert self._probes >= 0 and len(self._failed) <= _FAILED_KEYS
+        """``Lookups.check_integrity``, and the in-flight counters are sane."""
+        self._lookups.check_integrity()
+        assert self._probes >= 0, "more Acquire answers than Acquires"
 
     def _count(self, name: str, value: int = 1) -> None:
         with self._counts_lock:  # pool threads count daemon errors too

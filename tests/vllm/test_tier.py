@@ -32,7 +32,7 @@ def engines(daemon: Daemon, model_dir: str) -> Iterator[list[TierEngine]]:
 
 
 def tier_pins(engine: TierEngine) -> int:
-    return sum(1 for s in engine.tier._keys.values() if s.lease is not None)
+    return int(engine.tier._lookups.pinned())
 
 
 def test_engine_b_loads_what_engine_a_stored(engines: list[TierEngine], daemon: Daemon) -> None:
@@ -80,7 +80,8 @@ def test_restart_between_lookup_and_load(engines: list[TierEngine], daemon: Daem
     a.store(keys, data)
 
     def restart_once() -> None:
-        if b.tier._keys and all(s.phase == "hit" for s in b.tier._keys.values()) \
+        states = b.tier._lookups.states()
+        if states and all(s.phase == "hit" for s in states) \
                 and daemon.generation == 1:
             daemon.restart()
 
@@ -151,7 +152,7 @@ def test_corrupt_slot_fails_the_load_and_then_misses(engines: list[TierEngine],
     a.store(keys, data)
 
     def corrupt() -> None:
-        state = b.tier._keys.get(keys[2])
+        state = b.tier._lookups.state(keys[2])
         if state is not None and state.phase == "hit" and state.lease is not None:
             lease = state.lease
             offset = lease.session.slots.geometry.offset(lease.got.slot_ids[state.index])
