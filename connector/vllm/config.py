@@ -1,4 +1,5 @@
-"""The vLLM adapter's settings: the keys of ``kv_connector_extra_config``."""
+"""The vLLM front ends' settings: the keys of ``kv_connector_extra_config`` (``TierdConnector``)
+and of a ``TierdTier`` entry in ``secondary_tiers`` (the same keys, parsed by the same code)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ _REMOVED = {
 
 @dataclass(frozen=True, slots=True)
 class TierdVllmConfig(ClientSettings):
-    """The adapter's settings, from ``kv_connector_extra_config`` (same key names): the
-    daemon client's (``ClientSettings``: ``socket_path``, ``address``, ``token``,
-    ``engine_name``, ``timeout_seconds``, ``retry_seconds``, ``retry_max_seconds``) and these."""
+    """The settings of ``TierdConnector`` (``kv_connector_extra_config``) and of ``TierdTier``
+    (its ``secondary_tiers`` entry), same key names: the daemon client's (``ClientSettings``:
+    ``socket_path``, ``address``, ``token``, ``engine_name``, ``timeout_seconds``,
+    ``retry_seconds``, ``retry_max_seconds``) and these; keys marked "TierdTier only" are
+    ignored by the connector."""
 
     engine_name: str = "vllm"
     """Shown by ``tierd stats``; the scheduler appends ``-scheduler``, workers ``-tp<rank>``."""
@@ -36,18 +39,27 @@ class TierdVllmConfig(ClientSettings):
     of one checkpoint served under one name share anyway): **a wrong value serves one model's
     KV to another**."""
 
+    workers: int = 2
+    """TierdTier only: threads that run its store and load jobs (copies and daemon calls)."""
+    max_queued_stores: int = 32
+    """TierdTier only: store jobs waiting for a thread beyond this many are dropped at once
+    (counted in ``vllm:kv_offload_tierd_stores_dropped``), so a slow daemon never keeps vLLM's
+    primary tier pinned."""
+
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any]) -> TierdVllmConfig:
-        """Parse ``kv_connector_extra_config``: ``ValueError`` naming the fix for an unknown or
-        removed key or a bad value."""
+    def from_extra_config(cls, extra: Mapping[str, Any], *,
+                          where: str = "kv_connector_extra_config",
+                          front_end: str = "TierdConnector") -> TierdVllmConfig:
+        """Parse ``kv_connector_extra_config`` (or, with ``where``/``front_end`` naming it, a
+        ``secondary_tiers`` entry): ``ValueError`` naming the fix for an unknown or removed key
+        or a bad value."""
         known = {f.name for f in fields(cls)}
         for key in sorted(set(extra) & set(_REMOVED)):
-            raise ValueError(f"kv_connector_extra_config key {key!r} was removed: "
-                             f"{_REMOVED[key]}; drop it")
+            raise ValueError(f"{where} key {key!r} was removed: {_REMOVED[key]}; drop it")
         unknown = sorted(set(extra) - known)
         if unknown:
-            raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown} for "
-                             f"TierdConnector; known keys: {sorted(known)}")
+            raise ValueError(f"unknown {where} key(s) {unknown} for {front_end}; known keys: "
+                             f"{sorted(known)}")
         config = cls(**dict(extra))
         config.validate()
         return config
@@ -58,5 +70,9 @@ class TierdVllmConfig(ClientSettings):
         for name in ("load", "save"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("workers", "max_queued_stores"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.model_id is not None:
             validate_model_id(self.model_id)

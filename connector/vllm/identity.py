@@ -6,21 +6,32 @@ quantization and its ``--hf-overrides``. ``--load-format dummy`` (random weights
 benchmarks) is fingerprinted as "dummy weights of this config and seed". The scheduler and
 every worker derive the id on their own (the same files, the same answer); the
 ``kv_connector_extra_config`` key ``model_id`` replaces it.
+
+``TierdTier`` (a tier of vLLM's native offloading) is built from vLLM's ``OffloadingConfig``,
+which carries the model's name and KV dtype, not the whole ``VllmConfig``:
+``model_identity_for_tier`` uses vLLM's current config when one is set for this model (the same
+id as the connector's), else the checkpoint at that name with its own dtype and quantization and
+the KV dtype (``--hf-overrides`` or a ``--quantization`` given on the command line are then not
+seen: set ``model_id`` when serving with them).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from tierd.model_identity import (
     ModelIdentity,
+    checkpoint_defaults,
     config_parts,
     identity_from_checkpoint,
     identity_from_parts,
     kv_settings,
     override,
 )
+
+_log = logging.getLogger(__name__)
 
 
 def model_identity_from_vllm(vllm_config: Any, model_id: str | None = None) -> ModelIdentity:
@@ -41,6 +52,32 @@ def model_identity_from_vllm(vllm_config: Any, model_id: str | None = None) -> M
     path = _checkpoint_dir(model.model, getattr(model, "revision", None),
                            getattr(load, "download_dir", None))
     return identity_from_checkpoint(path, settings, label=label)
+
+
+def model_identity_for_tier(offloading: Any, model_id: str | None = None) -> ModelIdentity:
+    """The identity of the model of vLLM's ``OffloadingConfig`` ``offloading``, or the
+    ``model_id`` override (see the module doc). ``ValueError`` naming the fix if the checkpoint
+    cannot be found or holds no weights (``--load-format dummy`` without a current config)."""
+    if model_id is not None:
+        return override(model_id)
+    name = str(offloading.model.name)
+    current = _current_vllm_config()
+    if current is not None and str(current.model_config.model) == name:
+        return model_identity_from_vllm(current)
+    path = _checkpoint_dir(name, None, None)
+    settings = {**checkpoint_defaults(path), "kv_dtype": str(offloading.model.dtype)}
+    _log.info("tierd: the model id of %s comes from its checkpoint and config.json (vLLM's "
+              "command-line --hf-overrides and --quantization are not visible to a tier: set "
+              "\"model_id\" in the tier's config if you use them)", name)
+    return identity_from_checkpoint(path, settings, label=os.path.basename(name.rstrip("/")))
+
+
+def _current_vllm_config() -> Any:
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return None
+    return get_current_vllm_config_or_none()
 
 
 def _label(model: Any) -> str:

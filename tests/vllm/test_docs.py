@@ -51,3 +51,26 @@ def test_documented_flags_parse_with_vllms_own_parser(which: int, block_size: in
     assert transfer.kv_connector_module_path == "tierd.connector.vllm"
     assert transfer.kv_role == "kv_both" and transfer.kv_load_failure_policy == "recompute"
     TierdVllmConfig.from_extra_config(transfer.kv_connector_extra_config)
+
+
+def test_documented_tier_command_parses() -> None:
+    """docs/vllm.md's TierdTier command: vLLM 0.33's parser takes it, its extra config is a
+    TieringOffloadingSpec whose secondary tier vLLM's factory resolves to TierdTier, and the
+    tier's own keys parse with tierd's config."""
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    from tierd.connector.vllm.tier import TierdTier
+
+    blocks = re.findall(r"```bash\n(.*?)```", open(DOC).read(), re.S)
+    (block,) = [b for b in blocks if "OffloadingConnector" in b]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(documented_command(block))
+    transfer = args.kv_transfer_config
+    assert transfer.kv_connector == "OffloadingConnector"
+    extra = transfer.kv_connector_extra_config
+    assert extra["spec_name"] == "TieringOffloadingSpec" and extra["cpu_bytes_to_use"] > 0
+    (tier,) = extra["secondary_tiers"]
+    assert SecondaryTierFactory.get_tier_class(tier) is TierdTier
+    own = {k: v for k, v in tier.items() if k not in ("type", "module_path")}
+    TierdVllmConfig.from_extra_config(own, where="secondary_tiers entry", front_end="TierdTier")

@@ -1,0 +1,396 @@
+"""``TierdTier``: tierd as a secondary tier of vLLM's native tiered offloading (vLLM 0.32+).
+
+Enable it inside vLLM's ``OffloadingConnector`` (see docs/vllm.md)::
+
+    "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+      "cpu_bytes_to_use": 17179869184,
+      "secondary_tiers": [{"type": "TierdTier", "module_path": "tierd.connector.vllm.tier",
+                           "socket_path": "/run/tierd/tierd.sock"}]}
+
+The tier's keys are ``TierdVllmConfig``'s (``socket_path``, ``address``, ``token``,
+``engine_name``, ``timeout_seconds``, ``retry_seconds``, ``model_id``, ``load``, ``save``,
+``workers``, ``max_queued_stores``) plus vLLM's ``locality`` and ``enable_kv_events``.
+
+What vLLM's manager sees (every method runs on its scheduler thread, under its lock, and
+returns at once; copies and daemon calls run on ``workers`` threads, ``tier_jobs``):
+
+* ``lookup``: RETRY for a key not seen yet; at the end of the step the keys a request looked up
+  go to the daemon as one Acquire, which pins the longest held prefix in DRAM (SSD hits are
+  read in meanwhile) under a lease; later lookups answer HIT for pinned keys, MISS for the rest.
+  A key whose load failed answers MISS until it is stored again (else vLLM retries it forever).
+  A daemon that is away answers MISS at once.
+* ``submit_load``: the pinned slots are copied into the primary rows, each slot verified in the
+  same pass (``verified_copy``); a bad slot fails its key (``successful_keys`` names the others)
+  and is reported so the daemon drops it; the lease is released when no key uses it.
+* ``submit_store``: Reserve, one copy of each chunk row into its slot, then the job is done (the
+  primary chunks are free); the Commit that publishes the blocks follows on the same thread. A
+  store that waits longer than ``timeout_seconds`` for a thread, or finds more than
+  ``max_queued_stores`` jobs queued, or no daemon, is dropped and counted, never queued without
+  bound. Every daemon error is a failed ``JobResult``, never an exception into vLLM.
+* ``drain_jobs`` waits a bounded time; ``shutdown`` stops the threads, releases every lease,
+  unregisters and drops the one view this tier made of the primary region.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import grpc
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from tierd.daemon.client import AcquiredBlocks
+
+from .config import TierdVllmConfig
+from .identity import model_identity_for_tier
+from .tier_daemon import Session, TierDaemon
+from .tier_jobs import JobPool, PrimaryRows, load_rows, store_rows
+from .tier_layout import daemon_hash, slot_bytes, tier_layout
+from .tier_lookups import Answer, Lease, LoadPart, Lookups
+
+_log = logging.getLogger(__name__)
+
+METRICS = {
+    "vllm:kv_offload_tierd_stores_dropped": "Chunks TierdTier did not store: no daemon, too many "
+                                            "stores queued, a deadline passed, or save off.",
+    "vllm:kv_offload_tierd_load_failures": "Chunks TierdTier failed to load (they answer MISS "
+                                           "until stored again).",
+    "vllm:kv_offload_tierd_checksum_failures": "Chunks whose slot failed its checksum on load.",
+    "vllm:kv_offload_tierd_daemon_errors": "Daemon calls of TierdTier that failed.",
+}
+_RESULTS: dict[Answer, LookupResult] = {"hit": LookupResult.HIT, "miss": LookupResult.MISS,
+                                        "retry": LookupResult.RETRY}
+_PROBE_BYTES = 32 << 20
+"""Bytes of chunks one Acquire asks for (a request's lookups are split into pieces of this)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Probed:
+    """Pool -> scheduler thread: the daemon's answer to one Acquire of ``keys`` (``session``
+    None: no daemon; ``error``: the call failed; both mean MISS)."""
+
+    keys: list[OffloadKey]
+    session: Session | None
+    got: AcquiredBlocks | None
+    error: grpc.RpcError | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Done:
+    """Pool -> scheduler thread: a load or store job ended (``dropped``: a store not made)."""
+
+    job_id: int
+    ok: list[OffloadKey]
+    failed: list[OffloadKey]
+    corrupt: list[tuple[Lease, int]]  # (lease, index of its first bad slot)
+    load: bool
+    dropped: int = 0
+    seconds: float | None = None
+    nbytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    """Pool -> scheduler thread: a store's Commit landed; the daemon serves ``keys``."""
+
+    keys: list[OffloadKey]
+
+
+class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (Any to mypy)
+    """tierd as one of vLLM's secondary tiers: node-shared DRAM and a bounded, checksummed SSD
+    tier behind vLLM's primary CPU tier (module doc)."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]
+                                 ) -> dict[str, OffloadingMetricMetadata]:
+        return {name: OffloadingCounterMetadata(documentation=doc, labelnames=("tier",))
+                for name, doc in METRICS.items()}
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return ("tierd_target", "tierd_model_id", "tierd_slot_bytes")
+
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: Any = None, *, locality: str | None = None,
+                 enable_kv_events: bool = False, **settings: Any) -> None:
+        """Parse ``settings`` (``ValueError`` naming the fix), derive the model id and the
+        namespace, start the threads. Reaches the daemon at the first lookup or store."""
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        config = TierdVllmConfig.from_extra_config(
+            settings, where=f"secondary_tiers entry {tier_type!r}", front_end="TierdTier")
+        offloading = offloading_spec.config
+        identity = model_identity_for_tier(offloading, config.model_id)
+        self._config = replace(config, model_id=identity.model_id)
+        row_bytes = self.block_size_bytes
+        self._layout = tier_layout(offloading, row_bytes, identity.model_id)
+        _log.info("tierd tier: model id %s (%s); chunks of %d bytes in rows of %d",
+                  identity.model_id, identity.source, self._layout.block_bytes, row_bytes)
+        name = config.engine_name + "-tier"
+        if int(offloading.parallel.data_parallel_size) > 1:
+            name += f"-dp{offloading.parallel.data_parallel_index}"
+        self.locality = Locality(locality) if locality is not None else None
+        kv_events = bool(offloading_spec.kv_events_config.enable_kv_cache_events)
+        self._events: list[OffloadingEvent] | None = [] if enable_kv_events and kv_events else None
+        self._primary: PrimaryRows | None = PrimaryRows.of(primary_kv_view,
+                                                           slot_bytes(offloading, row_bytes))
+        self._daemon = TierDaemon(self._config, self._layout, name)
+        self._pool = JobPool(config.workers, f"tierd-{tier_type}")
+        self._inbox: queue.SimpleQueue[_Probed | _Done | _Stored] = queue.SimpleQueue()
+        self._lookups = Lookups()
+        self._jobs: set[int] = set()
+        self._results: list[JobResult] = []
+        self._probes = 0
+        self._counts: dict[str, int] = {}
+        self._counts_lock = threading.Lock()
+        self._closed = False
+        self._pool.submit("probe", self.connect)  # register and map the arena before requests
+
+    def connect(self) -> bool:
+        """Register with the daemon and map its arena now, if not done yet (blocks for one
+        round trip at most); whether the daemon is reachable. Called on a pool thread at start;
+        jobs and lookups connect by themselves."""
+        return self._daemon.session() is not None
+
+    # -- lookups -------------------------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._take_inbox()
+        if not self._config.load:
+            return LookupResult.MISS
+        answer, free = self._lookups.lookup(key, req_context)
+        self._release_all(free)
+        return _RESULTS[answer]
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Send this step's new keys to the daemon as Acquires of ``_PROBE_BYTES`` each, all at
+        once: the first pieces answer (and vLLM starts loading them) while the daemon still
+        reads later ones from SSD."""
+        for keys in self._lookups.take_batches(max(1, _PROBE_BYTES // self._layout.block_bytes)):
+            self._probes += 1
+            self._pool.submit("probe", functools.partial(self._probe, keys))
+
+    def _probe(self, keys: list[OffloadKey]) -> None:
+        """Pool thread: Acquire ``keys``' longest held prefix; the answer goes to the inbox."""
+        session = self._daemon.session()
+        if session is None:
+            self._inbox.put(_Probed(keys, None, None, None))
+            return
+        hashes = [daemon_hash(k) for k in keys[:session.max_blocks]]
+        future = self._daemon.acquire_async(session, hashes)
+
+        def answered(f: Any) -> None:
+            error = f.exception()
+            self._inbox.put(_Probed(keys, session, None if error else f.result(), error))
+
+        future.add_done_callback(answered)
+
+    def _probed(self, done: _Probed) -> None:
+        self._probes -= 1
+        if done.error is not None and done.session is not None:
+            self._count("vllm:kv_offload_tierd_daemon_errors")
+            session, error = done.session, done.error
+            self._pool.submit("probe", lambda: self._daemon.failed(session, error))
+        self._release_all(self._lookups.answer(done.keys, done.session, done.got))
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._release_all(self._lookups.finish(req_context.req_id))
+
+    def _release_all(self, leases: list[Lease]) -> None:
+        for lease in leases:
+            self._pool.submit("probe", functools.partial(self._release, lease))
+
+    def _release(self, lease: Lease) -> None:
+        """Pool thread: end a lease (its damaged slot reported)."""
+        try:
+            self._daemon.release(lease.session, lease.got.lease_id, lease.corrupt_from)
+        except grpc.RpcError as exc:  # a daemon that restarted forgot it: nothing is pinned
+            self._daemon.failed(lease.session, exc)
+
+    # -- jobs --------------------------------------------------------------------------------
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        """Copy pinned slots into the job's primary rows on a pool thread (module doc)."""
+        self._take_inbox()
+        parts, missing = self._lookups.start_load(list(job_metadata.keys),
+                                                  [int(c) for c in job_metadata.chunk_ids])
+        self._jobs.add(job_metadata.job_id)
+        self._pool.submit("load", lambda: self._load(job_metadata.job_id, parts, missing))
+
+    def _load(self, job_id: int, parts: list[LoadPart], missing: list[OffloadKey]) -> None:
+        """Pool thread: one verified copy per lease; the outcome goes to the inbox."""
+        primary = self._primary
+        assert primary is not None, "no job runs after shutdown"
+        start = time.perf_counter()
+        ok: list[OffloadKey] = []
+        failed, corrupt = list(missing), []
+        by_lease: dict[int, list[LoadPart]] = {}
+        for part in parts:
+            by_lease.setdefault(id(part.lease), []).append(part)
+        for group in by_lease.values():
+            lease, got = group[0].lease, group[0].lease.got
+            if time.monotonic() >= lease.expires:  # the pin may lapse mid-copy: do not copy
+                failed += [p.key for p in group]
+                continue
+            good = load_rows(primary, lease.session, [got.slot_ids[p.nth] for p in group],
+                             [got.checksums[p.nth] for p in group], [p.chunk for p in group])
+            ok += [p.key for p in group[:good]]
+            failed += [p.key for p in group[good:]]
+            if good < len(group):
+                corrupt.append((lease, group[good].nth))
+        self._inbox.put(_Done(job_id, ok, failed, corrupt, load=True,
+                              seconds=time.perf_counter() - start,
+                              nbytes=len(ok) * primary.slot_bytes))
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        """Reserve, copy and commit on a pool thread, or drop the job at once (module doc)."""
+        self._take_inbox()
+        keys = list(job_metadata.keys)
+        self._lookups.stored(keys)
+        self._jobs.add(job_metadata.job_id)
+        if not self._config.save or self._pool.queued("store") >= self._config.max_queued_stores:
+            self._inbox.put(_Done(job_metadata.job_id, [], keys, [], load=False,
+                                  dropped=len(keys)))
+            return
+        chunks = [int(c) for c in job_metadata.chunk_ids]
+        queued = time.monotonic()
+        self._pool.submit("store", lambda: self._store(job_metadata.job_id, keys, chunks, queued))
+
+    def _store(self, job_id: int, keys: list[OffloadKey], chunks: list[int],
+               queued: float) -> None:
+        """Pool thread: Reserve, copy the rows, report the job done, then Commit."""
+        primary = self._primary
+        assert primary is not None, "no job runs after shutdown"
+        session = self._daemon.session()
+        if session is None or time.monotonic() - queued > self._config.timeout_seconds:
+            self._inbox.put(_Done(job_id, [], keys, [], load=False, dropped=len(keys)))
+            return
+        start = time.perf_counter()
+        try:
+            reserved = self._daemon.reserve(session, [daemon_hash(k) for k in keys])
+        except grpc.RpcError as exc:
+            self._daemon.failed(session, exc)
+            self._inbox.put(_Done(job_id, [], keys, [], load=False, dropped=len(keys)))
+            self._count("vllm:kv_offload_tierd_daemon_errors")
+            return
+        written = store_rows(primary, session, chunks, reserved.slot_ids)
+        self._inbox.put(_Done(job_id, keys, [], [], load=False,
+                              seconds=time.perf_counter() - start,
+                              nbytes=sum(written) * primary.slot_bytes))
+        try:  # also with nothing written: it ends the reservation
+            self._daemon.commit(session, reserved.lease_id, written)
+        except grpc.RpcError as exc:  # the blocks are not stored; the job had freed its rows
+            self._daemon.failed(session, exc)
+            self._count("vllm:kv_offload_tierd_daemon_errors")
+            return
+        self._inbox.put(_Stored([k for k, w, done in zip(keys, written, reserved.already_stored)
+                                 if w or done]))
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        self._take_inbox()
+        results, self._results = self._results, []
+        return results
+
+    def _take_inbox(self) -> None:
+        """Apply what the pool threads reported (JobResults wait in ``_results``)."""
+        while not self._inbox.empty():
+            item = self._inbox.get_nowait()
+            if isinstance(item, _Probed):
+                self._probed(item)
+            elif isinstance(item, _Stored):
+                if self._events is not None and item.keys:
+                    self._events.append(OffloadingEvent(keys=item.keys, medium=self.medium,
+                                                        removed=False, locality=self.locality))
+            else:
+                self._results.append(self._finished(item))
+
+    def _finished(self, done: _Done) -> JobResult:
+        self._jobs.discard(done.job_id)
+        if done.load:
+            self._release_all(self._lookups.end_load(done.ok, done.failed, done.corrupt))
+            if done.corrupt:
+                self._count("vllm:kv_offload_tierd_checksum_failures", len(done.corrupt))
+            if done.failed:
+                self._count("vllm:kv_offload_tierd_load_failures", len(done.failed))
+        elif done.dropped:
+            self._count("vllm:kv_offload_tierd_stores_dropped", done.dropped)
+        partial = tuple(done.ok) if done.failed and done.ok else None
+        return JobResult(job_id=done.job_id, success=not done.failed, successful_keys=partial,
+                         transfer_time=done.seconds, transfer_bytes=done.nbytes)
+
+    # -- the rest of vLLM's interface ----------------------------------------------------------
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs or self._probes or self._results or not self._inbox.empty()
+                    or self._pool.busy())
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        self._take_inbox()
+        if self._events:
+            events, self._events = self._events, []
+            yield from events
+
+    def drain_jobs(self) -> None:
+        """Wait (at most ``timeout_seconds`` + 10 s: every job's daemon calls have that
+        deadline, and copies take milliseconds) until no load or store is queued or running."""
+        if not self._pool.drain(self._config.timeout_seconds + 10.0):
+            _log.error("tierd tier: jobs still running after %.0f s", self._config.timeout_seconds)
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        self._take_inbox()
+        with self._counts_lock:
+            counts, self._counts = self._counts, {}
+        if not counts:
+            return None
+        stats = OffloadingConnectorStats()
+        for name, value in counts.items():
+            stats.increase_counter(name, value, (self.tier_type,))
+        return stats
+
+    def config_info(self) -> dict[str, str | int]:
+        return {"tierd_target": self._daemon.target, "tierd_model_id": self._layout.model_id,
+                "tierd_slot_bytes": self._layout.block_bytes}
+
+    def shutdown(self) -> None:
+        """Stop the threads (bounded), release every lease still held, unregister, and drop
+        this tier's view of the primary region so vLLM can unmap it."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._pool.stop(self._config.timeout_seconds + 10.0):
+            _log.error("tierd tier: a job still runs at shutdown; keeping the primary view")
+            return
+        self._daemon.close()  # unregistering ends every lease and reservation of this tier
+        self._primary = None
+
+    def check_integrity(self) -> None:
+        """``Lookups.check_integrity``, and the in-flight counters are sane."""
+        self._lookups.check_integrity()
+        assert self._probes >= 0, "more Acquire answers than Acquires"
+
+    def _count(self, name: str, value: int = 1) -> None:
+        with self._counts_lock:  # pool threads count daemon errors too
+            self._counts[name] = self._counts.get(name, 0) + value
