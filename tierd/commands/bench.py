@@ -10,7 +10,7 @@ import argparse
 import importlib
 
 HELP = ("Run a benchmark (hash, attention, daemon, e2e, cluster, soak, vllm, identity, serve, "
-        "or all).")
+        "sglang, or all).")
 
 # Benchmark name -> module under tierd.bench.
 BENCHMARKS: dict[str, str] = {
@@ -23,8 +23,10 @@ BENCHMARKS: dict[str, str] = {
     "vllm": "vllm",
     "identity": "identity",
     "serve": "serve",
+    "sglang": "sglang",
 }
-NOT_IN_ALL = {"serve": "needs vLLM's CPU build and ~2 min of vllm serve starts: `make bench-serve`"}
+NOT_IN_ALL = {"serve": "needs vLLM's CPU build and ~2 min of vllm serve starts: `make bench-serve`",
+              "sglang": "needs SGLang: `make bench-sglang`"}
 """Benchmarks ``all`` leaves out, and how to run each."""
 
 
