@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from tierd.checksum import checksums_at
+from tierd.connector.native.checksummed_copy import store_checksummed
 from tierd.connector.native.verified_copy import BlockRows
 from tierd.daemon.layout import Dtype, Layout
 
@@ -80,7 +81,17 @@ class PageFormat:
 
     def store(self, pages: Sequence[int], slot_addresses: Sequence[int | None]) -> list[int | None]:
         """Copy page ``pages[i]`` into the slot at ``slot_addresses[i]`` (None: skip) and return
-        each written slot's checksum. One memcpy per run (numpy, no GIL)."""
+        each written slot's checksum (None for a skipped one): one pass that checksums while it
+        copies (``store_checksummed``), or without the native helper a memcpy per run (numpy,
+        no GIL) and then the checksums."""
+        given = [i for i, a in enumerate(slot_addresses) if a is not None]
+        sums = store_checksummed(self.rows, [pages[i] for i in given],
+                                 [slot_addresses[i] for i in given])  # type: ignore[misc]
+        if sums is not None:
+            out: list[int | None] = [None] * len(slot_addresses)
+            for i, checksum in zip(given, sums):
+                out[i] = checksum
+            return out
         rows, host = self.rows, self.host
         base = rows.base - host.ctypes.data
         width = rows.row

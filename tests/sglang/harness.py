@@ -29,6 +29,7 @@ from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.device_pool_info import (KVBufferLayout, KVBuffers,  # noqa: E402
                                                    MHABufferInfo, MLABufferInfo)
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
@@ -76,7 +77,14 @@ class Allocator:
 
 def host_pool(layout: str, *, mla: bool = False, page: int = PAGE,
               dtype: torch.dtype = torch.float16) -> Any:
-    """A real SGLang host pool on CPU, ``layout`` ("page_first", "layer_first", ...)."""
+    """A real SGLang host pool on CPU, ``layout`` ("page_first", "layer_first", ...), sized
+    against a fixed budget (SGLang's own check keeps 10 GB of the host free, which a shared
+    test machine may not have; these pools are ~1 MiB)."""
+    with host_memory_budget_scope(1 << 30):
+        return _host_pool(layout, mla, page, dtype)
+
+
+def _host_pool(layout: str, mla: bool, page: int, dtype: torch.dtype) -> Any:
     common = dict(host_to_device_ratio=2.0, host_size=0, page_size=page, layout=layout,
                   pin_memory=False, device="cpu", device_capacity_tokens=DEVICE_TOKENS,
                   start_layer=0, end_layer=LAYERS)
