@@ -86,7 +86,7 @@ class PageFormat:
         no GIL) and then the checksums."""
         given = [i for i, a in enumerate(slot_addresses) if a is not None]
         sums = store_checksummed(self.rows, [pages[i] for i in given],
-                                 [slot_addresses[i] for i in given])  # type: ignore[misc]
+                                 [a for a in slot_addresses if a is not None])
         if sums is not None:
             out: list[int | None] = [None] * len(slot_addresses)
             for i, checksum in zip(given, sums):
