@@ -290,3 +290,47 @@ def test_file_backend_runs_in_the_same_harness(tmp_path: object,
         a.close()
         b.close()
 
+
+
+def test_failed_store_aborts_its_reservation(daemon: Daemon, models: tuple[str, str]) -> None:
+    """A store whose copy fails after its Reserve aborts the reservation (the error reaches
+    the caller): the same pages are then stored in full by the next backup."""
+    extra = tierd_extra(daemon.socket_path, models[0])
+    a = Engine(extra)
+    try:
+        keys = get_hash_str(TOKENS, None, page_size=PAGE)
+
+        def broken(addresses: object) -> list[int | None]:
+            raise RuntimeError("copy failed")
+
+        with pytest.raises(RuntimeError, match="copy failed"):
+            a.backend._store(keys, broken)
+        indices = a.fill(len(TOKENS) // PAGE, seed=60)
+        assert a.backend.batch_set_v1(keys, indices) == [True] * len(keys)
+        with daemon.client() as client:
+            assert sum(t.used_blocks for t in client.stats().tiers if t.tier == "dram") == \
+                len(keys)
+    finally:
+        a.close()
+
+
+def test_failed_load_releases_its_lease(daemon: Daemon, models: tuple[str, str]) -> None:
+    """A load whose copy fails after its Acquire releases the lease (the error reaches the
+    caller): nothing stays pinned, and the pages still load afterwards."""
+    extra = tierd_extra(daemon.socket_path, models[0])
+    a, b = Engine(extra), Engine(extra)
+    try:
+        stored = backed_up(a, TOKENS, seed=70)
+        keys = get_hash_str(TOKENS, None, page_size=PAGE)
+
+        def broken(*args: object) -> int:
+            raise RuntimeError("copy failed")
+
+        with pytest.raises(RuntimeError, match="copy failed"):
+            b.backend._load(keys, lambda n: list(range(n)), broken)
+        assert daemon.pinned_blocks() == 0
+        hit, loaded, got = b.prefetch("after", TOKENS)
+        assert loaded == len(TOKENS) and b.pages(got) == stored
+    finally:
+        a.close()
+        b.close()
