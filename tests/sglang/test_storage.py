@@ -334,3 +334,21 @@ def test_failed_load_releases_its_lease(daemon: Daemon, models: tuple[str, str])
     finally:
         a.close()
         b.close()
+
+
+def test_tp_ranks_keep_their_own_shards(daemon: Daemon, models: tuple[str, str]) -> None:
+    """MHA with TP 2: rank 0's pages are not served to rank 1 (other heads under the same
+    keys); rank 0 of another engine gets them."""
+    extra = tierd_extra(daemon.socket_path, models[0])
+    r0 = Engine(extra, tp_rank=0, tp_size=2)
+    r1 = Engine(extra, tp_rank=1, tp_size=2)
+    other0 = Engine(extra, tp_rank=0, tp_size=2)
+    try:
+        stored = backed_up(r0, TOKENS, seed=80)
+        assert r1.prefetch("r1", TOKENS)[:2] == (0, 0)
+        hit, loaded, got = other0.prefetch("r0", TOKENS)
+        assert loaded == len(TOKENS) and other0.pages(got) == stored
+        assert r1.backend.format.layout.tp_rank == 1
+    finally:
+        for e in (r0, r1, other0):
+            e.close()
