@@ -135,7 +135,8 @@ class Engine:
 
     def __init__(self, extra: dict[str, Any], *, layout: str = "page_first",
                  mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
-                 backend: str = "dynamic", page: int = PAGE) -> None:
+                 backend: str = "dynamic", page: int = PAGE,
+                 model_name: str | None = None) -> None:
         self.host = host_pool(layout, mla=mla, page=page)
         self.page = page
         device = MLADevicePool(LAYERS) if mla else DevicePool(LAYERS)
@@ -143,7 +144,7 @@ class Engine:
                                      attn_dcp_size=1, attn_dcp_rank=0):
             self.controller = HiCacheController(
                 Allocator(device), self.host, page, tp_group(), threading.Event(),
-                storage_backend=backend, model_name=extra.get("model_path"),
+                storage_backend=backend, model_name=model_name or "tiny",
                 storage_backend_extra_config=dict(extra), io_backend="direct")
 
     @property

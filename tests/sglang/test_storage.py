@@ -352,3 +352,42 @@ def test_tp_ranks_keep_their_own_shards(daemon: Daemon, models: tuple[str, str])
     finally:
         for e in (r0, r1, other0):
             e.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_python_copies_without_the_native_helpers(daemon: Daemon, models: tuple[str, str],
+                                                  layout: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the C helpers are unavailable (no compiler, TIERD_NATIVE=0) the store copies run
+    by run then checksums, and the load verifies then copies: still byte-exact."""
+    import tierd.connector.sglang.pages as pages
+    from tierd.connector.transfer import ArenaSlots
+
+    monkeypatch.setattr(pages, "store_checksummed", lambda *a, **k: None)
+    monkeypatch.setattr(ArenaSlots, "load_verified", lambda *a, **k: None)
+    extra = tierd_extra(daemon.socket_path, models[0])
+    a, b = Engine(extra, layout=layout), Engine(extra, layout=layout)
+    try:
+        stored = backed_up(a, TOKENS, seed=90)
+        hit, loaded, got = b.prefetch("py", TOKENS)
+        assert loaded == len(TOKENS) and b.pages(got) == stored
+    finally:
+        a.close()
+        b.close()
+
+
+def test_model_id_from_sglangs_model_name(daemon: Daemon, models: tuple[str, str]) -> None:
+    """Without "model_path", the id is derived from the model path SGLang passes its storage
+    backends (``model_name``): the same id, and the same pages."""
+    with_path = Engine(tierd_extra(daemon.socket_path, models[0]))
+    extra = tierd_extra(daemon.socket_path, models[0])
+    del extra["model_path"]
+    from_name = Engine(extra, model_name=models[0])
+    try:
+        assert from_name.backend.identity.model_id == with_path.backend.identity.model_id
+        stored = backed_up(with_path, TOKENS, seed=91)
+        hit, loaded, got = from_name.prefetch("n", TOKENS)
+        assert loaded == len(TOKENS) and from_name.pages(got) == stored
+    finally:
+        with_path.close()
+        from_name.close()
