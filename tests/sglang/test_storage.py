@@ -13,6 +13,7 @@ import torch  # noqa: E402
 from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
 
 from harness import PAGE, Daemon, Engine, tierd_extra, wait_until  # noqa: E402
+from harness import host_pool as harness_host  # noqa: E402
 from tierd.daemon.layout import Layout  # noqa: E402
 from tierd.types import BlockHash  # noqa: E402
 
@@ -391,3 +392,18 @@ def test_model_id_from_sglangs_model_name(daemon: Daemon, models: tuple[str, str
     finally:
         with_path.close()
         from_name.close()
+
+
+def test_pipeline_stage_and_cp_rank_are_in_the_byte_format(models: tuple[str, str]) -> None:
+    """Pipeline stages and context-parallel ranks hold other bytes under the same page keys:
+    each gets its own kv_format (so its own namespace); MLA drops the TP rank."""
+    from tierd.connector.sglang.pages import Shard, page_format
+
+    host = harness_host("page_first")
+    assert page_format(host, Shard(), "m@1").layout.kv_format == "sglang-mha-page_first"
+    staged = page_format(host, Shard(pp_rank=1, pp_size=2, cp_rank=0, cp_size=4), "m@1")
+    assert staged.layout.kv_format == "sglang-mha-page_first-pp1of2-cp0of4"
+    mla = page_format(harness_host("layer_first", mla=True), Shard(tp_rank=3, tp_size=4), "m@1")
+    assert (mla.layout.kv_format, mla.layout.tp_rank, mla.layout.tp_size) == (
+        "sglang-mla-layer_first", 0, 1)
+    assert mla.rows.layers == 3 and mla.page_bytes == mla.layout.block_bytes
