@@ -6,7 +6,8 @@ default) at a real model's shape (Llama-3-8B, one TP rank: 32 layers, 8 KV heads
 fp16; page 16 = 2 MiB a page, 256 MiB a batch), the batch SGLang's controller hands a storage
 backend (``STORAGE_BATCH_SIZE`` = 128 pages). Interleaved repetitions of:
 
-1. memcpy: the batch's bytes copied between two page ranges of the same host pool (the limit);
+1. memcpy: the batch's bytes copied between two page ranges of the same host pool, the faster
+   of a torch copy (all threads) and a plain memcpy (the limit);
 2. set: tierd ``batch_set_v1`` (Reserve, copy, checksums, Commit) beside the `file` backend's
    ``batch_set`` of SGLang's flat pages (what SGLang's controller calls for it: one file per
    page, written and renamed);
@@ -240,7 +241,10 @@ def _measure(args: argparse.Namespace, shape: tuple[int, int, int], socks: str,
 
     for rep in range(args.repeat + 1):  # round 0 warms up and checks the bytes
         figures: dict[str, float] = {}
-        figures["memcpy"], _ = timed(_memcpy, host, pages * page)
+        # The limit: the faster of torch's threaded copy and a plain memcpy (torch's threads
+        # stall on a loaded host, a single-threaded memcpy is slower on an idle one).
+        figures["memcpy"] = min(timed(lambda: _memcpy(host, pages * page, use_torch=t))[0]
+                                for t in (True, False))
         keys = [os.urandom(32).hex() for _ in range(pages)]
         figures["tierd_set"], ok = timed(dram.set, keys, src)
         assert ok, "tierd did not store every page"
@@ -276,10 +280,10 @@ def _measure(args: argparse.Namespace, shape: tuple[int, int, int], socks: str,
     return result
 
 
-def _memcpy(host: Any, tokens: int) -> None:
-    """The batch's bytes from the first ``tokens`` host slots to the next ``tokens``: a torch
-    copy (memcpy, all threads) of each contiguous byte range the layout keeps them in (K and
-    V; and per layer for layer_first)."""
+def _memcpy(host: Any, tokens: int, *, use_torch: bool) -> None:
+    """The batch's bytes from the first ``tokens`` host slots to the next ``tokens``, one copy
+    per contiguous byte range of the layout (K and V; and per layer for layer_first): a torch
+    copy (all threads) or a plain memcpy (numpy, one thread)."""
     import torch
 
     buf = host.kv_buffer
@@ -290,9 +294,13 @@ def _memcpy(host: Any, tokens: int) -> None:
     else:  # [2, size or pages, ...]: a range for K, one for V
         ranges, row = 2, buf[0].numel() * buf.element_size()
         chunk = row // 2
+    data = flat if use_torch else flat.numpy()
     for r in range(ranges):
         at = r * row
-        flat[at + chunk:at + 2 * chunk].copy_(flat[at:at + chunk])
+        if use_torch:
+            data[at + chunk:at + 2 * chunk].copy_(data[at:at + chunk])
+        else:
+            data[at + chunk:at + 2 * chunk] = data[at:at + chunk]
 
 
 def _clear(host: Any, indices: Any) -> None:
