@@ -16,7 +16,9 @@ backend (``STORAGE_BATCH_SIZE`` = 128 pages). Interleaved repetitions of:
    ``batch_get`` + ``set_from_flat_data_page`` (SGLang's non-v1 path) of pages still in the page
    cache;
 4. get from disk: the same from a daemon that demoted every page to its SSD tier (read with
-   O_DIRECT) beside `file` with its pages dropped from the page cache (``posix_fadvise``).
+   O_DIRECT) beside `file` with its files written back and dropped from the page cache
+   (``fsync``, ``posix_fadvise``), and a raw cold read of the same bytes from the same disk
+   (``measure_raw_disk``, for reference).
 
 Every get is checked byte for byte in the first (warm-up) round. Targets: tierd's DRAM get and
 its set <= 1.3x memcpy; tierd faster than `file` on every row. Needs SGLang: `make bench-sglang`.
@@ -176,9 +178,15 @@ class _File:
         return len(pages)
 
     def drop_cache(self) -> None:
-        from tierd.bench.identity import drop_cache
-
-        drop_cache(sorted(Path(self.directory).glob("*.bin")))
+        """Evict the backend's files from the page cache: written back first (``fsync``), since
+        ``POSIX_FADV_DONTNEED`` leaves dirty pages where they are."""
+        for path in sorted(Path(self.directory).glob("*.bin")):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 class _Tierd:
@@ -217,15 +225,18 @@ def _measure(args: argparse.Namespace, shape: tuple[int, int, int], socks: str,
              workdir: str) -> dict[str, Any]:
     import torch
 
+    from tierd.daemon.ssd.rawdisk import measure_raw_disk
+
     pages, page = args.pages, args.page_size
     host = _host_pool(shape, pages, page, args.layout)
+    nbytes = host.kv_buffer.numel() * host.kv_buffer.element_size() // 2
     src = torch.arange(0, pages * page, dtype=torch.int64)
     dst = torch.arange(pages * page, 2 * pages * page, dtype=torch.int64)
     dram, ssd = _Tierd(host, os.path.join(socks, "dram.sock")), _Tierd(
         host, os.path.join(socks, "ssd.sock"))
     files = _File(host, os.path.join(workdir, "file"))
     rows = ("memcpy", "tierd_set", "file_set", "tierd_get", "file_get", "tierd_ssd_get",
-            "file_cold_get")
+            "file_cold_get", "raw_read")
     out: dict[str, list[float]] = {k: [] for k in rows}
 
     def timed(fn: Any, *a: Any) -> tuple[float, Any]:
@@ -271,6 +282,8 @@ def _measure(args: argparse.Namespace, shape: tuple[int, int, int], socks: str,
         if rep == 0:
             check("file cold get", got)
             continue
+        _, read_gbs = measure_raw_disk(workdir, nbytes)  # the disk's limit, for the SSD rows
+        figures["raw_read"] = nbytes / (read_gbs * 1e9)
         for key, value in figures.items():
             out[key].append(value * 1e3)
     result: dict[str, Any] = {}
@@ -335,6 +348,7 @@ def _report(f: dict[str, Any], as_json: bool) -> int:
     print(line("file set (one file per page)", "file_set"))
     print(line("tierd get from DRAM (exists, get)", "tierd_get"))
     print(line("file get from the page cache", "file_get"))
+    print(line("raw cold read of the same bytes", "raw_read"))
     print(line("tierd get from SSD (O_DIRECT)", "tierd_ssd_get"))
     print(line("file get, page cache dropped", "file_cold_get"))
     for name, ratio in ratios.items():
