@@ -10,7 +10,8 @@ query, prefetch I/O, backup), up to 128 pages a call:
   verified as it is copied into its host page, one Release (naming the first page that failed
   its checksum, which the daemon re-checks and drops).
 - ``batch_set_v1`` -> one Reserve, the pages copied into their slots and checksummed, one
-  Commit; pages tierd already holds count as stored without a copy.
+  Commit; pages tierd already holds, or another engine is writing, count as stored without a
+  copy.
 - ``get``/``set``/``batch_get``/``batch_set``/``exists``: the same through SGLang's flat pages
   (without ``"interface_v1": 1``).
 
@@ -250,8 +251,7 @@ class TierdHiCacheStorage(HiCacheStorage):
         finally:
             if stored is None:
                 self._call(session, lambda c, e: c.abort(e, reserved.lease_id))
-        return [held or (slot is not None and stored is not None)
-                for held, slot in zip(reserved.already_stored, reserved.slot_ids)]
+        return _stored(reserved.already_stored, reserved.slot_ids, stored is not None)
 
     def _session(self) -> _Session | None:
         """The current registration (registering first if needed), or None while the daemon
@@ -278,6 +278,17 @@ class TierdHiCacheStorage(HiCacheStorage):
     def _format(self) -> PageFormat:
         assert self.format is not None, "SGLang registers its host pool before any transfer"
         return self.format
+
+
+def _stored(held: Sequence[bool], slots: Sequence[int | None], committed: bool) -> list[bool]:
+    """Which pages of a Reserve tierd holds or will hold: held already, written and committed,
+    or being written by another engine. Reserve gives no slot to a page another lease is
+    writing (engines backing up one shared prefix at once), nor to any page after the first it
+    had no room for (docs/daemon.md), so a page without a slot followed by a page with one is
+    another engine's write, not a lack of room."""
+    last_slot = max((i for i, s in enumerate(slots) if s is not None), default=-1)
+    return [h or (s is not None and committed) or (s is None and i < last_slot and committed)
+            for i, (h, s) in enumerate(zip(held, slots))]
 
 
 def _hashes(keys: Sequence[str]) -> list[BlockHash]:

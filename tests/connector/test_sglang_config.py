@@ -50,3 +50,14 @@ def test_page_runs_form_a_grid(offsets: list[int], grid: tuple[int, ...] | None)
 def test_backend_imports_without_sglang() -> None:
     """The module imports where SGLang is not installed (a stand-in base class)."""
     assert not HAVE_SGLANG and callable(TierdHiCacheStorage)
+
+
+def test_pages_another_engine_writes_count_as_stored() -> None:
+    """A page without a slot before a page with one is another engine's write (stored); one
+    after the last slot may be a lack of room (not stored); nothing counts without a Commit."""
+    from tierd.connector.sglang.storage import _stored
+
+    held = [True, False, False, False, False]
+    slots = [None, None, 7, None, None]
+    assert _stored(held, slots, committed=True) == [True, True, True, False, False]
+    assert _stored(held, slots, committed=False) == [True, False, False, False, False]

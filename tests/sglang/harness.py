@@ -152,12 +152,16 @@ class Engine:
         return self.controller.storage_backend
 
     def fill(self, pages: int, seed: int) -> torch.Tensor:
-        """Host pages holding random bytes from ``seed``; their host indices."""
+        """New host pages holding random bytes from ``seed`` (only those pages are written:
+        another thread may be loading into this pool); their host indices."""
         indices = self.host.alloc(pages * self.page)
         assert indices is not None, "host pool full"
         gen = torch.Generator().manual_seed(seed)
-        flat = self.host.kv_buffer.view(-1).view(torch.uint8)
-        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
+        for first in indices[::self.page].tolist():
+            page = self.host.get_dummy_flat_data_page()
+            raw = page.view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+            self.host.set_from_flat_data_page(first, page)
         return indices
 
     def backup(self, tokens: list[int], indices: torch.Tensor) -> int:

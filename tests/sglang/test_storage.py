@@ -152,13 +152,11 @@ def test_concurrent_engines(daemon: Daemon, models: tuple[str, str]) -> None:
     shared = TOKENS[:4 * PAGE]
     prompts = [shared + [(i * 101 + n) % 997 for n in range(4 * PAGE)] for i in range(4)]
     errors: list[BaseException] = []
-    lock = threading.Lock()
 
     def run(i: int) -> None:
         try:
-            with lock:  # fill + capture under a lock: fill rewrites the engine's whole pool
-                indices = engines[i].fill(8, seed=10 + i)
-                before = engines[i].pages(indices)
+            indices = engines[i].fill(8, seed=10 + i)  # SGLang's host allocator locks itself
+            before = engines[i].pages(indices)
             done = engines[i].backup(prompts[i], indices)
             assert done == len(prompts[i])
             reader = engines[(i + 1) % 4]
