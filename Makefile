@@ -7,8 +7,8 @@ PIP := $(PY) -m pip
 # download a multi-GB CUDA build to satisfy the range in pyproject.toml.
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: demo demo-vllm test test-vllm test-vllm-serve bench-vllm bench-vllm-tier bench-serve vllm-venv vllm-cpu-venv venv bench lint \
-	proto clean
+.PHONY: demo demo-vllm test test-vllm test-vllm-serve bench-vllm bench-vllm-tier bench-serve vllm-venv \
+	vllm-cpu-venv venv bench lint proto clean sglang-venv test-sglang bench-sglang
 
 venv: $(VENV)/.installed
 
@@ -105,8 +105,44 @@ bench-vllm: vllm-venv | $(TIERD_PATH)/tierd
 	PYTHONPATH=$(TIERD_PATH) VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -P -m tierd.cli bench vllm $(ARGS)
 
 # `tierd bench vllm-tier`: TierdTier vs vLLM's fs tier under vLLM's native tiered offloading.
-bench-vllm-tier: vllm-venv
-	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -m tierd.cli bench vllm-tier $(ARGS)
+bench-vllm-tier: vllm-venv | $(TIERD_PATH)/tierd
+	PYTHONPATH=$(TIERD_PATH) VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -P -m tierd.cli bench vllm-tier $(ARGS)
+
+# Real SGLang for tests/sglang/ (HiCache with tierd as its L3 storage): its own venv outside the
+# clone, keyed by the SGLang version and reused like the vLLM ones. SGLang's declared dependencies
+# are CUDA builds (sglang-kernel, flashinfer, flash-attn-4, deep-ep, ...), so it is installed with
+# --no-deps beside the modules its HiCache imports need, pinned where SGLang pins them. torch and
+# torchvision are the pair SGLang pins (2.14.1; torchvision 0.29.1 is its match): the smaller CPU
+# torch 2.13.0 has no torchvision that loads beside it, and SGLang's memory pools import
+# torchvision through its model configs. SGLang's page-hash C++ extension compiles on first use.
+SGLANG_VERSION ?= 0.5.23
+SGLANG_VENV ?= $(HOME)/.cache/tierd/sglang-$(SGLANG_VERSION)
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_DEPS = 'torch==2.14.1' 'torchvision==0.29.1' 'transformers==5.19.0' \
+	'compressed-tensors==0.18.0' 'sentencepiece==0.2.1' 'apache-tvm-ffi==0.1.11' triton pillow \
+	starlette pybase64 orjson psutil requests pydantic 'pyzmq>=25.1.2' tqdm IPython aiohttp \
+	msgspec numpy dill gguf
+
+sglang-venv: $(SGLANG_VENV)/.tierd-deps
+
+$(SGLANG_VENV)/.tierd-deps: pyproject.toml
+	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q $(SGLANG_DEPS) 2>$(SGLANG_VENV)/pip.log || \
+	  (grep -v 'is ignored' $(SGLANG_VENV)/pip.log; exit 1)
+	$(SGLANG_PY) -m pip install -q --no-deps 'sglang==$(SGLANG_VERSION)' 2>$(SGLANG_VENV)/pip.log || \
+	  (grep -v 'is ignored' $(SGLANG_VENV)/pip.log; exit 1)
+	$(SGLANG_PY) -c 'import importlib.metadata as m; assert m.version("sglang") == "$(SGLANG_VERSION)"'
+	eval $(SGLANG_PY) -m pip install -q $(TIERD_DEPS) 2>$(SGLANG_VENV)/pip.log || \
+	  (grep -v 'is ignored' $(SGLANG_VENV)/pip.log; exit 1)
+	$(SGLANG_PY) -c 'import sglang.srt.managers.cache_controller'
+	touch $@
+
+test-sglang: sglang-venv | $(TIERD_PATH)/tierd
+	PYTHONPATH=$(TIERD_PATH) $(SGLANG_PY) -P -m pytest -q -p no:cacheprovider -m sglang tests/sglang
+
+# `tierd bench sglang`: 128-page HiCache batches through tierd vs memcpy and SGLang's `file` backend.
+bench-sglang: sglang-venv | $(TIERD_PATH)/tierd
+	PYTHONPATH=$(TIERD_PATH) $(SGLANG_PY) -P -m tierd.cli bench sglang $(ARGS)
 
 bench: venv
 	$(VENV)/bin/tierd bench all

@@ -10,7 +10,7 @@ import argparse
 import importlib
 
 HELP = ("Run a benchmark (hash, attention, daemon, e2e, cluster, soak, vllm, identity, serve, "
-        "vllm-tier, or all).")
+        "vllm-tier, sglang, or all).")
 
 # Benchmark name -> module under tierd.bench.
 BENCHMARKS: dict[str, str] = {
@@ -24,9 +24,11 @@ BENCHMARKS: dict[str, str] = {
     "identity": "identity",
     "serve": "serve",
     "vllm-tier": "vllm_tier",
+    "sglang": "sglang",
 }
 NOT_IN_ALL = {"serve": "needs vLLM's CPU build and ~2 min of vllm serve starts: `make bench-serve`",
-              "vllm-tier": "needs real vLLM 0.33: `make bench-vllm-tier`"}
+              "vllm-tier": "needs real vLLM 0.33: `make bench-vllm-tier`",
+              "sglang": "needs SGLang: `make bench-sglang`"}
 """Benchmarks ``all`` leaves out, and how to run each."""
 
 

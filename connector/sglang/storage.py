@@ -1,0 +1,296 @@
+"""``TierdHiCacheStorage``: tierd as SGLang HiCache's L3 storage backend (docs/sglang.md).
+
+SGLang builds it as ``cls(storage_config, kwargs)`` when launched with
+``--hicache-storage-backend dynamic`` and an extra config naming this class, registers its host
+pool (``register_mem_pool_host``), then calls it from three background threads (prefetch
+query, prefetch I/O, backup), up to 128 pages a call:
+
+- ``batch_exists`` -> one Lookup: how many leading pages tierd holds (DRAM or SSD).
+- ``batch_get_v1`` -> one Acquire (SSD hits staged into DRAM, the prefix pinned), each slot
+  verified as it is copied into its host page, one Release (naming the first page that failed
+  its checksum, which the daemon re-checks and drops).
+- ``batch_set_v1`` -> one Reserve, the pages copied into their slots and checksummed, one
+  Commit; pages tierd already holds, or another engine is writing, count as stored without a
+  copy.
+- ``get``/``set``/``batch_get``/``batch_set``/``exists``: the same through SGLang's flat pages
+  (without ``"interface_v1": 1``).
+
+Every call answers; none raises for a daemon that is down, restarting or refusing: a miss
+(0, False) and a warning, with the next attempt to reach it ``retry_seconds`` later
+(``DaemonLink``). A lease taken is always given back (Release or Abort), on every path.
+Thread-safety: the daemon calls of the three threads are serialized on one lock (each a round
+trip of ~0.6 ms); the copies run outside it, on mappings each call keeps alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+from .base import HiCacheStorage
+from .config import TierdSglangConfig
+from .identity import model_identity_from_sglang
+from .pages import PageFormat, Shard, bytes_at, page_format
+from tierd.checksum import checksums_at
+from tierd.connector.transfer import ArenaSlots
+from tierd.connector.vllm.link import DaemonLink
+from tierd.daemon.client import TierdClient
+from tierd.daemon.convert import EngineHandle
+from tierd.types import BlockHash
+
+_log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SGLANG_VERSIONS_TESTED = ("0.5.23",)
+
+
+class _Session:
+    """One registration's view for one call: the engine and its arena (kept mapped while the
+    call holds this, even if another thread drops the link meanwhile)."""
+
+    __slots__ = ("engine", "slots", "base")
+
+    def __init__(self, engine: EngineHandle, slots: ArenaSlots, arena: torch.Tensor) -> None:
+        self.engine, self.slots, self.base = engine, slots, arena.data_ptr()
+
+    def address(self, slot: int) -> int:
+        return self.base + self.engine.geometry.offset(slot)
+
+
+class TierdHiCacheStorage(HiCacheStorage):
+    """SGLang's ``HiCacheStorage`` on a tierd daemon. See the module docstring."""
+
+    def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
+        """Parse tierd's keys of the extra config and derive the model id; ``ValueError``
+        naming the fix for settings tierd cannot serve. Nothing is sent to the daemon yet."""
+        sc = storage_config
+        self.config = TierdSglangConfig.from_extra_config(sc.extra_config)
+        if getattr(sc, "dcp_size", 1) > 1 or getattr(sc, "should_split_heads", False):
+            raise ValueError("tierd does not support decode context parallel or split-head "
+                             "(tp_lcm_size) HiCache storage; drop those settings")
+        self.identity = model_identity_from_sglang(
+            sc.model_name, model_id=self.config.link.model_id, model_path=self.config.model_path)
+        self.shard = Shard(sc.tp_rank, sc.tp_size, sc.pp_rank, sc.pp_size,
+                           getattr(sc, "attn_cp_rank", 0), getattr(sc, "attn_cp_size", 1))
+        self.writer: bool = bool(getattr(sc, "is_storage_writer", True))
+        self.format: PageFormat | None = None
+        self._link: DaemonLink | None = None
+        self._lock = threading.Lock()
+        _log.info("tierd: model id %s (%s)", self.identity.model_id, self.identity.source)
+
+    # --- registration ------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Take SGLang's host KV pool: its page format and the namespace (``ValueError`` naming
+        the fix for a pool tierd cannot store), then try the daemon once."""
+        super().register_mem_pool_host(mem_pool_host)
+        self.format = page_format(mem_pool_host, self.shard, self.identity.model_id)
+        s = self.shard
+        name = f"{self.config.link.engine_name}-tp{s.tp_rank}" + (
+            f"-pp{s.pp_rank}" if s.pp_size > 1 else "")
+        self._link = DaemonLink(self.config.link, self.format.layout, name, attach=True)
+        with self._lock:
+            self._link.connect()
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Hybrid models' extra pools (Mamba, SWA, indexer, ...) are refused: ``ValueError``.
+        The KV pool itself (registered again by SGLang's hybrid controller) is fine."""
+        if host_pool is not getattr(self, "mem_pool_host", None):
+            raise ValueError(f"tierd stores the KV pool only, not SGLang's {host_pool_name} "
+                             "pool: hybrid models (Mamba/SWA/sparse state) need another "
+                             "HiCache storage backend")
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    def close(self) -> None:
+        """Unregister from the daemon (best effort)."""
+        with self._lock:
+            if self._link is not None:
+                self._link.close()
+
+    # --- v1 (zero-copy) ----------------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many leading ``keys`` tierd holds: one Lookup (0 if the daemon is down)."""
+        session = self._session()
+        if session is None or not keys:
+            return 0
+        tiers = self._call(session, lambda c, e: c.lookup(e, _hashes(keys)))
+        return 0 if tiers is None else len(tiers)
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        """Load the leading held pages of ``keys`` into the host pages at ``host_indices``
+        (``page_size`` indices per key); True for each page loaded and verified."""
+        fmt = self._format()
+        return self._load(keys, lambda n: fmt.pages_of(host_indices, n), self._load_pages)
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        """Store the host pages at ``host_indices`` under ``keys``; True for each page tierd
+        now holds (already held ones included)."""
+        fmt = self._format()
+        if not self.writer:  # MLA: one copy for all ranks, written by SGLang's writer rank
+            return [True] * len(keys)
+        pages = fmt.pages_of(host_indices, len(keys))
+        return self._store(keys, lambda addresses: fmt.store(pages, addresses))
+
+    # --- legacy (flat pages) -----------------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Any = None,
+            target_sizes: Any = None) -> torch.Tensor | None:
+        """Fill the flat page ``target_location`` with ``key``'s page; None on a miss."""
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        """Fill each flat page of ``target_locations``; the leading held pages come back, the
+        rest are None."""
+        fmt = self._format()
+        targets = list(target_locations or [])
+        if len(targets) != len(keys):
+            raise ValueError("batch_get needs one target page per key")
+
+        def copy(session: _Session, slots: list[int], checksums: list[int]) -> int:
+            good = session.slots.verified(slots, checksums)
+            for slot, target in zip(slots[:good], targets):
+                fmt.slot_to_flat(torch.from_numpy(bytes_at(session.address(slot),
+                                                           fmt.page_bytes)), target)
+            return good
+
+        loaded = self._load(keys, lambda n: [], lambda s, sl, cs, pages: copy(s, sl, cs))
+        return [t if ok else None for t, ok in zip(targets, loaded)]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        """Store flat pages ``values`` under ``keys``; True if tierd now holds all of them."""
+        fmt = self._format()
+        if not self.writer:
+            return True
+        flats = [fmt.flat_to_slot(v) for v in values]
+
+        def write(addresses: Sequence[int | None]) -> list[int | None]:
+            out: list[int | None] = []
+            for flat, address in zip(flats, addresses):
+                if address is not None:
+                    torch.from_numpy(bytes_at(address, fmt.page_bytes)).copy_(flat)
+                out.append(address)
+            return checksums_at([None if a is None else (a, fmt.page_bytes) for a in out])
+
+        return all(self._store(keys, write))
+
+    def clear(self) -> bool:
+        """tierd's tiers are shared with other engines and evict on their own: nothing is
+        cleared from here (False)."""
+        _log.warning("tierd: HiCache clear leaves the daemon's blocks (shared with other "
+                     "engines); they age out by LRU")
+        return False
+
+    def get_stats(self) -> None:
+        return None
+
+    # --- the daemon calls --------------------------------------------------------------------
+
+    def _load(self, keys: Sequence[str], pages_of: Callable[[int], list[int]],
+              copy: Callable[[_Session, list[int], list[int], list[int]], int]) -> list[bool]:
+        """Acquire -> ``copy`` (returns how many leading pages verified) -> Release, the lease
+        released on every path; True for each leading page loaded."""
+        session = self._session()
+        if session is None or not keys:
+            return [False] * len(keys)
+        got = self._call(session, lambda c, e: c.acquire(e, _hashes(keys)))
+        if got is None:
+            return [False] * len(keys)
+        good = 0
+        try:
+            if got.slot_ids:
+                good = copy(session, got.slot_ids, got.checksums, pages_of(len(got.slot_ids)))
+        finally:
+            failed = good if good < len(got.slot_ids) else None
+            self._call(session, lambda c, e: c.release(e, got.lease_id, corrupt_from=failed))
+        if failed is not None:
+            _log.warning("tierd: page %d of %d failed its checksum; SGLang recomputes it",
+                         good, len(got.slot_ids))
+        return [i < good for i in range(len(keys))]
+
+    def _load_pages(self, session: _Session, slots: list[int], checksums: list[int],
+                    pages: list[int]) -> int:
+        fmt = self._format()
+        good = session.slots.load_verified(slots, checksums, fmt.rows, pages)
+        if good is None:  # no native helper: verify in place, then copy the verified run
+            good = session.slots.verified(slots, checksums)
+            fmt.copy_in(pages[:good], [session.address(s) for s in slots[:good]])
+        return good
+
+    def _store(self, keys: Sequence[str],
+               write: Callable[[Sequence[int | None]], list[int | None]]) -> list[bool]:
+        """Reserve -> ``write`` (copies into the reserved slots' addresses, returns their
+        checksums) -> Commit, the reservation aborted on every other path."""
+        session = self._session()
+        if session is None or not keys:
+            return [False] * len(keys)
+        reserved = self._call(session, lambda c, e: c.reserve(e, _hashes(keys)))
+        if reserved is None:
+            return [False] * len(keys)
+        stored: int | None = None
+        try:
+            checksums = write([None if s is None else session.address(s)
+                               for s in reserved.slot_ids])
+            stored = self._call(session, lambda c, e: c.commit(e, reserved.lease_id, checksums))
+        finally:
+            if stored is None:
+                self._call(session, lambda c, e: c.abort(e, reserved.lease_id))
+        return _stored(reserved.already_stored, reserved.slot_ids, stored is not None)
+
+    def _session(self) -> _Session | None:
+        """The current registration (registering first if needed), or None while the daemon
+        is down."""
+        with self._lock:
+            link = self._link
+            if link is None or not link.connect():
+                return None
+            return _Session(link.engine, link.slots, link.arena_tensor)
+
+    def _call(self, session: _Session, fn: Callable[[TierdClient, str], T]) -> T | None:
+        """One daemon call on ``session``'s registration; None (accounted to the link) if it
+        failed or the registration is gone."""
+        with self._lock:
+            link = self._link
+            if link is None or not link.up or link.engine is not session.engine:
+                return None
+            try:
+                return fn(link.client, session.engine.engine_id)
+            except grpc.RpcError as exc:
+                link.failed(exc)
+                return None
+
+    def _format(self) -> PageFormat:
+        assert self.format is not None, "SGLang registers its host pool before any transfer"
+        return self.format
+
+
+def _stored(held: Sequence[bool], slots: Sequence[int | None], committed: bool) -> list[bool]:
+    """Which pages of a Reserve tierd holds or will hold: held already, written and committed,
+    or being written by another engine. Reserve gives no slot to a page another lease is
+    writing (engines backing up one shared prefix at once), nor to any page after the first it
+    had no room for (docs/daemon.md), so a page without a slot followed by a page with one is
+    another engine's write, not a lack of room."""
+    last_slot = max((i for i, s in enumerate(slots) if s is not None), default=-1)
+    return [h or (s is not None and committed) or (s is None and i < last_slot and committed)
+            for i, (h, s) in enumerate(zip(held, slots))]
+
+
+def _hashes(keys: Sequence[str]) -> list[BlockHash]:
+    """SGLang's page keys (64 hex digits of sha256) as tierd block hashes."""
+    return [BlockHash(bytes.fromhex(k)) for k in keys]
