@@ -200,7 +200,9 @@ class Engine:
 
 class Daemon:
     """A real `tierd serve` on a Unix socket in ``workdir``. ``restart`` stops it (SIGTERM: the
-    stop flush writes DRAM blocks to SSD) and starts it again on the same SSD directory."""
+    stop flush writes DRAM blocks to SSD) and starts it again on the same SSD directory. No
+    write-behind: a block stays in DRAM only until the stop, so what a test reads is where the
+    test put it (a write-behind pass racing a corrupted slot made the drop check flaky)."""
 
     def __init__(self, workdir: str, dram_bytes: int = 32 << 20) -> None:
         self.workdir, self.dram_bytes = workdir, dram_bytes
@@ -216,7 +218,8 @@ class Daemon:
                 [sys.executable, "-m", "tierd.commands.serve", "--socket-path",
                  self.socket_path, "--dram-bytes", str(self.dram_bytes), "--slab-bytes",
                  "64KiB", "--no-prefault", "--ssd-dir", os.path.join(self.workdir, "ssd"),
-                 "--ssd-bytes", "64MiB", "--log-level", "WARNING"],
+                 "--ssd-bytes", "64MiB", "--write-behind-seconds", "0", "--log-level",
+                 "WARNING"],
                 env={**os.environ, "TIERD_CONFIG": ""}, stdout=subprocess.DEVNULL, stderr=log)
         with TierdClient(socket_path=self.socket_path, timeout=10.0) as client:
             try:
