@@ -12,8 +12,13 @@ import json
 from typing import Any
 
 from tierd.connector.vllm.identity import _checkpoint_dir
-from tierd.model_identity import (ModelIdentity, checkpoint_defaults, identity_from_checkpoint,
-                                  kv_settings, override)
+from tierd.model_identity import (
+    ModelIdentity,
+    checkpoint_defaults,
+    identity_from_checkpoint,
+    kv_settings,
+    override,
+)
 
 
 def model_identity_from_sglang(model_name: str | None, *, model_id: str | None = None,

@@ -25,10 +25,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from tierd.checksum import checksums_at
-from tierd.connector.native.checksummed_copy import store_checksummed
 from tierd.connector.native.verified_copy import BlockRows
-from tierd.daemon.layout import Dtype, Layout
+from tierd.daemon.layout import Layout
+from tierd.gpu.layout import DTYPE_NAMES
 
 MIN_PAGE_SIZE = 16
 """Smaller pages make a daemon entry, a checksum and a lease slot per few tokens."""
@@ -37,9 +36,6 @@ _KINDS: dict[str, Literal["mha", "mla"]] = {
     "MHATokenToKVPoolHost": "mha", "MLATokenToKVPoolHost": "mla"}
 _LAYOUTS = {"mha": ("layer_first", "page_first", "page_first_direct", "page_head"),
             "mla": ("layer_first", "page_first", "page_first_direct")}
-_DTYPES: dict[torch.dtype, Dtype] = {
-    torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
-    torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,30 +75,21 @@ class PageFormat:
             raise ValueError("host indices must start pages (SGLang allocates host pages whole)")
         return [f // self.page_size for f in firsts]
 
-    def store(self, pages: Sequence[int], slot_addresses: Sequence[int | None]) -> list[int | None]:
-        """Copy page ``pages[i]`` into the slot at ``slot_addresses[i]`` (None: skip) and return
-        each written slot's checksum (None for a skipped one): one pass that checksums while it
-        copies (``store_checksummed``), or without the native helper a memcpy per run (numpy,
-        no GIL) and then the checksums."""
-        given = [i for i, a in enumerate(slot_addresses) if a is not None]
-        sums = store_checksummed(self.rows, [pages[i] for i in given],
-                                 [a for a in slot_addresses if a is not None])
-        if sums is not None:
-            out: list[int | None] = [None] * len(slot_addresses)
-            for i, checksum in zip(given, sums):
-                out[i] = checksum
-            return out
-        rows, host = self.rows, self.host
-        base = rows.base - host.ctypes.data
-        width = rows.row
+    def store(self, pages: Sequence[int], slot_addresses: Sequence[int | None]) -> list[bool]:
+        """Copy page ``pages[i]`` into the slot at ``slot_addresses[i]`` (None: skip): one
+        strided torch copy per page (the page's runs back to back in the slot). Returns the
+        ``written`` flags of the Commit; the daemon checksums the slots itself."""
+        r = self.rows
+        host = torch.from_numpy(self.host)
+        offset = r.base - self.host.ctypes.data
+        shape = (r.layers, r.heads, r.tokens, r.row)
+        strides = (r.s_layer, r.s_head, r.s_token, 1)
         for page, address in zip(pages, slot_addresses):
             if address is None:
                 continue
-            dst = bytes_at(address, self.page_bytes)
-            for i, src in enumerate(self._run_offsets(base, page)):
-                dst[i * width:(i + 1) * width] = host[src:src + width]
-        return checksums_at([None if a is None else (a, self.page_bytes)
-                             for a in slot_addresses])
+            source = host.as_strided(shape, strides, offset + page * r.s_block)
+            torch.from_numpy(bytes_at(address, self.page_bytes)).view(shape).copy_(source)
+        return [a is not None for a in slot_addresses]
 
     def copy_in(self, pages: Sequence[int], slot_addresses: Sequence[int]) -> None:
         """Copy slots into host pages, unverified (the caller verified the slots first; the
@@ -118,8 +105,8 @@ class PageFormat:
     def _run_offsets(self, base: int, page: int) -> list[int]:
         r = self.rows
         start = base + page * r.s_block
-        return [start + l * r.s_layer + h * r.s_head
-                for l in range(r.layers) for h in range(r.heads)]
+        return [start + layer * r.s_layer + h * r.s_head
+                for layer in range(r.layers) for h in range(r.heads)]
 
     def flat_to_slot(self, flat: torch.Tensor) -> torch.Tensor:
         """A legacy flat page's bytes in slot order (contiguous uint8 ``[page_bytes]``)."""
@@ -157,9 +144,9 @@ def page_format(pool: Any, shard: Shard, model_id: str) -> PageFormat:
                          f"got {pool.page_size}")
     if getattr(pool, "dcp_size", 1) != 1:
         raise ValueError("tierd does not support decode context parallel (DCP) host pools")
-    dtype = _DTYPES.get(pool.dtype)
+    dtype = DTYPE_NAMES.get(pool.dtype)
     if dtype is None:
-        raise ValueError(f"tierd stores KV of dtype {sorted(map(str, _DTYPES))}, "
+        raise ValueError(f"tierd stores KV of dtype {sorted(map(str, DTYPE_NAMES))}, "
                          f"not {pool.dtype}")
     rows = _rows(pool)
     if kind == "mha":
@@ -218,8 +205,8 @@ def _grid(offsets: list[int]) -> tuple[int, int, int, int] | None:
         layers = len(offsets) // heads
         s_head = offsets[1] if heads == 2 else 0
         s_layer = offsets[heads] if layers > 1 else 0
-        if all(offsets[l * heads + h] == l * s_layer + h * s_head
-               for l in range(layers) for h in range(heads)):
+        if all(offsets[layer * heads + h] == layer * s_layer + h * s_head
+               for layer in range(layers) for h in range(heads)):
             return layers, heads, s_layer, s_head
     return None
 

@@ -9,9 +9,9 @@ query, prefetch I/O, backup), up to 128 pages a call:
 - ``batch_get_v1`` -> one Acquire (SSD hits staged into DRAM, the prefix pinned), each slot
   verified as it is copied into its host page, one Release (naming the first page that failed
   its checksum, which the daemon re-checks and drops).
-- ``batch_set_v1`` -> one Reserve, the pages copied into their slots and checksummed, one
-  Commit; pages tierd already holds, or another engine is writing, count as stored without a
-  copy.
+- ``batch_set_v1`` -> one Reserve, the pages copied into their slots, one Commit (the daemon
+  checksums them); pages tierd already holds, or another engine is writing, count as stored
+  without a copy.
 - ``get``/``set``/``batch_get``/``batch_set``/``exists``: the same through SGLang's flat pages
   (without ``"interface_v1": 1``).
 
@@ -32,16 +32,16 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from .base import HiCacheStorage
-from .config import TierdSglangConfig
-from .identity import model_identity_from_sglang
-from .pages import PageFormat, Shard, bytes_at, page_format
-from tierd.checksum import checksums_at
 from tierd.connector.transfer import ArenaSlots
 from tierd.connector.vllm.link import DaemonLink
 from tierd.daemon.client import TierdClient
 from tierd.daemon.convert import EngineHandle
 from tierd.types import BlockHash
+
+from .base import HiCacheStorage
+from .config import TierdSglangConfig
+from .identity import model_identity_from_sglang
+from .pages import PageFormat, Shard, bytes_at, page_format
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -180,13 +180,11 @@ class TierdHiCacheStorage(HiCacheStorage):
             return True
         flats = [fmt.flat_to_slot(v) for v in values]
 
-        def write(addresses: Sequence[int | None]) -> list[int | None]:
-            out: list[int | None] = []
+        def write(addresses: Sequence[int | None]) -> list[bool]:
             for flat, address in zip(flats, addresses):
                 if address is not None:
                     torch.from_numpy(bytes_at(address, fmt.page_bytes)).copy_(flat)
-                out.append(address)
-            return checksums_at([None if a is None else (a, fmt.page_bytes) for a in out])
+            return [a is not None for a in addresses]
 
         return all(self._store(keys, write))
 
@@ -234,9 +232,10 @@ class TierdHiCacheStorage(HiCacheStorage):
         return good
 
     def _store(self, keys: Sequence[str],
-               write: Callable[[Sequence[int | None]], list[int | None]]) -> list[bool]:
-        """Reserve -> ``write`` (copies into the reserved slots' addresses, returns their
-        checksums) -> Commit, the reservation aborted on every other path."""
+               write: Callable[[Sequence[int | None]], list[bool]]) -> list[bool]:
+        """Reserve -> ``write`` (copies into the reserved slots' addresses, returns the
+        ``written`` flags) -> Commit (the daemon checksums the written slots), the reservation
+        aborted on every other path."""
         session = self._session()
         if session is None or not keys:
             return [False] * len(keys)
@@ -245,9 +244,9 @@ class TierdHiCacheStorage(HiCacheStorage):
             return [False] * len(keys)
         stored: int | None = None
         try:
-            checksums = write([None if s is None else session.address(s)
-                               for s in reserved.slot_ids])
-            stored = self._call(session, lambda c, e: c.commit(e, reserved.lease_id, checksums))
+            written = write([None if s is None else session.address(s)
+                             for s in reserved.slot_ids])
+            stored = self._call(session, lambda c, e: c.commit(e, reserved.lease_id, written))
         finally:
             if stored is None:
                 self._call(session, lambda c, e: c.abort(e, reserved.lease_id))

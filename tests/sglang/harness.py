@@ -26,8 +26,12 @@ pytest.importorskip("sglang", reason="needs real SGLang: run `make test-sglang`"
 
 import torch  # noqa: E402
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
-from sglang.srt.mem_cache.device_pool_info import (KVBufferLayout, KVBuffers,  # noqa: E402
-                                                   MHABufferInfo, MLABufferInfo)
+from sglang.srt.mem_cache.device_pool_info import (  # noqa: E402
+    KVBufferLayout,
+    KVBuffers,
+    MHABufferInfo,
+    MLABufferInfo,
+)
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402

@@ -10,10 +10,10 @@ import pytest
 pytest.importorskip("sglang", reason="needs real SGLang: run `make test-sglang`")
 
 import torch  # noqa: E402
-from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
-
 from harness import PAGE, Daemon, Engine, tierd_extra, wait_until  # noqa: E402
 from harness import host_pool as harness_host  # noqa: E402
+from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
+
 from tierd.daemon.layout import Layout  # noqa: E402
 from tierd.types import BlockHash  # noqa: E402
 
