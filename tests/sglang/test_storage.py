@@ -196,8 +196,8 @@ def test_vllm_and_sglang_engines_share_one_daemon(daemon: Daemon,
         with daemon.client() as client:
             engine = client.register_engine(vllm, "vllm-tp0")
             reserved = client.reserve(engine.engine_id, hashes)
-            assert client.commit_written(engine.engine_id, reserved.lease_id,
-                                         [True] * len(hashes)) == len(hashes)
+            assert client.commit(engine.engine_id, reserved.lease_id,
+                                 [True] * len(hashes)) == len(hashes)
             assert s.prefetch("miss", TOKENS)[:2] == (0, 0)
             stored = backed_up(s, TOKENS, seed=20)
             hit, loaded, got = s.prefetch("hit", TOKENS)
@@ -357,12 +357,10 @@ def test_tp_ranks_keep_their_own_shards(daemon: Daemon, models: tuple[str, str])
 def test_python_copies_without_the_native_helpers(daemon: Daemon, models: tuple[str, str],
                                                   layout: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the C helpers are unavailable (no compiler, TIERD_NATIVE=0) the store copies run
-    by run then checksums, and the load verifies then copies: still byte-exact."""
-    import tierd.connector.sglang.pages as pages
+    """Where the C helper is unavailable (no compiler, TIERD_NATIVE=0) the load verifies, then
+    copies: still byte-exact."""
     from tierd.connector.transfer import ArenaSlots
 
-    monkeypatch.setattr(pages, "store_checksummed", lambda *a, **k: None)
     monkeypatch.setattr(ArenaSlots, "load_verified", lambda *a, **k: None)
     extra = tierd_extra(daemon.socket_path, models[0])
     a, b = Engine(extra, layout=layout), Engine(extra, layout=layout)
