@@ -152,11 +152,11 @@ def test_corrupt_slot_fails_the_load_and_then_misses(engines: list[TierEngine],
 
     def corrupt() -> None:
         state = b.tier._lookups.state(keys[2])
-        if state is not None and state.phase == "hit" and state.lease is not None:
-            lease = state.lease
-            offset = lease.session.slots.geometry.offset(lease.got.slot_ids[state.index])
-            lease.session.arena[offset + 100] ^= 0xFF
-            lease.session.arena[offset + 101] ^= 0xFF
+        if state is not None and state.phase == "hit" and state.pin is not None:
+            pin = state.pin
+            offset = pin.session.slots.geometry.offset(pin.lease.slot_ids[state.index])
+            pin.session.arena[offset + 100] ^= 0xFF
+            pin.session.arena[offset + 101] ^= 0xFF
 
     assert b.load(keys, between=corrupt) == data[:2]
     stats = b.manager.get_stats()
