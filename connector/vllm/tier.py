@@ -238,10 +238,10 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         """Pool thread: end a pin's lease (its damaged slot reported)."""
         try:
             release(pin.session.client, pin.lease, pin.corrupt_from)
-        except grpc.RpcError as exc:  # NOT_FOUND: most likely a daemon that restarted and
-            # forgot this engine (a lease of ours lapses only past its deadline), so not
-            # ``names_lease``: re-register now rather than lose the next stores
-            self._link.failed(exc, pin.session)
+        except grpc.RpcError as exc:  # NOT_FOUND before the deadline: a daemon that forgot
+            # this engine (restarted): re-register now rather than lose the next stores
+            self._link.failed(exc, pin.session,
+                              names_lease=time.monotonic() >= pin.lease.deadline)
 
     # -- jobs --------------------------------------------------------------------------------
 

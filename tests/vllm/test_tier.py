@@ -14,6 +14,9 @@ from harness import Daemon, model_dir_in
 from tier_harness import SLOT, TierEngine, new_keys
 from vllm.v1.kv_offload.base import LookupResult
 
+from tierd.connector.core.lease import Lease
+from tierd.connector.vllm.tier_lookups import Pin
+
 pytestmark = pytest.mark.vllm
 
 
@@ -268,6 +271,26 @@ def _prefix(engine: TierEngine, keys: list, ctx: object) -> int | None:
             hits += result is not LookupResult.RETRY
             deferred |= result is not LookupResult.HIT
     return None if deferred else hits
+
+
+def test_release_not_found_drops_the_session_only_before_the_deadline(
+        daemon: Daemon, model_dir: str) -> None:
+    """A Release the daemon answers NOT_FOUND: past the lease's deadline it had only lapsed
+    (the registration stays); before it, the daemon forgot the engine (dropped, re-registers)."""
+    engine = TierEngine(model_dir, daemon.socket_path)
+    try:
+        tier = engine.tier
+        assert tier.connect()
+        session = tier._link.session
+        lapsed = Lease(session.engine_id, "no-such-lease", [0], [0], time.monotonic() - 1.0)
+        tier._release(Pin(session, lapsed, lapsed.deadline, 0))
+        assert tier._link.session is session
+        forgotten = Lease(session.engine_id, "no-such-lease", [0], [0], time.monotonic() + 30)
+        tier._release(Pin(session, forgotten, forgotten.deadline, 0))
+        assert tier._link.session is None
+        assert tier.connect() and tier._link.session is not session
+    finally:
+        engine.close()
 
 
 def test_shutdown_releases_every_view(daemon: Daemon, model_dir: str) -> None:
