@@ -68,9 +68,11 @@ class PendingLease:
 
 
 def acquire_async(client: TierdClient, engine_id: str, hashes: Sequence[BlockHash], *,
-                  clock: Clock) -> PendingLease:
-    """Send an Acquire and return at once (the daemon stages SSD blocks meanwhile)."""
-    return PendingLease(engine_id, clock(), client.acquire_async(engine_id, hashes))
+                  clock: Clock, count_lookup: bool = False) -> PendingLease:
+    """Send an Acquire and return at once (the daemon stages SSD blocks meanwhile);
+    ``count_lookup`` as for ``acquire``."""
+    return PendingLease(engine_id, clock(),
+                        client.acquire_async(engine_id, hashes, count_lookup=count_lookup))
 
 
 def release(client: TierdClient, lease: Lease, corrupt_from: int | None = None) -> int:

@@ -58,14 +58,17 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from tierd.daemon.client import AcquiredBlocks
+from tierd.connector.core.lease import Lease, acquire_async, release
+from tierd.connector.core.link import DaemonLink, Session
+from tierd.connector.core.load import load_leased
+from tierd.connector.core.save import commit, reserve
+from tierd.daemon.client import target_for
 
 from .config import TierdVllmConfig
 from .identity import model_identity_for_tier
-from .tier_daemon import Session, TierDaemon
-from .tier_jobs import JobPool, PrimaryRows, load_rows, store_rows
+from .tier_jobs import JobPool, PrimaryRows, store_rows
 from .tier_layout import daemon_hash, slot_bytes, tier_layout
-from .tier_lookups import Answer, Lease, LoadPart, Lookups
+from .tier_lookups import Answer, LoadPart, Lookups, Pin
 
 _log = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ class _Probed:
 
     keys: list[OffloadKey]
     session: Session | None
-    got: AcquiredBlocks | None
+    lease: Lease | None
     error: grpc.RpcError | None
 
 
@@ -101,7 +104,7 @@ class _Done:
     job_id: int
     ok: list[OffloadKey]
     failed: list[OffloadKey]
-    corrupt: list[tuple[Lease, int]]  # (lease, index of its first bad slot)
+    corrupt: list[tuple[Pin, int]]  # (pin, index of its first bad slot)
     load: bool
     dropped: int = 0
     seconds: float | None = None
@@ -154,7 +157,8 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         self._events: list[OffloadingEvent] | None = [] if enable_kv_events and kv_events else None
         self._primary: PrimaryRows | None = PrimaryRows.of(primary_kv_view,
                                                            slot_bytes(offloading, row_bytes))
-        self._daemon = TierDaemon(self._config, self._layout, name)
+        self._link = DaemonLink(self._config, self._layout, name, attach=True)
+        self._target = target_for(config.socket_path, config.address)
         self._pool = JobPool(config.workers, f"tierd-{tier_type}")
         self._inbox: queue.SimpleQueue[_Probed | _Done | _Stored] = queue.SimpleQueue()
         self._lookups = Lookups()
@@ -170,7 +174,13 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         """Register with the daemon and map its arena now, if not done yet (blocks for one
         round trip at most); whether the daemon is reachable. Called on a pool thread at start;
         jobs and lookups connect by themselves."""
-        return self._daemon.session() is not None
+        return self._session() is not None
+
+    def _session(self) -> Session | None:
+        """The current registration, registering first if needed (``DaemonLink.connect``: one
+        round trip, at most once per retry period while the daemon is away); None while it
+        cannot be reached. Any thread: work keeps the session it started with."""
+        return self._link.session if self._link.connect() else None
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -195,40 +205,43 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
 
     def _probe(self, keys: list[OffloadKey]) -> None:
         """Pool thread: Acquire ``keys``' longest held prefix; the answer goes to the inbox."""
-        session = self._daemon.session()
+        session = self._session()
         if session is None:
             self._inbox.put(_Probed(keys, None, None, None))
             return
-        hashes = [daemon_hash(k) for k in keys[:session.max_blocks]]
-        future = self._daemon.acquire_async(session, hashes)
+        hashes = [daemon_hash(k) for k in keys[:session.engine.max_blocks_per_request]]
+        pending = acquire_async(session.client, session.engine_id, hashes, clock=time.monotonic,
+                                count_lookup=True)
 
         def answered(f: Any) -> None:
             error = f.exception()
-            self._inbox.put(_Probed(keys, session, None if error else f.result(), error))
+            self._inbox.put(_Probed(keys, session, None if error else pending.wait(), error))
 
-        future.add_done_callback(answered)
+        pending.reply.add_done_callback(answered)
 
     def _probed(self, done: _Probed) -> None:
         self._probes -= 1
         if done.error is not None and done.session is not None:
             self._count("vllm:kv_offload_tierd_daemon_errors")
             session, error = done.session, done.error
-            self._pool.submit("probe", lambda: self._daemon.failed(session, error))
-        self._release_all(self._lookups.answer(done.keys, done.session, done.got))
+            self._pool.submit("probe", lambda: self._link.failed(error, session))
+        self._release_all(self._lookups.answer(done.keys, done.session, done.lease))
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._release_all(self._lookups.finish(req_context.req_id))
 
-    def _release_all(self, leases: list[Lease]) -> None:
-        for lease in leases:
-            self._pool.submit("probe", functools.partial(self._release, lease))
+    def _release_all(self, pins: list[Pin]) -> None:
+        for pin in pins:
+            self._pool.submit("probe", functools.partial(self._release, pin))
 
-    def _release(self, lease: Lease) -> None:
-        """Pool thread: end a lease (its damaged slot reported)."""
+    def _release(self, pin: Pin) -> None:
+        """Pool thread: end a pin's lease (its damaged slot reported)."""
         try:
-            self._daemon.release(lease.session, lease.got.lease_id, lease.corrupt_from)
-        except grpc.RpcError as exc:  # a daemon that restarted forgot it: nothing is pinned
-            self._daemon.failed(lease.session, exc)
+            release(pin.session.client, pin.lease, pin.corrupt_from)
+        except grpc.RpcError as exc:  # NOT_FOUND before the deadline: a daemon that forgot
+            # this engine (restarted): re-register now rather than lose the next stores
+            self._link.failed(exc, pin.session,
+                              names_lease=time.monotonic() >= pin.lease.deadline)
 
     # -- jobs --------------------------------------------------------------------------------
 
@@ -241,26 +254,32 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         self._pool.submit("load", lambda: self._load(job_metadata.job_id, parts, missing))
 
     def _load(self, job_id: int, parts: list[LoadPart], missing: list[OffloadKey]) -> None:
-        """Pool thread: one verified copy per lease; the outcome goes to the inbox."""
+        """Pool thread: one ``core.load`` per pin, its slots checked while copied into the
+        rows (``PrimaryRows`` is the sink); the outcome goes to the inbox. The pin's lease is
+        released later, when no key holds it (``Lookups``), so its deadline alone decides
+        whether a copy counts."""
         primary = self._primary
         assert primary is not None, "no job runs after shutdown"
         start = time.perf_counter()
         ok: list[OffloadKey] = []
         failed, corrupt = list(missing), []
-        by_lease: dict[int, list[LoadPart]] = {}
+        by_pin: dict[int, list[LoadPart]] = {}
         for part in parts:
-            by_lease.setdefault(id(part.lease), []).append(part)
-        for group in by_lease.values():
-            lease, got = group[0].lease, group[0].lease.got
-            if time.monotonic() >= lease.expires:  # the pin may lapse mid-copy: do not copy
+            by_pin.setdefault(id(part.pin), []).append(part)
+        for group in by_pin.values():
+            pin, slots = group[0].pin, group[0].pin.session.slots
+            assert slots is not None, "the tier's link attaches the arena"
+            if time.monotonic() >= pin.expires:  # the pin may lapse mid-copy: do not copy
                 failed += [p.key for p in group]
                 continue
-            good = load_rows(primary, lease.session, [got.slot_ids[p.nth] for p in group],
-                             [got.checksums[p.nth] for p in group], [p.chunk for p in group])
-            ok += [p.key for p in group[:good]]
-            failed += [p.key for p in group[good:]]
-            if good < len(group):
-                corrupt.append((lease, group[good].nth))
+            lease = replace(pin.lease, slot_ids=[pin.lease.slot_ids[p.nth] for p in group],
+                            checksums=[pin.lease.checksums[p.nth] for p in group])
+            done = load_leased(lease, [p.chunk for p in group], slots, primary,
+                               _released_later, time.monotonic)
+            ok += [p.key for p in group[:done.placed]]
+            failed += [p.key for p in group[done.placed:]]
+            if done.corrupt:
+                corrupt.append((pin, group[done.verified].nth))
         self._inbox.put(_Done(job_id, ok, failed, corrupt, load=True,
                               seconds=time.perf_counter() - start,
                               nbytes=len(ok) * primary.slot_bytes))
@@ -284,26 +303,27 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         """Pool thread: Reserve, copy the rows, report the job done, then Commit."""
         primary = self._primary
         assert primary is not None, "no job runs after shutdown"
-        session = self._daemon.session()
+        session = self._session()
         if session is None or time.monotonic() - queued > self._config.timeout_seconds:
             self._inbox.put(_Done(job_id, [], keys, [], load=False, dropped=len(keys)))
             return
+        assert session.slots is not None, "the tier's link attaches the arena"
         start = time.perf_counter()
         try:
-            reserved = self._daemon.reserve(session, [daemon_hash(k) for k in keys])
+            reserved = reserve(session.client, session.engine_id, [daemon_hash(k) for k in keys])
         except grpc.RpcError as exc:
-            self._daemon.failed(session, exc)
+            self._link.failed(exc, session)
             self._inbox.put(_Done(job_id, [], keys, [], load=False, dropped=len(keys)))
             self._count("vllm:kv_offload_tierd_daemon_errors")
             return
-        written = store_rows(primary, session, chunks, reserved.slot_ids)
+        written = store_rows(primary, session.slots, chunks, reserved.slot_ids)
         self._inbox.put(_Done(job_id, keys, [], [], load=False,
                               seconds=time.perf_counter() - start,
                               nbytes=sum(written) * primary.slot_bytes))
         try:  # also with nothing written: it ends the reservation
-            self._daemon.commit(session, reserved.lease_id, written)
+            commit(session.client, reserved, written)
         except grpc.RpcError as exc:  # the blocks are not stored; the job had freed its rows
-            self._daemon.failed(session, exc)
+            self._link.failed(exc, session)  # NOT_FOUND re-registers, as for a Release
             self._count("vllm:kv_offload_tierd_daemon_errors")
             return
         self._inbox.put(_Stored([k for k, w, done in zip(keys, written, reserved.already_stored)
@@ -371,7 +391,7 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         return stats
 
     def config_info(self) -> dict[str, str | int]:
-        return {"tierd_target": self._daemon.target, "tierd_model_id": self._layout.model_id,
+        return {"tierd_target": self._target, "tierd_model_id": self._layout.model_id,
                 "tierd_slot_bytes": self._layout.block_bytes}
 
     def shutdown(self) -> None:
@@ -383,7 +403,7 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         if not self._pool.stop(self._config.timeout_seconds + 10.0):
             _log.error("tierd tier: a job still runs at shutdown; keeping the primary view")
             return
-        self._daemon.close()  # unregistering ends every lease and reservation of this tier
+        self._link.close()  # unregistering ends every lease and reservation of this tier
         self._primary = None
 
     def check_integrity(self) -> None:
@@ -394,3 +414,9 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
     def _count(self, name: str, value: int = 1) -> None:
         with self._counts_lock:  # pool threads count daemon errors too
             self._counts[name] = self._counts.get(name, 0) + value
+
+
+def _released_later(lease: Lease, corrupt_from: int | None) -> None:
+    """The ``core.load.Release`` of a load: none now (the pin's lease is released when no key
+    holds it, ``TierdTier._release``), so the lease's deadline alone decides (``finish_load``)."""
+    return None

@@ -1,12 +1,13 @@
 """The work a ``TierdTier`` does off vLLM's scheduler thread: a small pool, and the copies.
 
 ``JobPool``: a few threads running tasks, lookups' probes first, then loads (a request waits on
-them), then stores; ``drain`` and ``stop`` wait a bounded time. The copies (``store_rows``,
-``load_rows``) move chunk rows between vLLM's primary region (``PrimaryRows``) and arena slots,
-one copy each way: a store is one strided torch copy per run of rows going to adjacent slots
-(both cores, the GIL released); a load is ``verified_copy``'s one pass (each slot hashed
-16 KiB at a time and copied while in cache), or, without the native helper, a check of every
-slot where it lies and a copy of the verified ones.
+them), then stores; ``drain`` and ``stop`` wait a bounded time. The copies move chunk rows
+between vLLM's primary region (``PrimaryRows``) and arena slots, one copy each way: a store
+(``store_rows``) is one strided torch copy per run of rows going to adjacent slots (both
+cores, the GIL released); a load goes through ``core.load`` with ``PrimaryRows`` as its
+``Sink``: ``verified_copy``'s one pass (each slot hashed 16 KiB at a time and copied while in
+cache), or, without the native helper, a check of every slot where it lies and a copy of the
+verified ones.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ import torch
 
 from tierd.checksum import block_checksum
 from tierd.connector.native.verified_copy import BlockRows, load_verified
-
-from .tier_daemon import Session
+from tierd.connector.transfer import ArenaSlots
 
 _log = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ class JobPool:
 @dataclass(frozen=True, slots=True)
 class PrimaryRows:
     """vLLM's primary region as rows: chunk ``c`` is ``array[c, :slot_bytes]`` (the rest of a
-    row is page padding). Holds the region's only export this tier makes (``close`` drops it)."""
+    row is page padding), and the ``core.load.Sink`` of loads into them. Holds the region's
+    only export this tier makes (the tier drops it at shutdown)."""
 
     array: np.ndarray
     tensor: torch.Tensor
@@ -129,13 +130,35 @@ class PrimaryRows:
         return BlockRows(self.array.ctypes.data, chunks, 1, 1, 1, self.slot_bytes, 0, row_bytes,
                          0, 0)
 
+    def place(self, slots: ArenaSlots, slot_ids: Sequence[int], checksums: Sequence[int],
+              block_ids: Sequence[int]) -> int:
+        """The ``core.load.Sink`` of the rows: copy slot ``slot_ids[i]`` into chunk row
+        ``block_ids[i]`` while checking it against ``checksums[i]``; how many leading slots
+        verified (those after a bad one may be partly written)."""
+        _check(slots, slot_ids)
+        base, offset, size = slots.arena.data_ptr(), slots.geometry.offset, self.slot_bytes
+        done = load_verified(self.block_rows(), [base + offset(s) for s in slot_ids], block_ids,
+                             checksums)
+        if done is not None:
+            return done
+        arena = slots.arena.numpy()
+        for i, (slot, want, chunk) in enumerate(zip(slot_ids, checksums, block_ids)):
+            piece = arena[offset(slot):offset(slot) + size]
+            if block_checksum(piece.data) != want:
+                return i
+            self.array[chunk, :size] = piece
+        return len(slot_ids)
 
-def store_rows(primary: PrimaryRows, session: Session, chunk_ids: Sequence[int],
+    def settle(self) -> None:
+        """Nothing to wait for: ``place`` copies synchronously."""
+
+
+def store_rows(primary: PrimaryRows, slots: ArenaSlots, chunk_ids: Sequence[int],
                slot_ids: Sequence[int | None]) -> list[bool]:
     """Copy chunk ``chunk_ids[i]`` into slot ``slot_ids[i]`` (None: skipped); which were
     written. One ``copy_`` per run of consecutive chunks going to adjacent slots."""
-    size, offset = primary.slot_bytes, session.slots.geometry.offset
-    _check(session, [s for s in slot_ids if s is not None])
+    size, offset = primary.slot_bytes, slots.geometry.offset
+    _check(slots, [s for s in slot_ids if s is not None])
     i = 0
     while i < len(slot_ids):
         slot = slot_ids[i]
@@ -148,33 +171,12 @@ def store_rows(primary: PrimaryRows, session: Session, chunk_ids: Sequence[int],
                and offset(slot_ids[i + 1]) == at + (i + 1 - start) * size):  # type: ignore[arg-type]
             i += 1
         n, chunk = i + 1 - start, chunk_ids[start]
-        session.arena[at:at + n * size].view(n, size).copy_(
-            primary.tensor[chunk:chunk + n, :size])
+        slots.arena[at:at + n * size].view(n, size).copy_(primary.tensor[chunk:chunk + n, :size])
         i += 1
     return [s is not None for s in slot_ids]
 
 
-def load_rows(primary: PrimaryRows, session: Session, slot_ids: Sequence[int],
-              checksums: Sequence[int], chunk_ids: Sequence[int]) -> int:
-    """Copy slot ``slot_ids[i]`` into chunk row ``chunk_ids[i]`` while checking it against
-    ``checksums[i]``; how many leading slots verified (those after a bad one may be partly
-    written). The caller's lease pins the slots for the call."""
-    _check(session, slot_ids)
-    base, offset, size = session.arena.data_ptr(), session.slots.geometry.offset, primary.slot_bytes
-    done = load_verified(primary.block_rows(), [base + offset(s) for s in slot_ids], chunk_ids,
-                         checksums)
-    if done is not None:
-        return done
-    arena = session.arena.numpy()
-    for i, (slot, want, chunk) in enumerate(zip(slot_ids, checksums, chunk_ids)):
-        piece = arena[offset(slot):offset(slot) + size]
-        if block_checksum(piece.data) != want:
-            return i
-        primary.array[chunk, :size] = piece
-    return len(slot_ids)
-
-
-def _check(session: Session, slot_ids: Sequence[int]) -> None:
-    if slot_ids and (min(slot_ids) < 0 or max(slot_ids) >= session.slots.num_slots):
-        raise ValueError(f"slot ids must lie in [0, {session.slots.num_slots}): the daemon "
+def _check(slots: ArenaSlots, slot_ids: Sequence[int]) -> None:
+    if slot_ids and (min(slot_ids) < 0 or max(slot_ids) >= slots.num_slots):
+        raise ValueError(f"slot ids must lie in [0, {slots.num_slots}): the daemon "
                          "answered for another arena")

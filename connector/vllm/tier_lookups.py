@@ -1,9 +1,10 @@
 """What a ``TierdTier`` knows of each key between vLLM's lookups and its loads.
 
 Scheduler-thread state only (vLLM's manager lock covers it): no threads, no daemon calls. A key
-is *asking* (in this step's batch, or its Acquire is out), *hit* (pinned by a ``Lease`` at an
-index), *miss*, or *loading* (a load job owns it). A lease counts the keys that hold it; the
-methods that drop keys return the leases no key holds any more, for the caller to release.
+is *asking* (in this step's batch, or its Acquire is out), *hit* (pinned by a ``Pin``, the
+core's ``Lease`` of one Acquire, at an index), *miss*, or *loading* (a load job owns it). A pin
+counts the keys that hold it; the methods that drop keys return the pins no key holds any more,
+for the caller to release.
 A key whose load failed answers miss until it is stored again (``stored``), so vLLM does not
 promote it forever; that memory is bounded (``max_failed``, least recently failed forgotten).
 """
@@ -16,21 +17,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from tierd.daemon.client import AcquiredBlocks
-
-from .tier_daemon import Session
+from tierd.connector.core.lease import Lease
+from tierd.connector.core.link import Session
 
 Answer = Literal["hit", "miss", "retry"]
 
 
 @dataclass(slots=True)
-class Lease:
-    """One Acquire's pinned prefix. Invariant: ``refs`` == keys whose state holds it."""
+class Pin:
+    """One Acquire's pinned prefix (``lease``, of ``session``). Invariant: ``refs`` == keys
+    whose state holds it."""
 
     session: Session
-    got: AcquiredBlocks
+    lease: Lease
     expires: float
-    """Clock time after which its slots are not copied any more (the pin may lapse)."""
+    """Clock time after which its slots are not copied any more (``lease.deadline`` less a
+    margin: the pin may lapse mid-copy)."""
     refs: int
     corrupt_from: int | None = None
     """The first of its slots a load found damaged (told to the daemon at release)."""
@@ -38,21 +40,21 @@ class Lease:
 
 @dataclass(slots=True)
 class KeyState:
-    """One key: its phase, the requests that looked it up, and for a hit its lease and its
-    place in the lease (``index``)."""
+    """One key: its phase, the requests that looked it up, and for a hit its pin and its
+    place in the pin's lease (``index``)."""
 
     phase: Literal["asking", "hit", "miss", "loading"]
     requests: set[str] = field(default_factory=set)
-    lease: Lease | None = None
+    pin: Pin | None = None
     index: int = 0
 
 
 class LoadPart(NamedTuple):
-    """One chunk of a load job: copy slot ``lease.got.slot_ids[nth]`` into row ``chunk``."""
+    """One chunk of a load job: copy slot ``pin.lease.slot_ids[nth]`` into row ``chunk``."""
 
     key: bytes
     chunk: int
-    lease: Lease
+    pin: Pin
     nth: int
 
 
@@ -67,16 +69,16 @@ class Lookups:
         self._failed: OrderedDict[bytes, None] = OrderedDict()
         self._max_failed, self._margin, self._clock = max_failed, margin, clock
 
-    def lookup(self, key: bytes, req_context: Any) -> tuple[Answer, list[Lease]]:
+    def lookup(self, key: bytes, req_context: Any) -> tuple[Answer, list[Pin]]:
         """vLLM's lookup of ``key`` for ``req_context`` (its ``req_id``); a new key joins the
-        request's batch and answers retry. Also returns leases to release (a lapsing one)."""
+        request's batch and answers retry. Also returns pins to release (a lapsing one)."""
         if key in self._failed:
             return "miss", []
-        free: list[Lease] = []
+        free: list[Pin] = []
         state = self._keys.get(key)
         if state is not None and state.phase == "hit":
-            assert state.lease is not None, "a hit key is pinned by a lease"
-            if self._clock() >= state.lease.expires:  # its pin is about to lapse: ask again
+            assert state.pin is not None, "a hit key is pinned"
+            if self._clock() >= state.pin.expires:  # its pin is about to lapse: ask again
                 free = self._forget(key, state)
                 state = None
         if state is None:
@@ -101,23 +103,24 @@ class Lookups:
         return out
 
     def answer(self, keys: Sequence[bytes], session: Session | None,
-               got: AcquiredBlocks | None) -> list[Lease]:
-        """The daemon pinned the first ``got.num_blocks`` of ``keys`` (none without ``got``):
-        those still asked for are hits, the rest misses. Returns leases no key holds."""
-        hits = got.num_blocks if got is not None else 0
-        lease = None
-        if got is not None and hits:
+               lease: Lease | None) -> list[Pin]:
+        """The daemon pinned the first ``lease.num_blocks`` of ``keys`` (none without
+        ``lease``): those still asked for are hits, the rest misses. Returns pins no key
+        holds."""
+        hits = lease.num_blocks if lease is not None else 0
+        pin = None
+        if lease is not None and hits:
             assert session is not None, "a lease comes from a session"
-            lease = Lease(session, got, self._clock() + got.seconds_left - self._margin, hits)
+            pin = Pin(session, lease, lease.deadline - self._margin, hits)
         free = []
         for i, key in enumerate(keys):
             state = self._keys.get(key)
             asked = state is not None and state.phase == "asking"
-            if lease is not None and i < hits:
+            if pin is not None and i < hits:
                 if asked and state is not None and state.requests:
-                    state.phase, state.lease, state.index = "hit", lease, i
+                    state.phase, state.pin, state.index = "hit", pin, i
                     continue
-                free += self._unref(lease)
+                free += self._unref(pin)
             if asked and state is not None:
                 if state.requests:
                     state.phase = "miss"
@@ -125,7 +128,7 @@ class Lookups:
                     del self._keys[key]
         return free
 
-    def finish(self, req_id: str) -> list[Lease]:
+    def finish(self, req_id: str) -> list[Pin]:
         """A request ended: its hits and misses go unless another request holds them (keys it
         is still asking for stay until answered: another request may wait on them)."""
         free = []
@@ -144,20 +147,20 @@ class Lookups:
         parts, missing = [], []
         for key, chunk in zip(keys, chunks):
             state = self._keys.get(key)
-            if state is None or state.phase != "hit" or state.lease is None:
+            if state is None or state.phase != "hit" or state.pin is None:
                 missing.append(key)
                 continue
             state.phase = "loading"
-            parts.append(LoadPart(key, int(chunk), state.lease, state.index))
+            parts.append(LoadPart(key, int(chunk), state.pin, state.index))
         return parts, missing
 
     def end_load(self, ok: Sequence[bytes], failed: Sequence[bytes],
-                 corrupt: Sequence[tuple[Lease, int]]) -> list[Lease]:
+                 corrupt: Sequence[tuple[Pin, int]]) -> list[Pin]:
         """A load job ended: its keys go, ``failed`` ones answer miss until stored again, and
-        each lease learns its first damaged slot. Returns leases no key holds."""
-        for lease, index in corrupt:
-            lease.corrupt_from = min(index, lease.corrupt_from if lease.corrupt_from is not None
-                                     else index)
+        each pin learns its first damaged slot. Returns pins no key holds."""
+        for pin, index in corrupt:
+            pin.corrupt_from = min(index, pin.corrupt_from if pin.corrupt_from is not None
+                                   else index)
         free = []
         for key in [*ok, *failed]:
             state = self._keys.get(key)
@@ -183,32 +186,32 @@ class Lookups:
         return list(self._keys.values())
 
     def pinned(self) -> int:
-        """Keys that hold a lease."""
-        return sum(1 for s in self._keys.values() if s.lease is not None)
+        """Keys that hold a pin."""
+        return sum(1 for s in self._keys.values() if s.pin is not None)
 
-    def _forget(self, key: bytes, state: KeyState) -> list[Lease]:
+    def _forget(self, key: bytes, state: KeyState) -> list[Pin]:
         del self._keys[key]
-        lease, state.lease = state.lease, None
-        return self._unref(lease) if lease is not None else []
+        pin, state.pin = state.pin, None
+        return self._unref(pin) if pin is not None else []
 
     @staticmethod
-    def _unref(lease: Lease) -> list[Lease]:
-        lease.refs -= 1
-        assert lease.refs >= 0, "a lease released more often than taken"
-        return [lease] if lease.refs == 0 else []
+    def _unref(pin: Pin) -> list[Pin]:
+        pin.refs -= 1
+        assert pin.refs >= 0, "a pin released more often than taken"
+        return [pin] if pin.refs == 0 else []
 
     def check_integrity(self) -> None:
-        """Assert that exactly the hit and loading keys hold a lease, that each lease counts
-        the keys holding it, and that every batched key is still being asked for."""
-        holders: dict[int, tuple[Lease, int]] = {}
+        """Assert that exactly the hit and loading keys hold a pin, that each pin counts the
+        keys holding it, and that every batched key is still being asked for."""
+        holders: dict[int, tuple[Pin, int]] = {}
         for state in self._keys.values():
             pinned = state.phase in ("hit", "loading")
-            assert (state.lease is not None) == pinned, f"{state.phase} key, lease {state.lease}"
-            if state.lease is not None:
-                lease, n = holders.get(id(state.lease), (state.lease, 0))
-                holders[id(lease)] = (lease, n + 1)
-        for lease, n in holders.values():
-            assert lease.refs == n, f"a lease counts {lease.refs} keys, {n} hold it"
+            assert (state.pin is not None) == pinned, f"{state.phase} key, pin {state.pin}"
+            if state.pin is not None:
+                pin, n = holders.get(id(state.pin), (state.pin, 0))
+                holders[id(pin)] = (pin, n + 1)
+        for pin, n in holders.values():
+            assert pin.refs == n, f"a pin counts {pin.refs} keys, {n} hold it"
         for _, keys in self._batches.values():
             assert all(self._keys[k].phase == "asking" for k in keys), "a batched key answered"
         assert len(self._failed) <= self._max_failed, "failed keys beyond their bound"

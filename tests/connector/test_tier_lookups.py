@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
+from tierd.connector.core.lease import Lease
 from tierd.connector.vllm.tier_lookups import Lookups
-from tierd.daemon.client import AcquiredBlocks
 
 SESSION: Any = SimpleNamespace()  # a lease only carries its session along
 
@@ -17,8 +18,10 @@ def ctx(req_id: str, positions: dict[bytes, int] | None = None) -> Any:
                            get_offload_key_position=lambda k: (positions or {}).get(k))
 
 
-def got(n: int, seconds: float = 30.0) -> AcquiredBlocks:
-    return AcquiredBlocks("lease", seconds, list(range(10, 10 + n)), list(range(n)))
+def got(n: int, seconds: float = 30.0, asked: float | None = None) -> Lease:
+    """An Acquire's lease of ``n`` blocks, asked at ``asked`` (default now)."""
+    asked = time.monotonic() if asked is None else asked
+    return Lease("engine", "lease", list(range(10, 10 + n)), list(range(n)), asked + seconds)
 
 
 def test_new_keys_retry_then_answer_from_the_pinned_prefix() -> None:
@@ -35,7 +38,7 @@ def test_new_keys_retry_then_answer_from_the_pinned_prefix() -> None:
     assert lookups.answer(ordered, SESSION, got(3)) == []
     assert [lookups.lookup(k, request)[0] for k in ordered] == ["hit"] * 3 + ["miss"] * 2
     state = lookups.state(ordered[2])
-    assert state is not None and state.lease is not None and state.index == 2
+    assert state is not None and state.pin is not None and state.index == 2
     lookups.check_integrity()
     freed = lookups.finish("r")
     assert len(freed) == 1 and freed[0].refs == 0 and lookups.states() == []
@@ -53,7 +56,7 @@ def test_failed_load_answers_miss_until_stored_again() -> None:
     lookups.answer(keys, SESSION, got(3))
     parts, missing = lookups.start_load(keys, [7, 8, 9])
     assert missing == [] and [p.chunk for p in parts] == [7, 8, 9]
-    freed = lookups.end_load(keys[:2], keys[2:], [(parts[2].lease, 2)])
+    freed = lookups.end_load(keys[:2], keys[2:], [(parts[2].pin, 2)])
     assert len(freed) == 1 and freed[0].corrupt_from == 2
     assert lookups.lookup(keys[2], ctx("s"))[0] == "miss"
     lookups.stored([keys[2]])
@@ -69,7 +72,7 @@ def test_a_lapsing_lease_is_asked_again_and_unasked_answers_free_their_pins() ->
     key, other = b"k" * 36, b"o" * 36
     lookups.lookup(key, ctx("r"))
     lookups.take_batches(8)
-    lookups.answer([key], SESSION, got(1, seconds=5.0))
+    lookups.answer([key], SESSION, got(1, seconds=5.0, asked=0.0))
     now[0] = 4.5
     answer, freed = lookups.lookup(key, ctx("r"))
     assert answer == "retry" and len(freed) == 1

@@ -14,6 +14,9 @@ from harness import Daemon, model_dir_in
 from tier_harness import SLOT, TierEngine, new_keys
 from vllm.v1.kv_offload.base import LookupResult
 
+from tierd.connector.core.lease import Lease
+from tierd.connector.vllm.tier_lookups import Pin
+
 pytestmark = pytest.mark.vllm
 
 
@@ -152,11 +155,11 @@ def test_corrupt_slot_fails_the_load_and_then_misses(engines: list[TierEngine],
 
     def corrupt() -> None:
         state = b.tier._lookups.state(keys[2])
-        if state is not None and state.phase == "hit" and state.lease is not None:
-            lease = state.lease
-            offset = lease.session.slots.geometry.offset(lease.got.slot_ids[state.index])
-            lease.session.arena[offset + 100] ^= 0xFF
-            lease.session.arena[offset + 101] ^= 0xFF
+        if state is not None and state.phase == "hit" and state.pin is not None:
+            pin = state.pin
+            offset = pin.session.slots.geometry.offset(pin.lease.slot_ids[state.index])
+            pin.session.arena[offset + 100] ^= 0xFF
+            pin.session.arena[offset + 101] ^= 0xFF
 
     assert b.load(keys, between=corrupt) == data[:2]
     stats = b.manager.get_stats()
@@ -207,10 +210,23 @@ def test_tp2_rows_hold_both_ranks(daemon: Daemon, model_dir: str) -> None:
             engine.close()
 
 
-def test_many_concurrent_requests(engines: list[TierEngine], daemon: Daemon) -> None:
-    """24 requests sharing a prefix look up in the same steps on B and each loads when its
-    lookup answers: every one gets A's bytes, and no pin or lease is left behind."""
-    a, b = engines
+@pytest.mark.parametrize("cpu_chunks", [64, 32])
+def test_many_concurrent_requests(daemon: Daemon, model_dir: str, cpu_chunks: int) -> None:
+    """24 requests sharing a prefix (51 chunks) look up in the same steps on B and each loads
+    the prefix its lookup answered, as vLLM does: all of it when B's primary tier holds every
+    promotion (64 chunks), else what vLLM found room to promote (32: the rest is a MISS); every
+    loaded chunk holds A's bytes, and no pin or lease is left behind."""
+    a = TierEngine(model_dir, daemon.socket_path)
+    b = TierEngine(model_dir, daemon.socket_path, cpu_chunks=cpu_chunks)
+    try:
+        _many_concurrent_requests(a, b, daemon, everything=cpu_chunks >= 51)
+    finally:
+        a.close()
+        b.close()
+
+
+def _many_concurrent_requests(a: TierEngine, b: TierEngine, daemon: Daemon,
+                              everything: bool) -> None:
     shared, data = new_keys(3), payloads(3)
     prompts = [(shared + new_keys(2)) for _ in range(24)]
     contents = [data + payloads(2) for _ in range(24)]
@@ -220,27 +236,29 @@ def test_many_concurrent_requests(engines: list[TierEngine], daemon: Daemon) -> 
     with b.manager.lock:
         for ctx in contexts:
             b.manager.on_new_request(ctx)
-    done = [False] * len(prompts)
+    loaded: list[int | None] = [None] * len(prompts)
     deadline = time.monotonic() + 30
-    while not all(done):  # each request loads in the step its lookup answers, as in vLLM
+    while None in loaded:  # each request loads in the step its lookup answers, as in vLLM
         assert time.monotonic() < deadline
         for i, (keys, ctx) in enumerate(zip(prompts, contexts)):
-            if done[i] or _prefix(b, keys, ctx) is None:
+            hits = None if loaded[i] is not None else _prefix(b, keys, ctx)
+            if hits is None:
                 continue
-            with b.manager.lock:
-                spec = b.manager.prepare_load(keys, ctx)
+            with b.manager.lock:  # vLLM loads the hit prefix only and computes the rest
+                spec = b.manager.prepare_load(keys[:hits], ctx)
             rows = b.rows()
-            assert [rows[int(c), :SLOT].tobytes() for c in spec.chunk_ids] == contents[i]
+            assert [rows[int(c), :SLOT].tobytes() for c in spec.chunk_ids] == contents[i][:hits]
             del rows
             with b.manager.lock:
-                b.manager.complete_load(keys, ctx)
+                b.manager.complete_load(keys[:hits], ctx)
                 b.manager.on_request_finished(ctx)
-            done[i] = True
+            loaded[i] = hits
         b.step()
         time.sleep(0.002)
     b.settle()
     b.tier.check_integrity()
     assert tier_pins(b) == 0 and daemon.pinned_blocks() == 0
+    assert not everything or loaded == [5] * len(prompts), loaded
 
 
 def _prefix(engine: TierEngine, keys: list, ctx: object) -> int | None:
@@ -253,6 +271,26 @@ def _prefix(engine: TierEngine, keys: list, ctx: object) -> int | None:
             hits += result is not LookupResult.RETRY
             deferred |= result is not LookupResult.HIT
     return None if deferred else hits
+
+
+def test_release_not_found_drops_the_session_only_before_the_deadline(
+        daemon: Daemon, model_dir: str) -> None:
+    """A Release the daemon answers NOT_FOUND: past the lease's deadline it had only lapsed
+    (the registration stays); before it, the daemon forgot the engine (dropped, re-registers)."""
+    engine = TierEngine(model_dir, daemon.socket_path)
+    try:
+        tier = engine.tier
+        assert tier.connect()
+        session = tier._link.session
+        lapsed = Lease(session.engine_id, "no-such-lease", [0], [0], time.monotonic() - 1.0)
+        tier._release(Pin(session, lapsed, lapsed.deadline, 0))
+        assert tier._link.session is session
+        forgotten = Lease(session.engine_id, "no-such-lease", [0], [0], time.monotonic() + 30)
+        tier._release(Pin(session, forgotten, forgotten.deadline, 0))
+        assert tier._link.session is None
+        assert tier.connect() and tier._link.session is not session
+    finally:
+        engine.close()
 
 
 def test_shutdown_releases_every_view(daemon: Daemon, model_dir: str) -> None:
