@@ -32,8 +32,8 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
+from tierd.connector.core.link import DaemonLink
 from tierd.connector.transfer import ArenaSlots
-from tierd.connector.vllm.link import DaemonLink
 from tierd.daemon.client import TierdClient
 from tierd.daemon.convert import EngineHandle
 from tierd.types import BlockHash
