@@ -39,6 +39,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+from tierd.bench.page_cache import drop_page_cache
+
 HELP = "vLLM connector at model scale: store, DRAM and SSD loads vs memcpy and raw disk."
 
 MODELS = {"llama3-8b": (32, 8, 128), "llama3-70b": (80, 8, 128)}
@@ -231,16 +233,6 @@ class _Side:
         return elapsed
 
 
-def _drop_page_cache() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
-
-
 def _wait_on_ssd(sock: str, side: _Side, hashes: list[bytes]) -> None:
     from tierd.daemon.client import TierdClient
     from tierd.types import BlockHash
@@ -287,7 +279,7 @@ def _measure(args: argparse.Namespace, kv: dict[str, Any], blocks: int, nbytes: 
         cold = [os.urandom(32) for _ in range(blocks)]
         ssd.store(cold, src)
         _wait_on_ssd(ssd.sock, ssd, cold)
-        dropped = _drop_page_cache()
+        dropped = drop_page_cache()
         ssd_s = ssd.load(cold, dst)
         if rep == 0:
             for view in views:
@@ -295,7 +287,7 @@ def _measure(args: argparse.Namespace, kv: dict[str, Any], blocks: int, nbytes: 
                 assert raw[dst[0]:dst[-1] + 1].equal(raw[src[0]:src[-1] + 1]), \
                     "an SSD load did not bring back the stored bytes"
             continue
-        _drop_page_cache()
+        drop_page_cache()
         _, read_gbs = measure_raw_disk(workdir, nbytes)
         for key, value in (("memcpy", memcpy), ("store_engine", engine_s), ("store", store_s),
                            ("dram_load", dram_s), ("ssd_load", ssd_s),

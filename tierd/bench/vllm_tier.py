@@ -39,6 +39,8 @@ import time
 import uuid
 from typing import Any
 
+from tierd.bench.page_cache import drop_page_cache
+
 HELP = "TierdTier vs vLLM's fs tier under vLLM's native offloading: store, loads, footprint."
 
 LAYERS, HEADS, HEAD, BLOCK = 32, 8, 128, 16  # Llama-3-8B, fp16: 2 MiB per 16-token block
@@ -241,16 +243,6 @@ def _fs(root: str) -> dict[str, Any]:
     return {"type": "fs", "root_dir": root}
 
 
-def _drop_page_cache() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
-
-
 def _keys(n: int) -> list[bytes]:
     from vllm.v1.kv_offload.base import make_offload_key
 
@@ -321,7 +313,7 @@ def _measure(args: argparse.Namespace, daemons: dict[str, _Daemon], work: str,
                 _wait_on_ssd(a, daemons["ssd"].sock, cold)
             a.close()
             b = _Engine(tier("ssd"), n)
-            _drop_page_cache()
+            drop_page_cache()
             record(f"{name}_cold_load", b.load(cold))
             b.close()
             if name == "tierd":
@@ -329,10 +321,10 @@ def _measure(args: argparse.Namespace, daemons: dict[str, _Daemon], work: str,
             fresh = _Engine(tier("ssd"), n)
             record(f"{name}_restart_load", fresh.load(cold))
             fresh.close()
-        _drop_page_cache()
+        drop_page_cache()
         _, read_gbs = measure_raw_disk(work, nbytes)
         record("raw_read", nbytes / (read_gbs * 1e9))
-    figures: dict[str, Any] = {"page_cache_dropped": _drop_page_cache()}
+    figures: dict[str, Any] = {"page_cache_dropped": drop_page_cache()}
     for key, values in out.items():
         figures[f"{key}_ms"] = statistics.median(values)
         figures[f"{key}_range_ms"] = [min(values), max(values)]
