@@ -127,22 +127,16 @@ def _library() -> _Native | None:
         return _loaded[0]
 
 
-def xxh3_api() -> _Xxh3:
-    """The streaming xxh3-64 functions of python-xxhash (the same xxh3 that made the
-    checksums), for the native helpers."""
-    ext = XXHASH_LIBRARY
-    update = "XXH3_64bits_update_dispatch" if hasattr(ext, "XXH3_64bits_update_dispatch") \
-        else "XXH3_64bits_update"
-    return _Xxh3(*(ctypes.cast(getattr(ext, name), _PTR) for name in (
-        "XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", update,
-        "XXH3_64bits_digest")))
-
-
 def _load() -> _Native | None:
     lib = shared_library(_SOURCE)
     if lib is None:
         return None
-    api = xxh3_api()
+    ext = XXHASH_LIBRARY  # the same xxh3 that made the checksums
+    update = "XXH3_64bits_update_dispatch" if hasattr(ext, "XXH3_64bits_update_dispatch") \
+        else "XXH3_64bits_update"
+    api = _Xxh3(*(ctypes.cast(getattr(ext, name), _PTR) for name in (
+        "XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", update,
+        "XXH3_64bits_digest")))
     fn = lib.tierd_load_verified
     fn.restype = _I64
     fn.argtypes = [ctypes.POINTER(_Xxh3), _I64, _PTR, _PTR, _PTR, _U64, *[_I64] * 8, ctypes.c_int]
