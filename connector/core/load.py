@@ -112,5 +112,15 @@ def finish_load(load: OpenLoad, sink: Sink, release: Release, clock: Clock) -> L
 
 def load_leased(lease: Lease, block_ids: Sequence[int], slots: ArenaSlots, sink: Sink,
                 release: Release, clock: Clock) -> LoadResult:
-    """``start_load`` then ``finish_load``: the whole load, blocking until done."""
-    return finish_load(start_load(lease, block_ids, slots, sink), sink, release, clock)
+    """``start_load`` then ``finish_load``: the whole load, blocking until done. A sink that
+    raises (anything but the ``ValueError`` of bad slot ids) has its reads settled and the
+    lease released before the exception goes on: no path keeps a lease."""
+    try:
+        opened = start_load(lease, block_ids, slots, sink)
+    except BaseException:
+        try:
+            sink.settle()
+        finally:
+            release(lease, None)
+        raise
+    return finish_load(opened, sink, release, clock)

@@ -18,48 +18,38 @@ query, prefetch I/O, backup), up to 128 pages a call:
 Every call answers; none raises for a daemon that is down, restarting or refusing: a miss
 (0, False) and a warning, with the next attempt to reach it ``retry_seconds`` later
 (``DaemonLink``). A lease taken is always given back (Release or Abort), on every path.
-Thread-safety: the daemon calls of the three threads are serialized on one lock (each a round
-trip of ~0.6 ms); the copies run outside it, on mappings each call keeps alive.
+The daemon calls, the load and the save are the engine-side core's (``tierd.connector.core``:
+``acquire`` + ``load_leased`` through the ``sinks`` of this package, ``reserve`` / ``commit`` /
+``abort``), and so is the one classification of a failed call (``DaemonLink.failed``).
+Thread-safety: the three threads share the link (thread-safe); each call keeps the ``Session``
+it started with, whose channel and arena mapping stay valid if another thread drops the link.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
+import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import torch
 
-from tierd.connector.core.link import DaemonLink
-from tierd.connector.transfer import ArenaSlots
-from tierd.daemon.client import TierdClient
-from tierd.daemon.convert import EngineHandle
+from tierd.connector.core.lease import acquire, releaser
+from tierd.connector.core.link import DaemonLink, Session
+from tierd.connector.core.load import Sink, load_leased
+from tierd.connector.core.save import Reservation, abort, commit, reserve
 from tierd.types import BlockHash
 
 from .base import HiCacheStorage
 from .config import TierdSglangConfig
 from .identity import model_identity_from_sglang
 from .pages import PageFormat, Shard, bytes_at, page_format
+from .sinks import FlatPages, HostPages
 
 _log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 SGLANG_VERSIONS_TESTED = ("0.5.23",)
-
-
-class _Session:
-    """One registration's view for one call: the engine and its arena (kept mapped while the
-    call holds this, even if another thread drops the link meanwhile)."""
-
-    __slots__ = ("engine", "slots", "base")
-
-    def __init__(self, engine: EngineHandle, slots: ArenaSlots, arena: torch.Tensor) -> None:
-        self.engine, self.slots, self.base = engine, slots, arena.data_ptr()
-
-    def address(self, slot: int) -> int:
-        return self.base + self.engine.geometry.offset(slot)
 
 
 class TierdHiCacheStorage(HiCacheStorage):
@@ -80,7 +70,7 @@ class TierdHiCacheStorage(HiCacheStorage):
         self.writer: bool = bool(getattr(sc, "is_storage_writer", True))
         self.format: PageFormat | None = None
         self._link: DaemonLink | None = None
-        self._lock = threading.Lock()
+        self._host: HostPages | None = None
         _log.info("tierd: model id %s (%s)", self.identity.model_id, self.identity.source)
 
     # --- registration ------------------------------------------------------------------------
@@ -93,9 +83,9 @@ class TierdHiCacheStorage(HiCacheStorage):
         s = self.shard
         name = f"{self.config.link.engine_name}-tp{s.tp_rank}" + (
             f"-pp{s.pp_rank}" if s.pp_size > 1 else "")
+        self._host = HostPages(self.format)
         self._link = DaemonLink(self.config.link, self.format.layout, name, attach=True)
-        with self._lock:
-            self._link.connect()
+        self._link.connect()
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Hybrid models' extra pools (Mamba, SWA, indexer, ...) are refused: ``ValueError``.
@@ -108,9 +98,8 @@ class TierdHiCacheStorage(HiCacheStorage):
 
     def close(self) -> None:
         """Unregister from the daemon (best effort)."""
-        with self._lock:
-            if self._link is not None:
-                self._link.close()
+        if self._link is not None:
+            self._link.close()
 
     # --- v1 (zero-copy) ----------------------------------------------------------------------
 
@@ -119,15 +108,19 @@ class TierdHiCacheStorage(HiCacheStorage):
         session = self._session()
         if session is None or not keys:
             return 0
-        tiers = self._call(session, lambda c, e: c.lookup(e, _hashes(keys)))
-        return 0 if tiers is None else len(tiers)
+        try:
+            return len(session.client.lookup(session.engine_id, _hashes(keys)))
+        except grpc.RpcError as exc:
+            self._failed(exc, session)
+            return 0
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> list[bool]:
         """Load the leading held pages of ``keys`` into the host pages at ``host_indices``
         (``page_size`` indices per key); True for each page loaded and verified."""
         fmt = self._format()
-        return self._load(keys, lambda n: fmt.pages_of(host_indices, n), self._load_pages)
+        assert self._host is not None
+        return self._load(keys, lambda n: fmt.pages_of(host_indices, n), self._host)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> list[bool]:
@@ -157,15 +150,7 @@ class TierdHiCacheStorage(HiCacheStorage):
         targets = list(target_locations or [])
         if len(targets) != len(keys):
             raise ValueError("batch_get needs one target page per key")
-
-        def copy(session: _Session, slots: list[int], checksums: list[int]) -> int:
-            good = session.slots.verified(slots, checksums)
-            for slot, target in zip(slots[:good], targets):
-                fmt.slot_to_flat(torch.from_numpy(bytes_at(session.address(slot),
-                                                           fmt.page_bytes)), target)
-            return good
-
-        loaded = self._load(keys, lambda n: [], lambda s, sl, cs, pages: copy(s, sl, cs))
+        loaded = self._load(keys, lambda n: list(range(n)), FlatPages(fmt, targets))
         return [t if ok else None for t, ok in zip(targets, loaded)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None,
@@ -201,35 +186,28 @@ class TierdHiCacheStorage(HiCacheStorage):
     # --- the daemon calls --------------------------------------------------------------------
 
     def _load(self, keys: Sequence[str], pages_of: Callable[[int], list[int]],
-              copy: Callable[[_Session, list[int], list[int], list[int]], int]) -> list[bool]:
-        """Acquire -> ``copy`` (returns how many leading pages verified) -> Release, the lease
-        released on every path; True for each leading page loaded."""
+              sink: Sink) -> list[bool]:
+        """Acquire, then ``core.load``: each leased slot checked as ``sink`` copies it into
+        page ``pages_of(n)[i]``, then Release (naming the first page that failed, which the
+        daemon re-checks and drops); True for each leading page in place."""
         session = self._session()
         if session is None or not keys:
             return [False] * len(keys)
-        got = self._call(session, lambda c, e: c.acquire(e, _hashes(keys)))
-        if got is None:
-            return [False] * len(keys)
-        good = 0
+        assert session.slots is not None, "the link attaches the arena"
         try:
-            if got.slot_ids:
-                good = copy(session, got.slot_ids, got.checksums, pages_of(len(got.slot_ids)))
-        finally:
-            failed = good if good < len(got.slot_ids) else None
-            self._call(session, lambda c, e: c.release(e, got.lease_id, corrupt_from=failed))
-        if failed is not None:
+            lease = acquire(session.client, session.engine_id, _hashes(keys),
+                            clock=time.monotonic)
+        except grpc.RpcError as exc:
+            self._failed(exc, session)
+            return [False] * len(keys)
+        done = load_leased(lease, pages_of(lease.num_blocks), session.slots, sink,
+                           releaser(session.client,
+                                    lambda exc: self._failed(exc, session, names_lease=True)),
+                           time.monotonic)
+        if done.corrupt:
             _log.warning("tierd: page %d of %d failed its checksum; SGLang recomputes it",
-                         good, len(got.slot_ids))
-        return [i < good for i in range(len(keys))]
-
-    def _load_pages(self, session: _Session, slots: list[int], checksums: list[int],
-                    pages: list[int]) -> int:
-        fmt = self._format()
-        good = session.slots.load_verified(slots, checksums, fmt.rows, pages)
-        if good is None:  # no native helper: verify in place, then copy the verified run
-            good = session.slots.verified(slots, checksums)
-            fmt.copy_in(pages[:good], [session.address(s) for s in slots[:good]])
-        return good
+                         done.verified, done.acquired)
+        return [i < done.placed for i in range(len(keys))]
 
     def _store(self, keys: Sequence[str],
                write: Callable[[Sequence[int | None]], list[bool]]) -> list[bool]:
@@ -239,40 +217,45 @@ class TierdHiCacheStorage(HiCacheStorage):
         session = self._session()
         if session is None or not keys:
             return [False] * len(keys)
-        reserved = self._call(session, lambda c, e: c.reserve(e, _hashes(keys)))
-        if reserved is None:
-            return [False] * len(keys)
-        stored: int | None = None
+        slots = session.slots
+        assert slots is not None, "the link attaches the arena"
         try:
-            written = write([None if s is None else session.address(s)
-                             for s in reserved.slot_ids])
-            stored = self._call(session, lambda c, e: c.commit(e, reserved.lease_id, written))
+            reserved = reserve(session.client, session.engine_id, _hashes(keys))
+        except grpc.RpcError as exc:
+            self._failed(exc, session)
+            return [False] * len(keys)
+        base, offset = slots.arena.data_ptr(), slots.geometry.offset
+        committed = False
+        try:
+            written = write([None if s is None else base + offset(s) for s in reserved.slot_ids])
+            commit(session.client, reserved, written)
+            committed = True
+        except grpc.RpcError as exc:
+            self._failed(exc, session, names_lease=True)
         finally:
-            if stored is None:
-                self._call(session, lambda c, e: c.abort(e, reserved.lease_id))
-        return _stored(reserved.already_stored, reserved.slot_ids, stored is not None)
+            if not committed:
+                self._abort(session, reserved)
+        return _stored(reserved.already_stored, reserved.slot_ids, committed)
 
-    def _session(self) -> _Session | None:
+    def _abort(self, session: Session, reserved: Reservation) -> None:
+        try:
+            abort(session.client, reserved)
+        except grpc.RpcError as exc:  # it lapses on the daemon after its lease time
+            self._failed(exc, session, names_lease=True)
+
+    def _session(self) -> Session | None:
         """The current registration (registering first if needed), or None while the daemon
-        is down."""
-        with self._lock:
-            link = self._link
-            if link is None or not link.connect():
-                return None
-            return _Session(link.engine, link.slots, link.arena_tensor)
+        is down. A call keeps the session it started with (its channel and arena mapping
+        stay valid even if another thread drops the link meanwhile)."""
+        link = self._link
+        if link is None or not link.connect():
+            return None
+        return link.session
 
-    def _call(self, session: _Session, fn: Callable[[TierdClient, str], T]) -> T | None:
-        """One daemon call on ``session``'s registration; None (accounted to the link) if it
-        failed or the registration is gone."""
-        with self._lock:
-            link = self._link
-            if link is None or not link.up or link.engine is not session.engine:
-                return None
-            try:
-                return fn(link.client, session.engine.engine_id)
-            except grpc.RpcError as exc:
-                link.failed(exc)
-                return None
+    def _failed(self, exc: grpc.RpcError, session: Session, *, names_lease: bool = False) -> None:
+        """A failed daemon call of ``session``: ``DaemonLink.failed`` classifies it."""
+        assert self._link is not None
+        self._link.failed(exc, session, names_lease=names_lease)
 
     def _format(self) -> PageFormat:
         assert self.format is not None, "SGLang registers its host pool before any transfer"

@@ -241,10 +241,11 @@ def test_corrupt_slot_is_a_miss_and_dropped(daemon: Daemon, models: tuple[str, s
         stored = backed_up(a, TOKENS, seed=40)
         keys = get_hash_str(TOKENS, None, page_size=PAGE)
         session = b.backend._session()
-        got = b.backend._call(session, lambda c, e: c.acquire(
-            e, [BlockHash(bytes.fromhex(k)) for k in keys]))
-        b.backend._call(session, lambda c, e: c.release(e, got.lease_id))
-        arena = b.backend._link.arena_tensor
+        assert session is not None
+        got = session.client.acquire(session.engine_id,
+                                     [BlockHash(bytes.fromhex(k)) for k in keys])
+        session.client.release(session.engine_id, got.lease_id)
+        arena = session.arena
         at = session.engine.geometry.offset(got.slot_ids[3]) + 100
         arena[at] ^= 0xFF
         hit, loaded, indices = b.prefetch("c", TOKENS)
@@ -322,11 +323,15 @@ def test_failed_load_releases_its_lease(daemon: Daemon, models: tuple[str, str])
         stored = backed_up(a, TOKENS, seed=70)
         keys = get_hash_str(TOKENS, None, page_size=PAGE)
 
-        def broken(*args: object) -> int:
-            raise RuntimeError("copy failed")
+        class Broken:
+            def place(self, *args: object) -> int:
+                raise RuntimeError("copy failed")
+
+            def settle(self) -> None:
+                pass
 
         with pytest.raises(RuntimeError, match="copy failed"):
-            b.backend._load(keys, lambda n: list(range(n)), broken)
+            b.backend._load(keys, lambda n: list(range(n)), Broken())
         assert daemon.pinned_blocks() == 0
         hit, loaded, got = b.prefetch("after", TOKENS)
         assert loaded == len(TOKENS) and b.pages(got) == stored

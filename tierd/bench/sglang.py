@@ -214,7 +214,7 @@ class _Tierd:
         assert session is not None, "the SSD daemon is down"
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            tiers = self.storage._call(session, lambda c, e: c.lookup(e, _hashes(keys)))
+            tiers = session.client.lookup(session.engine_id, _hashes(keys))
             if tiers == ["ssd"] * len(keys):
                 return
             time.sleep(0.05)

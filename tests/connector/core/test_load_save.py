@@ -108,6 +108,24 @@ def test_a_copy_done_past_the_deadline_counts_for_nothing(rig: Rig) -> None:
     rig.release(lease, None)
 
 
+def test_a_sink_that_raises_still_releases_the_lease(rig: Rig) -> None:
+    """A copy that fails with an unexpected error (not the ValueError of bad slot ids): its
+    reads are settled, the lease released, and the error reaches the caller."""
+    settled: list[bool] = []
+
+    class Broken:
+        def place(self, *args: object) -> int:
+            raise RuntimeError("copy failed")
+
+        def settle(self) -> None:
+            settled.append(True)
+
+    with pytest.raises(RuntimeError, match="copy failed"):
+        load_leased(rig.lease(), [0, 1, 2, 3], rig.link.slots, Broken(), rig.release,
+                    time.monotonic)
+    assert settled == [True] and rig.released == [None] and rig.pinned() == 0
+
+
 def test_a_lease_the_daemon_ended_fails_the_load(rig: Rig) -> None:
     """The daemon's clock jumps past the lease before the Release: the Release answers that the
     lease ended, so the verified copy counts for nothing; the link stays up."""
