@@ -17,6 +17,7 @@ never reused).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,15 @@ def commit(client: TierdClient, reservation: Reservation, written: Sequence[bool
     how many blocks became stored. Raises ``grpc.RpcError`` (FAILED_PRECONDITION / NOT_FOUND:
     the reservation had lapsed)."""
     return client.commit(reservation.engine_id, reservation.lease_id, written)
+
+
+def commit_async(client: TierdClient, reservation: Reservation,
+                 written: Sequence[bool]) -> Future[int]:
+    """``commit`` without waiting while the daemon checksums: a future of the blocks stored
+    (or of the ``grpc.RpcError``). For a front end whose caller may reuse its memory once the
+    copy is done (SGLang's backup): the next batch's copy overlaps this one's checksums. The
+    blocks are visible to lookups only when the future is done."""
+    return client.commit_async(reservation.engine_id, reservation.lease_id, written)
 
 
 def abort(client: TierdClient, reservation: Reservation) -> None:

@@ -11,7 +11,11 @@ query, prefetch I/O, backup), up to 128 pages a call:
   its checksum, which the daemon re-checks and drops).
 - ``batch_set_v1`` -> one Reserve, the pages copied into their slots, one Commit (the daemon
   checksums them); pages tierd already holds, or another engine is writing, count as stored
-  without a copy.
+  without a copy. The call returns once the copy is done (SGLang may then reuse the host
+  pages) and the Commit is on its way: the daemon checksums one batch while the next is
+  copied. At most ``PENDING_COMMITS`` Commits are in flight; a Commit that fails leaves its
+  pages unstored (later misses, recomputed), logged. This backend's own ``batch_exists`` and
+  gets wait for its Commits in flight first, so an engine always finds what it stored.
 - ``get``/``set``/``batch_get``/``batch_set``/``exists``: the same through SGLang's flat pages
   (without ``"interface_v1": 1``).
 
@@ -28,17 +32,21 @@ it started with, whose channel and arena mapping stay valid if another thread dr
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import grpc
 import torch
 
+from tierd.connector.core.errors import describe
 from tierd.connector.core.lease import acquire, releaser
 from tierd.connector.core.link import DaemonLink, Session
 from tierd.connector.core.load import Sink, load_leased
-from tierd.connector.core.save import Reservation, abort, commit, reserve
+from tierd.connector.core.save import Reservation, abort, commit_async, reserve
 from tierd.types import BlockHash
 
 from .base import HiCacheStorage
@@ -50,6 +58,10 @@ from .sinks import FlatPages, HostPages
 _log = logging.getLogger(__name__)
 
 SGLANG_VERSIONS_TESTED = ("0.5.23",)
+
+PENDING_COMMITS = 1
+"""Commits a backend leaves in flight when ``batch_set_v1`` returns: one overlaps the next
+batch's copy; more would only queue behind the daemon's checksums."""
 
 
 class TierdHiCacheStorage(HiCacheStorage):
@@ -71,6 +83,8 @@ class TierdHiCacheStorage(HiCacheStorage):
         self.format: PageFormat | None = None
         self._link: DaemonLink | None = None
         self._host: HostPages | None = None
+        self._commits: deque[tuple[Session, Future[int]]] = deque()
+        self._commits_lock = threading.Lock()
         _log.info("tierd: model id %s (%s)", self.identity.model_id, self.identity.source)
 
     # --- registration ------------------------------------------------------------------------
@@ -96,8 +110,14 @@ class TierdHiCacheStorage(HiCacheStorage):
                              "HiCache storage backend")
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
+    def flush(self) -> None:
+        """Wait for this backend's Commits in flight (each ends within the daemon call
+        deadline): what ``batch_set_v1`` stored is then visible to every engine."""
+        self._settle(0)
+
     def close(self) -> None:
-        """Unregister from the daemon (best effort)."""
+        """``flush``, then unregister from the daemon (best effort)."""
+        self.flush()
         if self._link is not None:
             self._link.close()
 
@@ -105,6 +125,7 @@ class TierdHiCacheStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many leading ``keys`` tierd holds: one Lookup (0 if the daemon is down)."""
+        self.flush()
         session = self._session()
         if session is None or not keys:
             return 0
@@ -190,6 +211,7 @@ class TierdHiCacheStorage(HiCacheStorage):
         """Acquire, then ``core.load``: each leased slot checked as ``sink`` copies it into
         page ``pages_of(n)[i]``, then Release (naming the first page that failed, which the
         daemon re-checks and drops); True for each leading page in place."""
+        self.flush()
         session = self._session()
         if session is None or not keys:
             return [False] * len(keys)
@@ -212,8 +234,8 @@ class TierdHiCacheStorage(HiCacheStorage):
     def _store(self, keys: Sequence[str],
                write: Callable[[Sequence[int | None]], list[bool]]) -> list[bool]:
         """Reserve -> ``write`` (copies into the reserved slots' addresses, returns the
-        ``written`` flags) -> Commit (the daemon checksums the written slots), the reservation
-        aborted on every other path."""
+        ``written`` flags) -> Commit sent (module doc), the reservation aborted if the copy
+        raised; then wait until at most ``PENDING_COMMITS`` Commits are in flight."""
         session = self._session()
         if session is None or not keys:
             return [False] * len(keys)
@@ -225,17 +247,34 @@ class TierdHiCacheStorage(HiCacheStorage):
             self._failed(exc, session)
             return [False] * len(keys)
         base, offset = slots.arena.data_ptr(), slots.geometry.offset
-        committed = False
         try:
             written = write([None if s is None else base + offset(s) for s in reserved.slot_ids])
-            commit(session.client, reserved, written)
-            committed = True
-        except grpc.RpcError as exc:
-            self._failed(exc, session, names_lease=True)
-        finally:
-            if not committed:
-                self._abort(session, reserved)
-        return _stored(reserved.already_stored, reserved.slot_ids, committed)
+        except BaseException:
+            self._abort(session, reserved)
+            raise
+        reply = commit_async(session.client, reserved, written)
+        with self._commits_lock:
+            self._commits.append((session, reply))
+        self._settle(PENDING_COMMITS)
+        return _stored(reserved.already_stored, reserved.slot_ids, True)
+
+    def _settle(self, keep: int) -> None:
+        """Wait until at most ``keep`` of this backend's Commits are in flight (the oldest
+        first); a failed one is logged (its pages are not stored) and accounted to its
+        session. Each Commit ends within the daemon call deadline."""
+        with self._commits_lock:
+            waiting = list(self._commits)[:max(0, len(self._commits) - keep)]
+        for entry in waiting:
+            session, reply = entry
+            error = reply.exception()
+            with self._commits_lock:  # another thread may have settled it meanwhile
+                if entry not in self._commits:
+                    continue
+                self._commits.remove(entry)
+            if isinstance(error, grpc.RpcError):
+                _log.warning("tierd: a Commit failed (%s); its pages are not stored",
+                             describe(error))
+                self._failed(error, session, names_lease=True)
 
     def _abort(self, session: Session, reserved: Reservation) -> None:
         try:

@@ -173,6 +173,8 @@ class Engine:
         keys = get_hash_str(tokens, None, page_size=self.page)
         self.controller.write_storage(indices, tokens, hash_value=keys)
         op = self.controller.ack_backup_queue.get(timeout=60)
+        if hasattr(self.backend, "flush"):  # tierd: its last Commit lands (in ms), so other
+            self.backend.flush()            # engines see the pages at once
         return int(op.completed_tokens)
 
     def prefetch(self, rid: str, tokens: list[int]) -> tuple[int, int, torch.Tensor]:

@@ -4,6 +4,7 @@ pages up to tierd and prefetch them back, through a real `tierd serve`."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import pytest
 
@@ -310,6 +311,35 @@ def test_failed_store_aborts_its_reservation(daemon: Daemon, models: tuple[str, 
         with daemon.client() as client:
             assert sum(t.used_blocks for t in client.stats().tiers if t.tier == "dram") == \
                 len(keys)
+    finally:
+        a.close()
+
+
+def test_failed_commit_stores_nothing_and_raises_nothing(daemon: Daemon,
+                                                        models: tuple[str, str]) -> None:
+    """The daemon dies between the copy and the Commit (sent without waiting): SGLang's call
+    still returns, the failure is settled on the next call (the link drops), nothing is
+    stored; once the daemon is back the same pages are stored and found."""
+    extra = tierd_extra(daemon.socket_path, models[0])
+    a = Engine(extra)
+    try:
+        keys = get_hash_str(TOKENS, None, page_size=PAGE)
+        indices = a.fill(len(TOKENS) // PAGE, seed=65)
+        fmt = a.backend.format
+        assert fmt is not None
+        pages = fmt.pages_of(indices, len(keys))
+
+        def copy_then_die(addresses: Sequence[int | None]) -> list[bool]:
+            written = fmt.store(pages, addresses)
+            daemon.stop(kill=True)
+            return written
+
+        a.backend._store(keys, copy_then_die)
+        assert a.backend.batch_exists(keys) == 0 and not a.backend._link.up
+        daemon.start()
+        wait_until(lambda: a.backend.batch_exists(keys) == 0 and a.backend._link.up)
+        assert a.backend.batch_set_v1(keys, indices) == [True] * len(keys)
+        assert a.backend.batch_exists(keys) == len(keys)
     finally:
         a.close()
 

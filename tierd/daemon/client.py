@@ -23,10 +23,10 @@ The engine-side data path, for reference::
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -37,6 +37,8 @@ from tierd.paths import client_socket_path
 from tierd.types import BlockHash, Tier
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
 
 __all__ = ["AcquiredBlocks", "AsyncTierdClient", "DaemonStats", "EngineHandle", "Located",
            "ReservedSlots", "TierdClient", "target_for"]
@@ -108,6 +110,18 @@ class _Requests:
                                          cleared=cleared)
 
 
+class ChannelClosed(grpc.RpcError):
+    """A call on a client already closed (another thread dropped the session it belonged to):
+    a ``grpc.RpcError`` like any other failed call (``core.errors`` classifies it "down"), not
+    gRPC's ``ValueError``, so no caller needs a second ``except``."""
+
+    @classmethod
+    def of(cls, exc: ValueError, target: str) -> ChannelClosed:
+        if "closed" not in str(exc).lower():
+            raise exc
+        return cls(f"the channel to {target} was closed")
+
+
 class TierdClient:
     """Blocking client over one channel. Thread-safe (gRPC channels are). Use as a context
     manager or call ``close``."""
@@ -123,7 +137,11 @@ class TierdClient:
         self._timeout = timeout
 
     def _call(self, method: str, request: Any) -> Any:
-        return getattr(self._stub, method)(request, metadata=self._md, timeout=self._timeout)
+        try:
+            return getattr(self._stub, method)(request, metadata=self._md,
+                                               timeout=self._timeout)
+        except ValueError as exc:
+            raise ChannelClosed.of(exc, self.target) from exc
 
     def register_engine(self, layout: Layout, engine_name: str = "") -> EngineHandle:
         """Register ``layout``; returns the engine id, arena and slot geometry to use."""
@@ -154,13 +172,22 @@ class TierdClient:
         """``acquire`` without blocking: a future of its result (or of its ``grpc.RpcError``).
         The daemon stages SSD hits into DRAM meanwhile; the pin starts when the reply is
         made, so a caller that drops the future must still release a lease it resolves to."""
-        out: Future[AcquiredBlocks] = Future()
-        call = self._stub.Acquire.future(_Requests.acquire(engine_id, hashes, count_lookup),
-                                         metadata=self._md, timeout=self._timeout)
+        return self._future("Acquire", _Requests.acquire(engine_id, hashes, count_lookup),
+                            convert.acquired_from_pb)
+
+    def _future(self, method: str, request: Any, result: Callable[[Any], T]) -> Future[T]:
+        """Send ``request`` without waiting: a future of ``result(reply)`` or of the call's
+        ``grpc.RpcError`` (set on gRPC's thread, which does nothing else for it)."""
+        out: Future[T] = Future()
+        try:
+            call = getattr(self._stub, method).future(request, metadata=self._md,
+                                                      timeout=self._timeout)
+        except ValueError as exc:
+            raise ChannelClosed.of(exc, self.target) from exc
 
         def done(call: Any) -> None:
             try:
-                out.set_result(convert.acquired_from_pb(call.result()))
+                out.set_result(result(call.result()))
             except grpc.RpcError as exc:
                 out.set_exception(exc)
 
@@ -188,6 +215,13 @@ class TierdClient:
         Returns blocks now stored."""
         reply = self._call("Commit", _Requests.commit(engine_id, lease_id, written))
         return int(reply.stored)
+
+    def commit_async(self, engine_id: str, lease_id: str,
+                     written: Sequence[bool]) -> Future[int]:
+        """``commit`` without blocking (the daemon checksums the slots meanwhile): a future of
+        the blocks stored, or of the call's ``grpc.RpcError``."""
+        return self._future("Commit", _Requests.commit(engine_id, lease_id, written),
+                            lambda reply: int(reply.stored))
 
     def abort(self, engine_id: str, lease_id: str) -> None:
         """Free a reservation's slots, storing nothing."""

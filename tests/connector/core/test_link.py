@@ -106,6 +106,26 @@ def test_a_late_failure_of_an_old_session_keeps_the_new_one(make_daemon: Any) ->
     link.close()
 
 
+def test_a_call_on_a_dropped_session_is_an_rpc_error(make_daemon: Any) -> None:
+    """Another thread dropped the session (its channel closed) while this one still uses it:
+    the call fails like any daemon call (a ``grpc.RpcError``, classified "down"), blocking or
+    not, never with gRPC's ``ValueError``; the link keeps its new session."""
+    daemon = make_daemon()
+    link = DaemonLink(ClientSettings(socket_path=daemon.config.socket_path, retry_seconds=0.0),
+                      LAYOUT, "t", attach=True)
+    assert link.connect()
+    old = link.session
+    assert old is not None
+    link.failed(_error(lambda: old.client.lookup("no-such-engine", [])), old)
+    assert not link.up and link.connect()
+    for call in (lambda: old.client.lookup(old.engine_id, []),
+                 lambda: old.client.commit_async(old.engine_id, "lease", [])):
+        exc = _error(call)
+        assert classify(exc) == "down" and link.failed(exc, old) == "down"
+    assert link.up
+    link.close()
+
+
 def test_settings_name_the_fix() -> None:
     """Out-of-range settings raise ValueError naming the knob."""
     for bad, match in (({"timeout_seconds": 0}, "timeout_seconds"),
