@@ -1,4 +1,5 @@
-/* Verify-while-copying: a DRAM load in one pass over the arena (connector/native/verified_copy.py).
+/* Verify-while-copying: a DRAM load in one pass over the arena (connector/native/verified_copy.py);
+ * and the plain copy of a store, the other way.
  *
  * Each block's slot is hashed (xxh3-64, the project's block checksum) in cache-sized pieces,
  * and each piece is copied to the engine's KV right after it was hashed, while it is still in
@@ -16,6 +17,11 @@
  * a regular store first reads each destination line into the cache (read for ownership), a
  * third memory pass that the engine does not need, since the KV it loads is far larger than
  * the cache. Small loads use memcpy, so what the forward pass reads next stays in cache.
+ *
+ * A store (`tierd_store_rows`) copies each block's rows from the engine's memory back to back
+ * into its slot, split between threads the same way, with non-temporal stores when large (the
+ * slots are not read again soon: the daemon hashes them once). No hash here: the daemon
+ * checksums committed slots itself.
  *
  * xxh3 comes in as function pointers from the python-xxhash extension already loaded in the
  * process (the same code that computed the stored checksums), so nothing here links a library.
@@ -36,12 +42,12 @@ typedef uint64_t (*digest_fn)(const void *);
 struct xxh3 { create_fn create; free_fn free; reset_fn reset; update_fn update; digest_fn digest; };
 
 struct load {
-    const struct xxh3 *h;
+    const struct xxh3 *h;      /* NULL: a store (engine blocks -> slots, no hash) */
     int64_t nblocks;
-    const uint64_t *src;       /* address of each block's slot */
-    const int64_t *dst_block;  /* engine block id of each block */
-    const uint64_t *want;      /* stored checksum of each block */
-    uint64_t dst_base;
+    const uint64_t *slot;      /* address of each block's slot */
+    const int64_t *block;      /* engine block id of each block */
+    const uint64_t *want;      /* stored checksum of each block (loads) */
+    uint64_t base;             /* engine memory: block b's first row is at base + b * s_block */
     int64_t layers, heads, tokens, row;
     int64_t s_layer, s_block, s_head, s_token;
     int64_t first_bad;         /* shared: lowest failed block index, nblocks if none */
@@ -92,10 +98,10 @@ static void lower_first_bad(struct load *j, int64_t b) {
  * up to past them, PIECE bytes at a time, so every byte is copied right after it was hashed
  * (while it is still in cache). Returns 1 if the checksum matched. */
 static int one_block(struct load *j, void *state, int64_t b) {
-    const unsigned char *src = (const unsigned char *)(uintptr_t)j->src[b];
+    const unsigned char *src = (const unsigned char *)(uintptr_t)j->slot[b];
     const unsigned char *hashed = src;
     const unsigned char *end = src + j->layers * j->heads * j->tokens * j->row;
-    unsigned char *block = (unsigned char *)(uintptr_t)(j->dst_base + j->dst_block[b] * j->s_block);
+    unsigned char *block = (unsigned char *)(uintptr_t)(j->base + j->block[b] * j->s_block);
     j->h->reset(state);
     for (int64_t l = 0; l < j->layers; l++)
         for (int64_t h = 0; h < j->heads; h++)
@@ -114,9 +120,29 @@ static int one_block(struct load *j, void *state, int64_t b) {
     return j->h->digest(state) == j->want[b];
 }
 
+/* One block of a store: its rows, in (layer, head, token) order, back to back into its slot. */
+static void store_block(struct load *j, int64_t b) {
+    unsigned char *dst = (unsigned char *)(uintptr_t)j->slot[b];
+    const unsigned char *block =
+        (const unsigned char *)(uintptr_t)(j->base + j->block[b] * j->s_block);
+    for (int64_t l = 0; l < j->layers; l++)
+        for (int64_t h = 0; h < j->heads; h++)
+            for (int64_t t = 0; t < j->tokens; t++, dst += j->row)
+                copy_piece(dst, block + l * j->s_layer + h * j->s_head + t * j->s_token,
+                           (size_t)j->row, j->stream);
+}
+
 static void *run_part(void *arg) {
     struct part *p = arg;
     struct load *j = p->job;
+    if (j->h == NULL) {
+        for (int64_t b = p->lo; b < p->hi; b++)
+            store_block(j, b);
+#if defined(__SSE2__)
+        _mm_sfence();
+#endif
+        return NULL;
+    }
     void *state = j->h->create();
     if (state == NULL) { lower_first_bad(j, p->lo); return NULL; }
     for (int64_t b = p->lo; b < p->hi && b < first_bad(j); b++)
@@ -130,23 +156,16 @@ static void *run_part(void *arg) {
 
 enum { MAX_THREADS = 64 };
 
-int64_t tierd_load_verified(const struct xxh3 *h, int64_t nblocks, const uint64_t *src,
-                            const int64_t *dst_block, const uint64_t *want, uint64_t dst_base,
-                            int64_t layers, int64_t heads, int64_t tokens, int64_t row,
-                            int64_t s_layer, int64_t s_block, int64_t s_head, int64_t s_token,
-                            int threads) {
-    struct load job = {h, nblocks, src, dst_block, want, dst_base, layers, heads, tokens, row,
-                       s_layer, s_block, s_head, s_token, nblocks,
-                       nblocks * layers * heads * tokens * row >= STREAM_MIN};
+/* Run `job` on up to `threads` threads (this one included), blocks split evenly. */
+static void run(struct load *job, int threads) {
     struct part parts[MAX_THREADS];
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
-    if (nblocks <= 0) return 0;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > nblocks) threads = (int)nblocks;
+    if (threads > job->nblocks) threads = (int)job->nblocks;
     for (int t = 0; t < threads; t++) {
-        parts[t] = (struct part){&job, nblocks * t / threads, nblocks * (t + 1) / threads};
+        parts[t] = (struct part){job, job->nblocks * t / threads, job->nblocks * (t + 1) / threads};
         if (t > 0)
             started[t] = pthread_create(&ids[t], NULL, run_part, &parts[t]) == 0;
     }
@@ -155,5 +174,27 @@ int64_t tierd_load_verified(const struct xxh3 *h, int64_t nblocks, const uint64_
         if (started[t]) pthread_join(ids[t], NULL);
         else run_part(&parts[t]);  /* no thread: do its share here */
     }
+}
+
+int64_t tierd_load_verified(const struct xxh3 *h, int64_t nblocks, const uint64_t *slot,
+                            const int64_t *block, const uint64_t *want, uint64_t base,
+                            int64_t layers, int64_t heads, int64_t tokens, int64_t row,
+                            int64_t s_layer, int64_t s_block, int64_t s_head, int64_t s_token,
+                            int threads) {
+    struct load job = {h, nblocks, slot, block, want, base, layers, heads, tokens, row,
+                       s_layer, s_block, s_head, s_token, nblocks,
+                       nblocks * layers * heads * tokens * row >= STREAM_MIN};
+    if (nblocks <= 0) return 0;
+    run(&job, threads);
     return job.first_bad;
+}
+
+void tierd_store_rows(int64_t nblocks, const uint64_t *slot, const int64_t *block, uint64_t base,
+                      int64_t layers, int64_t heads, int64_t tokens, int64_t row,
+                      int64_t s_layer, int64_t s_block, int64_t s_head, int64_t s_token,
+                      int threads) {
+    struct load job = {NULL, nblocks, slot, block, NULL, base, layers, heads, tokens, row,
+                       s_layer, s_block, s_head, s_token, nblocks,
+                       nblocks * layers * heads * tokens * row >= STREAM_MIN};
+    if (nblocks > 0) run(&job, threads);
 }

@@ -1,4 +1,6 @@
-"""A DRAM load in one pass: each slot is checked (xxh3-64) piece by piece as it is copied.
+"""A DRAM load in one pass: each slot is checked (xxh3-64) piece by piece as it is copied; and
+the copy of a store (``store_rows``: engine blocks into slots, the same threads and
+non-temporal stores, no hash: the daemon checksums what is committed).
 
 A load must verify every block where it lies in the arena (docs/connector.md, "Integrity").
 Verifying every slot and then copying the verified ones reads the arena twice; on these hosts
@@ -101,18 +103,28 @@ class _Xxh3(ctypes.Structure):
 
 @dataclass(frozen=True)
 class _Native:
-    """The compiled ``tierd_load_verified`` and the hash API it calls."""
+    """The compiled ``tierd_load_verified`` and ``tierd_store_rows``, and the hash API."""
 
     fn: Callable[..., int]
+    store_fn: Callable[..., None]
     api: _Xxh3
 
     def __call__(self, rows: BlockRows, addresses: Sequence[int], block_ids: Sequence[int],
                  checksums: Sequence[int], threads: int) -> int:
         n = len(addresses)
         return int(self.fn(ctypes.byref(self.api), n, (_U64 * n)(*addresses),
-                           (_I64 * n)(*block_ids), (_U64 * n)(*checksums), rows.base,
-                           rows.layers, rows.heads, rows.tokens, rows.row, rows.s_layer,
-                           rows.s_block, rows.s_head, rows.s_token, threads))
+                           (_I64 * n)(*block_ids), (_U64 * n)(*checksums), *_grid(rows),
+                           threads))
+
+    def store(self, rows: BlockRows, addresses: Sequence[int], block_ids: Sequence[int],
+              threads: int) -> None:
+        n = len(addresses)
+        self.store_fn(n, (_U64 * n)(*addresses), (_I64 * n)(*block_ids), *_grid(rows), threads)
+
+
+def _grid(rows: BlockRows) -> tuple[int, ...]:
+    return (rows.base, rows.layers, rows.heads, rows.tokens, rows.row, rows.s_layer,
+            rows.s_block, rows.s_head, rows.s_token)
 
 
 _lock = threading.Lock()
@@ -140,7 +152,10 @@ def _load() -> _Native | None:
     fn = lib.tierd_load_verified
     fn.restype = _I64
     fn.argtypes = [ctypes.POINTER(_Xxh3), _I64, _PTR, _PTR, _PTR, _U64, *[_I64] * 8, ctypes.c_int]
-    native = _Native(fn, api)
+    store = lib.tierd_store_rows
+    store.restype = None
+    store.argtypes = [_I64, _PTR, _PTR, _U64, *[_I64] * 8, ctypes.c_int]
+    native = _Native(fn, store, api)
     if not _self_test(native):
         _log.warning("tierd: %s disagrees with block_checksum; DRAM loads take the Python path",
                      _SOURCE.name)
@@ -150,7 +165,8 @@ def _load() -> _Native | None:
 
 def _self_test(native: _Native) -> bool:
     """Three blocks of 3 strided rows of 40,000 bytes, then again with the middle one's checksum
-    wrong: all three verify and land, then only the first counts."""
+    wrong: all three verify and land, then only the first counts; and stored back into fresh
+    slots, in another order, they come out equal."""
     src = torch.randint(0, 256, (3, 120_000), dtype=torch.uint8)
     dst = torch.zeros(3, 3, 40_000, dtype=torch.uint8)
     sums = [block_checksum(src[i].numpy().tobytes()) for i in range(3)]
@@ -159,7 +175,10 @@ def _self_test(native: _Native) -> bool:
     good = native(rows, addresses, [0, 1, 2], sums, 1)
     landed = torch.equal(dst.reshape(3, -1), src)
     bad = native(rows, addresses, [0, 1, 2], [sums[0], sums[1] ^ 1, sums[2]], 2)
-    return good == 3 and landed and bad == 1
+    back = torch.zeros_like(src)
+    native.store(rows, [back[i].data_ptr() for i in range(3)], [2, 0, 1], 2)
+    stored = torch.equal(back, dst.reshape(3, -1)[[2, 0, 1]])
+    return good == 3 and landed and bad == 1 and stored
 
 
 def available() -> bool:
@@ -184,3 +203,23 @@ def load_verified(rows: BlockRows, slot_addresses: Sequence[int], block_ids: Seq
         return 0
     count = torch.get_num_threads() if threads is None else threads
     return native(rows, slot_addresses, block_ids, checksums, max(1, count))
+
+
+def store_rows(rows: BlockRows, slot_addresses: Sequence[int], block_ids: Sequence[int], *,
+               threads: int | None = None) -> bool:
+    """Copy engine block ``block_ids[i]`` of ``rows`` into the slot at ``slot_addresses[i]``
+    (``rows.block_bytes`` each, its rows back to back); False (nothing copied) when the native
+    helper is unavailable. The caller holds the slots (a reservation) and has checked their
+    ids. ``threads`` defaults to ``torch.get_num_threads()``. Blocks until done; releases the
+    GIL."""
+    if len(slot_addresses) != len(block_ids):
+        raise ValueError("need one engine block per slot")
+    if block_ids and (min(block_ids) < 0 or max(block_ids) >= rows.num_blocks):
+        raise ValueError(f"engine block ids must lie in [0, {rows.num_blocks})")
+    native = _library()
+    if native is None:
+        return False
+    if slot_addresses:
+        count = torch.get_num_threads() if threads is None else threads
+        native.store(rows, slot_addresses, block_ids, max(1, count))
+    return True

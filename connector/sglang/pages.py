@@ -25,7 +25,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from tierd.connector.native.verified_copy import BlockRows
+from tierd.connector.native.verified_copy import BlockRows, store_rows
 from tierd.daemon.layout import Layout
 from tierd.gpu.layout import DTYPE_NAMES
 
@@ -76,9 +76,14 @@ class PageFormat:
         return [f // self.page_size for f in firsts]
 
     def store(self, pages: Sequence[int], slot_addresses: Sequence[int | None]) -> list[bool]:
-        """Copy page ``pages[i]`` into the slot at ``slot_addresses[i]`` (None: skip): one
-        strided torch copy per page (the page's runs back to back in the slot). Returns the
-        ``written`` flags of the Commit; the daemon checksums the slots itself."""
+        """Copy page ``pages[i]`` into the slot at ``slot_addresses[i]`` (None: skip), the
+        page's runs back to back: ``verified_copy.store_rows`` (all threads, one call), or one
+        strided torch copy per page without the native helper. Returns the ``written`` flags
+        of the Commit; the daemon checksums the slots itself."""
+        written = [a is not None for a in slot_addresses]
+        chosen = [(p, a) for p, a in zip(pages, slot_addresses) if a is not None]
+        if store_rows(self.rows, [a for _, a in chosen], [p for p, _ in chosen]):
+            return written
         r = self.rows
         host = torch.from_numpy(self.host)
         offset = r.base - self.host.ctypes.data
@@ -89,7 +94,7 @@ class PageFormat:
                 continue
             source = host.as_strided(shape, strides, offset + page * r.s_block)
             torch.from_numpy(bytes_at(address, self.page_bytes)).view(shape).copy_(source)
-        return [a is not None for a in slot_addresses]
+        return written
 
     def copy_in(self, pages: Sequence[int], slot_addresses: Sequence[int]) -> None:
         """Copy slots into host pages, unverified (the caller verified the slots first; the

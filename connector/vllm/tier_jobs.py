@@ -3,11 +3,11 @@
 ``JobPool``: a few threads running tasks, lookups' probes first, then loads (a request waits on
 them), then stores; ``drain`` and ``stop`` wait a bounded time. The copies move chunk rows
 between vLLM's primary region (``PrimaryRows``) and arena slots, one copy each way: a store
-(``store_rows``) is one strided torch copy per run of rows going to adjacent slots (both
-cores, the GIL released); a load goes through ``core.load`` with ``PrimaryRows`` as its
-``Sink``: ``verified_copy``'s one pass (each slot hashed 16 KiB at a time and copied while in
-cache), or, without the native helper, a check of every slot where it lies and a copy of the
-verified ones.
+(``store_rows``) is ``verified_copy.store_rows`` (all threads, the GIL released; without the
+native helper one strided torch copy per run of rows going to adjacent slots); a load goes
+through ``core.load`` with ``PrimaryRows`` as its ``Sink``: ``verified_copy``'s one pass (each
+slot hashed 16 KiB at a time and copied while in cache), or, without the native helper, a
+check of every slot where it lies and a copy of the verified ones.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 
 from tierd.checksum import block_checksum
 from tierd.connector.native.verified_copy import BlockRows, load_verified
+from tierd.connector.native.verified_copy import store_rows as native_store
 from tierd.connector.transfer import ArenaSlots
 
 _log = logging.getLogger(__name__)
@@ -156,9 +157,16 @@ class PrimaryRows:
 def store_rows(primary: PrimaryRows, slots: ArenaSlots, chunk_ids: Sequence[int],
                slot_ids: Sequence[int | None]) -> list[bool]:
     """Copy chunk ``chunk_ids[i]`` into slot ``slot_ids[i]`` (None: skipped); which were
-    written. One ``copy_`` per run of consecutive chunks going to adjacent slots."""
+    written. ``verified_copy.store_rows`` (all threads, non-temporal stores, one call), or
+    without the native helper one ``copy_`` per run of consecutive chunks going to adjacent
+    slots."""
     size, offset = primary.slot_bytes, slots.geometry.offset
-    _check(slots, [s for s in slot_ids if s is not None])
+    chosen = [(c, s) for c, s in zip(chunk_ids, slot_ids) if s is not None]
+    _check(slots, [s for _, s in chosen])
+    base = slots.arena.data_ptr()
+    if native_store(primary.block_rows(), [base + offset(s) for _, s in chosen],
+                    [c for c, _ in chosen]):
+        return [s is not None for s in slot_ids]
     i = 0
     while i < len(slot_ids):
         slot = slot_ids[i]

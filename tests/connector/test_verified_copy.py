@@ -11,7 +11,7 @@ import torch
 
 from tierd.checksum import block_checksum
 from tierd.connector.native import build, verified_copy
-from tierd.connector.native.verified_copy import BlockRows, load_verified
+from tierd.connector.native.verified_copy import BlockRows, load_verified, store_rows
 
 needs_cc = pytest.mark.skipif(build.compiler() is None, reason="no C compiler on this machine")
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
@@ -123,13 +123,43 @@ def test_bad_arguments_are_refused_before_any_copy() -> None:
         BlockRows.of(kv[0])
 
 
+@needs_cc
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("order", LAYOUTS)
+def test_a_store_writes_each_block_in_canonical_order(order: str, threads: int) -> None:
+    """Blocks 6, 0 and 3 of each of vLLM's layouts stored into three slots: each slot holds
+    its block's rows back to back in (layer, head, token) order, as a load expects them."""
+    kv = _kv(order)
+    kv.copy_(torch.randint(0, 256, kv.shape, dtype=torch.uint8))
+    slots = torch.zeros(3, kv.shape[0] * kv.shape[2] * kv.shape[3] * kv.shape[4],
+                        dtype=torch.uint8)
+    assert store_rows(BlockRows.of(kv), [s.data_ptr() for s in slots], [6, 0, 3],
+                      threads=threads)
+    assert torch.equal(_as_blocks(slots, kv), kv[:, [6, 0, 3]])
+
+
+@needs_cc
+def test_a_large_store_is_exact_with_streaming_stores() -> None:
+    """Five pool rows of 2 MiB + 48 bytes (past the non-temporal threshold, a ragged tail)
+    stored into slots in another order: bit-exact; an out-of-range block id is refused."""
+    width = (2 << 20) + 48
+    pool = torch.randint(0, 256, (6, width), dtype=torch.uint8)
+    slots = torch.zeros(5, width + 16, dtype=torch.uint8)[:, :width]
+    assert store_rows(BlockRows.of(pool), [s.data_ptr() for s in slots], [5, 0, 1, 2, 3])
+    assert torch.equal(slots, pool[[5, 0, 1, 2, 3]])
+    with pytest.raises(ValueError, match="block ids"):
+        store_rows(BlockRows.of(pool), [slots[0].data_ptr()], [6])
+
+
 def test_without_the_helper_nothing_is_copied(monkeypatch: pytest.MonkeyPatch) -> None:
     """No native helper (no compiler, TIERD_NATIVE=0): None, and the engine's KV untouched."""
     monkeypatch.setattr(verified_copy, "_loaded", [None])
     kv = _kv("LBHNC")
     slots, sums = _slots(2, kv, seed=3)
+    before = slots.clone()
     assert load_verified(BlockRows.of(kv), [s.data_ptr() for s in slots], [0, 1], sums) is None
-    assert int(kv.sum()) == 0
+    assert not store_rows(BlockRows.of(kv), [s.data_ptr() for s in slots], [0, 1])
+    assert int(kv.sum()) == 0 and torch.equal(slots, before)
 
 
 def test_disabled_or_uncompilable_helpers_fall_back_with_a_warning(

@@ -8,9 +8,10 @@ backend (``STORAGE_BATCH_SIZE`` = 128 pages). Interleaved repetitions of:
 
 1. memcpy: the batch's bytes copied between two page ranges of the same host pool, the faster
    of a torch copy (all threads) and a plain memcpy (the limit);
-2. set: tierd ``batch_set_v1`` (Reserve, copy, checksums, Commit) beside the `file` backend's
-   ``batch_set`` of SGLang's flat pages (what SGLang's controller calls for it: one file per
-   page, written and renamed);
+2. set: tierd ``batch_set_v1`` (Reserve, copy, the Commit sent: what SGLang's backup thread
+   waits for) beside the `file` backend's ``batch_set`` of SGLang's flat pages (what SGLang's
+   controller calls for it: one file per page, written and renamed); and, no target, tierd's
+   set until the Commit landed (the daemon checksummed the pages: other engines see them);
 3. get from DRAM / the page cache: ``batch_exists`` + tierd ``batch_get_v1`` (Lookup, Acquire,
    verify while copying into the host pages, Release) beside `file`'s ``batch_exists`` +
    ``batch_get`` + ``set_from_flat_data_page`` (SGLang's non-v1 path) of pages still in the page
@@ -235,7 +236,7 @@ def _measure(args: argparse.Namespace, shape: tuple[int, int, int], socks: str,
     dram, ssd = _Tierd(host, os.path.join(socks, "dram.sock")), _Tierd(
         host, os.path.join(socks, "ssd.sock"))
     files = _File(host, os.path.join(workdir, "file"))
-    rows = ("memcpy", "tierd_set", "file_set", "tierd_get", "file_get", "tierd_ssd_get",
+    rows = ("memcpy", "tierd_set", "tierd_visible", "file_set", "tierd_get", "file_get", "tierd_ssd_get",
             "file_cold_get", "raw_read")
     out: dict[str, list[float]] = {k: [] for k in rows}
 
@@ -258,6 +259,7 @@ def _measure(args: argparse.Namespace, shape: tuple[int, int, int], socks: str,
                                 for t in (True, False))
         keys = [os.urandom(32).hex() for _ in range(pages)]
         figures["tierd_set"], ok = timed(dram.set, keys, src)
+        figures["tierd_visible"] = figures["tierd_set"] + timed(dram.storage.flush)[0]
         assert ok, "tierd did not store every page"
         _clear(host, dst)
         figures["tierd_get"], got = timed(dram.get, keys, dst)
@@ -344,7 +346,8 @@ def _report(f: dict[str, Any], as_json: bool) -> int:
     print(f"SGLang {f['sglang']} host pool {f['layout']}, {f['model']}, {f['pages']} pages of "
           f"{f['page_size']} tokens = {mib:.0f} MiB per batch; medians (ranges)")
     print(line("memcpy of the same bytes", "memcpy"))
-    print(line("tierd set (reserve, copy, commit)", "tierd_set"))
+    print(line("tierd set (reserve, copy, commit sent)", "tierd_set"))
+    print(line("  ... until visible (commit landed)", "tierd_visible"))
     print(line("file set (one file per page)", "file_set"))
     print(line("tierd get from DRAM (exists, get)", "tierd_get"))
     print(line("file get from the page cache", "file_get"))
