@@ -8,7 +8,7 @@ yet be a genuine ``KVConnectorBase_V1`` subclass inside vLLM. So this module exp
 * when vLLM imports, they *are* vLLM's classes (``tests/vllm/`` runs the adapter that way);
 * otherwise they are the small stand-ins below, with vLLM 0.33's constructor signature, role
   enum values and method names, so the adapter imports and its logic runs in the main suite
-  (``tests/connector/test_vllm_adapter.py``, beside the real tests, never instead of them).
+  (``tests/connector/vllm/``, beside the real tests, never instead of them).
   ``HAVE_VLLM`` says which.
 
 Type checkers always see the stand-ins (vLLM is not installed where mypy runs).

@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from typing import Any
 
 import pytest
 import torch
 
+from tierd.bench.tierd_serve import TierdServe
 from tierd.connector.engine import EngineConfig, LLMEngine, Request
 from tierd.connector.model import LlamaModel, model_identity
 from tierd.connector.tierd_hooks import TierdHooks, TierdHooksConfig, layout_for
@@ -125,16 +125,13 @@ def test_tenants_never_share_a_prefix(tiny_model: LlamaModel, make_daemon: Any,
 # -- a real `tierd serve` process -------------------------------------------------------------
 
 def serve(workdir: str) -> subprocess.Popen[bytes]:
-    """`tierd serve` whose maintain pass (every 50 ms) demotes every committed block to SSD."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "tierd.commands.serve",
-         "--socket-path", os.path.join(workdir, "tierd.sock"), "--dram-bytes", "16MiB",
-         "--slab-bytes", "256KiB", "--arena-directory", workdir, "--no-prefault",
-         "--ssd-dir", os.path.join(workdir, "ssd"), "--ssd-bytes", "4MiB",
-         "--dram-high-watermark", "1e-9", "--dram-low-watermark", "1e-9",
-         "--maintain-seconds", "0.05", "--log-level", "WARNING"],
-        env={**os.environ, "TIERD_CONFIG": ""}, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
+    """`tierd serve` whose maintain pass (every 50 ms) demotes every committed block to SSD,
+    answering on ``workdir/tierd.sock``."""
+    return TierdServe(workdir, [
+        "--dram-bytes", "16MiB", "--slab-bytes", "256KiB", "--arena-directory", workdir,
+        "--no-prefault", "--ssd-dir", os.path.join(workdir, "ssd"), "--ssd-bytes", "4MiB",
+        "--dram-high-watermark", "1e-9", "--dram-low-watermark", "1e-9",
+        "--maintain-seconds", "0.05"]).start()
 
 
 def wait_until(predicate: Any, what: str) -> None:

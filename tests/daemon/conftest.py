@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from tierd.bench.tierd_serve import TierdServe
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import EngineHandle, TierdClient
 from tierd.daemon.config import TierdConfig
@@ -168,28 +169,16 @@ def kit() -> type[Kit]:
 def serve(processes: list[subprocess.Popen[bytes]]) -> Callable[..., tuple[Any, TierdClient]]:
     """Factory ``serve(workdir, *flags)``: a real `tierd serve` child on ``workdir/tierd.sock``
     with a 16 MiB arena of 64 KiB slabs (no pre-fault) and its SSD tier in ``workdir/ssd``,
-    ``flags`` added (the SSD size among them), logging to a file; waits until it answers and
-    returns (the process, a client). The process is killed at teardown if still running."""
+    ``flags`` added (the SSD size among them), started by ``tierd.bench.tierd_serve``; waits
+    until it answers and returns (the process, a client). The process is killed at teardown if
+    still running."""
 
     def start(workdir: str, *flags: str) -> tuple[Any, TierdClient]:
-        log_path = os.path.join(workdir, f"serve-{len(processes)}.log")
-        with open(log_path, "wb") as log:  # a file, not a pipe nobody drains
-            process = subprocess.Popen(
-                [sys.executable, "-m", "tierd.commands.serve",
-                 "--socket-path", os.path.join(workdir, "tierd.sock"), "--dram-bytes", "16MiB",
-                 "--slab-bytes", "64KiB", "--no-prefault", "--ssd-dir",
-                 os.path.join(workdir, "ssd"), "--log-level", "WARNING", *flags],
-                env={**os.environ, "TIERD_CONFIG": ""}, stdout=subprocess.DEVNULL, stderr=log)
-        processes.append(process)
-        client = TierdClient(socket_path=os.path.join(workdir, "tierd.sock"), timeout=10.0)
-        try:
-            client.wait_ready(timeout=60)
-        except Exception:
-            process.kill()
-            process.wait()
-            with open(log_path, "rb") as log:
-                raise AssertionError(f"tierd serve did not come up: {log.read()!r}")
-        return process, client
+        daemon = TierdServe(workdir, ["--dram-bytes", "16MiB", "--slab-bytes", "64KiB",
+                                      "--no-prefault", "--ssd-dir", os.path.join(workdir, "ssd"),
+                                      *flags])
+        processes.append(daemon.start())
+        return processes[-1], daemon.client()
 
     return start
 

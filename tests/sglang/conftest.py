@@ -14,8 +14,10 @@ import pytest
 pytest.importorskip("sglang", reason="needs real SGLang: run `make test-sglang`")
 sys.path.insert(0, os.path.dirname(__file__))
 
-from harness import Daemon  # noqa: E402
+from harness import daemon_in  # noqa: E402
 from tiny_model import model_dir_in  # noqa: E402
+
+from tierd.bench.tierd_serve import TierdServe  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -27,10 +29,10 @@ def models() -> Iterator[tuple[str, str]]:
 
 
 @pytest.fixture
-def daemon() -> Iterator[Daemon]:
+def daemon() -> Iterator[TierdServe]:
     """A running daemon (32 MiB DRAM, 64 MiB SSD); stopped and removed after the test."""
     workdir = tempfile.mkdtemp(prefix="tierd-s")
-    running = Daemon(workdir)
+    running = daemon_in(workdir)
     running.start()
     yield running
     running.stop()

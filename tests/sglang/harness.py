@@ -1,7 +1,7 @@
 """Real SGLang 0.5.23 HiCache around tierd's storage backend: SGLang's own ``HiCacheController``
 (its backup, prefetch-query, prefetch-I/O and sync threads) over a real host pool
 (``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost``) on CPU, a world-size-1 gloo group, and a
-real `tierd serve` on a temporary socket.
+real `tierd serve` on a temporary socket (``daemon_in``).
 
 The one stand-in is SGLang's *device* pool (it needs CUDA): the controller reads only its
 device, layer count and layer counter, and its type (MLA or not). The scheduler's part of a
@@ -13,8 +13,6 @@ Run by `make test-sglang` (the SGLang venv); the main suite skips these modules.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -39,7 +37,7 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E40
 from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
-from tierd.daemon.client import TierdClient  # noqa: E402
+from tierd.bench.tierd_serve import TierdServe  # noqa: E402
 
 PAGE = 16
 LAYERS = 3
@@ -204,56 +202,15 @@ class Engine:
         self.controller.detach_storage_backend()
 
 
-class Daemon:
-    """A real `tierd serve` on a Unix socket in ``workdir``. ``restart`` stops it (SIGTERM: the
-    stop flush writes DRAM blocks to SSD) and starts it again on the same SSD directory. No
-    write-behind: a block stays in DRAM only until the stop, so what a test reads is where the
-    test put it (a write-behind pass racing a corrupted slot made the drop check flaky)."""
-
-    def __init__(self, workdir: str, dram_bytes: int = 32 << 20) -> None:
-        self.workdir, self.dram_bytes = workdir, dram_bytes
-        self.socket_path = os.path.join(workdir, "tierd.sock")
-        self.process: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-
-    def start(self) -> None:
-        self.starts += 1
-        log_path = os.path.join(self.workdir, f"serve-{self.starts}.log")
-        with open(log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "tierd.commands.serve", "--socket-path",
-                 self.socket_path, "--dram-bytes", str(self.dram_bytes), "--slab-bytes",
-                 "64KiB", "--no-prefault", "--ssd-dir", os.path.join(self.workdir, "ssd"),
-                 "--ssd-bytes", "64MiB", "--write-behind-seconds", "0", "--log-level",
-                 "WARNING"],
-                env={**os.environ, "TIERD_CONFIG": ""}, stdout=subprocess.DEVNULL, stderr=log)
-        with TierdClient(socket_path=self.socket_path, timeout=10.0) as client:
-            try:
-                client.wait_ready(timeout=60)
-            except Exception:
-                self.stop(kill=True)
-                with open(log_path, "rb") as f:
-                    raise AssertionError(f"tierd serve did not come up: {f.read()!r}")
-
-    def stop(self, kill: bool = False) -> None:
-        if self.process is not None and self.process.poll() is None:
-            if kill:
-                self.process.kill()
-            else:
-                self.process.terminate()
-            self.process.wait(timeout=60)
-        self.process = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def client(self) -> TierdClient:
-        return TierdClient(socket_path=self.socket_path, timeout=10.0)
-
-    def pinned_blocks(self) -> int:
-        with self.client() as client:
-            return sum(t.pinned_blocks for t in client.stats().tiers)
+def daemon_in(workdir: str) -> TierdServe:
+    """A real `tierd serve` on a Unix socket in ``workdir`` (not started), 32 MiB of DRAM, its
+    SSD tier in ``workdir/ssd``: ``restart`` stops it (SIGTERM: the stop flush writes DRAM
+    blocks to SSD) and starts it again on the same SSD directory. No write-behind: a block stays
+    in DRAM only until the stop, so what a test reads is where the test put it (a write-behind
+    pass racing a corrupted slot made the drop check flaky)."""
+    return TierdServe(workdir, ["--dram-bytes", "32MiB", "--slab-bytes", "64KiB",
+                                "--no-prefault", "--ssd-dir", os.path.join(workdir, "ssd"),
+                                "--ssd-bytes", "64MiB", "--write-behind-seconds", "0"])
 
 
 def wait_until(predicate: Any, seconds: float = 30.0) -> None:

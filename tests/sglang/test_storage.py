@@ -11,10 +11,11 @@ import pytest
 pytest.importorskip("sglang", reason="needs real SGLang: run `make test-sglang`")
 
 import torch  # noqa: E402
-from harness import PAGE, Daemon, Engine, tierd_extra, wait_until  # noqa: E402
+from harness import PAGE, Engine, tierd_extra, wait_until  # noqa: E402
 from harness import host_pool as harness_host  # noqa: E402
 from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
 
+from tierd.bench.tierd_serve import TierdServe  # noqa: E402
 from tierd.daemon.layout import Layout  # noqa: E402
 from tierd.types import BlockHash  # noqa: E402
 
@@ -33,7 +34,7 @@ def backed_up(engine: Engine, tokens: list[int], seed: int) -> list[bytes]:
 
 
 @pytest.mark.parametrize("layout", MHA_LAYOUTS)
-def test_backup_then_prefetch_byte_exact(daemon: Daemon, models: tuple[str, str],
+def test_backup_then_prefetch_byte_exact(daemon: TierdServe, models: tuple[str, str],
                                          layout: str) -> None:
     """Engine A backs 8 pages up; engine B (same model, fresh host pool) prefetches all 8 from
     tierd, byte for byte; no lease is left pinned."""
@@ -51,7 +52,7 @@ def test_backup_then_prefetch_byte_exact(daemon: Daemon, models: tuple[str, str]
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
-def test_mla_one_copy_for_all_ranks(daemon: Daemon, models: tuple[str, str],
+def test_mla_one_copy_for_all_ranks(daemon: TierdServe, models: tuple[str, str],
                                     layout: str) -> None:
     """MLA: rank 1 (not a writer) stores nothing; rank 0 stores one copy; a rank-1 engine of
     another TP group loads it byte-exact (the latent row is the same on every rank)."""
@@ -73,7 +74,7 @@ def test_mla_one_copy_for_all_ranks(daemon: Daemon, models: tuple[str, str],
             e.close()
 
 
-def test_other_weights_of_one_shape_get_nothing(daemon: Daemon,
+def test_other_weights_of_one_shape_get_nothing(daemon: TierdServe,
                                                 models: tuple[str, str]) -> None:
     """A model with the same config and other weights finds none of the base model's pages;
     the base model's second engine finds all of them."""
@@ -91,7 +92,7 @@ def test_other_weights_of_one_shape_get_nothing(daemon: Daemon,
             e.close()
 
 
-def test_daemon_restart_serves_from_ssd(daemon: Daemon, models: tuple[str, str]) -> None:
+def test_daemon_restart_serves_from_ssd(daemon: TierdServe, models: tuple[str, str]) -> None:
     """The daemon is stopped and started again on its SSD directory: the pages are on SSD
     only, and a fresh engine prefetches them byte-exact (the Acquire stages them into DRAM)."""
     extra = tierd_extra(daemon.socket_path, models[0])
@@ -118,7 +119,7 @@ def test_daemon_restart_serves_from_ssd(daemon: Daemon, models: tuple[str, str])
         b.close()
 
 
-def test_daemon_down_is_a_miss_then_it_comes_back(daemon: Daemon,
+def test_daemon_down_is_a_miss_then_it_comes_back(daemon: TierdServe,
                                                   models: tuple[str, str]) -> None:
     """With the daemon down, backups store nothing and prefetches find nothing, without an
     exception in SGLang's threads; once it is back the same engine stores and loads again."""
@@ -145,7 +146,7 @@ def test_daemon_down_is_a_miss_then_it_comes_back(daemon: Daemon,
         a.close()
 
 
-def test_concurrent_engines(daemon: Daemon, models: tuple[str, str]) -> None:
+def test_concurrent_engines(daemon: TierdServe, models: tuple[str, str]) -> None:
     """Four engines back up and prefetch their own prompts (a shared first half) at once from
     four threads: every prefetch is byte-exact, nothing stays pinned."""
     extra = tierd_extra(daemon.socket_path, models[0])
@@ -181,7 +182,7 @@ def test_concurrent_engines(daemon: Daemon, models: tuple[str, str]) -> None:
             e.close()
 
 
-def test_vllm_and_sglang_engines_share_one_daemon(daemon: Daemon,
+def test_vllm_and_sglang_engines_share_one_daemon(daemon: TierdServe,
                                                   models: tuple[str, str]) -> None:
     """A vLLM-format engine (kv_format vllm-hnc-v1) stores blocks under the same hashes, model
     id and shape: SGLang gets none of them, its own pages still load, and the daemon lists
@@ -211,7 +212,7 @@ def test_vllm_and_sglang_engines_share_one_daemon(daemon: Daemon,
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_legacy_and_v1_engines_share_pages(daemon: Daemon, models: tuple[str, str],
+def test_legacy_and_v1_engines_share_pages(daemon: TierdServe, models: tuple[str, str],
                                            layout: str) -> None:
     """An engine without ``interface_v1`` (SGLang's flat pages) backs up; a v1 engine loads
     the same bytes, and the other way round."""
@@ -233,7 +234,7 @@ def test_legacy_and_v1_engines_share_pages(daemon: Daemon, models: tuple[str, st
         new.close()
 
 
-def test_corrupt_slot_is_a_miss_and_dropped(daemon: Daemon, models: tuple[str, str]) -> None:
+def test_corrupt_slot_is_a_miss_and_dropped(daemon: TierdServe, models: tuple[str, str]) -> None:
     """A byte of a stored page is flipped in the arena: the load stops at that page (SGLang
     gets the pages before it), the daemon drops the page, and the lease is released."""
     extra = tierd_extra(daemon.socket_path, models[0])
@@ -259,7 +260,7 @@ def test_corrupt_slot_is_a_miss_and_dropped(daemon: Daemon, models: tuple[str, s
         b.close()
 
 
-def test_refusals_name_the_fix(daemon: Daemon, models: tuple[str, str]) -> None:
+def test_refusals_name_the_fix(daemon: TierdServe, models: tuple[str, str]) -> None:
     """SGLang's attach fails with tierd's reason for a page size under 16, and for a hybrid
     model's extra host pool."""
     extra = tierd_extra(daemon.socket_path, models[0])
@@ -293,7 +294,7 @@ def test_file_backend_runs_in_the_same_harness(tmp_path: object,
 
 
 
-def test_failed_store_aborts_its_reservation(daemon: Daemon, models: tuple[str, str]) -> None:
+def test_failed_store_aborts_its_reservation(daemon: TierdServe, models: tuple[str, str]) -> None:
     """A store whose copy fails after its Reserve aborts the reservation (the error reaches
     the caller): the same pages are then stored in full by the next backup."""
     extra = tierd_extra(daemon.socket_path, models[0])
@@ -315,7 +316,7 @@ def test_failed_store_aborts_its_reservation(daemon: Daemon, models: tuple[str, 
         a.close()
 
 
-def test_failed_commit_stores_nothing_and_raises_nothing(daemon: Daemon,
+def test_failed_commit_stores_nothing_and_raises_nothing(daemon: TierdServe,
                                                         models: tuple[str, str]) -> None:
     """The daemon dies between the copy and the Commit (sent without waiting): SGLang's call
     still returns, the failure is settled on the next call (the link drops), nothing is
@@ -344,7 +345,7 @@ def test_failed_commit_stores_nothing_and_raises_nothing(daemon: Daemon,
         a.close()
 
 
-def test_failed_load_releases_its_lease(daemon: Daemon, models: tuple[str, str]) -> None:
+def test_failed_load_releases_its_lease(daemon: TierdServe, models: tuple[str, str]) -> None:
     """A load whose copy fails after its Acquire releases the lease (the error reaches the
     caller): nothing stays pinned, and the pages still load afterwards."""
     extra = tierd_extra(daemon.socket_path, models[0])
@@ -370,7 +371,7 @@ def test_failed_load_releases_its_lease(daemon: Daemon, models: tuple[str, str])
         b.close()
 
 
-def test_tp_ranks_keep_their_own_shards(daemon: Daemon, models: tuple[str, str]) -> None:
+def test_tp_ranks_keep_their_own_shards(daemon: TierdServe, models: tuple[str, str]) -> None:
     """MHA with TP 2: rank 0's pages are not served to rank 1 (other heads under the same
     keys); rank 0 of another engine gets them."""
     extra = tierd_extra(daemon.socket_path, models[0])
@@ -389,7 +390,7 @@ def test_tp_ranks_keep_their_own_shards(daemon: Daemon, models: tuple[str, str])
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
-def test_python_copies_without_the_native_helpers(daemon: Daemon, models: tuple[str, str],
+def test_python_copies_without_the_native_helpers(daemon: TierdServe, models: tuple[str, str],
                                                   layout: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the C helper is unavailable (no compiler, TIERD_NATIVE=0) the load verifies, then
@@ -408,7 +409,7 @@ def test_python_copies_without_the_native_helpers(daemon: Daemon, models: tuple[
         b.close()
 
 
-def test_model_id_from_sglangs_model_name(daemon: Daemon, models: tuple[str, str]) -> None:
+def test_model_id_from_sglangs_model_name(daemon: TierdServe, models: tuple[str, str]) -> None:
     """Without "model_path", the id is derived from the model path SGLang passes its storage
     backends (``model_name``): the same id, and the same pages."""
     with_path = Engine(tierd_extra(daemon.socket_path, models[0]))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,7 +51,7 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
-from tierd.daemon.client import TierdClient  # noqa: E402
+from tierd.bench.tierd_serve import TierdServe  # noqa: E402
 
 EOS = 999
 BLOCK = 16
@@ -342,67 +341,21 @@ class Engine:
         return {r.request_id: self.tokens.get(r.request_id, []) for r in requests}
 
 
-class Daemon:
-    """A real `tierd serve` on a Unix socket in a temporary directory; ``restart`` kills it
-    (SIGKILL) and starts a fresh one on the same socket with an empty SSD directory."""
+class Daemon(TierdServe):
+    """A real `tierd serve` on a Unix socket in ``workdir``, with an empty SSD directory
+    ``ssd-N`` at its N-th start (none without ``ssd``); ``demote_all`` moves every committed
+    block to SSD at once. ``restart(kill=True)`` kills it (SIGKILL) and starts a fresh one on
+    the same socket."""
 
     def __init__(self, workdir: str, ssd: bool = True, demote_all: bool = False,
                  dram_bytes: int = 32 << 20) -> None:
-        self.workdir, self.ssd, self.demote_all = workdir, ssd, demote_all
-        self.dram_bytes = dram_bytes
-        self.socket_path = os.path.join(workdir, "tierd.sock")
-        self.process: subprocess.Popen[bytes] | None = None
-        self.generation = 0
+        super().__init__(workdir, [
+            "--dram-bytes", str(dram_bytes), "--slab-bytes", "64KiB", "--no-prefault",
+            "--ssd-bytes", "8MiB",
+            *(["--dram-high-watermark", "1e-9", "--dram-low-watermark", "1e-9",
+               "--maintain-seconds", "0.05"] if demote_all else [])])
+        self.ssd, self.dram_bytes = ssd, dram_bytes
 
-    def start(self) -> None:
-        self.generation += 1
-        ssd = os.path.join(self.workdir, f"ssd-{self.generation}")
-        log_path = os.path.join(self.workdir, f"serve-{self.generation}.log")
-        with open(log_path, "wb") as log:  # a file, not a pipe nobody drains
-            self.process = self._spawn(ssd, log)
-        client = TierdClient(socket_path=self.socket_path, timeout=10.0)
-        try:
-            client.wait_ready(timeout=60)
-        except Exception:
-            self.process.kill()
-            self.process.wait()
-            with open(log_path, "rb") as log:
-                raise AssertionError(f"tierd serve did not come up: {log.read()!r}")
-        finally:
-            client.close()
-
-    def _spawn(self, ssd: str, log: Any) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            [sys.executable, "-m", "tierd.commands.serve", "--socket-path", self.socket_path,
-             "--dram-bytes", str(self.dram_bytes), "--slab-bytes", "64KiB", "--no-prefault",
-             "--ssd-dir", ssd if self.ssd else "", "--ssd-bytes", "8MiB",
-             "--log-level", "WARNING",
-             *(["--dram-high-watermark", "1e-9", "--dram-low-watermark", "1e-9",
-                "--maintain-seconds", "0.05"] if self.demote_all else [])],
-            env={**os.environ, "TIERD_CONFIG": ""}, stdout=subprocess.DEVNULL, stderr=log)
-
-    def stop(self, kill: bool = False) -> None:
-        """SIGTERM (the daemon removes its arena) and wait; SIGKILL with ``kill`` or if it does
-        not exit in 30 s (the next daemon's start removes a killed one's arena)."""
-        if self.process is not None and self.process.poll() is None:
-            if not kill:
-                self.process.terminate()
-                try:
-                    self.process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    pass
-            if self.process.poll() is None:
-                self.process.kill()
-                self.process.wait()
-        self.process = None
-
-    def restart(self) -> None:
-        self.stop(kill=True)
-        self.start()
-
-    def client(self) -> TierdClient:
-        return TierdClient(socket_path=self.socket_path, timeout=10.0)
-
-    def pinned_blocks(self) -> int:
-        with self.client() as client:
-            return sum(t.pinned_blocks for t in client.stats().tiers)
+    def start(self, *flags: str, timeout: float = 60.0) -> subprocess.Popen[bytes]:
+        ssd = os.path.join(self.workdir, f"ssd-{self.starts + 1}") if self.ssd else ""
+        return super().start("--ssd-dir", ssd, *flags, timeout=timeout)

@@ -53,7 +53,7 @@ def restart_before_first_load(engine: Engine, daemon: Daemon) -> list[bool]:
     def restart(engine: Engine, out: object) -> None:
         if not restarted and out.kv_connector_metadata.loads:  # type: ignore[attr-defined]
             restarted.append(True)
-            daemon.restart()
+            daemon.restart(kill=True)
 
     engine.between = restart
     return restarted
@@ -477,7 +477,7 @@ def flip_on_disk(daemon: Daemon, block_hash: bytes) -> None:
 
     from tierd.daemon.ssd.record import HEADER_BYTES, RecordHeader
 
-    for path in Path(daemon.workdir, f"ssd-{daemon.generation}").rglob("*"):
+    for path in Path(daemon.workdir, f"ssd-{daemon.starts}").rglob("*"):
         raw = bytearray(path.read_bytes()) if path.is_file() else bytearray()
         at = raw.find(block_hash)
         head = RecordHeader.unpack(raw[at - 52:at - 52 + HEADER_BYTES]) if at >= 52 else None

@@ -84,11 +84,11 @@ def test_restart_between_lookup_and_load(engines: list[TierEngine], daemon: Daem
     def restart_once() -> None:
         states = b.tier._lookups.states()
         if states and all(s.phase == "hit" for s in states) \
-                and daemon.generation == 1:
-            daemon.restart()
+                and daemon.starts == 1:
+            daemon.restart(kill=True)
 
     assert b.load(keys, between=restart_once) == data
-    assert daemon.generation == 2
+    assert daemon.starts == 2
     third = TierEngine(model_dir, daemon.socket_path)
     try:
         assert third.load(keys) == []

@@ -14,7 +14,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM's CPU build: run `make test-vllm-serve`")
 
-from tierd.bench.serve_stack import TierdServe, VllmServe  # noqa: E402
+from tierd.bench.serve_stack import VllmServe, stack_daemon  # noqa: E402
+from tierd.bench.tierd_serve import TierdServe  # noqa: E402
 from tierd.bench.tiny_llama import build  # noqa: E402
 
 MODEL_CACHE = os.environ.get("TIERD_TEST_MODELS",
@@ -41,8 +42,8 @@ def stack() -> Iterator[Stack]:
     workdir = tempfile.mkdtemp(prefix="tierd-vs-")
     first = build(MODEL_CACHE, "tiny-llama-v2-seed0", seed=0)
     second = build(MODEL_CACHE, "tiny-llama-v2-seed1", seed=1)
-    sock = os.path.join(workdir, "tierd.sock")
-    daemon = TierdServe(workdir, sock, os.path.join(workdir, "ssd"))
+    daemon = stack_daemon(workdir)
+    sock = daemon.socket_path
     servers = [VllmServe(sys.executable, workdir, model, "tiny", engine, sock)
                for model, engine in ((first, "a"), (first, "b"), (second, "c"))]
     servers.append(VllmServe(sys.executable, workdir, first, "tiny", "d", sock,

@@ -41,7 +41,7 @@ def connected(stack: Any, *servers: VllmServe) -> None:
 
 
 def no_pins(stack: Any) -> None:
-    wait_for("every pin released", lambda: stack.daemon.pinned() == 0, timeout=30)
+    wait_for("every pin released", lambda: stack.daemon.pinned_blocks() == 0, timeout=30)
 
 
 def test_serves_without_a_daemon_then_picks_it_up(stack: Any) -> None:

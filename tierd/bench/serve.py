@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("vllm") is None:
         raise ValueError("tierd bench serve needs vLLM's CPU build in this Python: run it with "
                          "`make bench-serve`")
-    from tierd.bench.serve_stack import TierdServe, VllmServe
+    from tierd.bench.serve_stack import VllmServe, stack_daemon
     from tierd.bench.tiny_llama import build, prompt
 
     if args.tokens < 64 or args.prompts < 1:
@@ -53,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
     workdir = tempfile.mkdtemp(prefix="tierd-bs-")
     model = build(os.path.expanduser("~/.cache/tierd/test-models"), "tiny-llama-v2-seed0",
                   seed=0)
-    sock = os.path.join(workdir, "tierd.sock")
-    daemon = TierdServe(workdir, sock, os.path.join(workdir, "ssd"))
+    daemon = stack_daemon(workdir)
+    sock = daemon.socket_path
     length = min(32768, 2 * args.tokens + 64)  # vLLM bounds a prompt by 5 characters a token
     a = VllmServe(sys.executable, workdir, model, "tiny", "bench-a", sock, max_model_len=length)
     b = VllmServe(sys.executable, workdir, model, "tiny", "bench-b", sock, prefix_caching=False,

@@ -10,12 +10,11 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierd.daemon.client import TierdClient
+from tierd.bench.tierd_serve import TierdServe
 
 BLOCK = 32
 """vLLM's CPU attention needs a block size that is a multiple of 32."""
@@ -40,42 +39,12 @@ def wait_for(what: str, check: Any, timeout: float, every: float = 0.25) -> Any:
         time.sleep(every)
 
 
-@dataclass
-class TierdServe:
-    """A `tierd serve` on ``socket_path`` with its SSD tier in ``ssd_dir`` (kept across
-    restarts: a SIGTERM writes DRAM blocks to SSD; a SIGKILL loses at most the write-behind)."""
-
-    workdir: str
-    socket_path: str
-    ssd_dir: str
-    process: subprocess.Popen[bytes] | None = None
-    starts: int = 0
-
-    def start(self) -> None:
-        self.starts += 1
-        log = open(os.path.join(self.workdir, f"tierd-{self.starts}.log"), "wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "tierd.commands.serve", "--socket-path", self.socket_path,
-             "--dram-bytes", "256MiB", "--no-prefault", "--ssd-dir", self.ssd_dir,
-             "--ssd-bytes", "1GiB", "--log-level", "WARNING"],
-            env={**os.environ, "TIERD_CONFIG": ""}, stdout=subprocess.DEVNULL, stderr=log)
-        log.close()
-        with TierdClient(socket_path=self.socket_path, timeout=10.0) as client:
-            client.wait_ready(timeout=60)
-
-    def stop(self, kill: bool = False) -> None:
-        if self.process is None:
-            return
-        self.process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-        self.process.wait(timeout=60)
-        self.process = None
-
-    def stats(self) -> Any:
-        with TierdClient(socket_path=self.socket_path, timeout=10.0) as client:
-            return client.stats()
-
-    def pinned(self) -> int:
-        return sum(t.pinned_blocks for t in self.stats().tiers)
+def stack_daemon(workdir: str) -> TierdServe:
+    """The stack's `tierd serve` (not started) on ``workdir/tierd.sock``: 256 MiB of DRAM and
+    1 GiB of SSD in ``workdir/ssd``, kept across restarts (a SIGTERM writes DRAM blocks to SSD;
+    a SIGKILL loses at most the write-behind)."""
+    return TierdServe(workdir, ["--dram-bytes", "256MiB", "--no-prefault", "--ssd-dir",
+                                os.path.join(workdir, "ssd"), "--ssd-bytes", "1GiB"])
 
 
 @dataclass

@@ -1,0 +1,102 @@
+"""`tierd serve` as a child process, as the tests (the main suite, tests/vllm, tests/sglang,
+tests/vllm_serve) and `tierd bench serve`'s stack start it: the flags on the command line and
+no config file of this host (``TIERD_CONFIG`` emptied), its stderr kept in a log file, ready
+once it answers on its Unix socket."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from tierd.daemon.client import TierdClient
+from tierd.daemon.convert import DaemonStats
+
+LOG_NAME = "tierd-serve.log"
+
+
+class TierdServe:
+    """`tierd serve` on ``socket_path`` (default ``workdir/tierd.sock``) with ``flags`` after
+    ``--socket-path`` and ``--log-level WARNING`` (a flag given again wins). Every start appends
+    its stderr to ``workdir/tierd-serve.log`` (a file, not a pipe nobody drains). ``process``
+    is the running child, None before the first start and after a stop."""
+
+    def __init__(self, workdir: str, flags: Sequence[str] = (),
+                 socket_path: str | None = None) -> None:
+        self.workdir = workdir
+        self.flags = list(flags)
+        self.socket_path = socket_path or os.path.join(workdir, "tierd.sock")
+        self.process: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        """Starts so far (the first is 1)."""
+
+    def start(self, *flags: str, timeout: float = 60.0) -> subprocess.Popen[bytes]:
+        """Start the daemon with ``self.flags`` and then ``flags`` (this start only) and block
+        until it answers, for up to ``timeout`` s. If it exits or stays silent, it is killed and
+        ``RuntimeError`` quotes what this start wrote to the log. Returns the child."""
+        assert self.process is None or self.process.poll() is not None, "already running"
+        self.starts += 1
+        log_path = os.path.join(self.workdir, LOG_NAME)
+        with open(log_path, "ab") as log:
+            offset = log.tell()
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "tierd.commands.serve", "--socket-path", self.socket_path,
+                 "--log-level", "WARNING", *self.flags, *flags],
+                env={**os.environ, "TIERD_CONFIG": ""}, stdout=subprocess.DEVNULL, stderr=log)
+        if not self._answers(timeout):
+            self.stop(kill=True)
+            with open(log_path, "rb") as log:
+                log.seek(offset)
+                raise RuntimeError(f"tierd serve did not come up: {log.read()!r}")
+        return self.process
+
+    def _answers(self, timeout: float) -> bool:
+        """Whether the child answers within ``timeout`` s (False at once if it exits)."""
+        assert self.process is not None
+        deadline = time.monotonic() + timeout
+        with self.client() as client:
+            while self.process.poll() is None and time.monotonic() < deadline:
+                try:
+                    client.wait_ready(timeout=0.5)
+                    return True
+                except grpc.FutureTimeoutError:
+                    pass
+        return False
+
+    def stop(self, kill: bool = False, timeout: float = 60.0) -> None:
+        """SIGTERM: the daemon writes its DRAM blocks to SSD (where it has an SSD tier) and
+        removes its socket and arena; SIGKILL if it has not exited after ``timeout`` s, or at
+        once with ``kill`` (the next start on the same arena directory removes what a killed
+        daemon left). Waits for the exit; does nothing when no child runs."""
+        if self.process is not None and self.process.poll() is None:
+            if not kill:
+                self.process.terminate()
+                try:
+                    self.process.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+    def restart(self, kill: bool = False) -> None:
+        """``stop(kill)``, then ``start()``."""
+        self.stop(kill=kill)
+        self.start()
+
+    def client(self) -> TierdClient:
+        """A new client on the daemon's socket; the caller closes it."""
+        return TierdClient(socket_path=self.socket_path, timeout=10.0)
+
+    def stats(self) -> DaemonStats:
+        with self.client() as client:
+            return client.stats()
+
+    def pinned_blocks(self) -> int:
+        """Blocks pinned by a lease in any tier (0 once every engine released its loads)."""
+        return sum(t.pinned_blocks for t in self.stats().tiers)
