@@ -5,10 +5,11 @@ SGLang backend): one way to reach the daemon, one load, one save.
 ``settings``   ``ClientSettings``: socket/address/token, engine name, call deadline, retry.
 ``errors``     ``classify``: the one meaning of a failed call (lease, request, forgotten, down).
 ``link``       ``DaemonLink`` / ``Session``: register, attach the arena, retry, drop on failure.
-``lease``      ``Lease``: an Acquire's pinned slots; ``acquire``, ``acquire_async``, ``release``.
+``lease``      ``Lease``: an Acquire's pinned slots; ``acquire(_async)``, ``release(_async)``.
 ``load``       ``load_leased`` (``start_load`` + ``finish_load``) through a ``Sink``.
 ``sinks``      ``PoolRows``: the sink of a ``[blocks, bytes]`` pool (vLLM's are in its package).
-``save``       ``reserve``, ``write_rows``, ``commit`` (written flags), ``abort``.
+``save``       ``reserve``, ``write_rows``, ``commit(_async)`` (written flags), ``abort``.
+``inflight``   ``InFlight``: calls sent without waiting, settled later on the front end's threads.
 =============  =================================================================================
 
 A front end, per engine process::
@@ -27,6 +28,7 @@ A front end, per engine process::
 """
 
 from tierd.connector.core.errors import DROPS, Failure, classify, describe
+from tierd.connector.core.inflight import InFlight
 from tierd.connector.core.lease import (
                                         Lease,
                                         PendingLease,
@@ -34,6 +36,7 @@ from tierd.connector.core.lease import (
                                         acquire,
                                         acquire_async,
                                         release,
+                                        release_async,
                                         releaser,
 )
 from tierd.connector.core.link import DaemonLink, Session
@@ -45,7 +48,7 @@ from tierd.connector.core.load import (
                                         load_leased,
                                         start_load,
 )
-from tierd.connector.core.save import Reservation, abort, commit, reserve, write_rows
+from tierd.connector.core.save import Reservation, abort, commit, commit_async, reserve, write_rows
 from tierd.connector.core.settings import ClientSettings
 from tierd.connector.core.sinks import PoolRows
 from tierd.connector.transfer import ArenaSlots
@@ -53,5 +56,5 @@ from tierd.connector.transfer import ArenaSlots
 __all__ = ["DROPS", "ArenaSlots", "ClientSettings", "DaemonLink", "Failure", "Lease",
            "LoadResult", "OpenLoad", "PendingLease", "PoolRows", "Release", "Reservation",
            "Session", "Sink", "abort", "acquire", "acquire_async", "classify", "commit",
-           "describe", "finish_load", "load_leased", "release", "releaser", "reserve",
-           "start_load", "write_rows"]
+           "commit_async", "describe", "finish_load", "load_leased", "release",
+           "release_async", "releaser", "reserve", "start_load", "write_rows", "InFlight"]

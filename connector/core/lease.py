@@ -84,6 +84,14 @@ def release(client: TierdClient, lease: Lease, corrupt_from: int | None = None) 
     return client.release(lease.engine_id, lease.lease_id, corrupt_from=corrupt_from)
 
 
+def release_async(client: TierdClient, lease: Lease,
+                  corrupt_from: int | None = None) -> Future[bool]:
+    """``release`` without waiting (``core.inflight`` settles it later): a future of whether
+    the daemon dropped a bad copy, or of the ``grpc.RpcError``. The load that used the lease
+    relies on its deadline alone (``core.load``)."""
+    return client.release_async(lease.engine_id, lease.lease_id, corrupt_from=corrupt_from)
+
+
 Release = Callable[[Lease, "int | None"], "bool | None"]
 """How a front end ends a lease after its copy: ``release(lease, corrupt_from)`` returns True
 once the daemon confirmed it still held the lease, False if it had ended (or the call failed),

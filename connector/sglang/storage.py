@@ -8,7 +8,8 @@ query, prefetch I/O, backup), up to 128 pages a call:
 - ``batch_exists`` -> one Lookup: how many leading pages tierd holds (DRAM or SSD).
 - ``batch_get_v1`` -> one Acquire (SSD hits staged into DRAM, the prefix pinned), each slot
   verified as it is copied into its host page, one Release (naming the first page that failed
-  its checksum, which the daemon re-checks and drops).
+  its checksum, which the daemon re-checks and drops), sent without waiting: a copy counts
+  if it ended before the lease's deadline (``core.load``).
 - ``batch_set_v1`` -> one Reserve, the pages copied into their slots, one Commit (the daemon
   checksums them); pages tierd already holds, or another engine is writing, count as stored
   without a copy. The call returns once the copy is done (SGLang may then reuse the host
@@ -32,18 +33,16 @@ it started with, whose channel and arena mapping stay valid if another thread dr
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import grpc
 import torch
 
 from tierd.connector.core.errors import describe
-from tierd.connector.core.lease import acquire, releaser
+from tierd.connector.core.inflight import InFlight
+from tierd.connector.core.lease import Lease, Release, acquire, release_async
 from tierd.connector.core.link import DaemonLink, Session
 from tierd.connector.core.load import Sink, load_leased
 from tierd.connector.core.save import Reservation, abort, commit_async, reserve
@@ -62,6 +61,8 @@ SGLANG_VERSIONS_TESTED = ("0.5.23",)
 PENDING_COMMITS = 1
 """Commits a backend leaves in flight when ``batch_set_v1`` returns: one overlaps the next
 batch's copy; more would only queue behind the daemon's checksums."""
+PENDING_RELEASES = 8
+"""Releases a backend leaves in flight after a get (each a fraction of a millisecond)."""
 
 
 class TierdHiCacheStorage(HiCacheStorage):
@@ -83,8 +84,9 @@ class TierdHiCacheStorage(HiCacheStorage):
         self.format: PageFormat | None = None
         self._link: DaemonLink | None = None
         self._host: HostPages | None = None
-        self._commits: deque[tuple[Session, Future[int]]] = deque()
-        self._commits_lock = threading.Lock()
+        self._commits = InFlight(self._commit_failed)
+        self._releases = InFlight(lambda session, exc: self._failed(exc, session,
+                                                                    names_lease=True))
         _log.info("tierd: model id %s (%s)", self.identity.model_id, self.identity.source)
 
     # --- registration ------------------------------------------------------------------------
@@ -111,9 +113,11 @@ class TierdHiCacheStorage(HiCacheStorage):
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def flush(self) -> None:
-        """Wait for this backend's Commits in flight (each ends within the daemon call
-        deadline): what ``batch_set_v1`` stored is then visible to every engine."""
-        self._settle(0)
+        """Wait for this backend's Commits and Releases in flight (each ends within the daemon
+        call deadline): what ``batch_set_v1`` stored is then visible to every engine, and no
+        lease of this backend is held."""
+        self._commits.settle(0)
+        self._releases.settle(0)
 
     def close(self) -> None:
         """``flush``, then unregister from the daemon (best effort)."""
@@ -125,7 +129,7 @@ class TierdHiCacheStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many leading ``keys`` tierd holds: one Lookup (0 if the daemon is down)."""
-        self.flush()
+        self._commits.settle(0)  # what this engine stored is visible to its own reads
         session = self._session()
         if session is None or not keys:
             return 0
@@ -211,7 +215,7 @@ class TierdHiCacheStorage(HiCacheStorage):
         """Acquire, then ``core.load``: each leased slot checked as ``sink`` copies it into
         page ``pages_of(n)[i]``, then Release (naming the first page that failed, which the
         daemon re-checks and drops); True for each leading page in place."""
-        self.flush()
+        self._commits.settle(0)  # what this engine stored is visible to its own reads
         session = self._session()
         if session is None or not keys:
             return [False] * len(keys)
@@ -223,9 +227,7 @@ class TierdHiCacheStorage(HiCacheStorage):
             self._failed(exc, session)
             return [False] * len(keys)
         done = load_leased(lease, pages_of(lease.num_blocks), session.slots, sink,
-                           releaser(session.client,
-                                    lambda exc: self._failed(exc, session, names_lease=True)),
-                           time.monotonic)
+                           self._release_later(session), time.monotonic)
         if done.corrupt:
             _log.warning("tierd: page %d of %d failed its checksum; SGLang recomputes it",
                          done.verified, done.acquired)
@@ -252,29 +254,31 @@ class TierdHiCacheStorage(HiCacheStorage):
         except BaseException:
             self._abort(session, reserved)
             raise
-        reply = commit_async(session.client, reserved, written)
-        with self._commits_lock:
-            self._commits.append((session, reply))
-        self._settle(PENDING_COMMITS)
+        try:
+            self._commits.add(session, commit_async(session.client, reserved, written))
+        except grpc.RpcError as exc:  # the session was dropped meanwhile: nothing stored
+            self._failed(exc, session, names_lease=True)
+            return _stored(reserved.already_stored, reserved.slot_ids, False)
+        self._commits.settle(PENDING_COMMITS)
         return _stored(reserved.already_stored, reserved.slot_ids, True)
 
-    def _settle(self, keep: int) -> None:
-        """Wait until at most ``keep`` of this backend's Commits are in flight (the oldest
-        first); a failed one is logged (its pages are not stored) and accounted to its
-        session. Each Commit ends within the daemon call deadline."""
-        with self._commits_lock:
-            waiting = list(self._commits)[:max(0, len(self._commits) - keep)]
-        for entry in waiting:
-            session, reply = entry
-            error = reply.exception()
-            with self._commits_lock:  # another thread may have settled it meanwhile
-                if entry not in self._commits:
-                    continue
-                self._commits.remove(entry)
-            if isinstance(error, grpc.RpcError):
-                _log.warning("tierd: a Commit failed (%s); its pages are not stored",
-                             describe(error))
-                self._failed(error, session, names_lease=True)
+    def _commit_failed(self, session: Session, exc: grpc.RpcError) -> None:
+        _log.warning("tierd: a Commit failed (%s); its pages are not stored", describe(exc))
+        self._failed(exc, session, names_lease=True)
+
+    def _release_later(self, session: Session) -> Release:
+        """The ``core.load.Release`` of a get: the Release sent without waiting (None: the
+        lease's deadline alone decides whether the copy counts), then at most
+        ``PENDING_RELEASES`` left in flight."""
+        def later(lease: Lease, corrupt_from: int | None) -> None:
+            if lease.num_blocks:
+                try:
+                    self._releases.add(session, release_async(session.client, lease,
+                                                              corrupt_from))
+                except grpc.RpcError as exc:  # dropped meanwhile: the lease lapses by itself
+                    self._failed(exc, session, names_lease=True)
+            self._releases.settle(PENDING_RELEASES)
+        return later
 
     def _abort(self, session: Session, reserved: Reservation) -> None:
         try:

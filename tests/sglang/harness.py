@@ -191,6 +191,8 @@ class Engine:
             if ack.completed_tokens is not None:
                 loaded = ack.completed_tokens
             if ack.completed_req:
+                if hasattr(self.backend, "flush"):  # tierd: its Releases land (in ms)
+                    self.backend.flush()
                 return hit, loaded, op.host_indices
 
     def pages(self, indices: torch.Tensor) -> list[bytes]:

@@ -110,7 +110,7 @@ class _Requests:
                                          cleared=cleared)
 
 
-class ChannelClosed(grpc.RpcError):
+class ChannelClosed(grpc.RpcError):  # type: ignore[misc]  # grpc has no type stubs
     """A call on a client already closed (another thread dropped the session it belonged to):
     a ``grpc.RpcError`` like any other failed call (``core.errors`` classifies it "down"), not
     gRPC's ``ValueError``, so no caller needs a second ``except``."""
@@ -200,6 +200,12 @@ class TierdClient:
         True then)."""
         return bool(self._call("Release", _Requests.release(engine_id, lease_id, corrupt_from))
                     .dropped)
+
+    def release_async(self, engine_id: str, lease_id: str, *,
+                      corrupt_from: int | None = None) -> Future[bool]:
+        """``release`` without waiting: a future of its result (or of its ``grpc.RpcError``)."""
+        return self._future("Release", _Requests.release(engine_id, lease_id, corrupt_from),
+                            lambda reply: bool(reply.dropped))
 
     def reserve(self, engine_id: str, hashes: Sequence[BlockHash], *,
                 filtered_query_tokens: int = 0) -> ReservedSlots:
