@@ -7,7 +7,8 @@ fp16; page 16 = 2 MiB a page, 256 MiB a batch), the batch SGLang's controller ha
 backend (``STORAGE_BATCH_SIZE`` = 128 pages). Interleaved repetitions of:
 
 1. memcpy: the batch's bytes copied between two page ranges of the same host pool, the faster
-   of a torch copy (all threads) and a plain memcpy (the limit);
+   of a torch copy (all threads) and a plain memcpy (the limit), into destination pages just
+   cleared, as each get below is (so the limit and the gets find the destination alike);
 2. set: tierd ``batch_set_v1`` (Reserve, copy, the Commit sent: what SGLang's backup thread
    waits for) beside the `file` backend's ``batch_set`` of SGLang's flat pages (what SGLang's
    controller calls for it: one file per page, written and renamed); and, no target, tierd's
@@ -236,8 +237,8 @@ def _measure(args: argparse.Namespace, shape: tuple[int, int, int], socks: str,
     dram, ssd = _Tierd(host, os.path.join(socks, "dram.sock")), _Tierd(
         host, os.path.join(socks, "ssd.sock"))
     files = _File(host, os.path.join(workdir, "file"))
-    rows = ("memcpy", "tierd_set", "tierd_visible", "file_set", "tierd_get", "file_get", "tierd_ssd_get",
-            "file_cold_get", "raw_read")
+    rows = ("memcpy", "tierd_set", "tierd_visible", "file_set", "tierd_get", "file_get",
+            "tierd_ssd_get", "file_cold_get", "raw_read")
     out: dict[str, list[float]] = {k: [] for k in rows}
 
     def timed(fn: Any, *a: Any) -> tuple[float, Any]:
@@ -254,9 +255,13 @@ def _measure(args: argparse.Namespace, shape: tuple[int, int, int], socks: str,
     for rep in range(args.repeat + 1):  # round 0 warms up and checks the bytes
         figures: dict[str, float] = {}
         # The limit: the faster of torch's threaded copy and a plain memcpy (torch's threads
-        # stall on a loaded host, a single-threaded memcpy is slower on an idle one).
-        figures["memcpy"] = min(timed(lambda: _memcpy(host, pages * page, use_torch=t))[0]
-                                for t in (True, False))
+        # stall on a loaded host, a single-threaded memcpy is slower on an idle one), each into
+        # destination pages just cleared, as every get below copies into.
+        copies = []
+        for use_torch in (True, False):
+            _clear(host, dst)
+            copies.append(timed(lambda: _memcpy(host, pages * page, use_torch=use_torch))[0])
+        figures["memcpy"] = min(copies)
         keys = [os.urandom(32).hex() for _ in range(pages)]
         figures["tierd_set"], ok = timed(dram.set, keys, src)
         figures["tierd_visible"] = figures["tierd_set"] + timed(dram.storage.flush)[0]
