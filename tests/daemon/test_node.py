@@ -125,6 +125,25 @@ async def test_demoting_a_block_with_an_ssd_copy_writes_nothing(rig: Rig) -> Non
     rig.node.check_integrity()
 
 
+async def test_an_eviction_batch_reports_one_removal_per_namespace_run(rig: Rig) -> None:
+    """Two models' blocks interleaved in LRU order (2 of A, 2 of B, 4 of A) and 8 new blocks
+    of A: all 8 are evicted in LRU order, reported as three removals, one per run of a
+    namespace, so no event names a hash under another model's namespace."""
+    other = rig.node.register_engine("default", dataclasses.replace(LAYOUT, model_id="m2@1"),
+                                     "other")
+    a, b = chain(6, "a"), chain(2, "b")
+    rig.store(a[:2])
+    rig.store(b, engine=other)
+    rig.store(a[2:])
+    rig.node.take_events()
+    rig.store(chain(8, "new"))
+    removed = [e for e in rig.node.take_events() if isinstance(e, BlockRemoved)]
+    assert removed == [BlockRemoved(tuple(a[:2]), "dram"), BlockRemoved(tuple(b), "dram"),
+                       BlockRemoved(tuple(a[2:]), "dram")]
+    assert rig.node.stats().tiers["dram"].evictions == 8
+    rig.node.check_integrity()
+
+
 async def test_forced_eviction_on_reserve_is_lru_and_skips_pins(rig: Rig) -> None:
     """A full arena with blocks 0 and 1 pinned: reserving 8 new blocks evicts the 6 unpinned in
     LRU order and leaves the last 2 without a slot; the pinned blocks survive intact."""
@@ -135,8 +154,8 @@ async def test_forced_eviction_on_reserve_is_lru_and_skips_pins(rig: Rig) -> Non
     new = chain(8, "b")
     res = rig.store(new)
     assert [s is not None for s in res.slot_ids] == [True] * 6 + [False] * 2
-    assert rig.node.take_events() == [BlockRemoved((h,), "dram") for h in old[2:]] + [
-        BlockStored(tuple(new[:6]), None, "dram", 16)]
+    assert rig.node.take_events() == [BlockRemoved(tuple(old[2:]), "dram"),  # one per run
+                                      BlockStored(tuple(new[:6]), None, "dram", 16)]
     assert rig.tiers(old[:2]) == ["dram", "dram"] and rig.tiers(old[2:3]) == []
     assert rig.copy_out(lease.slot_ids) == [payload(h) for h in old[:2]]
     assert rig.node.stats().tiers["dram"].evictions == 6

@@ -224,17 +224,19 @@ class TierIndex:
         the whole batch, then other classes one at a time); fewer if the rest are pinned. Never
         blocks."""
         slots: list[int] = []
-        victims: list[NamespacedKey] | None = None
+        batch_done = False
         while len(slots) < count:
             slot = self.alloc.allocate(slot_bytes)
             if slot is not None:
                 slots.append(slot)
                 continue
-            if victims is None:
+            if not batch_done:  # each victim of this class frees one slot of it
+                batch_done = True
                 victims = self.eviction.dram_victims(self.dram, slot_bytes, count - len(slots))
-                victims.reverse()  # popped LRU first
-            victim = (victims.pop() if victims
-                      else self.eviction.dram_victim_other_class(self.dram, slot_bytes))
+                if victims:
+                    self.drop_dram_many(victims, now)
+                    continue
+            victim = self.eviction.dram_victim_other_class(self.dram, slot_bytes)
             if victim is None:
                 break
             self.drop_dram(victim, now)
@@ -322,17 +324,39 @@ class TierIndex:
         no longer match its checksum) is counted as a checksum failure and never handed on."""
         block = self.dram.pop(key)
         assert block.pins == 0 and not block.demoting, f"{key.hex()}: dropping a pinned block"
-        last = not (self.ssd_up and key in self.disk)
         if reason == "corrupt":
             self.alloc.free(block.slot_bytes, block.slot_id)
             self.emit(BlockRemoved((block.block_hash,), "dram"), block.namespace)
             self.counts.checksum_failures["dram"] += 1
             return
+        self._evict_dram(key, block, now)
+        self.emit(BlockRemoved((block.block_hash,), "dram"), block.namespace)
+
+    def drop_dram_many(self, keys: Sequence[NamespacedKey], now: float) -> None:
+        """``drop_dram`` of each of ``keys`` ("evicted", in order), with one ``BlockRemoved``
+        per run of keys of one namespace rather than one per block."""
+        run: list[BlockHash] = []
+        namespace: Namespace | None = None
+        for key in keys:
+            block = self.dram.pop(key)
+            assert block.pins == 0 and not block.demoting, f"{key.hex()}: dropping a pinned block"
+            self._evict_dram(key, block, now)
+            if run and block.namespace != namespace:
+                self.emit(BlockRemoved(tuple(run), "dram"), namespace)
+                run = []
+            namespace = block.namespace
+            run.append(block.block_hash)
+        if run:
+            self.emit(BlockRemoved(tuple(run), "dram"), namespace)
+
+    def _evict_dram(self, key: NamespacedKey, block: DramBlock, now: float) -> None:
+        """A DRAM copy popped from the index leaves (all but its event): the listener may keep
+        its bytes if it was the node's last copy, its slot is freed, and it is counted."""
+        last = not (self.ssd_up and key in self.disk)
         if last and self.listener is not None:
             view = self.arena.view(self.offset(block), block.slot_bytes)
             self.listener.evicted(key, block.checksum, block.slot_bytes, lambda: _ready(view))
         self.alloc.free(block.slot_bytes, block.slot_id)
-        self.emit(BlockRemoved((block.block_hash,), "dram"), block.namespace)
         if not last:
             self.counts.demotions += 1
         else:
