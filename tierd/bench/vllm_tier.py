@@ -8,6 +8,8 @@ every 0.5 ms). A Llama-3-8B-shaped prefix: 2,048 tokens, 128 chunks of 2 MiB (25
 stores, engine B (another manager, its own primary region) loads. Interleaved repetitions of:
 
 1. memcpy: the same 128 rows copied between two ranges of A's primary region (the limit);
+   and, no target, the floor of any tier in vLLM's manager: a store and a DRAM load through
+   ``MemcpyTier`` (``vllm_memcpy_tier``: one memcpy on vLLM's scheduler thread, nothing else);
 2. store: ``complete_store`` until the tier's job is reported done (the primary rows are free);
    for TierdTier also until the daemon can serve the blocks (its Commit landed), no target;
 3. DRAM load: B's lookups and promotion until every chunk is a primary-tier HIT (tierd: from
@@ -239,6 +241,16 @@ def _tierd(sock: str) -> dict[str, Any]:
             "retry_seconds": 0.0, "timeout_seconds": 60.0, "model_id": "bench-llama3-8b@synthetic"}
 
 
+def _floor() -> dict[str, Any]:
+    return {"type": "MemcpyTier", "module_path": "tierd.bench.vllm_memcpy_tier"}
+
+
+def _clear_floor() -> None:
+    from tierd.bench.vllm_memcpy_tier import CHUNKS
+
+    CHUNKS.clear()
+
+
 def _fs(root: str) -> dict[str, Any]:
     return {"type": "fs", "root_dir": root}
 
@@ -290,6 +302,13 @@ def _measure(args: argparse.Namespace, daemons: dict[str, _Daemon], work: str,
 
     for rep in range(args.repeat + 1):  # round 0 warms up
         record = put if rep else (lambda key, seconds: None)
+        a, b = _Engine(_floor(), n), _Engine(_floor(), n)  # vLLM's manager + one memcpy
+        keys = _keys(n)
+        record("floor_store", a.store(keys))
+        record("floor_dram_load", b.load(keys))
+        a.close()
+        b.close()
+        _clear_floor()
         for name in ("tierd", "fs"):
             def tier(daemon: str) -> dict[str, Any]:
                 return _tierd(daemons[daemon].sock) if name == "tierd" else _fs(fs_root)
@@ -388,6 +407,12 @@ def _report(f: dict[str, Any], as_json: bool) -> int:
         limit = f"<= {target}x {what}" if row != "restart_load" else "(no target)"
         print(f"  {row:<14} {cells[0]:>22} {cells[1]:>22}   {limit}; tierd <= fs")
     print(f"  tierd store until servable (Commit landed): {f['tierd_visible_ms']:.1f} ms")
+    floor = {row: f[f"floor_{row}_ms"] for row in ("store", "dram_load")}
+    print(f"  floor (vLLM's manager + one memcpy, MemcpyTier): store {floor['store']:.1f} ms "
+          f"({floor['store'] / memcpy:.2f}x), DRAM load {floor['dram_load']:.1f} ms "
+          f"({floor['dram_load'] / memcpy:.2f}x); TierdTier / floor: store "
+          f"{f['tierd_store_ms'] / floor['store']:.2f}x, DRAM load "
+          f"{f['tierd_dram_load_ms'] / floor['dram_load']:.2f}x (no target)")
     print(f"  footprint after writing {f['written_bytes'] >> 20} MiB (3x tierd's bound of "
           f"{f['bound_bytes'] >> 20} MiB): tierd {f['tierd_footprint_bytes'] >> 20} MiB "
           f"(SSD files {f['tierd_disk_bytes'] >> 20} MiB), fs {f['fs_footprint_bytes'] >> 20} MiB")
