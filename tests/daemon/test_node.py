@@ -400,6 +400,31 @@ async def test_long_ssd_prefix_is_read_in_batches_started_while_staging(
     rig.node.check_integrity()
 
 
+async def test_an_ssd_prefix_longer_than_the_room_ends_where_room_ends(
+        make_rig: MakeRig) -> None:
+    """X on SSD, X[3] back in DRAM, 5 other blocks pinned (8 slots): acquiring X[:4] finds room
+    for two promotions (X[3] is pinned for the plan, so not evicted for them): the lease holds
+    X[0] and X[1], X[3]'s pin for the plan is undone, and no pin or slot leaks."""
+    rig = make_rig(dram_high_watermark=0.1, dram_low_watermark=0.1)
+    x = chain(8)
+    rig.store(x)
+    await rig.node.maintain()                                  # all 8 -> SSD
+    rig.node.release((await rig.node.acquire(rig.engine.engine_id, x[3:4])).lease_id)
+    others = chain(5, "y")
+    rig.store(others)
+    held = await rig.node.acquire(rig.engine.engine_id, others)
+    assert rig.tiers(x[3:4]) == ["dram"] and len(held.slot_ids) == 5
+    lease = await rig.node.acquire(rig.engine.engine_id, x[:4])
+    assert rig.copy_out(lease.slot_ids) == [payload(h) for h in x[:2]]
+    assert rig.node.stats().tiers["dram"].pinned_blocks == 7  # the 5 others, X[0] and X[1]
+    assert rig.tiers(x[3:4]) == ["dram"]
+    rig.node.check_integrity()
+    rig.node.release(lease.lease_id)
+    rig.node.release(held.lease_id)
+    assert rig.node.stats().tiers["dram"].pinned_blocks == 0
+    rig.node.check_integrity()
+
+
 async def test_acquire_with_count_lookup_counts_like_a_lookup(make_rig: MakeRig,
                                                               tmp_path: Path) -> None:
     """Two identical rigs (8 blocks stored, 0-1 demoted to SSD, block 8 missing): a lookup of

@@ -213,11 +213,6 @@ class TierIndex:
         """Bytes of every allocated slot (stored, reserved and staged blocks)."""
         return sum(self.alloc.used_slots(c) * c for c in self.classes)
 
-    def allocate(self, slot_bytes: int, now: float) -> int | None:
-        """``allocate_many`` of one slot; None if every block is pinned."""
-        slots = self.allocate_many(slot_bytes, 1, now)
-        return slots[0] if slots else None
-
     def allocate_many(self, slot_bytes: int, count: int, now: float) -> list[int]:
         """Up to ``count`` free slots of ``slot_bytes``, in order, evicting the DRAM blocks the
         eviction policy names until they free up (this size class first, found in one pass for

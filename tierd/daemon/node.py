@@ -222,20 +222,41 @@ class NodeStore:
         if hit == len(keys) or not (keys[hit] in self._promoting or (
                 self._tiers.ssd_up and keys[hit] in self._tiers.disk)):
             return self._lease(info, keys[:hit], blocks, now, pin=True)  # nothing to read
-        # A promotion may evict unpinned DRAM blocks: the plan's DRAM hits take in-flight pins.
-        plan: list[tuple[NamespacedKey, Promotion | None]] = []  # None: already in DRAM
-        reads: list[tuple[Promotion, memoryview]] = []  # started here: one batched SSD read
+        # The plan: the prefix held in DRAM, in flight from SSD, or on SSD. Promotions may
+        # evict unpinned DRAM blocks, so the plan's DRAM hits take in-flight pins first; then
+        # the new promotions' slots are allocated in one batch (one eviction pass).
+        plan: list[tuple[NamespacedKey, Promotion | None]] = []  # None: DRAM, or not staged
+        new: list[int] = []  # plan indices still to stage
         for key in keys:
             if self._tiers.dram.get(key) is not None:
                 self._pin_inflight(key)
-                plan.append((key, None))
+            elif (promotion := self._promoting.get(key)) is not None:
+                promotion.waiters += 1
+                plan.append((key, promotion))
                 continue
-            promotion = (self._promoting.get(key)
-                         or self._promoter.stage(key, info.geometry, now, reads))
-            if promotion is None:
+            elif self._tiers.ssd_up and key in self._tiers.disk:
+                new.append(len(plan))
+            else:
+                break
+            plan.append((key, None))
+        slots = self._tiers.allocate_many(info.geometry.slot_bytes, len(new), now)
+        reads: list[tuple[Promotion, memoryview]] = []  # started here: one batched SSD read
+        for n, i in enumerate(new):
+            promotion = (self._promoter.stage(plan[i][0], info.geometry, slots[n], reads)
+                         if n < len(slots) else None)
+            if promotion is None:  # no room: the plan ends before this key
+                for slot in slots[n:]:
+                    self._tiers.free_slot(info.geometry.slot_bytes, slot)
+                unstaged = set(new[n:])
+                for j, (key, staged) in enumerate(plan[i:], i):
+                    if staged is not None:
+                        staged.waiters -= 1
+                    elif j not in unstaged:  # a DRAM hit past the end
+                        self._unpin_inflight(key)
+                del plan[i:]
                 break
             promotion.waiters += 1
-            plan.append((key, promotion))
+            plan[i] = (plan[i][0], promotion)
         self._promoter.start(reads)
         return await asyncio.shield(asyncio.ensure_future(self._promoted(info, plan, now)))
 
@@ -529,3 +550,9 @@ class NodeStore:
     def _pin_inflight(self, key: NamespacedKey) -> None:
         self._tiers.pin(key)
         self._inflight_pins[key] += 1
+
+    def _unpin_inflight(self, key: NamespacedKey) -> None:
+        self._inflight_pins[key] -= 1
+        if not self._inflight_pins[key]:
+            del self._inflight_pins[key]
+        self._tiers.unpin((key,))

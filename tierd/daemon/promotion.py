@@ -57,17 +57,15 @@ class Promoter:
         self._writing, self._inflight, self._clock = writing, inflight, clock
         self.active: dict[NamespacedKey, Promotion] = {}
 
-    def stage(self, key: NamespacedKey, geometry: SlotGeometry, now: float,
+    def stage(self, key: NamespacedKey, geometry: SlotGeometry, slot: int,
               reads: list[tuple[Promotion, memoryview]]) -> Promotion | None:
-        """Stage an SSD block's promotion into a new slot of ``geometry``, its read added to
-        ``reads``; None if not on (a served) SSD or no room. Every ``READ_BATCH_BYTES`` of
-        records, ``reads`` is started and emptied (an I/O thread starts while the rest of a long
-        prefix is staged, once it gets the GIL); the caller starts what is left."""
+        """Stage an SSD block's promotion into ``slot`` (of ``geometry``, allocated by the
+        caller), its read added to ``reads``; None if not on (a served) SSD (the caller keeps
+        the slot). Every ``READ_BATCH_BYTES`` of records, ``reads`` is started and emptied (an
+        I/O thread starts while the rest of a long prefix is staged, once it gets the GIL); the
+        caller starts what is left."""
         source = self._tiers.disk.get(key) if self._tiers.ssd_up else None
         if source is None:
-            return None
-        slot = self._tiers.allocate(geometry.slot_bytes, now)
-        if slot is None:
             return None
         assert self._ssd is not None
         source.pins += 1
