@@ -38,7 +38,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -61,7 +61,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from tierd.connector.core.lease import Lease, acquire_async, release
 from tierd.connector.core.link import DaemonLink, Session
 from tierd.connector.core.load import load_leased
-from tierd.connector.core.save import commit, reserve
+from tierd.connector.core.save import abort, commit, reserve
 from tierd.daemon.client import target_for
 
 from .config import TierdVllmConfig
@@ -251,7 +251,9 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         parts, missing = self._lookups.start_load(list(job_metadata.keys),
                                                   [int(c) for c in job_metadata.chunk_ids])
         self._jobs.add(job_metadata.job_id)
-        self._pool.submit("load", lambda: self._load(job_metadata.job_id, parts, missing))
+        job_id, keys = job_metadata.job_id, [p.key for p in parts] + missing
+        self._pool.submit("load", self._guarded(job_id, keys, True,
+                                                lambda: self._load(job_id, parts, missing)))
 
     def _load(self, job_id: int, parts: list[LoadPart], missing: list[OffloadKey]) -> None:
         """Pool thread: one ``core.load`` per pin, its slots checked while copied into the
@@ -296,7 +298,23 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
             return
         chunks = [int(c) for c in job_metadata.chunk_ids]
         queued = time.monotonic()
-        self._pool.submit("store", lambda: self._store(job_metadata.job_id, keys, chunks, queued))
+        job_id = job_metadata.job_id
+        self._pool.submit("store", self._guarded(job_id, keys, False,
+                                                 lambda: self._store(job_id, keys, chunks, queued)))
+
+    def _guarded(self, job_id: int, keys: list[OffloadKey], load: bool,
+                 work: Callable[[], None]) -> Callable[[], None]:
+        """``work`` on a pool thread; if it raises (a bug, not a daemon error: those are
+        handled inside), the job still ends, failed, so vLLM never waits on it (a job that had
+        already reported keeps its first report: ``_take_inbox`` applies one per job)."""
+        def run() -> None:
+            try:
+                work()
+            except Exception:
+                _log.exception("tierd tier: a %s job failed", "load" if load else "store")
+                self._inbox.put(_Done(job_id, [], keys, [], load=load,
+                                      dropped=0 if load else len(keys)))
+        return run
 
     def _store(self, job_id: int, keys: list[OffloadKey], chunks: list[int],
                queued: float) -> None:
@@ -316,7 +334,14 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
             self._inbox.put(_Done(job_id, [], keys, [], load=False, dropped=len(keys)))
             self._count("vllm:kv_offload_tierd_daemon_errors")
             return
-        written = store_rows(primary, session.slots, chunks, reserved.slot_ids)
+        try:
+            written = store_rows(primary, session.slots, chunks, reserved.slot_ids)
+        except Exception:  # a bug: free the reservation now rather than at its lapse
+            try:
+                abort(session.client, reserved)
+            except grpc.RpcError as exc:
+                self._link.failed(exc, session, names_lease=True)
+            raise
         self._inbox.put(_Done(job_id, keys, [], [], load=False,
                               seconds=time.perf_counter() - start,
                               nbytes=sum(written) * primary.slot_bytes))
@@ -344,7 +369,7 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
                 if self._events is not None and item.keys:
                     self._events.append(OffloadingEvent(keys=item.keys, medium=self.medium,
                                                         removed=False, locality=self.locality))
-            else:
+            elif item.job_id in self._jobs:  # one report per job (``_guarded``)
                 self._results.append(self._finished(item))
 
     def _finished(self, done: _Done) -> JobResult:

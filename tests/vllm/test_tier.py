@@ -179,6 +179,38 @@ def test_corrupt_slot_fails_the_load_and_then_misses(engines: list[TierEngine],
     assert daemon.pinned_blocks() == 0
 
 
+def test_a_job_that_raises_still_ends(engines: list[TierEngine], daemon: Daemon,
+                                      model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in a store's copy or a load's copy (an exception, not a daemon error): the job
+    still ends, failed (vLLM never waits on it), nothing stays pinned, and once the copies work
+    again the same chunks store and load."""
+    import tierd.connector.vllm.tier as tier_module
+    from tierd.connector.vllm.tier_jobs import PrimaryRows
+
+    a, b = engines
+    keys, data = new_keys(4), payloads(4)
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("a bug in the copy")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tier_module, "store_rows", broken)
+        a.store(keys, data)  # returns once vLLM has the job's (failed) result
+    assert not a.tier.has_pending_work() and daemon.pinned_blocks() == 0
+    fresh = [TierEngine(model_dir, daemon.socket_path) for _ in range(2)]
+    try:
+        fresh[0].store(keys, data)  # stored in full: the failed store's reservation was aborted
+        with monkeypatch.context() as patch:
+            patch.setattr(PrimaryRows, "place", broken)
+            assert b.load(keys) == []
+        assert not b.tier.has_pending_work() and tier_pins(b) == 0
+        assert daemon.pinned_blocks() == 0
+        assert fresh[1].load(keys) == data
+    finally:
+        for engine in fresh:
+            engine.close()
+
+
 def test_primary_eviction_then_promotion(daemon: Daemon, model_dir: str) -> None:
     """A primary tier of 4 chunks stores 10: the first ones leave it (LRU), and a later
     request finds them in the tier and promotes them back, byte for byte."""
