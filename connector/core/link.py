@@ -33,7 +33,7 @@ from tierd.connector.core.errors import DROPS, Failure, classify, describe
 from tierd.connector.core.settings import ClientSettings
 from tierd.connector.transfer import ArenaSlots
 from tierd.daemon.arena import ShmArena
-from tierd.daemon.client import EngineHandle, TierdClient
+from tierd.daemon.client import ChannelClosed, EngineHandle, TierdClient
 from tierd.daemon.layout import Layout
 from tierd.daemon.presence import PresenceView
 
@@ -169,8 +169,13 @@ class DaemonLink:
         """Account for a failed call of ``session`` (default: the current one) and return its
         classification (``core.errors``). "forgotten" and "down" drop the session if it is still
         the current one: "forgotten" re-registers at the next ``connect``, "down" after the
-        back-off. "lease" and "request" keep it."""
+        back-off. "lease" and "request" keep it, and so does a call made on a channel the link
+        already closed (``ChannelClosed``: an older session's late failure, whichever session
+        the caller names)."""
         failure = classify(exc, names_lease=names_lease)
+        if isinstance(exc, ChannelClosed):  # the session it was made on is already dropped
+            _log.debug("tierd call on a dropped session: %s", describe(exc))
+            return failure
         if failure not in DROPS:
             _log.debug("tierd call failed: %s", describe(exc))
             return failure

@@ -122,6 +122,7 @@ def test_a_call_on_a_dropped_session_is_an_rpc_error(make_daemon: Any) -> None:
                  lambda: old.client.commit_async(old.engine_id, "lease", [])):
         exc = _error(call)
         assert classify(exc) == "down" and link.failed(exc, old) == "down"
+        assert link.failed(exc) == "down"  # naming no session: still not the new one's failure
     assert link.up
     link.close()
 
