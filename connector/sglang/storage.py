@@ -27,7 +27,8 @@ The daemon calls, the load and the save are the engine-side core's (``tierd.conn
 ``acquire`` + ``load_leased`` through the ``sinks`` of this package, ``reserve`` / ``commit`` /
 ``abort``), and so is the one classification of a failed call (``DaemonLink.failed``).
 Thread-safety: the three threads share the link (thread-safe); each call keeps the ``Session``
-it started with, whose channel and arena mapping stay valid if another thread drops the link.
+it started with, whose arena mapping stays valid if another thread drops the link meanwhile (a
+call on its closed channel then fails like any call: ``ChannelClosed``, a miss).
 """
 
 from __future__ import annotations

@@ -188,7 +188,7 @@ class TierdClient:
         def done(call: Any) -> None:
             try:
                 out.set_result(result(call.result()))
-            except grpc.RpcError as exc:
+            except Exception as exc:  # an RpcError, or a cancelled call: the future still ends
                 out.set_exception(exc)
 
         call.add_done_callback(done)
