@@ -33,12 +33,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from tierd.bench.tierd_serve import copy_bench_daemons
 
 HELP = "SGLang HiCache storage: 128-page get/set through tierd vs memcpy and SGLang's file backend."
 
@@ -69,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("tierd bench sglang needs SGLang: run `make bench-sglang`") from None
     import torch
 
-    from tierd.daemon.client import TierdClient
     from tierd.daemon.config import cache_dir
 
     if args.pages < 1 or args.repeat < 1 or args.page_size < 16:
@@ -90,18 +89,14 @@ def run(args: argparse.Namespace) -> int:
                          "--pages, or --dir on a larger disk")
     slab = 64 << 20
     dram = (-(-nbytes // slab) + 2) * slab
-    servers = [_serve(os.path.join(socks, "dram.sock"), dram, "", 0),
-               _serve(os.path.join(socks, "ssd.sock"), dram, os.path.join(workdir, "ssd"),
-                      ssd_bound)]
     try:
-        for name in ("dram.sock", "ssd.sock"):
-            with TierdClient(socket_path=os.path.join(socks, name), timeout=10) as client:
-                client.wait_ready(timeout=300)
-        figures = _measure(args, (layers, heads, head), socks, workdir)
+        daemons = copy_bench_daemons(workdir, socks, dram, ssd_bound)
+        try:
+            figures = _measure(args, (layers, heads, head), socks, workdir)
+        finally:
+            for daemon in daemons.values():
+                daemon.stop()
     finally:
-        for server in servers:
-            server.terminate()
-            server.wait(timeout=60)
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(socks, ignore_errors=True)
     import sglang as sgl
@@ -109,16 +104,6 @@ def run(args: argparse.Namespace) -> int:
     figures.update(model=args.model, pages=args.pages, page_size=args.page_size,
                    layout=args.layout, bytes=nbytes, sglang=sgl.__version__)
     return _report(figures, args.json)
-
-
-def _serve(sock: str, dram_bytes: int, ssd_dir: str, ssd_bytes: int) -> subprocess.Popen[bytes]:
-    flags = ["--socket-path", sock, "--dram-bytes", str(dram_bytes), "--slab-bytes", "64MiB",
-             "--log-level", "WARNING", "--ssd-dir", ssd_dir]
-    if ssd_dir:  # every committed block is demoted (and leaves DRAM) at the next 50 ms pass
-        flags += ["--ssd-bytes", str(ssd_bytes), "--dram-high-watermark", "1e-9",
-                  "--dram-low-watermark", "1e-9", "--maintain-seconds", "0.05"]
-    return subprocess.Popen([sys.executable, "-m", "tierd.commands.serve", *flags],
-                            env={**os.environ, "TIERD_CONFIG": ""}, stdout=subprocess.DEVNULL)
 
 
 def _host_pool(shape: tuple[int, int, int], pages: int, page: int, layout: str) -> Any:

@@ -1,7 +1,7 @@
 """`tierd serve` as a child process, as the tests (the main suite, tests/vllm, tests/sglang,
-tests/vllm_serve) and `tierd bench serve`'s stack start it: the flags on the command line and
-no config file of this host (``TIERD_CONFIG`` emptied), its stderr kept in a log file, ready
-once it answers on its Unix socket."""
+tests/vllm_serve) and the benchmarks start it: the flags on the command line and no config file
+of this host (``TIERD_CONFIG`` emptied), its stderr kept in a log file, ready once it answers
+on its Unix socket. ``copy_bench_daemons``: the pair the copy benchmarks measure against."""
 
 from __future__ import annotations
 
@@ -100,3 +100,28 @@ class TierdServe:
     def pinned_blocks(self) -> int:
         """Blocks pinned by a lease in any tier (0 once every engine released its loads)."""
         return sum(t.pinned_blocks for t in self.stats().tiers)
+
+
+def copy_bench_daemons(workdir: str, socks: str, dram_bytes: int,
+                       ssd_bytes: int) -> dict[str, TierdServe]:
+    """The two daemons of the copy benchmarks (`tierd bench vllm`, `tierd bench sglang`),
+    started: "dram" (no SSD tier: loads from its arena, nothing written behind them) and "ssd"
+    (an SSD tier of ``ssd_bytes`` under ``workdir/ssd`` that every committed block is demoted to,
+    leaving DRAM, at the next 50 ms pass), 64 MiB slabs, sockets in ``socks``. Stop each."""
+    common = ["--dram-bytes", str(dram_bytes), "--slab-bytes", "64MiB"]
+    daemons = {
+        "dram": TierdServe(workdir, [*common, "--ssd-dir", ""],
+                           socket_path=os.path.join(socks, "dram.sock")),
+        "ssd": TierdServe(workdir, [*common, "--ssd-dir", os.path.join(workdir, "ssd"),
+                                    "--ssd-bytes", str(ssd_bytes), "--dram-high-watermark",
+                                    "1e-9", "--dram-low-watermark", "1e-9",
+                                    "--maintain-seconds", "0.05"],
+                          socket_path=os.path.join(socks, "ssd.sock"))}
+    try:
+        for daemon in daemons.values():
+            daemon.start(timeout=300)
+    except BaseException:
+        for daemon in daemons.values():
+            daemon.stop()
+        raise
+    return daemons

@@ -32,14 +32,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from types import SimpleNamespace
 from typing import Any
 
 from tierd.bench.page_cache import drop_page_cache
+from tierd.bench.tierd_serve import copy_bench_daemons
 
 HELP = "vLLM connector at model scale: store, DRAM and SSD loads vs memcpy and raw disk."
 
@@ -116,20 +115,9 @@ def _own_views(names: list[str], heads: int, head: int, num_blocks: int,
     return {name: full[i] for i, name in enumerate(names)}
 
 
-def _serve(sock: str, dram_bytes: int, ssd_dir: str, ssd_bytes: int) -> subprocess.Popen[bytes]:
-    flags = ["--socket-path", sock, "--dram-bytes", str(dram_bytes), "--slab-bytes", "64MiB",
-             "--log-level", "WARNING", "--ssd-dir", ssd_dir]
-    if ssd_dir:  # every committed block is demoted (and leaves DRAM) at the next 50 ms pass
-        flags += ["--ssd-bytes", str(ssd_bytes), "--dram-high-watermark", "1e-9",
-                  "--dram-low-watermark", "1e-9", "--maintain-seconds", "0.05"]
-    return subprocess.Popen([sys.executable, "-m", "tierd.commands.serve", *flags],
-                            env={**os.environ, "TIERD_CONFIG": ""}, stdout=subprocess.DEVNULL)
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from tierd.daemon.client import TierdClient
     from tierd.paths import cache_dir
 
     if args.tokens < BLOCK or args.repeat < 1:
@@ -154,18 +142,14 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"the SSD tier needs {ssd_bound >> 20} MiB (+ the raw read's "
                          f"{nbytes >> 20} MiB) on {base}, {free >> 20} MiB are free: pass a "
                          "smaller --repeat or --tokens, or --dir on a larger disk")
-    servers = [_serve(os.path.join(socks, "dram.sock"), dram, "", 0),
-               _serve(os.path.join(socks, "ssd.sock"), dram, os.path.join(workdir, "ssd"),
-                      ssd_bound)]
     try:
-        for name in ("dram.sock", "ssd.sock"):
-            with TierdClient(socket_path=os.path.join(socks, name), timeout=10) as client:
-                client.wait_ready(timeout=300)
-        figures = _measure(args, kv, blocks, nbytes, socks, workdir)
+        daemons = copy_bench_daemons(workdir, socks, dram, ssd_bound)
+        try:
+            figures = _measure(args, kv, blocks, nbytes, socks, workdir)
+        finally:
+            for daemon in daemons.values():
+                daemon.stop()
     finally:
-        for server in servers:
-            server.terminate()
-            server.wait(timeout=60)
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(socks, ignore_errors=True)
     figures.update(model=args.model, tokens=args.tokens, layout=args.layout, tensors=source,

@@ -34,14 +34,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
 from typing import Any
 
 from tierd.bench.page_cache import drop_page_cache
+from tierd.bench.tierd_serve import TierdServe
 
 HELP = "TierdTier vs vLLM's fs tier under vLLM's native offloading: store, loads, footprint."
 
@@ -75,14 +74,14 @@ def run(args: argparse.Namespace) -> int:
     need = (args.repeat + 3) * nbytes * 3 + (2 << 30)
     if need > shutil.disk_usage(base).free:
         raise SystemExit(f"need ~{need >> 20} MiB free on {base}: pass --dir, fewer --repeat")
-    daemons = {"dram": _Daemon(socks, "dram", dram, "", 0, demote=False),
-               "ssd": _Daemon(socks, "ssd", dram, os.path.join(work, "ssd-cold"),
+    daemons = {"dram": _daemon(work, socks, "dram", dram, "", 0, demote=False),
+               "ssd": _daemon(work, socks, "ssd", dram, os.path.join(work, "ssd-cold"),
                               (args.repeat + 3) * nbytes, demote=True),
-               "bound": _Daemon(socks, "bound", 2 * slab, os.path.join(work, "ssd-bound"),
+               "bound": _daemon(work, socks, "bound", 2 * slab, os.path.join(work, "ssd-bound"),
                                 4 * slab, demote=False)}
     try:
         for d in daemons.values():
-            d.start()
+            d.start(timeout=300)
         figures = _measure(args, daemons, work, nbytes)
     finally:
         for d in daemons.values():
@@ -93,41 +92,18 @@ def run(args: argparse.Namespace) -> int:
     return _report(figures, args.json)
 
 
-class _Daemon:
+def _daemon(work: str, socks: str, name: str, dram: int, ssd: str, ssd_bytes: int,
+            demote: bool) -> TierdServe:
     """A `tierd serve` on a socket of its own; ``restart`` stops it with SIGTERM (DRAM blocks
-    go to SSD) and starts it again on the same SSD directory."""
-
-    def __init__(self, socks: str, name: str, dram: int, ssd: str, ssd_bytes: int,
-                 demote: bool) -> None:
-        self.sock = os.path.join(socks, f"{name}.sock")
-        self.flags = ["--socket-path", self.sock, "--dram-bytes", str(dram), "--slab-bytes",
-                      "64MiB", "--log-level", "WARNING", "--ssd-dir", ssd]
-        if ssd:
-            self.flags += ["--ssd-bytes", str(ssd_bytes)]
-        self.ssd = ssd
-        if demote:
-            self.flags += ["--dram-high-watermark", "1e-9", "--dram-low-watermark", "1e-9",
-                           "--maintain-seconds", "0.05"]
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        from tierd.daemon.client import TierdClient
-
-        self.process = subprocess.Popen([sys.executable, "-m", "tierd.commands.serve",
-                                         *self.flags], env={**os.environ, "TIERD_CONFIG": ""},
-                                        stdout=subprocess.DEVNULL)
-        with TierdClient(socket_path=self.sock, timeout=10) as client:
-            client.wait_ready(timeout=300)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(timeout=120)
-            self.process = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
+    go to SSD) and starts it again on the same SSD directory (``demote``: every committed block
+    goes to SSD, leaving DRAM, at the next 50 ms pass)."""
+    flags = ["--dram-bytes", str(dram), "--slab-bytes", "64MiB", "--ssd-dir", ssd]
+    if ssd:
+        flags += ["--ssd-bytes", str(ssd_bytes)]
+    if demote:
+        flags += ["--dram-high-watermark", "1e-9", "--dram-low-watermark", "1e-9",
+                  "--maintain-seconds", "0.05"]
+    return TierdServe(work, flags, socket_path=os.path.join(socks, f"{name}.sock"))
 
 
 class _Engine:
@@ -289,7 +265,7 @@ def _wait_visible(engine: _Engine, sock: str, keys: list[bytes], start: float) -
     return seconds
 
 
-def _measure(args: argparse.Namespace, daemons: dict[str, _Daemon], work: str,
+def _measure(args: argparse.Namespace, daemons: dict[str, TierdServe], work: str,
              nbytes: int) -> dict[str, Any]:
     from tierd.daemon.ssd.rawdisk import measure_raw_disk
 
@@ -311,7 +287,7 @@ def _measure(args: argparse.Namespace, daemons: dict[str, _Daemon], work: str,
         _clear_floor()
         for name in ("tierd", "fs"):
             def tier(daemon: str) -> dict[str, Any]:
-                return _tierd(daemons[daemon].sock) if name == "tierd" else _fs(fs_root)
+                return _tierd(daemons[daemon].socket_path) if name == "tierd" else _fs(fs_root)
 
             a, b = _Engine(tier("dram"), n), _Engine(tier("dram"), n)
             start = time.perf_counter()
@@ -321,7 +297,8 @@ def _measure(args: argparse.Namespace, daemons: dict[str, _Daemon], work: str,
             start = time.perf_counter()
             record(f"{name}_store", a.store(keys))
             if name == "tierd":
-                record("tierd_visible", _wait_visible(a, daemons["dram"].sock, keys, start))
+                record("tierd_visible",
+                       _wait_visible(a, daemons["dram"].socket_path, keys, start))
             record(f"{name}_dram_load", b.load(keys))
             a.close()
             b.close()
@@ -329,7 +306,7 @@ def _measure(args: argparse.Namespace, daemons: dict[str, _Daemon], work: str,
             cold = _keys(n)
             a.store(cold)
             if name == "tierd":
-                _wait_on_ssd(a, daemons["ssd"].sock, cold)
+                _wait_on_ssd(a, daemons["ssd"].socket_path, cold)
             a.close()
             b = _Engine(tier("ssd"), n)
             drop_page_cache()
@@ -347,27 +324,28 @@ def _measure(args: argparse.Namespace, daemons: dict[str, _Daemon], work: str,
     for key, values in out.items():
         figures[f"{key}_ms"] = statistics.median(values)
         figures[f"{key}_range_ms"] = [min(values), max(values)]
-    figures.update(_footprint(daemons["bound"], os.path.join(work, "fs-bound")))
+    figures.update(_footprint(daemons["bound"], os.path.join(work, "ssd-bound"),
+                              os.path.join(work, "fs-bound")))
     return figures
 
 
-def _footprint(daemon: _Daemon, fs_root: str) -> dict[str, Any]:
+def _footprint(daemon: TierdServe, ssd_dir: str, fs_root: str) -> dict[str, Any]:
     """Write 3x the bound daemon's DRAM + SSD bytes through each tier; bytes each then holds."""
     from tierd.daemon.client import TierdClient
 
-    with TierdClient(socket_path=daemon.sock, timeout=30) as client:
+    with TierdClient(socket_path=daemon.socket_path, timeout=30) as client:
         bound = sum(t.capacity_bytes for t in client.stats().tiers if t.tier in ("dram", "ssd"))
     batch = 32
     for name in ("tierd", "fs"):
-        engine = _Engine(_tierd(daemon.sock) if name == "tierd" else _fs(fs_root), batch)
+        engine = _Engine(_tierd(daemon.socket_path) if name == "tierd" else _fs(fs_root), batch)
         for _ in range(-(-3 * bound // (batch * CHUNK))):
             engine.store(_keys(batch))
         engine.close()
     time.sleep(1.0)  # the write-behind and demotion settle
-    with TierdClient(socket_path=daemon.sock, timeout=30) as client:
+    with TierdClient(socket_path=daemon.socket_path, timeout=30) as client:
         held = sum(t.used_bytes for t in client.stats().tiers if t.tier in ("dram", "ssd"))
     return {"bound_bytes": bound, "written_bytes": 3 * bound, "tierd_footprint_bytes": held,
-            "tierd_disk_bytes": _du(daemon.ssd), "fs_footprint_bytes": _du(fs_root)}
+            "tierd_disk_bytes": _du(ssd_dir), "fs_footprint_bytes": _du(fs_root)}
 
 
 def _du(path: str) -> int:
