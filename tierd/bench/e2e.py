@@ -46,12 +46,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
+from tierd.bench.tierd_serve import TierdServe
 from tierd.types import BlockHash
 
 if TYPE_CHECKING:
@@ -119,12 +118,12 @@ def run(args: argparse.Namespace) -> int:
                 ssd = _serve(workdir, "ssd", arena, "--dram-high-watermark", "1e-9",
                              "--dram-low-watermark", "1e-9", "--maintain-seconds", "0.05")
                 try:
-                    figures.update(_ttfts(args, model, workdir, dram[1], ssd[1],
-                                          prefix_blocks * block_bytes))
+                    figures.update(_ttfts(args, model, workdir, dram.socket_path,
+                                          ssd.socket_path, prefix_blocks * block_bytes))
                 finally:
-                    _stop(ssd[0])
+                    ssd.stop(timeout=30)
             finally:
-                _stop(dram[0])
+                dram.stop(timeout=30)
         if args.only in ("all", "miss"):
             written = 2 * args.miss_pairs * args.miss_prompts * (args.miss_tokens // BLOCK + 1)
             arena = max(64 << 20, -(-written * block_bytes * 5 // 4 // (4 << 20)) * (4 << 20))
@@ -297,36 +296,15 @@ def _disk_read_s(workdir: str, nbytes: int) -> float:
     return nbytes / (measure_raw_disk(workdir, nbytes)[1] * 1e9)
 
 
-def _serve(workdir: str, name: str, arena_bytes: int, *extra: str
-           ) -> tuple[subprocess.Popen[bytes], str]:
+def _serve(workdir: str, name: str, arena_bytes: int, *extra: str) -> TierdServe:
     """A `tierd serve` child process (socket and SSD directory ``name`` in ``workdir``,
-    ``extra`` flags), ready to answer; stop it with ``_stop``."""
-    from tierd.daemon.client import TierdClient
-
-    sock = os.path.join(workdir, f"{name}.sock")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tierd.commands.serve", "--socket-path", sock,
-         "--dram-bytes", str(arena_bytes), "--slab-bytes", str(min(arena_bytes, 4 << 20)),
-         "--ssd-dir", os.path.join(workdir, f"{name}-ssd"), "--ssd-bytes", str(2 * arena_bytes),
-         "--log-level", "WARNING", *extra],
-        env={**os.environ, "TIERD_CONFIG": ""}, stdout=subprocess.DEVNULL)
-    try:
-        with TierdClient(socket_path=sock) as client:
-            client.wait_ready(timeout=60)
-    except BaseException:
-        _stop(process)
-        raise
-    return process, sock
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    """Stop a `tierd serve` child gracefully (it removes its socket and arena), or kill it."""
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    ``extra`` flags), ready to answer; ``stop`` it."""
+    daemon = TierdServe(workdir, [
+        "--dram-bytes", str(arena_bytes), "--slab-bytes", str(min(arena_bytes, 4 << 20)),
+        "--ssd-dir", os.path.join(workdir, f"{name}-ssd"), "--ssd-bytes", str(2 * arena_bytes),
+        *extra], socket_path=os.path.join(workdir, f"{name}.sock"))
+    daemon.start()
+    return daemon
 
 
 def _cpu_s(pid: int | str, skip: set[str] | frozenset[str] = frozenset()) -> float:
@@ -361,7 +339,10 @@ def _miss_overhead(args: argparse.Namespace, model: LlamaModel, workdir: str,
     runs: dict[str, list[float]] = {k: [] for k in (
         "without", "with", "daemon_cpu", "hooks_engine", "hooks_threads")}
     seed = 50_000
-    process, sock = _serve(workdir, "miss", arena_bytes)
+    daemon = _serve(workdir, "miss", arena_bytes)
+    sock = daemon.socket_path
+    assert daemon.process is not None
+    pid = daemon.process.pid
     try:
         for pair in range(args.miss_pairs):
             for mode in (("without", "with") if pair % 2 == 0 else ("with", "without")):
@@ -369,7 +350,7 @@ def _miss_overhead(args: argparse.Namespace, model: LlamaModel, workdir: str,
                 prompts = [_tokens(model, args.miss_tokens, seed=seed + i)
                            for i in range(args.miss_prompts)]
                 seed += args.miss_prompts
-                daemon_cpu, threads_cpu = _cpu_s(process.pid), _cpu_s("self", own_threads)
+                daemon_cpu, threads_cpu = _cpu_s(pid), _cpu_s("self", own_threads)
                 in_hooks = hooks.stats.engine_thread_s if hooks is not None else 0.0
                 start = time.perf_counter()
                 engine.generate(prompts, 8)
@@ -377,7 +358,7 @@ def _miss_overhead(args: argparse.Namespace, model: LlamaModel, workdir: str,
                     assert hooks.flush(), "queued write-through must finish"
                 runs[mode].append(time.perf_counter() - start)
                 if hooks is not None:
-                    runs["daemon_cpu"].append(_cpu_s(process.pid) - daemon_cpu)
+                    runs["daemon_cpu"].append(_cpu_s(pid) - daemon_cpu)
                     runs["hooks_threads"].append(_cpu_s("self", own_threads) - threads_cpu)
                     runs["hooks_engine"].append(hooks.stats.engine_thread_s - in_hooks)
                 if hooks is not None:
@@ -385,7 +366,7 @@ def _miss_overhead(args: argparse.Namespace, model: LlamaModel, workdir: str,
                     assert hooks.stats.dropped_save_blocks == 0, "every block is written through"
                 _done(hooks)
     finally:
-        _stop(process)
+        daemon.stop(timeout=30)
     ratios = sorted(w / wo for w, wo in zip(runs["with"], runs["without"]))
     without = statistics.median(runs["without"])
     attributed = [e + t + d for e, t, d in

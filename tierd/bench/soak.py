@@ -42,6 +42,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tierd.bench.tierd_serve import TierdServe
+
 if TYPE_CHECKING:
     from tierd.daemon.layout import Layout
 
@@ -90,19 +92,16 @@ def run(args: argparse.Namespace) -> int:
     sockdir = tempfile.mkdtemp(prefix="tierd-s")  # a short path: sockets are capped at 108 B
     sock = os.path.join(sockdir, "d.sock")
     slab = max(block, 1 << 20)
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "tierd.commands.serve", "--socket-path", sock,
-         "--dram-bytes", str(dram), "--slab-bytes", str(slab),
-         "--ssd-dir", os.path.join(workdir, "ssd"), "--ssd-bytes", str(8 * dram),
-         "--lease-seconds", str(args.lease_seconds), "--maintain-seconds", str(MAINTAIN_S),
-         "--ssd-io-threads", "2", "--log-level", "WARNING"],
-        env={**os.environ, "TIERD_CONFIG": ""})
+    server = TierdServe(workdir, [
+        "--dram-bytes", str(dram), "--slab-bytes", str(slab),
+        "--ssd-dir", os.path.join(workdir, "ssd"), "--ssd-bytes", str(8 * dram),
+        "--lease-seconds", str(args.lease_seconds), "--maintain-seconds", str(MAINTAIN_S),
+        "--ssd-io-threads", "2"], socket_path=sock)
     try:
+        daemon = server.start()
         figures = _soak(args, daemon, sock, workdir, seconds, dram, block, chains)
     finally:
-        if daemon.poll() is None:
-            daemon.terminate()
-            daemon.wait(timeout=120)
+        server.stop(timeout=120)
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(sockdir, ignore_errors=True)
     return _report(figures, args.json)
