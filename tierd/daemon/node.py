@@ -94,8 +94,8 @@ class NodeStore:
                                           self._expire, clock)
         self._writing = self._reservations.writing  # reserved key -> its write lease id
         self._inflight_pins: Counter[NamespacedKey] = Counter()  # pins of acquires in progress
-        self._promoter = Promoter(self._tiers, arena, ssd, self._writing, self._inflight_pins,
-                                  clock)
+        self._promoter = Promoter(self._tiers, arena, ssd, self._writing.__contains__,
+                                  self._landed_pinned, clock)
         self._promoting = self._promoter.active
         self._hbm = HbmIndex(config.hbm_max_blocks_per_engine, TierListeners(outside))
         self._maintaining = asyncio.Lock()
@@ -550,6 +550,10 @@ class NodeStore:
     def _pin_inflight(self, key: NamespacedKey) -> None:
         self._tiers.pin(key)
         self._inflight_pins[key] += 1
+
+    def _landed_pinned(self, key: NamespacedKey, pins: int) -> None:
+        """A promotion landed pinned once per acquire waiting on it: in-flight pins."""
+        self._inflight_pins[key] += pins
 
     def _unpin_inflight(self, key: NamespacedKey) -> None:
         self._inflight_pins[key] -= 1

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,14 +46,17 @@ class Promotion:
 class Promoter:
     """The promotions in flight (``active``, by key). Not thread-safe: one event loop.
 
-    ``writing`` (keys being written under a reservation) and ``inflight`` (in-flight pins per
-    key) are the node store's own tables, shared: a landing adds its waiters' pins there."""
+    Asks the node store two things, and owns none of its tables: ``writing(key)``, whether an
+    engine is writing the key under a reservation (a promotion of it does not land), and
+    ``landed(key, pins)``, told when a promotion lands pinned once per waiter (the acquires'
+    in-flight pins, which the node store accounts)."""
 
     def __init__(self, tiers: TierIndex, arena: ShmArena, ssd: SsdStore | None,
-                 writing: dict[NamespacedKey, str], inflight: Counter[NamespacedKey],
+                 writing: Callable[[NamespacedKey], bool],
+                 landed: Callable[[NamespacedKey, int], None],
                  clock: Callable[[], float]) -> None:
         self._tiers, self._arena, self._ssd = tiers, arena, ssd
-        self._writing, self._inflight, self._clock = writing, inflight, clock
+        self._writing, self._landed, self._clock = writing, landed, clock
         self.active: dict[NamespacedKey, Promotion] = {}
 
     def stage(self, key: NamespacedKey, geometry: SlotGeometry, slot: int,
@@ -97,10 +99,10 @@ class Promoter:
         del self.active[p.key]
         p.source.pins -= 1
         t = self._tiers
-        if ok and p.key not in t.dram and p.key not in self._writing:
+        if ok and p.key not in t.dram and not self._writing(p.key):
             t.land(p.key, p.source, p.slot_bytes, p.slot_id, p.waiters)
             p.landed = True
-            self._inflight[p.key] += p.waiters
+            self._landed(p.key, p.waiters)
         else:
             t.free_slot(p.slot_bytes, p.slot_id)
         if not ok:
