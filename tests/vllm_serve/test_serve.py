@@ -40,6 +40,19 @@ def connected(stack: Any, *servers: VllmServe) -> None:
     wait_for("the connectors to reach the daemon", registered, timeout=120, every=1.0)
 
 
+def dram_blocks(stack: Any) -> int:
+    """Blocks the daemon holds in DRAM, every model's."""
+    return sum(m.blocks.get("dram", 0) for m in stack.daemon.stats().models)
+
+
+def committed(stack: Any, before: int) -> None:
+    """Wait until the daemon holds a prompt's blocks more than ``before`` (``dram_blocks``): an
+    instance answers before its last Commit lands (the daemon checksums off its path), so the
+    next instance may ask a few ms too early."""
+    wait_for("the last completion's blocks committed",
+             lambda: dram_blocks(stack) >= before + HIT // BLOCK, timeout=30)
+
+
 def no_pins(stack: Any) -> None:
     wait_for("every pin released", lambda: stack.daemon.pinned_blocks() == 0, timeout=30)
 
@@ -60,8 +73,12 @@ def test_other_weights_of_one_shape_never_share(stack: Any) -> None:
     models."""
     text = prompt(TOKENS, seed=2)
     hits = [s.external_hits() for s in (stack.a, stack.b, stack.c)]
+    held = dram_blocks(stack)
     other = stack.c.complete(text)
+    committed(stack, held)
+    held = dram_blocks(stack)
     mine = stack.a.complete(text)
+    committed(stack, held)
     assert stack.a.external_hits() == hits[0]          # nothing of model 2's served to model 1
     assert stack.c.external_hits() == hits[2]
     assert stack.b.complete(text) == mine
@@ -97,9 +114,13 @@ def test_daemon_killed_while_serving(stack: Any) -> None:
     during = stack.a.complete(text)
     stack.daemon.start()
     connected(stack, stack.a, stack.b)
+    held = dram_blocks(stack)
     assert stack.b.complete(text) == during  # B: a miss (the daemon was empty), cold text
+    committed(stack, held)
     later = prompt(TOKENS, seed=6)
+    held = dram_blocks(stack)
     want = stack.a.complete(later)
+    committed(stack, held)
     before = stack.b.external_hits()
     assert stack.b.complete(later) == want
     assert stack.b.external_hits() - before == HIT
