@@ -53,8 +53,8 @@ from tierd.connector.core.settings import ClientSettings
 from tierd.connector.core.sinks import PoolRows
 from tierd.connector.transfer import ArenaSlots
 
-__all__ = ["DROPS", "ArenaSlots", "ClientSettings", "DaemonLink", "Failure", "Lease",
+__all__ = ["DROPS", "ArenaSlots", "ClientSettings", "DaemonLink", "Failure", "InFlight", "Lease",
            "LoadResult", "OpenLoad", "PendingLease", "PoolRows", "Release", "Reservation",
            "Session", "Sink", "abort", "acquire", "acquire_async", "classify", "commit",
            "commit_async", "describe", "finish_load", "load_leased", "release",
-           "release_async", "releaser", "reserve", "start_load", "write_rows", "InFlight"]
+           "release_async", "releaser", "reserve", "start_load", "write_rows"]

@@ -176,6 +176,7 @@ static void run(struct load *job, int threads) {
     }
 }
 
+/* A load (`h` the hash API), or with `h` NULL a store: see tierd_store_rows. */
 int64_t tierd_load_verified(const struct xxh3 *h, int64_t nblocks, const uint64_t *slot,
                             const int64_t *block, const uint64_t *want, uint64_t base,
                             int64_t layers, int64_t heads, int64_t tokens, int64_t row,
@@ -193,8 +194,7 @@ void tierd_store_rows(int64_t nblocks, const uint64_t *slot, const int64_t *bloc
                       int64_t layers, int64_t heads, int64_t tokens, int64_t row,
                       int64_t s_layer, int64_t s_block, int64_t s_head, int64_t s_token,
                       int threads) {
-    struct load job = {NULL, nblocks, slot, block, NULL, base, layers, heads, tokens, row,
-                       s_layer, s_block, s_head, s_token, nblocks,
-                       nblocks * layers * heads * tokens * row >= STREAM_MIN};
-    if (nblocks > 0) run(&job, threads);
+    /* No hash API: the job is a store (run_part), the same split and stores as a load. */
+    tierd_load_verified(NULL, nblocks, slot, block, NULL, base, layers, heads, tokens, row,
+                        s_layer, s_block, s_head, s_token, threads);
 }

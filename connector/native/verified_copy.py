@@ -192,17 +192,12 @@ def load_verified(rows: BlockRows, slot_addresses: Sequence[int], block_ids: Seq
     block ``block_ids[i]`` while checking it against ``checksums[i]``; returns how many leading
     blocks verified, or None (nothing copied) when the native helper is unavailable. ``threads``
     defaults to ``torch.get_num_threads()``. Blocks until done; releases the GIL."""
-    if not len(slot_addresses) == len(block_ids) == len(checksums):
+    if len(checksums) != len(slot_addresses):
         raise ValueError("need one engine block and one checksum per slot")
-    if block_ids and (min(block_ids) < 0 or max(block_ids) >= rows.num_blocks):
-        raise ValueError(f"engine block ids must lie in [0, {rows.num_blocks})")
-    native = _library()
+    native, count = _prepared(rows, slot_addresses, block_ids, threads)
     if native is None:
         return None
-    if not slot_addresses:
-        return 0
-    count = torch.get_num_threads() if threads is None else threads
-    return native(rows, slot_addresses, block_ids, checksums, max(1, count))
+    return native(rows, slot_addresses, block_ids, checksums, count) if slot_addresses else 0
 
 
 def store_rows(rows: BlockRows, slot_addresses: Sequence[int], block_ids: Sequence[int], *,
@@ -212,14 +207,21 @@ def store_rows(rows: BlockRows, slot_addresses: Sequence[int], block_ids: Sequen
     helper is unavailable. The caller holds the slots (a reservation) and has checked their
     ids. ``threads`` defaults to ``torch.get_num_threads()``. Blocks until done; releases the
     GIL."""
+    native, count = _prepared(rows, slot_addresses, block_ids, threads)
+    if native is None:
+        return False
+    if slot_addresses:
+        native.store(rows, slot_addresses, block_ids, count)
+    return True
+
+
+def _prepared(rows: BlockRows, slot_addresses: Sequence[int], block_ids: Sequence[int],
+              threads: int | None) -> tuple[_Native | None, int]:
+    """The checks of both directions (``ValueError``: one block per slot, ids in ``rows``),
+    then the helper (None where unavailable) and the threads to use."""
     if len(slot_addresses) != len(block_ids):
         raise ValueError("need one engine block per slot")
     if block_ids and (min(block_ids) < 0 or max(block_ids) >= rows.num_blocks):
         raise ValueError(f"engine block ids must lie in [0, {rows.num_blocks})")
-    native = _library()
-    if native is None:
-        return False
-    if slot_addresses:
-        count = torch.get_num_threads() if threads is None else threads
-        native.store(rows, slot_addresses, block_ids, max(1, count))
-    return True
+    count = torch.get_num_threads() if threads is None else threads
+    return _library(), max(1, count)

@@ -84,7 +84,6 @@ class TierdHiCacheStorage(HiCacheStorage):
         self.writer: bool = bool(getattr(sc, "is_storage_writer", True))
         self.format: PageFormat | None = None
         self._link: DaemonLink | None = None
-        self._host: HostPages | None = None
         self._commits = InFlight(self._commit_failed)
         self._releases = InFlight(lambda session, exc: self._failed(exc, session,
                                                                     names_lease=True))
@@ -100,7 +99,6 @@ class TierdHiCacheStorage(HiCacheStorage):
         s = self.shard
         name = f"{self.config.link.engine_name}-tp{s.tp_rank}" + (
             f"-pp{s.pp_rank}" if s.pp_size > 1 else "")
-        self._host = HostPages(self.format)
         self._link = DaemonLink(self.config.link, self.format.layout, name, attach=True)
         self._link.connect()
 
@@ -145,8 +143,7 @@ class TierdHiCacheStorage(HiCacheStorage):
         """Load the leading held pages of ``keys`` into the host pages at ``host_indices``
         (``page_size`` indices per key); True for each page loaded and verified."""
         fmt = self._format()
-        assert self._host is not None
-        return self._load(keys, lambda n: fmt.pages_of(host_indices, n), self._host)
+        return self._load(keys, lambda n: fmt.pages_of(host_indices, n), HostPages(fmt))
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> list[bool]:

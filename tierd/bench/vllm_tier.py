@@ -42,7 +42,8 @@ from typing import Any
 from tierd.bench.page_cache import drop_page_cache
 from tierd.bench.tierd_serve import TierdServe
 
-HELP = "TierdTier vs vLLM's fs tier under vLLM's native offloading: store, loads, footprint."
+HELP = ("TierdTier vs vLLM's fs tier under vLLM's native offloading: store, loads, footprint; "
+        "the floor of any tier (one memcpy) beside them.")
 
 LAYERS, HEADS, HEAD, BLOCK = 32, 8, 128, 16  # Llama-3-8B, fp16: 2 MiB per 16-token block
 CHUNK = 2 * LAYERS * HEADS * HEAD * BLOCK * 2
