@@ -1,15 +1,18 @@
-"""A DRAM load in one pass: each slot is checked (xxh3-64) piece by piece as it is copied; and
-the copy of a store (``store_rows``: engine blocks into slots, the same threads and
-non-temporal stores, no hash: the daemon checksums what is committed).
+"""A DRAM load in one pass: each slot is checked (xxh3-64) as it is copied; and the copy of a
+store (``store_rows``: engine blocks into slots, the same threads and non-temporal stores, no
+hash: the daemon checksums what is committed).
 
 A load must verify every block where it lies in the arena (docs/connector.md, "Integrity").
 Verifying every slot and then copying the verified ones reads the arena twice; on these hosts
 that costs ~1.9x a memcpy of the same bytes, the verify pass alone ~0.9x. ``verified_copy.c``
-hashes 16 KiB of a slot, copies those bytes while they are still in the core's cache, and goes
-on, splitting the blocks between ``torch.get_num_threads()`` threads; loads of 8 MiB or more
-write with non-temporal stores (no read of destination lines first). Measured for a 256 MiB
-Llama-3-8B prefix on 2 cores: ~0.85-0.9x a torch memcpy of the same bytes (~1.3x without the
-non-temporal stores).
+splits the blocks between ``torch.get_num_threads()`` threads and has two kernels (``ISAS``):
+where every row is a whole number of 64-byte stripes (all real KV blocks), each stripe is loaded
+once into AVX-512 (or AVX2) registers, stored to the engine's block and folded into xxh3's
+accumulators, so a load costs what a copy costs; otherwise it hashes 16 KiB of a slot, copies
+those bytes while they are still in the core's cache, and goes on (the python-xxhash code, any
+CPU). Loads of 8 MiB or more write with non-temporal stores (no read of destination lines
+first). The fused kernels are checked against python-xxhash when the library loads and are not
+used if they ever disagree.
 
 What a caller gets from ``load_verified``: how many leading blocks verified (all of them in the
 engine's KV), or None when the library is not available (no C compiler, ``TIERD_NATIVE=0``), so
@@ -101,20 +104,30 @@ class _Xxh3(ctypes.Structure):
     _fields_ = [(name, _PTR) for name in ("create", "free", "reset", "update", "digest")]
 
 
+ISAS = {"pieces": 0, "avx2": 2, "avx512": 3}
+"""The load kernels of ``verified_copy.c``: hash a piece then copy it (any CPU, any rows), or
+fold xxh3 into the copy, one load per 64-byte stripe, with AVX2 or AVX-512 (rows a multiple of
+64 bytes; other rows take the pieces)."""
+
+
 @dataclass(frozen=True)
 class _Native:
-    """The compiled ``tierd_load_verified`` and ``tierd_store_rows``, and the hash API."""
+    """The compiled ``tierd_load_verified`` and ``tierd_store_rows``, the hash API, the best
+    load kernel this CPU runs (``ISAS``) and the one used: the best that agreed with
+    ``block_checksum`` at load."""
 
     fn: Callable[..., int]
     store_fn: Callable[..., None]
     api: _Xxh3
+    cpu_isa: int
+    isa: int
 
     def __call__(self, rows: BlockRows, addresses: Sequence[int], block_ids: Sequence[int],
                  checksums: Sequence[int], threads: int) -> int:
         n = len(addresses)
         return int(self.fn(ctypes.byref(self.api), n, (_U64 * n)(*addresses),
                            (_I64 * n)(*block_ids), (_U64 * n)(*checksums), *_grid(rows),
-                           threads))
+                           threads, self.isa))
 
     def store(self, rows: BlockRows, addresses: Sequence[int], block_ids: Sequence[int],
               threads: int) -> None:
@@ -151,15 +164,22 @@ def _load() -> _Native | None:
         "XXH3_64bits_digest")))
     fn = lib.tierd_load_verified
     fn.restype = _I64
-    fn.argtypes = [ctypes.POINTER(_Xxh3), _I64, _PTR, _PTR, _PTR, _U64, *[_I64] * 8, ctypes.c_int]
+    fn.argtypes = [ctypes.POINTER(_Xxh3), _I64, _PTR, _PTR, _PTR, _U64, *[_I64] * 8,
+                   ctypes.c_int, ctypes.c_int]
     store = lib.tierd_store_rows
     store.restype = None
     store.argtypes = [_I64, _PTR, _PTR, _U64, *[_I64] * 8, ctypes.c_int]
-    native = _Native(fn, store, api)
+    best = int(lib.tierd_fused_isa())
+    native = _Native(fn, store, api, best, ISAS["pieces"])
     if not _self_test(native):
         _log.warning("tierd: %s disagrees with block_checksum; DRAM loads take the Python path",
                      _SOURCE.name)
         return None
+    for isa in sorted((i for i in ISAS.values() if 0 < i <= best), reverse=True):
+        if _fused_agrees(replace(native, isa=isa)):
+            return replace(native, isa=isa)
+        _log.warning("tierd: the fused %s load of %s disagrees with block_checksum; not used",
+                     next(k for k, v in ISAS.items() if v == isa), _SOURCE.name)
     return native
 
 
@@ -179,6 +199,24 @@ def _self_test(native: _Native) -> bool:
     native.store(rows, [back[i].data_ptr() for i in range(3)], [2, 0, 1], 2)
     stored = torch.equal(back, dst.reshape(3, -1)[[2, 0, 1]])
     return good == 3 and landed and bad == 1 and stored
+
+
+def _fused_agrees(native: _Native) -> bool:
+    """One block of each length that decides a turn of xxh3's loop (one stripe past its 1 KiB
+    blocks, a block less one stripe, 120 KB in strided rows...): the fused kernel lands it and
+    verifies it against ``block_checksum``, and refuses it when the checksum is off by one."""
+    for length in (256, 960, 1024, 1088, 2048, 17_536, 120_000):
+        src = torch.randint(0, 256, (1, length), dtype=torch.uint8)
+        dst = torch.zeros(2, length // 64, 128, dtype=torch.uint8)  # rows 64 B apart
+        rows = BlockRows(dst.data_ptr(), 2, length // 64, 1, 1, 64, 128, length * 2, 0, 0)
+        want = block_checksum(src.numpy().tobytes())
+        if native(rows, [src.data_ptr()], [1], [want], 1) != 1:
+            return False
+        if not torch.equal(dst[1, :, :64].reshape(1, -1), src):
+            return False
+        if native(rows, [src.data_ptr()], [0], [want ^ 1], 1) != 0:
+            return False
+    return True
 
 
 def available() -> bool:

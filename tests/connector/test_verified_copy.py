@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,19 @@ from tierd.connector.native.verified_copy import BlockRows, load_verified, store
 
 needs_cc = pytest.mark.skipif(build.compiler() is None, reason="no C compiler on this machine")
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+
+
+@pytest.fixture(params=list(verified_copy.ISAS))
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each load kernel this CPU runs, made the one ``load_verified`` uses: hash-then-copy
+    pieces, and xxh3 folded into the copy with AVX2 and with AVX-512 (skipped where the CPU
+    lacks them)."""
+    native = verified_copy._library()
+    isa = verified_copy.ISAS[request.param]
+    if native is None or isa > native.cpu_isa:
+        pytest.skip(f"no {request.param} load kernel on this machine")
+    monkeypatch.setattr(verified_copy, "_loaded", [replace(native, isa=isa)])
+    return str(request.param)
 
 
 def _kv(order: str, layers: int = 3, blocks: int = 9, heads: int = 2, tokens: int = 4,
@@ -42,9 +56,10 @@ def _as_blocks(slots: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
 @needs_cc
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("order", LAYOUTS)
-def test_every_layout_lands_in_canonical_order(order: str, threads: int) -> None:
+def test_every_layout_lands_in_canonical_order(order: str, threads: int, kernel: str) -> None:
     """Five slots into blocks 6, 0, 3, 4, 8 of each of vLLM's layouts: all five verify, each
-    block holds its slot's bytes in the canonical order, no other block is touched."""
+    block holds its slot's bytes in the canonical order, no other block is touched (rows of
+    192 bytes take a fused kernel, rows of 24 or 96 bytes the pieces)."""
     kv = _kv(order)
     slots, sums = _slots(5, kv, seed=1)
     block_ids = [6, 0, 3, 4, 8]
@@ -57,7 +72,7 @@ def test_every_layout_lands_in_canonical_order(order: str, threads: int) -> None
 
 @needs_cc
 @pytest.mark.parametrize("threads", [1, 2, 4])
-def test_counts_leading_blocks_before_the_first_mismatch(threads: int) -> None:
+def test_counts_leading_blocks_before_the_first_mismatch(threads: int, kernel: str) -> None:
     """Eight blocks whose slot 5 has one flipped byte: 5 verified and in place, whatever the
     thread split (a thread past the failure stops, one before it finishes)."""
     kv = _kv("LBHNC", blocks=8)
@@ -70,7 +85,7 @@ def test_counts_leading_blocks_before_the_first_mismatch(threads: int) -> None:
 
 
 @needs_cc
-def test_a_pool_of_rows_larger_than_a_piece() -> None:
+def test_a_pool_of_rows_larger_than_a_piece(kernel: str) -> None:
     """The reference engine's pool (one 100,000-byte row per block, hashed in 16 KiB pieces):
     rows 2 and 0 land bit-exact; a wrong checksum for the second stops there."""
     pool = torch.zeros(3, 100_000, dtype=torch.uint8)
@@ -83,12 +98,14 @@ def test_a_pool_of_rows_larger_than_a_piece() -> None:
 
 
 @needs_cc
+@pytest.mark.parametrize("tail", [48, 0], ids=["ragged", "stripes"])
 @pytest.mark.parametrize("skew", [0, 1], ids=["aligned", "unaligned"])
-def test_a_large_load_is_exact_with_streaming_stores(skew: int) -> None:
-    """Five blocks of 2 MiB + 48 bytes (10 MiB: past the non-temporal-store threshold; 48: a
-    tail under one 64-byte store) into 16-byte-aligned pool rows, or rows one byte off (plain
-    copies): bit-exact either way, and a flipped byte in the third block stops the count."""
-    width = (2 << 20) + 48
+def test_a_large_load_is_exact_with_streaming_stores(skew: int, tail: int, kernel: str) -> None:
+    """Five blocks of 2 MiB (+ 48 bytes: a tail under one 64-byte store, so the pieces) (10 MiB:
+    past the non-temporal-store threshold) into 16-byte-aligned pool rows, or rows one byte off
+    (plain copies): bit-exact either way, and a flipped byte in the third block stops the
+    count."""
+    width = (2 << 20) + tail
     pool = torch.zeros(6, width + 16, dtype=torch.uint8)[:, skew:skew + width]
     slots = torch.randint(0, 256, (5, width), dtype=torch.uint8)
     sums = [block_checksum(s.numpy().tobytes()) for s in slots]
@@ -98,6 +115,33 @@ def test_a_large_load_is_exact_with_streaming_stores(skew: int) -> None:
     assert int(pool[4].sum()) == 0
     slots[2, width // 2] ^= 0x40
     assert load_verified(rows, addresses, [5, 0, 1, 2, 3], sums) == 2
+
+
+@needs_cc
+@pytest.mark.parametrize("kernel", ["avx2", "avx512"], indirect=True)
+def test_a_fused_kernel_agrees_with_block_checksum_at_every_turn(kernel: str) -> None:
+    """Every whole number of stripes from 4 to 70 (past four of xxh3's 1 KiB turns, every
+    position of the last stripe in one) and 2 MiB: the block verifies and lands; with one
+    byte flipped anywhere (first stripe, a turn, the last stripe) it does not."""
+    gen = torch.Generator().manual_seed(7)
+    for length in [*range(256, 70 * 64 + 1, 64), 2 << 20]:
+        pool = torch.zeros(2, length, dtype=torch.uint8)
+        slot = torch.randint(0, 256, (length,), dtype=torch.uint8, generator=gen)
+        want = block_checksum(slot.numpy().tobytes())
+        assert load_verified(BlockRows.of(pool), [slot.data_ptr()], [1], [want]) == 1, length
+        assert torch.equal(pool[1], slot) and int(pool[0].sum()) == 0
+        for at in {a for a in (0, 1023, 1024, length - 64, length - 1) if a < length}:
+            slot[at] ^= 0x80
+            assert load_verified(BlockRows.of(pool), [slot.data_ptr()], [1], [want]) == 0
+            slot[at] ^= 0x80
+
+
+@needs_cc
+def test_the_best_kernel_this_cpu_runs_is_the_one_used() -> None:
+    """The kernels that fold xxh3 into the copy agreed with python-xxhash at load, so the best
+    this CPU runs is in use (a disagreement would drop to the next, with a warning)."""
+    native = verified_copy._library()
+    assert native is not None and native.isa == native.cpu_isa
 
 
 def test_layouts_coalesce_to_the_fewest_rows() -> None:
