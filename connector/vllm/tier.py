@@ -82,8 +82,11 @@ METRICS = {
 }
 _RESULTS: dict[Answer, LookupResult] = {"hit": LookupResult.HIT, "miss": LookupResult.MISS,
                                         "retry": LookupResult.RETRY}
-_PROBE_BYTES = 32 << 20
-"""Bytes of chunks one Acquire asks for (a request's lookups are split into pieces of this)."""
+_PROBE_BYTES = 128 << 20
+"""Bytes of chunks one Acquire asks for (a request's lookups are split into pieces of this).
+Measured with a 256 MiB prefix on 2 cores (``tierd bench vllm-tier``): pieces of 32 MiB load
+it from DRAM in ~32 ms, of 128 MiB in ~27 ms (fewer round trips, fewer load jobs competing for
+the cores), and from SSD no slower (the first piece still lands while later ones are read)."""
 
 
 @dataclass(frozen=True, slots=True)
