@@ -5,8 +5,8 @@ them), then stores; ``drain`` and ``stop`` wait a bounded time. The copies move 
 between vLLM's primary region (``PrimaryRows``) and arena slots, one copy each way: a store
 (``store_rows``) is ``verified_copy.store_rows`` (all threads, the GIL released; without the
 native helper one strided torch copy per run of rows going to adjacent slots); a load goes
-through ``core.load`` with ``PrimaryRows`` as its ``Sink``: ``verified_copy``'s one pass (each
-slot hashed 16 KiB at a time and copied while in cache), or, without the native helper, a
+through ``core.load`` with ``PrimaryRows`` as its ``Sink``: ``verified_copy``'s one pass (xxh3
+folded into the copy), or, without the native helper, a
 check of every slot where it lies and a copy of the verified ones.
 """
 
