@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -113,8 +114,8 @@ fold xxh3 into the copy, one load per 64-byte stripe, with AVX2 or AVX-512 (rows
 @dataclass(frozen=True)
 class _Native:
     """The compiled ``tierd_load_verified`` and ``tierd_store_rows``, the hash API, the best
-    load kernel this CPU runs (``ISAS``) and the one used: the best that agreed with
-    ``block_checksum`` at load."""
+    load kernel this CPU runs and ``TIERD_LOAD_KERNEL`` allows (``ISAS``), and the one used:
+    the best of those that agreed with ``block_checksum`` at load."""
 
     fn: Callable[..., int]
     store_fn: Callable[..., None]
@@ -169,7 +170,7 @@ def _load() -> _Native | None:
     store = lib.tierd_store_rows
     store.restype = None
     store.argtypes = [_I64, _PTR, _PTR, _U64, *[_I64] * 8, ctypes.c_int]
-    best = int(lib.tierd_fused_isa())
+    best = min(int(lib.tierd_fused_isa()), _kernel_cap())
     native = _Native(fn, store, api, best, ISAS["pieces"])
     if not _self_test(native):
         _log.warning("tierd: %s disagrees with block_checksum; DRAM loads take the Python path",
@@ -181,6 +182,16 @@ def _load() -> _Native | None:
         _log.warning("tierd: the fused %s load of %s disagrees with block_checksum; not used",
                      next(k for k, v in ISAS.items() if v == isa), _SOURCE.name)
     return native
+
+
+def _kernel_cap() -> int:
+    """``TIERD_LOAD_KERNEL`` (pieces, avx2, avx512): the best load kernel allowed, for A/B
+    measurements and for a CPU where a fused kernel should not run; unset: any."""
+    name = os.environ.get("TIERD_LOAD_KERNEL", "")
+    if name and name not in ISAS:
+        _log.warning("tierd: TIERD_LOAD_KERNEL=%s is not one of %s; ignored", name,
+                     ", ".join(ISAS))
+    return ISAS.get(name, max(ISAS.values()))
 
 
 def _self_test(native: _Native) -> bool:

@@ -144,6 +144,21 @@ def test_the_best_kernel_this_cpu_runs_is_the_one_used() -> None:
     assert native is not None and native.isa == native.cpu_isa
 
 
+@needs_cc
+def test_tierd_load_kernel_caps_the_kernel(monkeypatch: pytest.MonkeyPatch,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    """``TIERD_LOAD_KERNEL=pieces`` keeps the hash-then-copy kernel (an A/B, or a CPU where
+    the fused one should not run); a name it does not know is ignored with a warning."""
+    monkeypatch.setenv("TIERD_LOAD_KERNEL", "pieces")
+    native = verified_copy._load()
+    assert native is not None and native.isa == native.cpu_isa == verified_copy.ISAS["pieces"]
+    monkeypatch.setenv("TIERD_LOAD_KERNEL", "sse9")
+    with caplog.at_level(logging.WARNING):
+        native = verified_copy._load()
+    assert "TIERD_LOAD_KERNEL=sse9 is not one of pieces, avx2, avx512" in caplog.text
+    assert native is not None and native.isa == verified_copy._library().isa
+
+
 def test_layouts_coalesce_to_the_fewest_rows() -> None:
     """vLLM's CPU layout copies one row per layer and block; block-major BLHNC one per block;
     FlashAttention's LBNHC needs one per head and token."""
