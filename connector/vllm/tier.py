@@ -84,9 +84,10 @@ _RESULTS: dict[Answer, LookupResult] = {"hit": LookupResult.HIT, "miss": LookupR
                                         "retry": LookupResult.RETRY}
 _PROBE_BYTES = 128 << 20
 """Bytes of chunks one Acquire asks for (a request's lookups are split into pieces of this).
-Measured with a 256 MiB prefix on 2 cores (``tierd bench vllm-tier``): pieces of 32 MiB load
-it from DRAM in ~32 ms, of 128 MiB in ~27 ms (fewer round trips, fewer load jobs competing for
-the cores), and from SSD no slower (the first piece still lands while later ones are read)."""
+Measured with a 256 MiB prefix on 2 cores, medians of 4: from DRAM, pieces of 32 MiB take
+~31 ms, of 128 MiB ~27 ms (fewer round trips, fewer load jobs competing for the cores); from SSD
+(page cache dropped) 142 ms against 157 ms (an answer waits for all of its piece's reads, so the
+copies overlap the reads less). Only 128 MiB meets both targets of ``tierd bench vllm-tier``."""
 
 
 @dataclass(frozen=True, slots=True)
