@@ -143,14 +143,21 @@ def test_preemption_under_a_small_kv_cache_leaves_no_pins(stack: Any) -> None:
     """Three requests at once on an instance whose KV cache holds 48 blocks: short prompts
     (10 blocks, loaded from tierd) and long answers (22 more blocks each) outgrow it, so vLLM
     preempts and readmits them, loading again each time; no pin is left. Each answer starts
-    like the cold run's (its first 16 tokens: a wrong block changes the first one). Not the
-    whole 700: vLLM's arithmetic depends on the batch (bf16, no batch-invariant mode), so long
-    greedy answers computed three at a time drift from one computed alone, tierd or not."""
+    like the storing instance's (its first 16 tokens: a wrong block changes the first one)
+    computed alone or three at a time: vLLM's arithmetic depends on the batch (bf16, no
+    batch-invariant mode), and on some hosts a batch of three changes one of the first 16
+    greedy tokens, tierd or not (seen on a 2-core AVX-512 host: the storing instance three at a
+    time and this one agreed token for token where both differed from one alone)."""
     prompts = [prompt(10 * BLOCK + 5, seed=20 + i) for i in range(3)]
-    want = [stack.a.complete(text, 700) for text in prompts]
+    alone = [stack.a.complete(text, 700).split()[:16] for text in prompts]
+    with ThreadPoolExecutor(3) as pool:
+        batched = [t.split()[:16] for t in pool.map(lambda text: stack.a.complete(text, 700),
+                                                    prompts)]
     before = stack.d.metric("vllm:num_preemptions")
     with ThreadPoolExecutor(3) as pool:
-        got = list(pool.map(lambda text: stack.d.complete(text, 700), prompts))
-    assert [g.split()[:16] for g in got] == [w.split()[:16] for w in want]
+        got = [t.split()[:16] for t in pool.map(lambda text: stack.d.complete(text, 700),
+                                                prompts)]
+    for answer, one, three in zip(got, alone, batched):
+        assert answer in (one, three), f"{answer} is neither {one} nor {three}"
     assert stack.d.metric("vllm:num_preemptions") > before
     no_pins(stack)
