@@ -54,11 +54,11 @@ struct load {
     int64_t layers, heads, tokens, row;
     int64_t s_layer, s_block, s_head, s_token;
     int64_t first_bad;         /* shared: lowest failed block index, nblocks if none */
+    int64_t next;              /* shared: the next block index a thread takes */
     int stream;                /* non-temporal stores (a load of at least STREAM_MIN bytes) */
     int isa;                   /* a load: the fused kernel to use where it fits (ISA_*) */
 };
 
-struct part { struct load *job; int64_t lo, hi; };
 
 enum { PIECE = 16 * 1024 };  /* bytes hashed, then copied while in L1/L2: 16 KiB measured best */
 enum { STREAM_MIN = 8 << 20 };  /* loads of at least this many bytes use non-temporal stores */
@@ -316,11 +316,20 @@ static int fused_block(struct load *j, stripes_fn stripes, int64_t b) {
 int tierd_fused_isa(void) { return ISA_PIECES; }
 #endif
 
+/* The next block for this thread, or nblocks when all are taken (or past a failed one). */
+static int64_t take(struct load *j) {
+    int64_t b = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+    return b < j->nblocks && b < first_bad(j) ? b : j->nblocks;
+}
+
+/* One thread's share: blocks taken one at a time from a shared counter, so a thread that the
+ * OS descheduled (the engine's own threads share these cores) holds up one block, not half the
+ * job. A load stops at a failed block; the count of leading verified blocks stays exact, since
+ * every block below the lowest failure was taken before it was found and is finished. */
 static void *run_part(void *arg) {
-    struct part *p = arg;
-    struct load *j = p->job;
+    struct load *j = arg;
     if (j->h == NULL) {
-        for (int64_t b = p->lo; b < p->hi; b++)
+        for (int64_t b; (b = take(j)) < j->nblocks;)
             store_block(j, b);
 #if defined(__SSE2__)
         _mm_sfence();
@@ -331,15 +340,15 @@ static void *run_part(void *arg) {
     stripes_fn stripes = j->row % STRIPE == 0 && j->layers * j->heads * j->tokens * j->row > 240
                          ? stripes_for(j->isa) : NULL;
     if (stripes != NULL) {
-        for (int64_t b = p->lo; b < p->hi && b < first_bad(j); b++)
+        for (int64_t b; (b = take(j)) < j->nblocks;)
             if (!fused_block(j, stripes, b)) { lower_first_bad(j, b); break; }
         _mm_sfence();
         return NULL;
     }
 #endif
     void *state = j->h->create();
-    if (state == NULL) { lower_first_bad(j, p->lo); return NULL; }
-    for (int64_t b = p->lo; b < p->hi && b < first_bad(j); b++)
+    if (state == NULL) { lower_first_bad(j, 0); return NULL; }  /* no memory: all a miss */
+    for (int64_t b; (b = take(j)) < j->nblocks;)
         if (!one_block(j, state, b)) { lower_first_bad(j, b); break; }
     j->h->free(state);
 #if defined(__SSE2__)
@@ -350,24 +359,18 @@ static void *run_part(void *arg) {
 
 enum { MAX_THREADS = 64 };
 
-/* Run `job` on up to `threads` threads (this one included), blocks split evenly. */
+/* Run `job` on up to `threads` threads (this one included), each taking blocks as it goes. */
 static void run(struct load *job, int threads) {
-    struct part parts[MAX_THREADS];
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > job->nblocks) threads = (int)job->nblocks;
-    for (int t = 0; t < threads; t++) {
-        parts[t] = (struct part){job, job->nblocks * t / threads, job->nblocks * (t + 1) / threads};
-        if (t > 0)
-            started[t] = pthread_create(&ids[t], NULL, run_part, &parts[t]) == 0;
-    }
-    run_part(&parts[0]);
-    for (int t = 1; t < threads; t++) {
+    for (int t = 1; t < threads; t++)  /* a thread that does not start leaves its blocks to us */
+        started[t] = pthread_create(&ids[t], NULL, run_part, job) == 0;
+    run_part(job);
+    for (int t = 1; t < threads; t++)
         if (started[t]) pthread_join(ids[t], NULL);
-        else run_part(&parts[t]);  /* no thread: do its share here */
-    }
 }
 
 /* A load (`h` the hash API, `isa` the fused kernel to use where the rows allow: ISA_PIECES for
@@ -378,7 +381,7 @@ int64_t tierd_load_verified(const struct xxh3 *h, int64_t nblocks, const uint64_
                             int64_t s_layer, int64_t s_block, int64_t s_head, int64_t s_token,
                             int threads, int isa) {
     struct load job = {h, nblocks, slot, block, want, base, layers, heads, tokens, row,
-                       s_layer, s_block, s_head, s_token, nblocks,
+                       s_layer, s_block, s_head, s_token, nblocks, 0,
                        nblocks * layers * heads * tokens * row >= STREAM_MIN, isa};
     if (nblocks <= 0) return 0;
     run(&job, threads);
