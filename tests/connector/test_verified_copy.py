@@ -85,6 +85,22 @@ def test_counts_leading_blocks_before_the_first_mismatch(threads: int, kernel: s
 
 
 @needs_cc
+@pytest.mark.parametrize("threads", [2, 8])
+def test_threads_taking_blocks_as_they_go_count_to_the_lowest_failure(threads: int,
+                                                                       kernel: str) -> None:
+    """64 blocks, slots 40 and 13 damaged, threads taking blocks one at a time: 13 verified,
+    all 13 in place, whichever thread met which failure first."""
+    kv = _kv("LBHNC", blocks=64)
+    slots, sums = _slots(64, kv, seed=5)
+    slots[40, 3] ^= 0x10
+    slots[13, 70] ^= 0x02
+    got = load_verified(BlockRows.of(kv), [s.data_ptr() for s in slots], list(range(64)), sums,
+                        threads=threads)
+    assert got == 13
+    assert torch.equal(kv[:, :13], _as_blocks(slots[:13], kv))
+
+
+@needs_cc
 def test_a_pool_of_rows_larger_than_a_piece(kernel: str) -> None:
     """The reference engine's pool (one 100,000-byte row per block, hashed in 16 KiB pieces):
     rows 2 and 0 land bit-exact; a wrong checksum for the second stops there."""
