@@ -86,8 +86,9 @@ _PROBE_BYTES = 128 << 20
 """Bytes of chunks one Acquire asks for (a request's lookups are split into pieces of this).
 Measured with a 256 MiB prefix on 2 cores, medians of 4: from DRAM, pieces of 32 MiB take
 ~31 ms, of 128 MiB ~27 ms (fewer round trips, fewer load jobs competing for the cores); from SSD
-(page cache dropped) 142 ms against 157 ms (an answer waits for all of its piece's reads, so the
-copies overlap the reads less). Only 128 MiB meets both targets of ``tierd bench vllm-tier``."""
+(page cache dropped) 142-146 ms against 157-170 ms, two sets of 4 (an answer waits for all of
+its piece's reads, so the copies overlap the reads less). Only 128 MiB meets both targets of
+``tierd bench vllm-tier`` (docs/vllm.md: a Lookup first would get the better of both)."""
 
 
 @dataclass(frozen=True, slots=True)
