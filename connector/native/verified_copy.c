@@ -5,8 +5,8 @@
  * engine's KV, so the slot is read from memory once instead of twice (a verify pass, then a copy
  * pass). Two kernels: the fused one (below, AVX2 or AVX-512: one load per 64-byte stripe feeds
  * both the store and the hash) where rows are whole stripes, and otherwise pieces: 16 KiB hashed,
- * then copied while still in the core's cache. Blocks are split between threads (as many as the
- * caller allows).
+ * then copied while still in the core's cache. Threads (as many as the caller allows) take blocks
+ * one at a time as they go.
  *
  * The destination of a block is L x H x N rows of `row` bytes at byte strides s_layer, s_head,
  * s_token from dst_base + dst_block[b] * s_block (vLLM's [B, H, N, C] views in any KVCacheLayout,
@@ -21,7 +21,7 @@
  * the cache. Small loads use memcpy, so what the forward pass reads next stays in cache.
  *
  * A store (`tierd_store_rows`) copies each block's rows from the engine's memory back to back
- * into its slot, split between threads the same way, with non-temporal stores when large (the
+ * into its slot, taken by threads the same way, with non-temporal stores when large (the
  * slots are not read again soon: the daemon hashes them once). No hash here: the daemon
  * checksums committed slots itself.
  *
@@ -58,7 +58,6 @@ struct load {
     int stream;                /* non-temporal stores (a load of at least STREAM_MIN bytes) */
     int isa;                   /* a load: the fused kernel to use where it fits (ISA_*) */
 };
-
 
 enum { PIECE = 16 * 1024 };  /* bytes hashed, then copied while in L1/L2: 16 KiB measured best */
 enum { STREAM_MIN = 8 << 20 };  /* loads of at least this many bytes use non-temporal stores */
@@ -146,8 +145,8 @@ static void store_block(struct load *j, int64_t b) {
  * its specification gives it: per stripe, lane i adds lo32(d ^ s) * hi32(d ^ s) to itself and
  * d to its neighbour (i ^ 1); every 16 stripes (1 KiB) the accumulators are scrambled; the last
  * stripe is folded with the secret at offset 121 and the accumulators merged with the length.
- * The Python side checks the result against python-xxhash at load (verified_copy._self_test) and
- * keeps the piece path if they ever disagree.
+ * The Python side checks the result against python-xxhash at load (verified_copy._fused_agrees)
+ * and keeps the piece path if they ever disagree.
  */
 enum { ISA_PIECES = 0, ISA_AVX2 = 2, ISA_AVX512 = 3 };
 
@@ -392,7 +391,7 @@ void tierd_store_rows(int64_t nblocks, const uint64_t *slot, const int64_t *bloc
                       int64_t layers, int64_t heads, int64_t tokens, int64_t row,
                       int64_t s_layer, int64_t s_block, int64_t s_head, int64_t s_token,
                       int threads) {
-    /* No hash API: the job is a store (run_part), the same split and stores as a load. */
+    /* No hash API: the job is a store (run_part), the same threads and stores as a load. */
     tierd_load_verified(NULL, nblocks, slot, block, NULL, base, layers, heads, tokens, row,
                         s_layer, s_block, s_head, s_token, threads, 0);
 }

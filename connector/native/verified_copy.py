@@ -5,7 +5,7 @@ hash: the daemon checksums what is committed).
 A load must verify every block where it lies in the arena (docs/connector.md, "Integrity").
 Verifying every slot and then copying the verified ones reads the arena twice; on these hosts
 that costs ~1.9x a memcpy of the same bytes, the verify pass alone ~0.9x. ``verified_copy.c``
-splits the blocks between ``torch.get_num_threads()`` threads and has two kernels (``ISAS``):
+runs on ``torch.get_num_threads()`` threads taking blocks as they go, with two kernels (``ISAS``):
 where every row is a whole number of 64-byte stripes (all real KV blocks), each stripe is loaded
 once into AVX-512 (or AVX2) registers, stored to the engine's block and folded into xxh3's
 accumulators, so a load costs what a copy costs; otherwise it hashes 16 KiB of a slot, copies
@@ -218,7 +218,7 @@ def _fused_agrees(native: _Native) -> bool:
     verifies it against ``block_checksum``, and refuses it when the checksum is off by one."""
     for length in (256, 960, 1024, 1088, 2048, 17_536, 120_000):
         src = torch.randint(0, 256, (1, length), dtype=torch.uint8)
-        dst = torch.zeros(2, length // 64, 128, dtype=torch.uint8)  # rows 64 B apart
+        dst = torch.zeros(2, length // 64, 128, dtype=torch.uint8)  # rows of 64 B, 128 B apart
         rows = BlockRows(dst.data_ptr(), 2, length // 64, 1, 1, 64, 128, length * 2, 0, 0)
         want = block_checksum(src.numpy().tobytes())
         if native(rows, [src.data_ptr()], [1], [want], 1) != 1:
