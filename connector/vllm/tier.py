@@ -15,8 +15,9 @@ What vLLM's manager sees (every method runs on its scheduler thread, under its l
 returns at once; copies and daemon calls run on ``workers`` threads, ``tier_jobs``):
 
 * ``lookup``: RETRY for a key not seen yet; at the end of the step the keys a request looked up
-  go to the daemon as one Acquire, which pins the longest held prefix in DRAM (SSD hits are
-  read in meanwhile) under a lease; later lookups answer HIT for pinned keys, MISS for the rest.
+  go to the daemon: one Lookup, then Acquires (the DRAM run in one, the SSD run in 32 MiB
+  pieces) that pin the longest held prefix in DRAM (SSD hits are read in meanwhile) under
+  leases; later lookups answer HIT for pinned keys, MISS for the rest.
   A key whose load failed answers MISS until it is stored again (else vLLM retries it forever).
   A daemon that is away answers MISS at once.
 * ``submit_load``: the pinned slots are copied into the primary rows, each slot verified in the
@@ -38,7 +39,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -58,11 +59,12 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from tierd.connector.core.lease import Lease, acquire_async, release
+from tierd.connector.core.lease import Lease, PendingLease, acquire_async, release
 from tierd.connector.core.link import DaemonLink, Session
 from tierd.connector.core.load import load_leased
 from tierd.connector.core.save import abort, commit, reserve
 from tierd.daemon.client import target_for
+from tierd.types import Tier
 
 from .config import TierdVllmConfig
 from .identity import model_identity_for_tier
@@ -82,24 +84,34 @@ METRICS = {
 }
 _RESULTS: dict[Answer, LookupResult] = {"hit": LookupResult.HIT, "miss": LookupResult.MISS,
                                         "retry": LookupResult.RETRY}
-_PROBE_BYTES = 128 << 20
-"""Bytes of chunks one Acquire asks for (a request's lookups are split into pieces of this).
-Measured with a 256 MiB prefix on 2 cores, medians of 4: from DRAM, pieces of 32 MiB take
-~31 ms, of 128 MiB ~27 ms (fewer round trips, fewer load jobs competing for the cores); from SSD
-(page cache dropped) 142-146 ms against 157-170 ms, two sets of 4 (an answer waits for all of
-its piece's reads, so the copies overlap the reads less). Only 128 MiB meets both targets of
-``tierd bench vllm-tier`` (docs/vllm.md: a Lookup first would get the better of both)."""
+_SSD_PIECE_BYTES = 32 << 20
+"""Bytes of chunks one Acquire asks for where a request's held prefix lies on SSD (an Acquire
+answers once all of its blocks are read, so the first piece is copied while later ones are
+read); its DRAM run goes as one Acquire. Measured with a 256 MiB prefix on 2 cores, medians of
+4: from SSD (page cache dropped) pieces of 32 MiB take 142-146 ms, of 128 MiB 157-170 ms; from
+DRAM, Acquires of 32 MiB ~31 ms, of 128 MiB ~27 ms (fewer round trips and load jobs)."""
+
+
+@dataclass(slots=True)
+class _Probe:
+    """One probe of a request's new keys: ``parts`` answers will come (set by the pool thread
+    before it sends the first; read on the scheduler thread after it), ``answered`` so far."""
+
+    parts: int = 0
+    answered: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class _Probed:
-    """Pool -> scheduler thread: the daemon's answer to one Acquire of ``keys`` (``session``
-    None: no daemon; ``error``: the call failed; both mean MISS)."""
+    """Pool -> scheduler thread: the daemon's answer for ``keys``, one part of ``probe``: an
+    Acquire's lease, or none (``session`` None: no daemon; ``error``: a call failed; keys the
+    Lookup found not held); no lease means MISS."""
 
     keys: list[OffloadKey]
     session: Session | None
     lease: Lease | None
     error: grpc.RpcError | None
+    probe: _Probe
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,31 +213,52 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         return _RESULTS[answer]
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        """Send this step's new keys to the daemon as Acquires of ``_PROBE_BYTES`` each, all at
-        once: the first pieces answer (and vLLM starts loading them) while the daemon still
-        reads later ones from SSD."""
-        for keys in self._lookups.take_batches(max(1, _PROBE_BYTES // self._layout.block_bytes)):
+        """Probe each request's new keys of this step on a pool thread (``_probe``)."""
+        for keys in self._lookups.take_batches(1 << 30):
             self._probes += 1
-            self._pool.submit("probe", functools.partial(self._probe, keys))
+            self._pool.submit("probe", functools.partial(self._probe, keys, _Probe()))
 
-    def _probe(self, keys: list[OffloadKey]) -> None:
-        """Pool thread: Acquire ``keys``' longest held prefix; the answer goes to the inbox."""
+    def _probe(self, keys: list[OffloadKey], probe: _Probe) -> None:
+        """Pool thread: one Lookup says which of ``keys``' longest held prefix lies in DRAM and
+        which on SSD; then Acquires go out at once, the DRAM run as one, the SSD run in pieces
+        of ``_SSD_PIECE_BYTES``, so the first pieces answer (and vLLM starts loading them)
+        while the daemon still reads later ones. Each answer goes to the inbox."""
         session = self._session()
         if session is None:
-            self._inbox.put(_Probed(keys, None, None, None))
+            probe.parts = 1
+            self._inbox.put(_Probed(keys, None, None, None, probe))
             return
         hashes = [daemon_hash(k) for k in keys[:session.engine.max_blocks_per_request]]
-        pending = acquire_async(session.client, session.engine_id, hashes, clock=time.monotonic,
-                                count_lookup=True)
+        try:
+            tiers = session.client.lookup(session.engine_id, hashes)
+        except grpc.RpcError as exc:
+            probe.parts = 1
+            self._inbox.put(_Probed(keys, session, None, exc, probe))
+            return
+        pieces = probe_pieces(tiers, max(1, _SSD_PIECE_BYTES // self._layout.block_bytes))
+        probe.parts = len(pieces) + 1
+        self._inbox.put(_Probed(keys[len(tiers):], session, None, None, probe))  # not held
+        for piece in pieces:
+            part = keys[piece.start:piece.stop]
+            try:
+                pending = acquire_async(session.client, session.engine_id,
+                                        hashes[piece.start:piece.stop], clock=time.monotonic)
+            except grpc.RpcError as exc:  # the channel closed under us
+                self._inbox.put(_Probed(part, session, None, exc, probe))
+                continue
 
-        def answered(f: Any) -> None:
-            error = f.exception()
-            self._inbox.put(_Probed(keys, session, None if error else pending.wait(), error))
+            def answered(f: Any, part: list[OffloadKey] = part,
+                         pending: PendingLease = pending) -> None:
+                error = f.exception()
+                self._inbox.put(_Probed(part, session, None if error else pending.wait(), error,
+                                        probe))
 
-        pending.reply.add_done_callback(answered)
+            pending.reply.add_done_callback(answered)
 
     def _probed(self, done: _Probed) -> None:
-        self._probes -= 1
+        done.probe.answered += 1
+        if done.probe.answered == done.probe.parts:
+            self._probes -= 1
         if done.error is not None and done.session is not None:
             self._count("vllm:kv_offload_tierd_daemon_errors")
             session, error = done.session, done.error
@@ -444,6 +477,15 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
     def _count(self, name: str, value: int = 1) -> None:
         with self._counts_lock:  # pool threads count daemon errors too
             self._counts[name] = self._counts.get(name, 0) + value
+
+
+def probe_pieces(tiers: Sequence[Tier], ssd_piece: int) -> list[range]:
+    """How a probe asks for a held prefix whose blocks lie in ``tiers`` (a Lookup's answer):
+    its leading DRAM run as one Acquire, everything from the first block elsewhere in pieces of
+    ``ssd_piece`` blocks."""
+    dram = next((i for i, tier in enumerate(tiers) if tier != "dram"), len(tiers))
+    return ([range(0, dram)] if dram else []) + [
+        range(i, min(i + ssd_piece, len(tiers))) for i in range(dram, len(tiers), ssd_piece)]
 
 
 def _released_later(lease: Lease, corrupt_from: int | None) -> None:

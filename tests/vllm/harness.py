@@ -354,7 +354,7 @@ class Daemon(TierdServe):
             "--ssd-bytes", "8MiB",
             *(["--dram-high-watermark", "1e-9", "--dram-low-watermark", "1e-9",
                "--maintain-seconds", "0.05"] if demote_all else [])])
-        self.ssd, self.dram_bytes = ssd, dram_bytes
+        self.ssd, self.dram_bytes, self.demote_all = ssd, dram_bytes, demote_all
 
     def start(self, *flags: str, timeout: float = 60.0) -> subprocess.Popen[bytes]:
         ssd = os.path.join(self.workdir, f"ssd-{self.starts + 1}") if self.ssd else ""

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -97,6 +98,50 @@ def test_restart_between_lookup_and_load(engines: list[TierEngine], daemon: Daem
         assert third.load(more) == more_data
     finally:
         third.close()
+
+
+@pytest.mark.parametrize("daemon", ["", "demote-all"], ids=["dram", "ssd"], indirect=True)
+def test_a_probe_asks_for_dram_at_once_and_ssd_in_pieces(engines: list[TierEngine],
+                                                          daemon: Daemon, model_dir: str,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """A stores six chunks; they stay in DRAM, or (a daemon that demotes everything) move to
+    SSD. B's probe is one Lookup, then one Acquire for the DRAM run, or one per SSD piece (here
+    a chunk each); B loads all six byte for byte and leaves nothing pinned."""
+    import tierd.connector.vllm.tier as tier_module
+    from tierd.bench.vllm_tier import wait_on_ssd
+
+    a, b = engines
+    keys, data = new_keys(6), payloads(6)
+    a.store(keys, data)
+    on_ssd = daemon.demote_all
+    if on_ssd:
+        wait_on_ssd(b.tier._layout, daemon.socket_path, keys)
+    asked: list[int] = []
+    real_acquire = tier_module.acquire_async
+
+    def counted(client: Any, engine_id: str, hashes: list[bytes], **kw: Any) -> Any:
+        asked.append(len(hashes))
+        return real_acquire(client, engine_id, hashes, **kw)
+
+    monkeypatch.setattr(tier_module, "acquire_async", counted)
+    monkeypatch.setattr(tier_module, "_SSD_PIECE_BYTES", 1)  # one chunk per SSD piece
+    assert b.load(keys) == data
+    assert asked == ([1] * 6 if on_ssd else [6])
+    assert not b.tier.has_pending_work() and tier_pins(b) == 0
+    assert daemon.pinned_blocks() == 0
+
+
+def test_probe_pieces() -> None:
+    """The DRAM run in one piece, then pieces of ``ssd_piece`` from the first block elsewhere
+    (DRAM blocks after it included); nothing held, nothing asked."""
+    from tierd.connector.vllm.tier import probe_pieces
+
+    assert probe_pieces(["dram"] * 3 + ["ssd"] * 4 + ["dram"], 3) == [
+        range(0, 3), range(3, 6), range(6, 8)]
+    assert probe_pieces(["dram"] * 5, 2) == [range(0, 5)]
+    assert probe_pieces(["ssd", "dram", "ssd"], 2) == [range(0, 2), range(2, 3)]
+    assert probe_pieces([], 2) == []
 
 
 def test_stalled_then_killed_daemon_never_stalls_vllm(daemon: Daemon, model_dir: str) -> None:

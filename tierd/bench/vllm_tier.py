@@ -238,12 +238,14 @@ def _keys(n: int) -> list[bytes]:
     return [make_offload_key(os.urandom(32), 0) for _ in range(n)]
 
 
-def _wait_on_ssd(engine: _Engine, sock: str, keys: list[bytes]) -> None:
+def wait_on_ssd(layout: Any, sock: str, keys: list[bytes]) -> None:
+    """Until the daemon on ``sock`` holds every one of a tier's ``keys`` (its ``layout``) on
+    SSD and no longer in DRAM (a daemon that demotes everything)."""
     from tierd.connector.vllm.tier_layout import daemon_hash
     from tierd.daemon.client import TierdClient
 
     with TierdClient(socket_path=sock, timeout=30) as client:
-        probe = client.register_engine(engine.tier._layout, "bench-probe").engine_id
+        probe = client.register_engine(layout, "bench-probe").engine_id
         hashes = [daemon_hash(k) for k in keys]
         deadline = time.monotonic() + 300
         while client.lookup(probe, hashes) != ["ssd"] * len(keys):
@@ -307,7 +309,7 @@ def _measure(args: argparse.Namespace, daemons: dict[str, TierdServe], work: str
             cold = _keys(n)
             a.store(cold)
             if name == "tierd":
-                _wait_on_ssd(a, daemons["ssd"].socket_path, cold)
+                wait_on_ssd(a.tier._layout, daemons["ssd"].socket_path, cold)
             a.close()
             b = _Engine(tier("ssd"), n)
             drop_page_cache()
