@@ -139,25 +139,33 @@ def test_aborted_streams_leave_no_pins(stack: Any) -> None:
     no_pins(stack)
 
 
+def same_or_near_tie(got: list[tuple[str, dict[str, float]]],
+                     want: list[tuple[str, dict[str, float]]], margin: float = 0.05) -> bool:
+    """Whether greedy ``got`` follows ``want`` token for token, or parts from it only where
+    ``want``'s model nearly tied: ``got``'s token among ``want``'s top ones there, within
+    ``margin`` (nats) of ``want``'s choice. Wrong KV moves the whole distribution, so the
+    answers part at once and by far. (Seen: the 8th token, 0.016 nats apart; this random tiny
+    model's top two are 0.08-0.56 nats apart at the first token.)"""
+    for (token, _), (chosen, top) in zip(got, want):
+        if token != chosen:
+            return token in top and top[chosen] - top[token] <= margin
+    return True
+
+
 def test_preemption_under_a_small_kv_cache_leaves_no_pins(stack: Any) -> None:
     """Three requests at once on an instance whose KV cache holds 48 blocks: short prompts
     (10 blocks, loaded from tierd) and long answers (22 more blocks each) outgrow it, so vLLM
-    preempts and readmits them, loading again each time; no pin is left. Each answer starts
-    like the storing instance's (its first 16 tokens: a wrong block changes the first one)
-    computed alone or three at a time: vLLM's arithmetic depends on the batch (bf16, no
-    batch-invariant mode), and on some hosts a batch of three changes one of the first 16
-    greedy tokens, tierd or not (seen on a 2-core AVX-512 host: the storing instance three at a
-    time and this one agreed token for token where both differed from one alone)."""
+    preempts and readmits them, loading again each time; no pin is left. Each answer's first
+    16 tokens are the storing instance's alone, or part from them only at a near tie: vLLM's
+    arithmetic depends on the batch (bf16, no batch-invariant mode), and on a 2-core AVX-512
+    host a batch of three changes the 8th or 9th greedy token of some runs, tierd or not (the
+    storing instance three at a time did the same)."""
     prompts = [prompt(10 * BLOCK + 5, seed=20 + i) for i in range(3)]
-    alone = [stack.a.complete(text, 700).split()[:16] for text in prompts]
-    with ThreadPoolExecutor(3) as pool:
-        batched = [t.split()[:16] for t in pool.map(lambda text: stack.a.complete(text, 700),
-                                                    prompts)]
+    alone = [stack.a.greedy_tokens(text, 16) for text in prompts]
     before = stack.d.metric("vllm:num_preemptions")
     with ThreadPoolExecutor(3) as pool:
-        got = [t.split()[:16] for t in pool.map(lambda text: stack.d.complete(text, 700),
-                                                prompts)]
-    for answer, one, three in zip(got, alone, batched):
-        assert answer in (one, three), f"{answer} is neither {one} nor {three}"
+        got = list(pool.map(lambda text: stack.d.greedy_tokens(text, 700, top=1), prompts))
+    for answer, one in zip(got, alone):
+        assert len(answer) == 700 and same_or_near_tie(answer[:16], one), (answer[:16], one)
     assert stack.d.metric("vllm:num_preemptions") > before
     no_pins(stack)

@@ -159,6 +159,23 @@ class VllmServe:
     def external_hits(self) -> float:
         return self.metric("vllm:external_prefix_cache_hits")
 
+    def greedy_tokens(self, prompt: str, max_tokens: int, top: int = 5
+                      ) -> list[tuple[str, dict[str, float]]]:
+        """A greedy completion, token by token: each token and the ``top`` most likely tokens
+        at its place with their log-probabilities (vLLM's ``logprobs``)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
+        body = json.dumps({"model": self.name, "prompt": prompt, "max_tokens": max_tokens,
+                           "temperature": 0, "logprobs": top})
+        try:
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            reply = response.read()
+        finally:
+            conn.close()
+        assert response.status == 200, reply[:500]
+        logprobs = json.loads(reply)["choices"][0]["logprobs"]
+        return list(zip(logprobs["tokens"], logprobs["top_logprobs"]))
+
     def _stream(self, prompt: str, max_tokens: int) -> tuple[http.client.HTTPConnection, Any]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
         body = json.dumps({"model": self.name, "prompt": prompt, "max_tokens": max_tokens,
