@@ -63,12 +63,14 @@ def write_rows(slots: ArenaSlots, slot_ids: Sequence[int | None], rows: torch.Te
     slots.write(slot_ids, rows)
 
 
-def commit(client: TierdClient, reservation: Reservation, written: Sequence[bool]) -> int:
+def commit(client: TierdClient, reservation: Reservation, written: Sequence[bool],
+           names: Sequence[BlockHash] = ()) -> int:
     """One Commit round trip publishing the slots flagged in ``written`` (one flag per
-    reserved block; a block without a slot must be False); the daemon checksums them. Returns
-    how many blocks became stored. Raises ``grpc.RpcError`` (FAILED_PRECONDITION / NOT_FOUND:
-    the reservation had lapsed)."""
-    return client.commit(reservation.engine_id, reservation.lease_id, written)
+    reserved block; a block without a slot must be False); the daemon checksums them.
+    ``names``: for blank slots (``core.stock``) the hash of each written slot's block, in slot
+    order. Returns how many blocks became stored. Raises ``grpc.RpcError``
+    (FAILED_PRECONDITION / NOT_FOUND: the reservation had lapsed)."""
+    return client.commit(reservation.engine_id, reservation.lease_id, written, names)
 
 
 def commit_async(client: TierdClient, reservation: Reservation,

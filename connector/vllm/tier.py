@@ -23,8 +23,10 @@ returns at once; copies and daemon calls run on ``workers`` threads, ``tier_jobs
 * ``submit_load``: the pinned slots are copied into the primary rows, each slot verified in the
   same pass (``verified_copy``); a bad slot fails its key (``successful_keys`` names the others)
   and is reported so the daemon drops it; the lease is released when no key uses it.
-* ``submit_store``: Reserve, one copy of each chunk row into its slot, then the job is done (the
-  primary chunks are free); the Commit that publishes the blocks follows on the same thread. A
+* ``submit_store``: one copy of each chunk row into its slot, then the job is done (the primary
+  chunks are free); the Commit that publishes the blocks follows on the same thread. The slots
+  are blank ones reserved after the previous store (``core.stock``: no round trip before the
+  copy), or for an engine's first store (and stores too large to keep slots for) a Reserve. A
   store that waits longer than ``timeout_seconds`` for a thread, or finds more than
   ``max_queued_stores`` jobs queued, or no daemon, is dropped and counted, never queued without
   bound. Every daemon error is a failed ``JobResult``, never an exception into vLLM.
@@ -63,6 +65,7 @@ from tierd.connector.core.lease import Lease, PendingLease, acquire_async, relea
 from tierd.connector.core.link import DaemonLink, Session
 from tierd.connector.core.load import load_leased
 from tierd.connector.core.save import abort, commit, reserve
+from tierd.connector.core.stock import SlotStock
 from tierd.daemon.client import target_for
 from tierd.types import Tier
 
@@ -177,6 +180,7 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         self._link = DaemonLink(self._config, self._layout, name, attach=True)
         self._target = target_for(config.socket_path, config.address)
         self._pool = JobPool(config.workers, f"tierd-{tier_type}")
+        self._stock = SlotStock(config.timeout_seconds)
         self._inbox: queue.SimpleQueue[_Probed | _Done | _Stored] = queue.SimpleQueue()
         self._lookups = Lookups()
         self._jobs: set[int] = set()
@@ -325,7 +329,7 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
                               nbytes=len(ok) * primary.slot_bytes))
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        """Reserve, copy and commit on a pool thread, or drop the job at once (module doc)."""
+        """Copy and commit on a pool thread, or drop the job at once (module doc)."""
         self._take_inbox()
         keys = list(job_metadata.keys)
         self._lookups.stored(keys)
@@ -356,7 +360,8 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
 
     def _store(self, job_id: int, keys: list[OffloadKey], chunks: list[int],
                queued: float) -> None:
-        """Pool thread: Reserve, copy the rows, report the job done, then Commit."""
+        """Pool thread: take the stock of blank slots (or Reserve), copy the rows, report the
+        job done, ask for the next stock, then Commit."""
         primary = self._primary
         assert primary is not None, "no job runs after shutdown"
         session = self._session()
@@ -365,15 +370,17 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
             return
         assert session.slots is not None, "the tier's link attaches the arena"
         start = time.perf_counter()
+        hashes = [daemon_hash(k) for k in keys]
+        blank = self._stock.take(session, len(keys))
         try:
-            reserved = reserve(session.client, session.engine_id, [daemon_hash(k) for k in keys])
+            reserved = blank or reserve(session.client, session.engine_id, hashes)
         except grpc.RpcError as exc:
             self._link.failed(exc, session)
             self._inbox.put(_Done(job_id, [], keys, [], load=False, dropped=len(keys)))
             self._count("vllm:kv_offload_tierd_daemon_errors")
             return
         try:
-            written = store_rows(primary, session.slots, chunks, reserved.slot_ids)
+            written = store_rows(primary, session.slots, chunks, reserved.slot_ids[:len(keys)])
         except Exception:  # a bug: free the reservation now rather than at its lapse
             try:
                 abort(session.client, reserved)
@@ -383,8 +390,11 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         self._inbox.put(_Done(job_id, keys, [], [], load=False,
                               seconds=time.perf_counter() - start,
                               nbytes=sum(written) * primary.slot_bytes))
-        try:  # also with nothing written: it ends the reservation
-            commit(session.client, reserved, written)
+        self._stock.refill(session, len(keys))
+        try:  # also with nothing written: it ends the reservation (a stock's spare slots too)
+            commit(session.client, reserved,
+                   written + [False] * (len(reserved.slot_ids) - len(keys)),
+                   hashes if blank else ())
         except grpc.RpcError as exc:  # the blocks are not stored; the job had freed its rows
             self._link.failed(exc, session)  # NOT_FOUND re-registers, as for a Release
             self._count("vllm:kv_offload_tierd_daemon_errors")

@@ -78,6 +78,40 @@ def test_commit_with_written_flags_lets_the_daemon_checksum(daemon: Any, kit: An
     daemon.check_integrity()
 
 
+def test_blank_slots_are_named_at_commit(daemon: Any, kit: Any) -> None:
+    """Over the socket: Reserve of 4 blank slots, 3 written and named at the Commit (the daemon
+    checksums them; one name already held is stored once, the spare slot freed); hashes with
+    blank_slots, or names on a named reservation, are INVALID_ARGUMENT and change nothing."""
+    held, new = kit.chain(1), kit.chain(2, seed=5)
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+        arena = kit.attach(engine)
+        assert kit.store_blocks(client, engine, arena, held) == 1
+        with pytest.raises(grpc.RpcError) as err:
+            client._call("Reserve", pb.ReserveRequest(engine_id=engine.engine_id,
+                                                      block_hashes=new, blank_slots=2))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        reserved = client.reserve_blank_async(engine.engine_id, 4).result()
+        assert len(reserved.slot_ids) == 4 and None not in reserved.slot_ids
+        names = [new[0], held[0], new[1]]
+        for key, slot in zip(names, reserved.slot_ids):
+            arena.view(engine.geometry.offset(slot), 4096)[:] = kit.block_bytes(key, 4096)
+        named = client.reserve(engine.engine_id, kit.chain(1, seed=6))
+        with pytest.raises(grpc.RpcError) as err:
+            client.commit(engine.engine_id, named.lease_id, [True], names=new[:1])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        client.abort_async(engine.engine_id, named.lease_id).result()
+        assert client.commit(engine.engine_id, reserved.lease_id, [True] * 3 + [False],
+                             names=names) == 2
+        assert client.lookup(engine.engine_id, new) == ["dram"] * 2
+        got = client.acquire(engine.engine_id, new)
+        assert got.checksums == [block_checksum(kit.block_bytes(h, 4096)) for h in new]
+        client.release(engine.engine_id, got.lease_id)
+        assert client.stats().tiers[1].used_blocks == 3
+        arena.close()
+    daemon.check_integrity()
+
+
 def test_reserve_skips_already_stored(daemon: Any, kit: Any) -> None:
     """Reserving 3 blocks of which the first 2 are stored hands out one slot only."""
     hashes = kit.chain(3)

@@ -132,6 +132,48 @@ def test_a_probe_asks_for_dram_at_once_and_ssd_in_pieces(engines: list[TierEngin
     assert daemon.pinned_blocks() == 0
 
 
+@pytest.mark.parametrize("daemon", ["no-ssd"], indirect=True)
+def test_stores_after_the_first_copy_into_blank_slots_reserved_ahead(
+        engines: list[TierEngine], daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A's first store Reserves its chunks, then asks for a stock of as many blank slots (the
+    daemon counts them used); the next, smaller store makes no Reserve: it copies into the
+    stock (its spare slots freed at the Commit) and a new stock follows; a stock older than
+    half its lease is aborted and the store Reserves. B loads every chunk with A's bytes."""
+    import tierd.connector.vllm.tier as tier_module
+
+    a, b = engines
+    keys, data = new_keys(16), payloads(16)
+    reserves: list[int] = []
+    real_reserve = tier_module.reserve
+
+    def counted(client: Any, engine_id: str, hashes: list[bytes], **kw: Any) -> Any:
+        reserves.append(len(hashes))
+        return real_reserve(client, engine_id, hashes, **kw)
+
+    def dram_used(expected: int) -> None:
+        deadline = time.monotonic() + 10
+        while True:
+            with daemon.client() as client:
+                used = next(t.used_blocks for t in client.stats().tiers if t.tier == "dram")
+            if used == expected:
+                return
+            assert time.monotonic() < deadline, f"{used} DRAM slots used, not {expected}"
+            time.sleep(0.01)
+
+    monkeypatch.setattr(tier_module, "reserve", counted)
+    a.store(keys[:8], data[:8])
+    dram_used(8 + 8)
+    a.store(keys[8:12], data[8:12])
+    assert reserves == [8]
+    dram_used(12 + 8)
+    monkeypatch.setattr(a.tier._stock, "_clock", lambda: time.monotonic() + 1e4)
+    a.store(keys[12:], data[12:])
+    assert reserves == [8, 4]
+    dram_used(16 + 8)
+    assert b.load(keys) == data
+    assert daemon.pinned_blocks() == 0
+
+
 def test_probe_pieces() -> None:
     """The DRAM run in one piece, then pieces of ``ssd_piece`` from the first block elsewhere
     (DRAM blocks after it included); nothing held, nothing asked."""

@@ -87,8 +87,14 @@ class _Requests:
                                  count_lookup=count_lookup)
 
     @staticmethod
-    def commit(engine_id: str, lease_id: str, written: Sequence[bool]) -> pb.CommitRequest:
-        return pb.CommitRequest(engine_id=engine_id, lease_id=lease_id, written=list(written))
+    def reserve_blank(engine_id: str, count: int) -> pb.ReserveRequest:
+        return pb.ReserveRequest(engine_id=engine_id, blank_slots=count)
+
+    @staticmethod
+    def commit(engine_id: str, lease_id: str, written: Sequence[bool],
+               names: Sequence[BlockHash]) -> pb.CommitRequest:
+        return pb.CommitRequest(engine_id=engine_id, lease_id=lease_id, written=list(written),
+                                block_hashes=names)
 
     @staticmethod
     def locate(engine_id: str | None, hashes: Sequence[BlockHash],
@@ -215,23 +221,37 @@ class TierdClient:
         reply = self._call("Reserve", _Requests.reserve(engine_id, hashes, filtered_query_tokens))
         return convert.reserved_from_pb(reply)
 
-    def commit(self, engine_id: str, lease_id: str, written: Sequence[bool]) -> int:
+    def reserve_blank_async(self, engine_id: str, count: int) -> Future[ReservedSlots]:
+        """Reserve ``count`` blank slots (fewer where no room could be made), to be named at
+        ``commit`` (``names``), without waiting: a future of them (or of the call's
+        ``grpc.RpcError``)."""
+        return self._future("Reserve", _Requests.reserve_blank(engine_id, count),
+                            convert.reserved_from_pb)
+
+    def commit(self, engine_id: str, lease_id: str, written: Sequence[bool],
+               names: Sequence[BlockHash] = ()) -> int:
         """Publish the written blocks: ``written[i]`` is True if the i-th reserved slot was
         written (False for a hash without a slot); the daemon checksums those bytes itself.
+        ``names``: the hash of each blank slot's block, in slot order (blank reservations only).
         Returns blocks now stored."""
-        reply = self._call("Commit", _Requests.commit(engine_id, lease_id, written))
+        reply = self._call("Commit", _Requests.commit(engine_id, lease_id, written, names))
         return int(reply.stored)
 
-    def commit_async(self, engine_id: str, lease_id: str,
-                     written: Sequence[bool]) -> Future[int]:
+    def commit_async(self, engine_id: str, lease_id: str, written: Sequence[bool],
+                     names: Sequence[BlockHash] = ()) -> Future[int]:
         """``commit`` without blocking (the daemon checksums the slots meanwhile): a future of
         the blocks stored, or of the call's ``grpc.RpcError``."""
-        return self._future("Commit", _Requests.commit(engine_id, lease_id, written),
+        return self._future("Commit", _Requests.commit(engine_id, lease_id, written, names),
                             lambda reply: int(reply.stored))
 
     def abort(self, engine_id: str, lease_id: str) -> None:
         """Free a reservation's slots, storing nothing."""
         self._call("Abort", pb.AbortRequest(engine_id=engine_id, lease_id=lease_id))
+
+    def abort_async(self, engine_id: str, lease_id: str) -> Future[None]:
+        """``abort`` without waiting: a future of its end (or of its ``grpc.RpcError``)."""
+        return self._future("Abort", pb.AbortRequest(engine_id=engine_id, lease_id=lease_id),
+                            lambda reply: None)
 
     def report_hot_blocks(self, engine_id: str, stored: Sequence[BlockHash] = (),
                           removed: Sequence[BlockHash] = (), cleared: bool = False) -> None:
@@ -316,9 +336,10 @@ class AsyncTierdClient:
                                                               filtered_query_tokens))
         return convert.reserved_from_pb(reply)
 
-    async def commit(self, engine_id: str, lease_id: str, written: Sequence[bool]) -> int:
+    async def commit(self, engine_id: str, lease_id: str, written: Sequence[bool],
+                     names: Sequence[BlockHash] = ()) -> int:
         """See ``TierdClient.commit``."""
-        reply = await self._call("Commit", _Requests.commit(engine_id, lease_id, written))
+        reply = await self._call("Commit", _Requests.commit(engine_id, lease_id, written, names))
         return int(reply.stored)
 
     async def abort(self, engine_id: str, lease_id: str) -> None:

@@ -46,8 +46,13 @@ class WriteLease:
     namespace: Namespace
     block_size: int
     slot_bytes: int
-    hashes: list[BlockHash]
+    hashes: list[BlockHash | None]  # all None: blank slots, named at commit
     slots: list[int | None]
+
+    @property
+    def blank(self) -> bool:
+        """Reserved ahead of its blocks (``NodeStore.reserve_blank``): named at commit."""
+        return bool(self.hashes) and self.hashes[0] is None
 
 
 Lease = ReadLease | WriteLease

@@ -363,22 +363,39 @@ class NodeStore:
         return self._reservations.reserve(info, hashes, self._keys(info, hashes),
                                           filtered_query_tokens)
 
+    def reserve_blank(self, engine_id: str, count: int) -> Reservation:
+        """Allocate ``count`` slots not yet named, under a write lease (evicting as ``reserve``
+        does; fewer, None, where no room could be made): an engine holds them ahead of the blocks
+        it will store and names each at ``commit``. ResourceExhausted above
+        ``max_blocks_per_request``; ValueError for a negative count."""
+        info = self._engine(engine_id)
+        if count < 0:
+            raise ValueError(f"blank_slots must be >= 0, got {count}")
+        if count > self._config.max_blocks_per_request:
+            raise ResourceExhausted(f"{count} blank slots in one request; at most "
+                                    f"{self._config.max_blocks_per_request}: ask for fewer")
+        return self._reservations.reserve_blank(info, count)
+
     def commit(self, lease_id: str, checksums: Sequence[int | None], *,
-               engine_id: str | None = None) -> int:
+               engine_id: str | None = None, names: Sequence[BlockHash] = ()) -> int:
         """Publish a reservation: each slot with a checksum becomes a DRAM block (one
         ``BlockStored(tier="dram")`` per consecutive run); a None checksum (the engine's copy
-        failed) frees its slot. Returns the blocks stored. NotFound if unknown (or, with
-        ``engine_id``, another engine's); FailedPrecondition after expiry, commit or abort;
-        ValueError for bad checksums."""
-        return self._reservations.commit(lease_id, checksums, engine_id)
+        failed) frees its slot. ``names``: for blank slots (``reserve_blank``) the hash of each,
+        in slot order (slots past them must not be written); a name the node holds already, or
+        that another reservation is writing, frees its slot. Returns the blocks stored.
+        NotFound if unknown (or, with ``engine_id``, another engine's); FailedPrecondition after
+        expiry, commit or abort; ValueError for bad checksums or names."""
+        return self._reservations.commit(lease_id, checksums, engine_id, names)
 
     def written_spans(self, lease_id: str, written: Sequence[bool], *,
-                      engine_id: str | None = None) -> list[tuple[int, int] | None]:
+                      engine_id: str | None = None, names: Sequence[BlockHash] = ()
+                      ) -> list[tuple[int, int] | None]:
         """For an engine that leaves checksums to the daemon: ``written[i]`` says the i-th
         reserved slot was written; returns where each written slot lies in the arena (address,
-        length; None for the others) for ``checksums_at``, whose results go to ``commit``. Same
-        errors as ``commit`` (checked now and again at the commit: a lease may end meanwhile)."""
-        return self._reservations.written_spans(lease_id, written, engine_id)
+        length; None for the others) for ``checksums_at``, whose results go to ``commit`` (with
+        the same ``names``). Same errors as ``commit`` (checked now and again at the commit: a
+        lease may end meanwhile)."""
+        return self._reservations.written_spans(lease_id, written, engine_id, names)
 
     def abort(self, lease_id: str, *, engine_id: str | None = None) -> None:
         """Free a reservation's slots. Idempotent after abort or expiry (while the lease is
@@ -497,7 +514,8 @@ class NodeStore:
             for block_hash, slot in zip(lease.hashes, lease.slots):
                 if slot is not None:
                     owned[(lease.slot_bytes, slot)] += 1
-                    writing[make_key(lease.namespace, block_hash)] = lease.lease_id
+                    if block_hash is not None:  # blank slots are named at commit
+                        writing[make_key(lease.namespace, block_hash)] = lease.lease_id
         assert writing == self._writing, "reserved keys disagree with the live write leases"
         for p in self._promoting.values():
             owned[(p.slot_bytes, p.slot_id)] += 1

@@ -215,8 +215,13 @@ class TierdServicer(pb_grpc.TierdServicer):
     async def Reserve(self, request: pb.ReserveRequest,
                       context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
         engine_id = self._engine(context, request.engine_id)
-        res = self._store.reserve(engine_id, convert.hashes_from_pb(request.block_hashes),
-                                  filtered_query_tokens=request.filtered_query_tokens)
+        if request.blank_slots:
+            if request.block_hashes:
+                raise ValueError("a Reserve asks for blank_slots or names block_hashes, not both")
+            res = self._store.reserve_blank(engine_id, request.blank_slots)
+        else:
+            res = self._store.reserve(engine_id, convert.hashes_from_pb(request.block_hashes),
+                                      filtered_query_tokens=request.filtered_query_tokens)
         return pb.ReserveResponse(lease_id=res.lease_id,
                                   seconds_left=res.ttl_seconds,
                                   slots=convert.reserved_to_pb(res.slot_ids, res.already_stored))
@@ -228,10 +233,12 @@ class TierdServicer(pb_grpc.TierdServicer):
             raise ValueError("engine checksums (CommitRequest.blocks) are no longer accepted: "
                              "send written flags, the daemon checksums the slots; upgrade the "
                              "engine's tierd")
+        names = convert.hashes_from_pb(request.block_hashes)
         spans = self._store.written_spans(request.lease_id, list(request.written),
-                                          engine_id=engine_id)
+                                          engine_id=engine_id, names=names)
         checksums = await self._checksums(spans)
-        stored = self._store.commit(request.lease_id, checksums, engine_id=engine_id)
+        stored = self._store.commit(request.lease_id, checksums, engine_id=engine_id,
+                                    names=names)
         return pb.CommitResponse(stored=stored)
 
     async def Abort(self, request: pb.AbortRequest,

@@ -7,9 +7,14 @@ and no SSD promotion lands on it meanwhile. The engine copies its bytes into the
 ``commit`` publishes every slot it wrote as a DRAM block (one ``BlockStored(tier="dram")`` per
 consecutive run) and frees the others; for an engine that leaves the checksums to the daemon,
 ``written_spans`` names where its written slots lie, to be hashed (off the event loop), then
-committed. ``abort``, expiry and unregistering free the slots
-(``free``). The node store resolves the engine, scopes its hashes and expires overdue leases;
-this module owns what a write lease holds, from its reservation to its end.
+committed. ``abort``, expiry and unregistering free the slots (``free``).
+
+``reserve_blank`` reserves slots ahead of the blocks they will hold (a store's copy then needs no
+round trip first): the lease's hashes are None until ``commit`` names them; a name the node
+already holds, or that another lease is writing, frees its slot instead (stored once).
+
+The node store resolves the engine, scopes its hashes and expires overdue leases; this module
+owns what a write lease holds, from its reservation to its end.
 """
 
 from __future__ import annotations
@@ -73,50 +78,71 @@ class Reservations:
                 slots[i] = slot
                 self.writing[key] = lease_id
         stored = [key in t.dram or (t.ssd_up and key in t.disk) for key in keys]
+        return self._lease(info, lease_id, list(hashes), slots, stored, now)
+
+    def reserve_blank(self, info: EngineInfo, count: int) -> Reservation:
+        """``NodeStore.reserve_blank`` for a known engine: ``count`` slots, fewer (None) where
+        no room could be made, named at ``commit``."""
+        now = self._clock()
+        self._expire(now)
+        got = self._tiers.allocate_many(info.geometry.slot_bytes, count, now)
+        slots: list[int | None] = [*got, *[None] * (count - len(got))]
+        return self._lease(info, new_lease_id(), [None] * count, slots, [False] * count, now)
+
+    def _lease(self, info: EngineInfo, lease_id: str, hashes: list[BlockHash | None],
+               slots: list[int | None], stored: list[bool], now: float) -> Reservation:
         deadline = now + self._lease_seconds
         self._leases.add(WriteLease(lease_id, info.engine_id, deadline, info.namespace,
-                                    info.layout.block_size, slot_bytes, list(hashes), slots))
+                                    info.layout.block_size, info.geometry.slot_bytes, hashes,
+                                    slots))
         return Reservation(lease_id, deadline, slots, stored, self._lease_seconds)
 
-    def commit(self, lease_id: str, checksums: Sequence[int | None],
-               engine_id: str | None) -> int:
+    def commit(self, lease_id: str, checksums: Sequence[int | None], engine_id: str | None,
+               names: Sequence[BlockHash] = ()) -> int:
         """``NodeStore.commit``: publish the checksummed slots, free the others."""
         now = self._clock()
         lease = self._write_lease(lease_id, engine_id, len(checksums), "checksum (or None)")
         for i, c in enumerate(checksums):
             if c is not None and not (isinstance(c, int) and 0 <= c < 1 << 64):
                 raise ValueError(f"checksum #{i} must be an unsigned 64-bit int, got {c!r}")
+        hashes = _named(lease, names, [c is not None for c in checksums])
         self._leases.finish(lease_id, "committed")
+        t, blank = self._tiers, lease.blank
         run: list[BlockHash] = []
         parent: BlockHash | None = None
         count, ns = 0, lease.namespace
-        for i, (block_hash, slot, checksum) in enumerate(zip(lease.hashes, lease.slots,
-                                                            checksums)):
+        for i, (block_hash, slot, checksum) in enumerate(zip(hashes, lease.slots, checksums)):
             if slot is not None:
-                key = make_key(lease.namespace, block_hash)
-                del self.writing[key]
-                if checksum is None:
-                    self._tiers.free_slot(lease.slot_bytes, slot)
+                key = make_key(ns, block_hash) if block_hash is not None else None
+                if not blank:
+                    del self.writing[key]  # type: ignore[arg-type]  # named at Reserve
+                elif key is not None and (key in self.writing or key in t.dram or key in t.disk):
+                    key = None  # stored already (or being written): stored once
+                if key is None or checksum is None:
+                    t.free_slot(lease.slot_bytes, slot)
                 else:
-                    self._tiers.add_dram(key, DramBlock(
-                        lease.namespace, block_hash, lease.slot_bytes, slot, checksum,
-                        created=now, last_access=now))
+                    assert block_hash is not None
+                    if blank:
+                        t.note_restore(key, now)
+                    t.add_dram(key, DramBlock(ns, block_hash, lease.slot_bytes, slot, checksum,
+                                              created=now, last_access=now))
                     if not run:
-                        parent = lease.hashes[i - 1] if i > 0 else None
+                        parent = hashes[i - 1] if i > 0 else None
                     run.append(block_hash)
                     count += 1
                     continue
             if run:
-                self._tiers.emit(BlockStored(tuple(run), parent, "dram", lease.block_size), ns)
+                t.emit(BlockStored(tuple(run), parent, "dram", lease.block_size), ns)
                 run = []
         if run:
-            self._tiers.emit(BlockStored(tuple(run), parent, "dram", lease.block_size), ns)
+            t.emit(BlockStored(tuple(run), parent, "dram", lease.block_size), ns)
         return count
 
-    def written_spans(self, lease_id: str, written: Sequence[bool], engine_id: str | None
-                      ) -> list[tuple[int, int] | None]:
+    def written_spans(self, lease_id: str, written: Sequence[bool], engine_id: str | None,
+                      names: Sequence[BlockHash] = ()) -> list[tuple[int, int] | None]:
         """``NodeStore.written_spans``: (address, length) in the arena of each written slot."""
         lease = self._write_lease(lease_id, engine_id, len(written), "written flag")
+        _named(lease, names, written)
         geometry = self._tiers.alloc.geometry(lease.slot_bytes)
         arena, size = self._tiers.arena, lease.slot_bytes
         return [(arena.address(geometry.offset(slot), size), size)
@@ -138,7 +164,8 @@ class Reservations:
         """Free the slots of an already finished write lease (aborted, expired, unregistered)."""
         for block_hash, slot in zip(lease.hashes, lease.slots):
             if slot is not None:
-                del self.writing[make_key(lease.namespace, block_hash)]
+                if block_hash is not None:
+                    del self.writing[make_key(lease.namespace, block_hash)]
                 self._tiers.free_slot(lease.slot_bytes, slot)
 
     def _write_lease(self, lease_id: str, engine_id: str | None, entries: int,
@@ -154,3 +181,23 @@ class Reservations:
             raise ValueError(f"commit needs one {what} per reserved hash: {entries} given, "
                              f"{len(lease.hashes)} reserved")
         return lease
+
+
+def _named(lease: WriteLease, names: Sequence[BlockHash], written: Sequence[bool]
+           ) -> list[BlockHash | None]:
+    """The hash of each of ``lease``'s slots at its Commit: the Reserve's, or for blank slots
+    ``names`` (ValueError: names for a named reservation, more names than slots, or a written
+    slot left unnamed)."""
+    if not lease.blank:
+        if names:
+            raise ValueError("block_hashes name blank slots only: this reservation named its "
+                             "blocks at Reserve")
+        return list(lease.hashes)
+    if len(names) > len(lease.slots):
+        raise ValueError(f"{len(names)} block hashes for {len(lease.slots)} blank slots: at "
+                         "most one per slot")
+    unnamed = next((i for i in range(len(names), len(written)) if written[i]), None)
+    if unnamed is not None:
+        raise ValueError(f"blank slot #{unnamed} is written but has no block hash: name every "
+                         "written slot (CommitRequest.block_hashes, in slot order)")
+    return [*names, *[None] * (len(lease.slots) - len(names))]

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14tierd/v1/tierd.proto\x12\x08tierd.v1\"\xaf\x01\n\x06Layout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x11\n\thead_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x11\n\tkv_format\x18\x08 \x01(\t\x12\x10\n\x08model_id\x18\t \x01(\t\"N\n\x0cSlotGeometry\x12\x12\n\nslab_bytes\x18\x01 \x01(\x04\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\x12\x16\n\x0eslots_per_slab\x18\x03 \x01(\x04\"N\n\x15RegisterEngineRequest\x12 \n\x06layout\x18\x01 \x01(\x0b\x32\x10.tierd.v1.Layout\x12\x13\n\x0b\x65ngine_name\x18\x02 \x01(\t\"\xf8\x01\n\x16RegisterEngineResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\narena_name\x18\x02 \x01(\t\x12\x17\n\x0f\x61rena_directory\x18\x03 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x04 \x01(\x04\x12(\n\x08geometry\x18\x05 \x01(\x0b\x32\x16.tierd.v1.SlotGeometry\x12\x15\n\rlease_seconds\x18\x06 \x01(\x01\x12\x1e\n\x16max_blocks_per_request\x18\x07 \x01(\r\x12\x15\n\rpresence_name\x18\x08 \x01(\t\x12\x11\n\tnamespace\x18\t \x01(\x0c\",\n\x17UnregisterEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"\x1a\n\x18UnregisterEngineResponse\"8\n\rLookupRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"/\n\x0eLookupResponse\x12\x1d\n\x05tiers\x18\x01 \x03(\x0e\x32\x0e.tierd.v1.Tier\"O\n\x0e\x41\x63quireRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x14\n\x0c\x63ount_lookup\x18\x03 \x01(\x08\"^\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x14\n\x0cseconds_left\x18\x02 \x01(\x01\x12\x10\n\x08slot_ids\x18\x03 \x03(\x04\x12\x11\n\tchecksums\x18\x04 \x03(\x06\"a\n\x0eReleaseRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x19\n\x0c\x63orrupt_from\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_corrupt_from\"\"\n\x0fReleaseResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\"X\n\x0eReserveRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x1d\n\x15\x66iltered_query_tokens\x18\x03 \x01(\x04\"H\n\x0cReservedSlot\x12\x14\n\x07slot_id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0e\x61lready_stored\x18\x02 \x01(\x08\x42\n\n\x08_slot_id\"`\n\x0fReserveResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x14\n\x0cseconds_left\x18\x02 \x01(\x01\x12%\n\x05slots\x18\x03 \x03(\x0b\x32\x16.tierd.v1.ReservedSlot\"4\n\x0e\x43ommittedBlock\x12\x15\n\x08\x63hecksum\x18\x01 \x01(\x06H\x00\x88\x01\x01\x42\x0b\n\t_checksum\"o\n\rCommitRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12(\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x18.tierd.v1.CommittedBlock\x12\x0f\n\x07written\x18\x04 \x03(\x08\" \n\x0e\x43ommitResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\"3\n\x0c\x41\x62ortRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x0f\n\rAbortResponse\"]\n\x16ReportHotBlocksRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0e\n\x06stored\x18\x02 \x03(\x0c\x12\x0f\n\x07removed\x18\x03 \x03(\x0c\x12\x0f\n\x07\x63leared\x18\x04 \x01(\x08\"\x19\n\x17ReportHotBlocksResponse\"\x0e\n\x0cStatsRequest\"\xfe\x01\n\tTierStats\x12\x1c\n\x04tier\x18\x01 \x01(\x0e\x32\x0e.tierd.v1.Tier\x12\x13\n\x0bused_blocks\x18\x02 \x01(\x04\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x03 \x01(\x04\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x06 \x01(\x04\x12\x14\n\x0cquery_tokens\x18\x07 \x01(\x04\x12\x12\n\nhit_tokens\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x11\n\tdemotions\x18\n \x01(\x04\x12\x12\n\npromotions\x18\x0b \x01(\x04\"\xd0\x01\n\nModelStats\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64ram_blocks\x18\x02 \x01(\x04\x12\x12\n\ndram_bytes\x18\x03 \x01(\x04\x12\x12\n\nssd_blocks\x18\x04 \x01(\x04\x12\x11\n\tssd_bytes\x18\x05 \x01(\x04\x12\x12\n\nhbm_blocks\x18\x06 \x01(\x04\x12\x14\n\x0cquery_tokens\x18\x07 \x01(\x04\x12\x12\n\nhit_tokens\x18\x08 \x01(\x04\x12\x0f\n\x07\x65ngines\x18\t \x01(\r\x12\x11\n\thbm_bytes\x18\n \x01(\x04\"r\n\x0b\x45ngineStats\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0b\x65ngine_name\x18\x02 \x01(\t\x12\x12\n\nhbm_blocks\x18\x03 \x01(\x04\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\"\xa3\x03\n\rStatsResponse\x12\"\n\x05tiers\x18\x01 \x03(\x0b\x32\x13.tierd.v1.TierStats\x12&\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x15.tierd.v1.EngineStats\x12\x14\n\x0cquery_tokens\x18\x03 \x01(\x04\x12\x12\n\nhit_tokens\x18\x04 \x01(\x04\x12\x11\n\thit_ratio\x18\x05 \x01(\x01\x12\x0f\n\x07reading\x18\x06 \x01(\t\x12\x19\n\x11\x63hecksum_failures\x18\x07 \x01(\x04\x12\x16\n\x0elease_expiries\x18\x08 \x01(\x04\x12\x13\n\x0bssd_healthy\x18\t \x01(\x08\x12\"\n\x15reuse_gap_p90_seconds\x18\n \x01(\x01H\x00\x88\x01\x01\x12*\n\x1didle_before_evict_p50_seconds\x18\x0b \x01(\x01H\x01\x88\x01\x01\x12$\n\x06models\x18\x0c \x03(\x0b\x32\x14.tierd.v1.ModelStatsB\x18\n\x16_reuse_gap_p90_secondsB \n\x1e_idle_before_evict_p50_seconds\"Z\n\rLocateRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12 \n\x06layout\x18\x03 \x01(\x0b\x32\x10.tierd.v1.Layout\"\xad\x01\n\rNodePlacement\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rprefix_blocks\x18\x03 \x01(\r\x12\x1d\n\x05tiers\x18\x04 \x03(\x0e\x32\x0e.tierd.v1.Tier\x12\r\n\x05score\x18\x05 \x01(\x01\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x04\x12\x1d\n\x15heartbeat_age_seconds\x18\x07 \x01(\x01\"G\n\x0eLocateResponse\x12&\n\x05nodes\x18\x01 \x03(\x0b\x32\x17.tierd.v1.NodePlacement\x12\r\n\x05stale\x18\x02 \x01(\x08*X\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_HBM\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\x0c\n\x08TIER_SSD\x10\x03\x12\x0f\n\x0bTIER_REMOTE\x10\x04\x32\xfa\x05\n\x05Tierd\x12S\n\x0eRegisterEngine\x12\x1f.tierd.v1.RegisterEngineRequest\x1a .tierd.v1.RegisterEngineResponse\x12Y\n\x10UnregisterEngine\x12!.tierd.v1.UnregisterEngineRequest\x1a\".tierd.v1.UnregisterEngineResponse\x12;\n\x06Lookup\x12\x17.tierd.v1.LookupRequest\x1a\x18.tierd.v1.LookupResponse\x12>\n\x07\x41\x63quire\x12\x18.tierd.v1.AcquireRequest\x1a\x19.tierd.v1.AcquireResponse\x12>\n\x07Release\x12\x18.tierd.v1.ReleaseRequest\x1a\x19.tierd.v1.ReleaseResponse\x12>\n\x07Reserve\x12\x18.tierd.v1.ReserveRequest\x1a\x19.tierd.v1.ReserveResponse\x12;\n\x06\x43ommit\x12\x17.tierd.v1.CommitRequest\x1a\x18.tierd.v1.CommitResponse\x12\x38\n\x05\x41\x62ort\x12\x16.tierd.v1.AbortRequest\x1a\x17.tierd.v1.AbortResponse\x12V\n\x0fReportHotBlocks\x12 .tierd.v1.ReportHotBlocksRequest\x1a!.tierd.v1.ReportHotBlocksResponse\x12\x38\n\x05Stats\x12\x16.tierd.v1.StatsRequest\x1a\x17.tierd.v1.StatsResponse\x12;\n\x06Locate\x12\x17.tierd.v1.LocateRequest\x1a\x18.tierd.v1.LocateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14tierd/v1/tierd.proto\x12\x08tierd.v1\"\xaf\x01\n\x06Layout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x11\n\thead_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x11\n\tkv_format\x18\x08 \x01(\t\x12\x10\n\x08model_id\x18\t \x01(\t\"N\n\x0cSlotGeometry\x12\x12\n\nslab_bytes\x18\x01 \x01(\x04\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\x12\x16\n\x0eslots_per_slab\x18\x03 \x01(\x04\"N\n\x15RegisterEngineRequest\x12 \n\x06layout\x18\x01 \x01(\x0b\x32\x10.tierd.v1.Layout\x12\x13\n\x0b\x65ngine_name\x18\x02 \x01(\t\"\xf8\x01\n\x16RegisterEngineResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\narena_name\x18\x02 \x01(\t\x12\x17\n\x0f\x61rena_directory\x18\x03 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x04 \x01(\x04\x12(\n\x08geometry\x18\x05 \x01(\x0b\x32\x16.tierd.v1.SlotGeometry\x12\x15\n\rlease_seconds\x18\x06 \x01(\x01\x12\x1e\n\x16max_blocks_per_request\x18\x07 \x01(\r\x12\x15\n\rpresence_name\x18\x08 \x01(\t\x12\x11\n\tnamespace\x18\t \x01(\x0c\",\n\x17UnregisterEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"\x1a\n\x18UnregisterEngineResponse\"8\n\rLookupRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"/\n\x0eLookupResponse\x12\x1d\n\x05tiers\x18\x01 \x03(\x0e\x32\x0e.tierd.v1.Tier\"O\n\x0e\x41\x63quireRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x14\n\x0c\x63ount_lookup\x18\x03 \x01(\x08\"^\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x14\n\x0cseconds_left\x18\x02 \x01(\x01\x12\x10\n\x08slot_ids\x18\x03 \x03(\x04\x12\x11\n\tchecksums\x18\x04 \x03(\x06\"a\n\x0eReleaseRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x19\n\x0c\x63orrupt_from\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_corrupt_from\"\"\n\x0fReleaseResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\"m\n\x0eReserveRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x1d\n\x15\x66iltered_query_tokens\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lank_slots\x18\x04 \x01(\r\"H\n\x0cReservedSlot\x12\x14\n\x07slot_id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0e\x61lready_stored\x18\x02 \x01(\x08\x42\n\n\x08_slot_id\"`\n\x0fReserveResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x14\n\x0cseconds_left\x18\x02 \x01(\x01\x12%\n\x05slots\x18\x03 \x03(\x0b\x32\x16.tierd.v1.ReservedSlot\"4\n\x0e\x43ommittedBlock\x12\x15\n\x08\x63hecksum\x18\x01 \x01(\x06H\x00\x88\x01\x01\x42\x0b\n\t_checksum\"\x85\x01\n\rCommitRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12(\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x18.tierd.v1.CommittedBlock\x12\x0f\n\x07written\x18\x04 \x03(\x08\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\" \n\x0e\x43ommitResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\"3\n\x0c\x41\x62ortRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x0f\n\rAbortResponse\"]\n\x16ReportHotBlocksRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0e\n\x06stored\x18\x02 \x03(\x0c\x12\x0f\n\x07removed\x18\x03 \x03(\x0c\x12\x0f\n\x07\x63leared\x18\x04 \x01(\x08\"\x19\n\x17ReportHotBlocksResponse\"\x0e\n\x0cStatsRequest\"\xfe\x01\n\tTierStats\x12\x1c\n\x04tier\x18\x01 \x01(\x0e\x32\x0e.tierd.v1.Tier\x12\x13\n\x0bused_blocks\x18\x02 \x01(\x04\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x03 \x01(\x04\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x06 \x01(\x04\x12\x14\n\x0cquery_tokens\x18\x07 \x01(\x04\x12\x12\n\nhit_tokens\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x11\n\tdemotions\x18\n \x01(\x04\x12\x12\n\npromotions\x18\x0b \x01(\x04\"\xd0\x01\n\nModelStats\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64ram_blocks\x18\x02 \x01(\x04\x12\x12\n\ndram_bytes\x18\x03 \x01(\x04\x12\x12\n\nssd_blocks\x18\x04 \x01(\x04\x12\x11\n\tssd_bytes\x18\x05 \x01(\x04\x12\x12\n\nhbm_blocks\x18\x06 \x01(\x04\x12\x14\n\x0cquery_tokens\x18\x07 \x01(\x04\x12\x12\n\nhit_tokens\x18\x08 \x01(\x04\x12\x0f\n\x07\x65ngines\x18\t \x01(\r\x12\x11\n\thbm_bytes\x18\n \x01(\x04\"r\n\x0b\x45ngineStats\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0b\x65ngine_name\x18\x02 \x01(\t\x12\x12\n\nhbm_blocks\x18\x03 \x01(\x04\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\"\xa3\x03\n\rStatsResponse\x12\"\n\x05tiers\x18\x01 \x03(\x0b\x32\x13.tierd.v1.TierStats\x12&\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x15.tierd.v1.EngineStats\x12\x14\n\x0cquery_tokens\x18\x03 \x01(\x04\x12\x12\n\nhit_tokens\x18\x04 \x01(\x04\x12\x11\n\thit_ratio\x18\x05 \x01(\x01\x12\x0f\n\x07reading\x18\x06 \x01(\t\x12\x19\n\x11\x63hecksum_failures\x18\x07 \x01(\x04\x12\x16\n\x0elease_expiries\x18\x08 \x01(\x04\x12\x13\n\x0bssd_healthy\x18\t \x01(\x08\x12\"\n\x15reuse_gap_p90_seconds\x18\n \x01(\x01H\x00\x88\x01\x01\x12*\n\x1didle_before_evict_p50_seconds\x18\x0b \x01(\x01H\x01\x88\x01\x01\x12$\n\x06models\x18\x0c \x03(\x0b\x32\x14.tierd.v1.ModelStatsB\x18\n\x16_reuse_gap_p90_secondsB \n\x1e_idle_before_evict_p50_seconds\"Z\n\rLocateRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12 \n\x06layout\x18\x03 \x01(\x0b\x32\x10.tierd.v1.Layout\"\xad\x01\n\rNodePlacement\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rprefix_blocks\x18\x03 \x01(\r\x12\x1d\n\x05tiers\x18\x04 \x03(\x0e\x32\x0e.tierd.v1.Tier\x12\r\n\x05score\x18\x05 \x01(\x01\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x04\x12\x1d\n\x15heartbeat_age_seconds\x18\x07 \x01(\x01\"G\n\x0eLocateResponse\x12&\n\x05nodes\x18\x01 \x03(\x0b\x32\x17.tierd.v1.NodePlacement\x12\r\n\x05stale\x18\x02 \x01(\x08*X\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_HBM\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\x0c\n\x08TIER_SSD\x10\x03\x12\x0f\n\x0bTIER_REMOTE\x10\x04\x32\xfa\x05\n\x05Tierd\x12S\n\x0eRegisterEngine\x12\x1f.tierd.v1.RegisterEngineRequest\x1a .tierd.v1.RegisterEngineResponse\x12Y\n\x10UnregisterEngine\x12!.tierd.v1.UnregisterEngineRequest\x1a\".tierd.v1.UnregisterEngineResponse\x12;\n\x06Lookup\x12\x17.tierd.v1.LookupRequest\x1a\x18.tierd.v1.LookupResponse\x12>\n\x07\x41\x63quire\x12\x18.tierd.v1.AcquireRequest\x1a\x19.tierd.v1.AcquireResponse\x12>\n\x07Release\x12\x18.tierd.v1.ReleaseRequest\x1a\x19.tierd.v1.ReleaseResponse\x12>\n\x07Reserve\x12\x18.tierd.v1.ReserveRequest\x1a\x19.tierd.v1.ReserveResponse\x12;\n\x06\x43ommit\x12\x17.tierd.v1.CommitRequest\x1a\x18.tierd.v1.CommitResponse\x12\x38\n\x05\x41\x62ort\x12\x16.tierd.v1.AbortRequest\x1a\x17.tierd.v1.AbortResponse\x12V\n\x0fReportHotBlocks\x12 .tierd.v1.ReportHotBlocksRequest\x1a!.tierd.v1.ReportHotBlocksResponse\x12\x38\n\x05Stats\x12\x16.tierd.v1.StatsRequest\x1a\x17.tierd.v1.StatsResponse\x12;\n\x06Locate\x12\x17.tierd.v1.LocateRequest\x1a\x18.tierd.v1.LocateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tierd.v1.tierd_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=3134
-  _globals['_TIER']._serialized_end=3222
+  _globals['_TIER']._serialized_start=3178
+  _globals['_TIER']._serialized_end=3266
   _globals['_LAYOUT']._serialized_start=35
   _globals['_LAYOUT']._serialized_end=210
   _globals['_SLOTGEOMETRY']._serialized_start=212
@@ -58,41 +58,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASERESPONSE']._serialized_start=1080
   _globals['_RELEASERESPONSE']._serialized_end=1114
   _globals['_RESERVEREQUEST']._serialized_start=1116
-  _globals['_RESERVEREQUEST']._serialized_end=1204
-  _globals['_RESERVEDSLOT']._serialized_start=1206
-  _globals['_RESERVEDSLOT']._serialized_end=1278
-  _globals['_RESERVERESPONSE']._serialized_start=1280
-  _globals['_RESERVERESPONSE']._serialized_end=1376
-  _globals['_COMMITTEDBLOCK']._serialized_start=1378
-  _globals['_COMMITTEDBLOCK']._serialized_end=1430
-  _globals['_COMMITREQUEST']._serialized_start=1432
-  _globals['_COMMITREQUEST']._serialized_end=1543
-  _globals['_COMMITRESPONSE']._serialized_start=1545
-  _globals['_COMMITRESPONSE']._serialized_end=1577
-  _globals['_ABORTREQUEST']._serialized_start=1579
-  _globals['_ABORTREQUEST']._serialized_end=1630
-  _globals['_ABORTRESPONSE']._serialized_start=1632
-  _globals['_ABORTRESPONSE']._serialized_end=1647
-  _globals['_REPORTHOTBLOCKSREQUEST']._serialized_start=1649
-  _globals['_REPORTHOTBLOCKSREQUEST']._serialized_end=1742
-  _globals['_REPORTHOTBLOCKSRESPONSE']._serialized_start=1744
-  _globals['_REPORTHOTBLOCKSRESPONSE']._serialized_end=1769
-  _globals['_STATSREQUEST']._serialized_start=1771
-  _globals['_STATSREQUEST']._serialized_end=1785
-  _globals['_TIERSTATS']._serialized_start=1788
-  _globals['_TIERSTATS']._serialized_end=2042
-  _globals['_MODELSTATS']._serialized_start=2045
-  _globals['_MODELSTATS']._serialized_end=2253
-  _globals['_ENGINESTATS']._serialized_start=2255
-  _globals['_ENGINESTATS']._serialized_end=2369
-  _globals['_STATSRESPONSE']._serialized_start=2372
-  _globals['_STATSRESPONSE']._serialized_end=2791
-  _globals['_LOCATEREQUEST']._serialized_start=2793
-  _globals['_LOCATEREQUEST']._serialized_end=2883
-  _globals['_NODEPLACEMENT']._serialized_start=2886
-  _globals['_NODEPLACEMENT']._serialized_end=3059
-  _globals['_LOCATERESPONSE']._serialized_start=3061
-  _globals['_LOCATERESPONSE']._serialized_end=3132
-  _globals['_TIERD']._serialized_start=3225
-  _globals['_TIERD']._serialized_end=3987
+  _globals['_RESERVEREQUEST']._serialized_end=1225
+  _globals['_RESERVEDSLOT']._serialized_start=1227
+  _globals['_RESERVEDSLOT']._serialized_end=1299
+  _globals['_RESERVERESPONSE']._serialized_start=1301
+  _globals['_RESERVERESPONSE']._serialized_end=1397
+  _globals['_COMMITTEDBLOCK']._serialized_start=1399
+  _globals['_COMMITTEDBLOCK']._serialized_end=1451
+  _globals['_COMMITREQUEST']._serialized_start=1454
+  _globals['_COMMITREQUEST']._serialized_end=1587
+  _globals['_COMMITRESPONSE']._serialized_start=1589
+  _globals['_COMMITRESPONSE']._serialized_end=1621
+  _globals['_ABORTREQUEST']._serialized_start=1623
+  _globals['_ABORTREQUEST']._serialized_end=1674
+  _globals['_ABORTRESPONSE']._serialized_start=1676
+  _globals['_ABORTRESPONSE']._serialized_end=1691
+  _globals['_REPORTHOTBLOCKSREQUEST']._serialized_start=1693
+  _globals['_REPORTHOTBLOCKSREQUEST']._serialized_end=1786
+  _globals['_REPORTHOTBLOCKSRESPONSE']._serialized_start=1788
+  _globals['_REPORTHOTBLOCKSRESPONSE']._serialized_end=1813
+  _globals['_STATSREQUEST']._serialized_start=1815
+  _globals['_STATSREQUEST']._serialized_end=1829
+  _globals['_TIERSTATS']._serialized_start=1832
+  _globals['_TIERSTATS']._serialized_end=2086
+  _globals['_MODELSTATS']._serialized_start=2089
+  _globals['_MODELSTATS']._serialized_end=2297
+  _globals['_ENGINESTATS']._serialized_start=2299
+  _globals['_ENGINESTATS']._serialized_end=2413
+  _globals['_STATSRESPONSE']._serialized_start=2416
+  _globals['_STATSRESPONSE']._serialized_end=2835
+  _globals['_LOCATEREQUEST']._serialized_start=2837
+  _globals['_LOCATEREQUEST']._serialized_end=2927
+  _globals['_NODEPLACEMENT']._serialized_start=2930
+  _globals['_NODEPLACEMENT']._serialized_end=3103
+  _globals['_LOCATERESPONSE']._serialized_start=3105
+  _globals['_LOCATERESPONSE']._serialized_end=3176
+  _globals['_TIERD']._serialized_start=3269
+  _globals['_TIERD']._serialized_end=4031
 # @@protoc_insertion_point(module_scope)

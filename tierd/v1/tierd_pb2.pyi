@@ -145,14 +145,16 @@ class ReleaseResponse(_message.Message):
     def __init__(self, dropped: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("engine_id", "block_hashes", "filtered_query_tokens")
+    __slots__ = ("engine_id", "block_hashes", "filtered_query_tokens", "blank_slots")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     FILTERED_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLANK_SLOTS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     filtered_query_tokens: int
-    def __init__(self, engine_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., filtered_query_tokens: _Optional[int] = ...) -> None: ...
+    blank_slots: int
+    def __init__(self, engine_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., filtered_query_tokens: _Optional[int] = ..., blank_slots: _Optional[int] = ...) -> None: ...
 
 class ReservedSlot(_message.Message):
     __slots__ = ("slot_id", "already_stored")
@@ -179,16 +181,18 @@ class CommittedBlock(_message.Message):
     def __init__(self, checksum: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("engine_id", "lease_id", "blocks", "written")
+    __slots__ = ("engine_id", "lease_id", "blocks", "written", "block_hashes")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     lease_id: str
     blocks: _containers.RepeatedCompositeFieldContainer[CommittedBlock]
     written: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CommittedBlock, _Mapping]]] = ..., written: _Optional[_Iterable[bool]] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CommittedBlock, _Mapping]]] = ..., written: _Optional[_Iterable[bool]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("stored",)
