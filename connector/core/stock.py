@@ -11,8 +11,10 @@ Its size is the largest of the last ``_HISTORY`` stores; no stock is kept while 
 quarter of this layout's slots in the arena or over the daemon's ``max_blocks_per_request``
 (such stores Reserve as before: a stock never takes much of the node's DRAM). A stock is used
 only while more than half of its lease is left, so a copy never runs near its deadline; an older
-one, or one too small for the store at hand, is aborted. An engine's first store, and a store
-that finds the stock taken by another store, Reserve as before. Thread-safe.
+one, or one too small for the store at hand (or short of room: the daemon keeps every engine's
+blank slots within a quarter of its arena, ``blank_fraction``), is aborted. An engine's first
+store, and a store that finds the stock taken by another store, Reserve as before.
+Thread-safe.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ class SlotStock:
             return None
         reservation = Reservation(session.engine_id, got.lease_id, got.slot_ids,
                                   got.already_stored)
-        if len(got.slot_ids) < count or self._clock() > held.sent + got.seconds_left / 2:
+        if (len(got.slot_ids) < count or None in got.slot_ids[:count]
+                or self._clock() > held.sent + got.seconds_left / 2):
             self._abort(held)
             return None
         return reservation

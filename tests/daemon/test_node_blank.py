@@ -16,7 +16,7 @@ from tierd.types import BlockHash
 
 @pytest.fixture
 def rig(make_rig: MakeRig) -> Rig:
-    return make_rig()
+    return make_rig(blank_fraction=1.0)  # the whole (8-slot) arena may be blank
 
 
 def _write(rig: Rig, res: Reservation, names: list[BlockHash]) -> list[int | None]:
@@ -122,3 +122,25 @@ async def test_blank_reservation_errors(rig: Rig) -> None:
     with pytest.raises(ValueError, match=">= 0"):
         rig.node.reserve_blank(rig.engine.engine_id, -1)
     rig.node.check_integrity()
+
+
+async def test_blank_slots_of_all_engines_stay_within_blank_fraction(make_rig: MakeRig) -> None:
+    """With blank_fraction 0.25 (2 of 8 slots), two engines together get 2 blank slots, the
+    rest None; a commit or an abort gives the room back; a fraction outside [0, 1] is refused."""
+    rig = make_rig(blank_fraction=0.25)
+    other = rig.node.register_engine("default", rig.engine.layout, "other")
+    first = rig.node.reserve_blank(rig.engine.engine_id, 1)
+    second = rig.node.reserve_blank(other.engine_id, 3)
+    assert first.slot_ids[0] is not None
+    assert [s is not None for s in second.slot_ids] == [True, False, False]
+    assert rig.node.stats().tiers["dram"].used_blocks == 2
+    rig.node.check_integrity()
+    names = chain(1)
+    assert rig.node.commit(first.lease_id, _write(rig, first, names), names=names) == 1
+    rig.node.abort(second.lease_id)
+    again = rig.node.reserve_blank(other.engine_id, 3)
+    assert [s is not None for s in again.slot_ids] == [True, True, False]
+    rig.node.abort(again.lease_id)
+    rig.node.check_integrity()
+    with pytest.raises(ValueError, match="blank_fraction"):
+        make_rig(blank_fraction=1.5)

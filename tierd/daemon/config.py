@@ -74,6 +74,9 @@ class TierdConfig:
         "help": "Hits a DRAM block needs to be demoted to SSD rather than dropped."})
     max_blocks_per_request: int = dataclasses.field(default=4096, metadata={
         "help": "Most hashes in one request (RESOURCE_EXHAUSTED above)."})
+    blank_fraction: float = dataclasses.field(default=0.25, metadata={
+        "help": "Most of the DRAM arena held in blank slots at once, all engines together "
+                "(slots engines reserve ahead of their next store; 0 = none)."})
     max_message_bytes: int = dataclasses.field(default=16 * _MIB, metadata={
         "help": "Largest gRPC message accepted (RESOURCE_EXHAUSTED above)."})
     presence_cells: int = dataclasses.field(default=1 * _MIB, metadata={

@@ -91,7 +91,8 @@ class NodeStore:
         self._engine_gone: Callable[[str], None] = lambda engine_id: None
         self._leases = LeaseTable(remember_seconds=config.lease_seconds)
         self._reservations = Reservations(self._tiers, self._leases, config.lease_seconds,
-                                          self._expire, clock)
+                                          self._expire, clock,
+                                          int(config.blank_fraction * arena.size))
         self._writing = self._reservations.writing  # reserved key -> its write lease id
         self._inflight_pins: Counter[NamespacedKey] = Counter()  # pins of acquires in progress
         self._promoter = Promoter(self._tiers, arena, ssd, self._writing.__contains__,
@@ -365,8 +366,9 @@ class NodeStore:
 
     def reserve_blank(self, engine_id: str, count: int) -> Reservation:
         """Allocate ``count`` slots not yet named, under a write lease (evicting as ``reserve``
-        does; fewer, None, where no room could be made): an engine holds them ahead of the blocks
-        it will store and names each at ``commit``. ResourceExhausted above
+        does; fewer, None, where no room could be made or where every engine's blank slots
+        together would pass ``blank_fraction`` of the arena): an engine holds them ahead of the
+        blocks it will store and names each at ``commit``. ResourceExhausted above
         ``max_blocks_per_request``; ValueError for a negative count."""
         info = self._engine(engine_id)
         if count < 0:
@@ -517,6 +519,10 @@ class NodeStore:
                     if block_hash is not None:  # blank slots are named at commit
                         writing[make_key(lease.namespace, block_hash)] = lease.lease_id
         assert writing == self._writing, "reserved keys disagree with the live write leases"
+        blank = sum(lease.slot_bytes * sum(s is not None for s in lease.slots)
+                    for lease in self._leases.live()
+                    if isinstance(lease, WriteLease) and lease.blank)
+        assert blank == self._reservations.blank_bytes, "blank slots disagree with their leases"
         for p in self._promoting.values():
             owned[(p.slot_bytes, p.slot_id)] += 1
             assert p.source.pins > 0, f"promotion of {p.key.hex()} does not pin its source"

@@ -40,6 +40,7 @@ class NodeConfig:
     dram_low_watermark: float = 0.75     # ... until at or below this
     ssd_min_hits: int = 0                # acquires a block needs to be demoted (else evicted)
     max_blocks_per_request: int = 4096   # more: ResourceExhausted
+    blank_fraction: float = 0.25         # most of the arena's bytes in blank slots, all engines
     hbm_max_blocks_per_engine: int = 1_000_000  # past it, the oldest reported hashes are dropped
     ghost_entries: int = 65_536          # evicted keys remembered to measure reuse gaps
     write_behind_seconds: float = 2.0    # committed blocks reach SSD within about this; 0 = off
@@ -58,6 +59,8 @@ class NodeConfig:
         for name in ("max_blocks_per_request", "hbm_max_blocks_per_engine", "ghost_entries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.blank_fraction <= 1.0:
+            raise ValueError(f"blank_fraction must be in [0, 1], got {self.blank_fraction}")
         if self.ssd_min_hits < 0:
             raise ValueError(f"ssd_min_hits must be >= 0, got {self.ssd_min_hits}")
         for name in ("write_behind_seconds", "stop_flush_seconds"):

@@ -11,7 +11,8 @@ committed. ``abort``, expiry and unregistering free the slots (``free``).
 
 ``reserve_blank`` reserves slots ahead of the blocks they will hold (a store's copy then needs no
 round trip first): the lease's hashes are None until ``commit`` names them; a name the node
-already holds, or that another lease is writing, frees its slot instead (stored once).
+already holds, or that another lease is writing, frees its slot instead (stored once). Blank
+slots of every engine together stay within ``blank_fraction`` of the arena (``blank_bytes``).
 
 The node store resolves the engine, scopes its hashes and expires overdue leases; this module
 owns what a write lease holds, from its reservation to its end.
@@ -45,10 +46,13 @@ class Reservations:
     ``abort`` say what each call does and raises."""
 
     def __init__(self, tiers: TierIndex, leases: LeaseTable, lease_seconds: float,
-                 expire: Callable[[float], None], clock: Callable[[], float]) -> None:
+                 expire: Callable[[float], None], clock: Callable[[], float],
+                 blank_budget: int) -> None:
         self._tiers, self._leases, self._lease_seconds = tiers, leases, lease_seconds
         self._expire, self._clock = expire, clock
         self.writing: dict[NamespacedKey, str] = {}
+        self._blank_budget = blank_budget
+        self.blank_bytes = 0  # in the slots of live blank leases (at most blank_budget)
 
     def reserve(self, info: EngineInfo, hashes: Sequence[BlockHash],
                 keys: Sequence[NamespacedKey], filtered_query_tokens: int) -> Reservation:
@@ -85,7 +89,10 @@ class Reservations:
         no room could be made, named at ``commit``."""
         now = self._clock()
         self._expire(now)
-        got = self._tiers.allocate_many(info.geometry.slot_bytes, count, now)
+        size = info.geometry.slot_bytes
+        room = max(0, self._blank_budget - self.blank_bytes) // size
+        got = self._tiers.allocate_many(size, min(count, room), now)
+        self.blank_bytes += len(got) * size
         slots: list[int | None] = [*got, *[None] * (count - len(got))]
         return self._lease(info, new_lease_id(), [None] * count, slots, [False] * count, now)
 
@@ -107,6 +114,7 @@ class Reservations:
                 raise ValueError(f"checksum #{i} must be an unsigned 64-bit int, got {c!r}")
         hashes = _named(lease, names, [c is not None for c in checksums])
         self._leases.finish(lease_id, "committed")
+        self._unblank(lease)
         t, blank = self._tiers, lease.blank
         run: list[BlockHash] = []
         parent: BlockHash | None = None
@@ -162,11 +170,17 @@ class Reservations:
 
     def free(self, lease: WriteLease) -> None:
         """Free the slots of an already finished write lease (aborted, expired, unregistered)."""
+        self._unblank(lease)
         for block_hash, slot in zip(lease.hashes, lease.slots):
             if slot is not None:
                 if block_hash is not None:
                     del self.writing[make_key(lease.namespace, block_hash)]
                 self._tiers.free_slot(lease.slot_bytes, slot)
+
+    def _unblank(self, lease: WriteLease) -> None:
+        """A blank lease ended: its slots no longer count against the budget."""
+        if lease.blank:
+            self.blank_bytes -= lease.slot_bytes * sum(s is not None for s in lease.slots)
 
     def _write_lease(self, lease_id: str, engine_id: str | None, entries: int,
                      what: str) -> WriteLease:
