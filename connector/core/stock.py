@@ -57,8 +57,8 @@ class SlotStock:
 
     def take(self, session: Session, count: int) -> Reservation | None:
         """The stock, for a store of ``count`` blocks on ``session``: its ``slot_ids[:count]``
-        are the store's slots (None: no room), to be named at the Commit; None where there is no
-        fitting, fresh stock (the store Reserves itself). May wait for a stock still being
+        (each with room) are the store's slots, to be named at the Commit; None where there is
+        no fitting, fresh stock (the store Reserves itself). May wait for a stock still being
         reserved (at most ``timeout_seconds``)."""
         with self._lock:
             held, self._held = self._held, None
