@@ -161,11 +161,13 @@ class VllmServe:
 
     def greedy_tokens(self, prompt: str, max_tokens: int, top: int = 5
                       ) -> list[tuple[str, dict[str, float]]]:
-        """A greedy completion, token by token: each token and the ``top`` most likely tokens
-        at its place with their log-probabilities (vLLM's ``logprobs``)."""
+        """A greedy completion of exactly ``max_tokens`` tokens (``ignore_eos``: a path that
+        parts at a near tie may reach the end-of-text token sooner), token by token: each token
+        and the ``top`` most likely tokens at its place with their log-probabilities (vLLM's
+        ``logprobs``)."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
         body = json.dumps({"model": self.name, "prompt": prompt, "max_tokens": max_tokens,
-                           "temperature": 0, "logprobs": top})
+                           "temperature": 0, "logprobs": top, "ignore_eos": True})
         try:
             conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
             response = conn.getresponse()
