@@ -18,10 +18,13 @@ stores, engine B (another manager, its own primary region) loads. Interleaved re
    its DRAM arena; fs: whatever its files cost right after the store). Rows 2 and 3 use a
    daemon without an SSD tier, as ``tierd bench vllm`` does: on 2 cores the write-behind of
    earlier repetitions would otherwise share the CPU with the copy measured;
-4. cold load: the page cache dropped, blocks only on disk (tierd: a second `tierd serve` that
-   demotes every block to SSD at once), a fresh engine B;
+4. cold load: blocks only on disk (tierd: a second `tierd serve` that demotes every block to
+   SSD at once), a fresh engine B per tier, the page cache dropped once, then the two tiers'
+   loads back to back, which goes first alternating (a shared disk's speed swings within
+   minutes; adjacent loads see the same disk);
 5. load after a restart: that daemon restarted (SIGTERM, then a new one on the same SSD
-   directory), the same blocks, a fresh engine; fs: a fresh engine on the same directory;
+   directory), the same blocks, a fresh engine; fs: a fresh engine on the same directory
+   (alternating as in 4);
 6. the raw cold read of the same bytes from the same disk (``measure_raw_disk``).
 
 Then the footprint after writing 3x tierd's bound (DRAM + SSD bytes of a third daemon) through
@@ -220,6 +223,11 @@ def _tierd(sock: str) -> dict[str, Any]:
             "retry_seconds": 0.0, "timeout_seconds": 60.0, "model_id": "bench-llama3-8b@synthetic"}
 
 
+def _cold_tier(name: str, daemons: dict[str, TierdServe], fs_root: str) -> dict[str, Any]:
+    """The tier of the cold rows: TierdTier on the daemon that demotes everything to SSD, or fs."""
+    return _tierd(daemons["ssd"].socket_path) if name == "tierd" else _fs(fs_root)
+
+
 def _floor() -> dict[str, Any]:
     return {"type": "MemcpyTier", "module_path": "tierd.bench.vllm_memcpy_tier"}
 
@@ -292,10 +300,8 @@ def _measure(args: argparse.Namespace, daemons: dict[str, TierdServe], work: str
         b.close()
         _clear_floor()
         for name in ("tierd", "fs"):
-            def tier(daemon: str) -> dict[str, Any]:
-                return _tierd(daemons[daemon].socket_path) if name == "tierd" else _fs(fs_root)
-
-            a, b = _Engine(tier("dram"), n), _Engine(tier("dram"), n)
+            tier = _tierd(daemons["dram"].socket_path) if name == "tierd" else _fs(fs_root)
+            a, b = _Engine(tier, n), _Engine(tier, n)
             start = time.perf_counter()
             a.rows[n:2 * n].copy_(a.rows[:n])
             record("memcpy", time.perf_counter() - start)
@@ -309,21 +315,27 @@ def _measure(args: argparse.Namespace, daemons: dict[str, TierdServe], work: str
             record(f"{name}_dram_load", b.load(keys))
             a.close()
             b.close()
-            a = _Engine(tier("ssd"), n)
-            cold = _keys(n)
-            a.store(cold)
+        # cold loads: both tiers' blocks on disk, one drop of the page cache, then the two
+        # loads back to back, which goes first alternating, so that a shared disk slowing down
+        # for a while (seen here: 0.7-2.7 GB/s within minutes) slows both
+        cold, fresh = {}, {}
+        for name in ("tierd", "fs"):
+            a = _Engine(_cold_tier(name, daemons, fs_root), n)
+            cold[name] = _keys(n)
+            a.store(cold[name])
             if name == "tierd":
-                wait_on_ssd(a.tier._layout, daemons["ssd"].socket_path, cold)
+                wait_on_ssd(a.tier._layout, daemons["ssd"].socket_path, cold[name])
             a.close()
-            b = _Engine(tier("ssd"), n)
-            drop_page_cache()
-            record(f"{name}_cold_load", b.load(cold))
-            b.close()
-            if name == "tierd":
-                daemons["ssd"].restart()
-            fresh = _Engine(tier("ssd"), n)
-            record(f"{name}_restart_load", fresh.load(cold))
-            fresh.close()
+            fresh[name] = _Engine(_cold_tier(name, daemons, fs_root), n)
+        drop_page_cache()
+        for name in ("tierd", "fs")[::1 if rep % 2 else -1]:
+            record(f"{name}_cold_load", fresh[name].load(cold[name]))
+            fresh[name].close()
+        daemons["ssd"].restart()
+        for name in ("tierd", "fs")[::1 if rep % 2 else -1]:
+            engine = _Engine(_cold_tier(name, daemons, fs_root), n)
+            record(f"{name}_restart_load", engine.load(cold[name]))
+            engine.close()
         drop_page_cache()
         _, read_gbs = measure_raw_disk(work, nbytes)
         record("raw_read", nbytes / (read_gbs * 1e9))

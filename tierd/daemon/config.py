@@ -62,8 +62,9 @@ class TierdConfig:
         "help": "Bound of the SSD tier's files, compaction headroom included."})
     ssd_compression: Compression = dataclasses.field(default="off", metadata={
         "help": "SSD record compression: off, lz4 or auto (lz4 only where it shrinks)."})
-    ssd_io_threads: int = dataclasses.field(default=8, metadata={
-        "help": "Threads doing SSD reads and writes."})
+    ssd_io_threads: int = dataclasses.field(default=32, metadata={
+        "help": "Threads reading the SSD, each with reads of its own in flight (32: the "
+                "queue depth of vLLM's fs tier; one more thread appends)."})
     lease_seconds: float = dataclasses.field(default=30.0, metadata={
         "help": "Lifetime of acquire leases and reservations."})
     dram_high_watermark: float = dataclasses.field(default=0.90, metadata={

@@ -80,7 +80,7 @@ class SsdStore:
 
     def __init__(self, directory: str | os.PathLike[str], capacity_bytes: int | None = None, *,
                  footprint_bytes: int | None = None, compression: Compression = "off",
-                 io_threads: int = 8, segment_bytes: int = 64 << 20,
+                 io_threads: int = 32, segment_bytes: int = 64 << 20,
                  garbage_fraction: float = 0.25, direct_io: bool = True) -> None:
         """No I/O until ``open``. The bound is either ``capacity_bytes`` (live records) or
         ``footprint_bytes`` (the files, compaction headroom included: ``tierd serve``'s
