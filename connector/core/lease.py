@@ -68,11 +68,14 @@ class PendingLease:
 
 
 def acquire_async(client: TierdClient, engine_id: str, hashes: Sequence[BlockHash], *,
-                  clock: Clock, count_lookup: bool = False) -> PendingLease:
+                  clock: Clock, count_lookup: bool = False,
+                  dram_run_only: bool = False) -> PendingLease:
     """Send an Acquire and return at once (the daemon stages SSD blocks meanwhile);
-    ``count_lookup`` as for ``acquire``."""
+    ``count_lookup`` as for ``acquire``; ``dram_run_only``: the leading DRAM run alone, the
+    tiers of the held rest in the reply's ``held_after`` (``TierdClient.acquire_async``)."""
     return PendingLease(engine_id, clock(),
-                        client.acquire_async(engine_id, hashes, count_lookup=count_lookup))
+                        client.acquire_async(engine_id, hashes, count_lookup=count_lookup,
+                                             dram_run_only=dram_run_only))
 
 
 def release(client: TierdClient, lease: Lease, corrupt_from: int | None = None) -> int:

@@ -15,9 +15,9 @@ What vLLM's manager sees (every method runs on its scheduler thread, under its l
 returns at once; copies and daemon calls run on ``workers`` threads, ``tier_jobs``):
 
 * ``lookup``: RETRY for a key not seen yet; at the end of the step the keys a request looked up
-  go to the daemon: one Lookup, then Acquires (the DRAM run in one, the SSD run in 32 MiB
-  pieces) that pin the longest held prefix in DRAM (SSD hits are read in meanwhile) under
-  leases; later lookups answer HIT for pinned keys, MISS for the rest.
+  go to the daemon: one Acquire pins the leading DRAM run and says where the rest of the held
+  prefix lies, then Acquires of the rest in 32 MiB pieces pin it in DRAM (SSD hits are read in
+  meanwhile) under leases; later lookups answer HIT for pinned keys, MISS for the rest.
   A key whose load failed answers MISS until it is stored again (else vLLM retries it forever).
   A daemon that is away answers MISS at once.
 * ``submit_load``: the pinned slots are copied into the primary rows, each slot verified in the
@@ -41,7 +41,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -67,7 +67,6 @@ from tierd.connector.core.load import load_leased
 from tierd.connector.core.save import abort, commit, reserve
 from tierd.connector.core.stock import SlotStock
 from tierd.daemon.client import target_for
-from tierd.types import Tier
 
 from .config import TierdVllmConfig
 from .identity import model_identity_for_tier
@@ -223,10 +222,11 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
             self._pool.submit("probe", functools.partial(self._probe, keys, _Probe()))
 
     def _probe(self, keys: list[OffloadKey], probe: _Probe) -> None:
-        """Pool thread: one Lookup says which of ``keys``' longest held prefix lies in DRAM and
-        which on SSD; then Acquires go out at once, the DRAM run as one, the SSD run in pieces
-        of ``_SSD_PIECE_BYTES``, so the first pieces answer (and vLLM starts loading them)
-        while the daemon still reads later ones. Each answer goes to the inbox."""
+        """Pool thread: one Acquire pins the leading DRAM run of ``keys``' longest held prefix
+        and says where the rest lies (``dram_run_only``: a Lookup and an Acquire in one round
+        trip); the rest is then asked for at once in pieces of ``_SSD_PIECE_BYTES``, so the
+        first pieces answer (and vLLM starts loading them) while the daemon still reads later
+        ones. Each answer goes to the inbox."""
         session = self._session()
         if session is None:
             probe.parts = 1
@@ -234,14 +234,18 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
             return
         hashes = [daemon_hash(k) for k in keys[:session.engine.max_blocks_per_request]]
         try:
-            tiers = session.client.lookup(session.engine_id, hashes)
+            first = acquire_async(session.client, session.engine_id, hashes,
+                                  clock=time.monotonic, count_lookup=True, dram_run_only=True)
+            dram, rest = first.wait(), first.reply.result().held_after
         except grpc.RpcError as exc:
             probe.parts = 1
             self._inbox.put(_Probed(keys, session, None, exc, probe))
             return
-        pieces = probe_pieces(tiers, max(1, _SSD_PIECE_BYTES // self._layout.block_bytes))
-        probe.parts = len(pieces) + 1
-        self._inbox.put(_Probed(keys[len(tiers):], session, None, None, probe))  # not held
+        run, held = dram.num_blocks, dram.num_blocks + len(rest)
+        pieces = probe_pieces(run, held, max(1, _SSD_PIECE_BYTES // self._layout.block_bytes))
+        probe.parts = len(pieces) + 2
+        self._inbox.put(_Probed(keys[:run], session, dram, None, probe))
+        self._inbox.put(_Probed(keys[held:], session, None, None, probe))  # not held
         for piece in pieces:
             part = keys[piece.start:piece.stop]
             try:
@@ -489,13 +493,10 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
             self._counts[name] = self._counts.get(name, 0) + value
 
 
-def probe_pieces(tiers: Sequence[Tier], ssd_piece: int) -> list[range]:
-    """How a probe asks for a held prefix whose blocks lie in ``tiers`` (a Lookup's answer):
-    its leading DRAM run as one Acquire, everything from the first block elsewhere in pieces of
-    ``ssd_piece`` blocks."""
-    dram = next((i for i, tier in enumerate(tiers) if tier != "dram"), len(tiers))
-    return ([range(0, dram)] if dram else []) + [
-        range(i, min(i + ssd_piece, len(tiers))) for i in range(dram, len(tiers), ssd_piece)]
+def probe_pieces(run: int, held: int, ssd_piece: int) -> list[range]:
+    """How a probe asks for the blocks of a held prefix of ``held`` blocks after its leading
+    DRAM run of ``run`` (pinned by the first Acquire): in pieces of ``ssd_piece`` blocks."""
+    return [range(i, min(i + ssd_piece, held)) for i in range(run, held, ssd_piece)]
 
 
 def _released_later(lease: Lease, corrupt_from: int | None) -> None:

@@ -451,6 +451,31 @@ async def test_acquire_with_count_lookup_counts_like_a_lookup(make_rig: MakeRig,
     assert (counted[0]["dram"], counted[0]["ssd"][1]) == ((9 * 16, 6 * 16), 2 * 16)
 
 
+async def test_acquire_of_the_dram_run_only_reads_nothing_and_says_where_the_rest_is(
+        make_rig: MakeRig, tmp_path: Path) -> None:
+    """Blocks 0-1 and 4-7 in DRAM, 2-3 on SSD, 8 missing: ``dram_run_only`` pins 0-1 alone,
+    lists the rest of the held prefix by tier (as a lookup would, and counted as one), and
+    reads nothing (2-3 stay on SSD); a chain starting on SSD pins nothing and lists it all."""
+    rig = make_rig(ssd_dir=str(tmp_path / "ssd"))
+    hashes = chain(9)
+    rig.store(hashes[2:8])
+    rig.store(hashes[:2])
+    await rig.node.maintain()                                  # LRU 2, 3 -> SSD
+    queries = rig.node.stats().tiers["dram"].queries
+    lease = await rig.node.acquire(rig.engine.engine_id, hashes, dram_run_only=True)
+    assert rig.node.stats().tiers["dram"].pinned_blocks == 2
+    assert lease.checksums == [block_checksum(payload(h)) for h in hashes[:2]]
+    assert lease.held_after == ["ssd", "ssd", "dram", "dram", "dram", "dram"]
+    assert rig.node.stats().tiers["dram"].queries == queries + 9 * 16
+    assert rig.tiers(hashes) == ["dram", "dram", "ssd", "ssd"] + ["dram"] * 4
+    assert rig.copy_out(lease.slot_ids) == [payload(h) for h in hashes[:2]]
+    rig.node.release(lease.lease_id)
+    cold = await rig.node.acquire(rig.engine.engine_id, hashes[2:4], dram_run_only=True)
+    assert (cold.lease_id, cold.slot_ids, cold.held_after) == (EMPTY_LEASE, [], ["ssd", "ssd"])
+    assert rig.tiers(hashes[2:4]) == ["ssd", "ssd"]
+    assert rig.node.stats().tiers["dram"].pinned_blocks == 0
+
+
 async def test_a_miss_pins_nothing_and_holds_no_lease(rig: Rig) -> None:
     """An acquire of a chain nobody stored returns the empty lease: nothing pinned, nothing
     tracked (misses under load cannot pile up leases), and releasing it is a no-op."""

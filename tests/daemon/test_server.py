@@ -30,7 +30,8 @@ def test_register_returns_arena_and_geometry(daemon: Any, kit: Any) -> None:
 
 
 def test_store_lookup_acquire_copy_out_from_dram(daemon: Any, kit: Any) -> None:
-    """Eight stored blocks are a DRAM hit and copy out bit-exact; a longer chain hits its prefix."""
+    """Eight stored blocks are a DRAM hit and copy out bit-exact; a longer chain hits its prefix
+    (also as the DRAM run alone: nothing held after it)."""
     hashes = kit.chain(8)
     with daemon.client() as client:
         engine = client.register_engine(kit.layout)
@@ -44,6 +45,9 @@ def test_store_lookup_acquire_copy_out_from_dram(daemon: Any, kit: Any) -> None:
             assert data == kit.block_bytes(key, 4096)
             assert block_checksum(data) == checksum
         client.release(engine.engine_id, got.lease_id)
+        run = client.acquire(engine.engine_id, hashes + kit.chain(2, seed=9), dram_run_only=True)
+        assert (run.slot_ids, run.checksums, run.held_after) == (got.slot_ids, got.checksums, [])
+        client.release(engine.engine_id, run.lease_id)
         arena.close()
     daemon.check_integrity()
 

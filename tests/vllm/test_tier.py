@@ -106,8 +106,9 @@ def test_a_probe_asks_for_dram_at_once_and_ssd_in_pieces(engines: list[TierEngin
                                                           monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
     """A stores six chunks; they stay in DRAM, or (a daemon that demotes everything) move to
-    SSD. B's probe is one Lookup, then one Acquire for the DRAM run, or one per SSD piece (here
-    a chunk each); B loads all six byte for byte and leaves nothing pinned."""
+    SSD. B's probe is one Acquire, which pins the DRAM run (all six, or none) and says where
+    the rest lies, then one Acquire per SSD piece (here a chunk each), and no Lookup; B loads
+    all six byte for byte and leaves nothing pinned."""
     import tierd.connector.vllm.tier as tier_module
     from tierd.bench.vllm_tier import wait_on_ssd
 
@@ -117,17 +118,21 @@ def test_a_probe_asks_for_dram_at_once_and_ssd_in_pieces(engines: list[TierEngin
     on_ssd = daemon.demote_all
     if on_ssd:
         wait_on_ssd(b.tier._layout, daemon.socket_path, keys)
-    asked: list[int] = []
+    asked: list[tuple[int, bool]] = []
     real_acquire = tier_module.acquire_async
 
     def counted(client: Any, engine_id: str, hashes: list[bytes], **kw: Any) -> Any:
-        asked.append(len(hashes))
+        asked.append((len(hashes), kw.get("dram_run_only", False)))
         return real_acquire(client, engine_id, hashes, **kw)
 
+    def no_lookup(*args: Any) -> None:
+        raise AssertionError("a probe makes no Lookup")
+
     monkeypatch.setattr(tier_module, "acquire_async", counted)
+    monkeypatch.setattr(type(b.tier._session().client), "lookup", no_lookup)
     monkeypatch.setattr(tier_module, "_SSD_PIECE_BYTES", 1)  # one chunk per SSD piece
     assert b.load(keys) == data
-    assert asked == ([1] * 6 if on_ssd else [6])
+    assert asked == [(6, True)] + ([(1, False)] * 6 if on_ssd else [])
     assert not b.tier.has_pending_work() and tier_pins(b) == 0
     assert daemon.pinned_blocks() == 0
 
@@ -175,15 +180,14 @@ def test_stores_after_the_first_copy_into_blank_slots_reserved_ahead(
 
 
 def test_probe_pieces() -> None:
-    """The DRAM run in one piece, then pieces of ``ssd_piece`` from the first block elsewhere
-    (DRAM blocks after it included); nothing held, nothing asked."""
+    """After the DRAM run (pinned by the first Acquire), pieces of ``ssd_piece`` up to the end
+    of the held prefix; nothing after the run, nothing asked."""
     from tierd.connector.vllm.tier import probe_pieces
 
-    assert probe_pieces(["dram"] * 3 + ["ssd"] * 4 + ["dram"], 3) == [
-        range(0, 3), range(3, 6), range(6, 8)]
-    assert probe_pieces(["dram"] * 5, 2) == [range(0, 5)]
-    assert probe_pieces(["ssd", "dram", "ssd"], 2) == [range(0, 2), range(2, 3)]
-    assert probe_pieces([], 2) == []
+    assert probe_pieces(3, 8, 3) == [range(3, 6), range(6, 8)]
+    assert probe_pieces(0, 3, 2) == [range(0, 2), range(2, 3)]
+    assert probe_pieces(5, 5, 2) == []
+    assert probe_pieces(0, 0, 2) == []
 
 
 def test_stalled_then_killed_daemon_never_stalls_vllm(daemon: Daemon, model_dir: str) -> None:

@@ -208,16 +208,18 @@ class ClusterLink:
         return stored
 
     async def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
-                      count_lookup: bool = False) -> Lease:
+                      count_lookup: bool = False, dram_run_only: bool = False) -> Lease:
         """``NodeStore.acquire``, extended by the remote tier's leading run of hits when that
-        is predicted to beat recomputing (see the module doc). Same errors as the store's;
-        ``count_lookup`` counts the chain once, on the first local acquire."""
+        is predicted to beat recomputing (see the module doc); not with ``dram_run_only``.
+        Same errors as the store's; ``count_lookup`` counts the chain once, on the first local
+        acquire."""
         store = self._store
         assert store is not None and self._arena is not None, "bind the link before serving"
-        lease = await store.acquire(engine_id, hashes, count_lookup=count_lookup)
+        lease = await store.acquire(engine_id, hashes, count_lookup=count_lookup,
+                                    dram_run_only=dram_run_only)
         hit = len(lease.slot_ids)
         info = self._engines.get(engine_id)
-        if self.remote is None or hit == len(hashes) or info is None:
+        if self.remote is None or hit == len(hashes) or info is None or dram_run_only:
             return lease
         rest = hashes[hit:]
         slot_bytes = info.geometry.slot_bytes

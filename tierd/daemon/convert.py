@@ -10,7 +10,7 @@ INVALID_ARGUMENT.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from tierd.daemon.layout import Layout
@@ -65,6 +65,7 @@ class AcquiredBlocks:
     seconds_left: float
     slot_ids: list[int]         # DRAM slot of each block of the prefix, chain order
     checksums: list[int]        # block_checksum of each block
+    held_after: list[Tier] = field(default_factory=list)  # dram_run_only: the rest held
 
     @property
     def num_blocks(self) -> int:
@@ -261,7 +262,8 @@ def engine_handle_from_pb(msg: pb.RegisterEngineResponse) -> EngineHandle:
 
 def acquired_from_pb(msg: pb.AcquireResponse) -> AcquiredBlocks:
     return AcquiredBlocks(lease_id=msg.lease_id, seconds_left=msg.seconds_left,
-                          slot_ids=msg.slot_ids[:], checksums=msg.checksums[:])  # new lists
+                          slot_ids=msg.slot_ids[:], checksums=msg.checksums[:],  # new lists
+                          held_after=tiers_from_pb(msg.held_after))
 
 
 def reserved_from_pb(msg: pb.ReserveResponse) -> ReservedSlots:

@@ -28,6 +28,7 @@ Policy (documented in docs/daemon.md):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -201,7 +202,7 @@ class NodeStore:
         return tiers
 
     async def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
-                      count_lookup: bool = False) -> Lease:
+                      count_lookup: bool = False, dram_run_only: bool = False) -> Lease:
         """Pin the longest consecutive prefix held in DRAM or SSD and return its slots.
 
         SSD hits are read into fresh DRAM slots, all at once (a block another acquire is
@@ -211,15 +212,19 @@ class NodeStore:
         Awaits SSD reads only; a cancelled caller's lease still completes and simply expires.
         ``count_lookup``: first count the chain exactly as ``lookup`` would (queried tokens, hit
         tokens per tier as held now), for callers that acquire without looking up first.
+        ``dram_run_only``: pin the leading DRAM run alone, read nothing, and list the tiers of
+        the held blocks after it in the lease's ``held_after`` (counted as ``count_lookup``).
         """
         info = self._engine(engine_id)
         keys = self._keys(info, hashes)
         blocks = self._tiers.dram.prefix(keys)
         hit = len(blocks)
-        if count_lookup:
-            self._query(info, hashes, keys, hit)
+        tiers = self._query(info, hashes, keys, hit) if count_lookup or dram_run_only else []
         now = self._clock()
         self._expire(now)
+        if dram_run_only:
+            lease = self._lease(info, keys[:hit], blocks, now, pin=True)
+            return dataclasses.replace(lease, held_after=tiers[hit:])
         if hit == len(keys) or not (keys[hit] in self._promoting or (
                 self._tiers.ssd_up and keys[hit] in self._tiers.disk)):
             return self._lease(info, keys[:hit], blocks, now, pin=True)  # nothing to read

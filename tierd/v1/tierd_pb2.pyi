@@ -107,26 +107,30 @@ class LookupResponse(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("engine_id", "block_hashes", "count_lookup")
+    __slots__ = ("engine_id", "block_hashes", "count_lookup", "dram_run_only")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     COUNT_LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    DRAM_RUN_ONLY_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     count_lookup: bool
-    def __init__(self, engine_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., count_lookup: _Optional[bool] = ...) -> None: ...
+    dram_run_only: bool
+    def __init__(self, engine_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., count_lookup: _Optional[bool] = ..., dram_run_only: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "seconds_left", "slot_ids", "checksums")
+    __slots__ = ("lease_id", "seconds_left", "slot_ids", "checksums", "held_after")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
     SLOT_IDS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    HELD_AFTER_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     seconds_left: float
     slot_ids: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[str] = ..., seconds_left: _Optional[float] = ..., slot_ids: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    held_after: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, lease_id: _Optional[str] = ..., seconds_left: _Optional[float] = ..., slot_ids: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., held_after: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("engine_id", "lease_id", "corrupt_from")
