@@ -86,7 +86,7 @@ class ModelTable:
         path = os.path.join(directory, FILE_NAME)
         found = read_state(dir_fd, FILE_NAME, ENTRY_BYTES * self._max_models)
         if found.tightened is not None:
-            _log.warning("%s was mode %04o; made 0600", path, found.tightened)
+            _log.info("%s was mode %04o; made 0600", path, found.tightened)
         problem = found.problem
         if found.data is not None:
             try:

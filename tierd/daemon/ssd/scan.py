@@ -8,7 +8,7 @@ name swapped between the check and the open is caught too. Anything else named l
 symlink, a hard link to a file elsewhere, a directory, a FIFO, another user's file) is skipped
 with one warning each and never read, written, truncated, renamed or removed: the daemon may run
 as root, and the directory is not proof that its files are ours. A trusted segment readable by
-group or others (an older version's 0644) is made 0600, with one warning naming the count.
+group or others (an older version's 0644) is made 0600 (logged, with the count).
 
 **Ids.** Segment names carry their id in at least 16 hex digits (``segment_name``); ids only grow.
 A name whose id is at or near 2^64 (planted, or written by an older version that let the id pass
@@ -103,7 +103,7 @@ def open_trusted(directory: Path, direct: bool) -> Listing:
         tightened += tighten(fd) is not None
         opened.append(Opened(sid, path, fd, _open_direct(path, fd) if direct else None, size))
     if tightened:
-        _log.warning("SSD tier %s: %d segment files were readable by other users; made 0600",
+        _log.info("SSD tier %s: %d segment files were readable by other users; made 0600",
                      directory, tightened)
     opened.sort(key=lambda o: o.id)
     if opened and opened[-1].id > RENUMBER_ABOVE:
