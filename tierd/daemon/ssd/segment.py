@@ -73,8 +73,8 @@ def segment_id(name: str) -> int | None:
 def open_segment(path: str, *, create: bool = False, direct: bool = False
                  ) -> tuple[int, int | None]:
     """(read-write fd, ``O_DIRECT`` fd or None) of a segment the writer made; ``create`` fails if
-    the name exists (mode 0600: other local users never read KV). Never follows a symlink (the scan's checks of files it did not just make
-    are in ``scan``)."""
+    the name exists (mode 0600: other local users never read KV). Never follows a symlink (the
+    scan's checks of files it did not just make are in ``scan``)."""
     flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, PRIVATE_FILE)
     if not direct:

@@ -57,8 +57,8 @@ from tierd.daemon.ssd.index import RecordSpan as RecordSpan
 from tierd.daemon.ssd.index import SsdEntry as SsdEntry
 from tierd.daemon.ssd.rawdisk import o_direct_supported
 from tierd.daemon.ssd.record import Compression, check_key, footprint
-from tierd.daemon.ssd.statefile import PRIVATE_DIR, tighten
 from tierd.daemon.ssd.segment import AppendJob, Placed, SegmentWriter, WriterReport, read_runs
+from tierd.daemon.ssd.statefile import PRIVATE_DIR, tighten
 from tierd.types import BlockHash, Namespace
 
 _log = logging.getLogger(__name__)
