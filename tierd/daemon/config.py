@@ -100,6 +100,9 @@ class TierdConfig:
         "help": "Most engines one tenant may have registered (RESOURCE_EXHAUSTED above)."})
     max_name_bytes: int = dataclasses.field(default=256, metadata={
         "help": "Longest engine_name accepted, in UTF-8 bytes (INVALID_ARGUMENT above)."})
+    max_models: int = dataclasses.field(default=1024, metadata={
+        "help": "Most namespaces (tenant and model) kept in models.json for per-model stats; "
+                "more only while that many have an engine registered."})
     metrics_port: int | None = dataclasses.field(default=None, metadata={
         "help": "Serve Prometheus metrics at this port (0 = any free port)."})
     metrics_host: str = dataclasses.field(default="127.0.0.1", metadata={

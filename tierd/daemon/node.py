@@ -78,7 +78,7 @@ class NodeStore:
         self.metrics, self._events = NodeMetrics(), EventLog(config.event_log_events)
         if ssd is not None:
             self.metrics.watch_ssd(ssd)
-        self.models = ModelTable(ssd.directory if ssd is not None else None)
+        self.models = ModelTable(config.max_models)
         outside = [self.models] + ([listener] if listener is not None else [])
         self._tiers = TierIndex(arena, allocator, ssd, self.metrics, self._events,
                             config.ghost_entries, clock, TierListeners(outside))
@@ -107,11 +107,13 @@ class NodeStore:
 
     def open(self) -> None:
         """Rebuild the SSD index from the records on disk, oldest first, dropping the oldest if
-        the bound shrank below them (blocking; call once at start-up)."""
+        the bound shrank below them, and read ``models.json`` if the SSD lock is ours (blocking;
+        call once at start-up)."""
         if self._ssd is None:
             return
-        self.models.load()
-        self._tiers.load(self._ssd.open(), self._clock())
+        entries = self._ssd.open()
+        self.models.open(self._ssd.state_directory(), str(self._ssd.directory))
+        self._tiers.load(entries, self._clock())
         self.metrics.ssd_healthy.set(1.0 if self._tiers.ssd_up else 0.0)
 
     def register_engine(self, tenant: str, layout: Layout, engine_name: str = "") -> EngineInfo:
@@ -160,7 +162,7 @@ class NodeStore:
         for lease in self._leases.of_engine(engine_id):
             self._end(self._leases.finish(lease.lease_id, "unregistered"))
         self._hbm.drop(engine_id)
-        self._engines.remove(engine_id)
+        self.models.unregistered(self._engines.remove(engine_id).namespace)
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -473,6 +475,7 @@ class NodeStore:
                 flushed = await self._write_behind.flush(
                     self._clock() + self._config.stop_flush_seconds)
             self.metrics.persisted.labels("stop").inc(flushed.written)
+            await asyncio.get_running_loop().run_in_executor(None, self.models.close)
             self._ssd.close()
         return flushed
 

@@ -47,6 +47,7 @@ class NodeConfig:
     stop_flush_seconds: float = 10.0     # close(): budget for writing DRAM-only blocks to SSD
     write_batch_bytes: int = 8 << 20     # most bytes of one write-behind / flush SSD write
     event_log_events: int = 100_000      # ring of take_events(); 0 = keep none (nobody drains)
+    max_models: int = 1024               # models.json entries (more only while engines hold them)
     engines: EngineCaps = field(default_factory=EngineCaps)  # idle lapse and registration caps
 
     def validate(self) -> None:
@@ -56,7 +57,8 @@ class NodeConfig:
         if not 0.0 < self.dram_low_watermark <= self.dram_high_watermark <= 1.0:
             raise ValueError("watermarks need 0 < dram_low_watermark <= dram_high_watermark <= 1,"
                              f" got {self.dram_low_watermark} and {self.dram_high_watermark}")
-        for name in ("max_blocks_per_request", "hbm_max_blocks_per_engine", "ghost_entries"):
+        for name in ("max_blocks_per_request", "hbm_max_blocks_per_engine", "ghost_entries",
+                     "max_models"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.blank_fraction <= 1.0:

@@ -7,7 +7,8 @@ one link, owned by the daemon's effective uid, checked on the open descriptor (`
 name swapped between the check and the open is caught too. Anything else named like a segment (a
 symlink, a hard link to a file elsewhere, a directory, a FIFO, another user's file) is skipped
 with one warning each and never read, written, truncated, renamed or removed: the daemon may run
-as root, and the directory is not proof that its files are ours.
+as root, and the directory is not proof that its files are ours. A trusted segment readable by
+group or others (an older version's 0644) is made 0600 (logged, with the count).
 
 **Ids.** Segment names carry their id in at least 16 hex digits (``segment_name``); ids only grow.
 A name whose id is at or near 2^64 (planted, or written by an older version that let the id pass
@@ -37,6 +38,7 @@ from pathlib import Path
 
 from tierd.daemon.ssd.record import ALIGN, HEADER_BYTES, MAGIC, RecordHeader
 from tierd.daemon.ssd.segment import SEGMENT_ID_MAX, segment_id, segment_name
+from tierd.daemon.ssd.statefile import tighten
 
 _log = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ def open_trusted(directory: Path, direct: bool) -> Listing:
     docstring). Blocks; raises only what renaming a trusted segment raises."""
     opened: list[Opened] = []
     skipped: dict[str, int] = {}  # name -> its id
+    tightened = 0
     for name in sorted(os.listdir(directory)):
         sid = segment_id(name)
         if sid is None:
@@ -97,7 +100,11 @@ def open_trusted(directory: Path, direct: bool) -> Listing:
             skipped[name] = sid
             continue
         fd, size = got
+        tightened += tighten(fd) is not None
         opened.append(Opened(sid, path, fd, _open_direct(path, fd) if direct else None, size))
+    if tightened:
+        _log.info("SSD tier %s: %d segment files were readable by other users; made 0600",
+                     directory, tightened)
     opened.sort(key=lambda o: o.id)
     if opened and opened[-1].id > RENUMBER_ABOVE:
         _renumber(directory, opened, set(skipped.values()))

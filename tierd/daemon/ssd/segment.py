@@ -40,6 +40,7 @@ from tierd.daemon.ssd.record import (
     choose_payload,
     padded,
 )
+from tierd.daemon.ssd.statefile import PRIVATE_FILE
 from tierd.types import BlockHash, Namespace
 
 SEGMENT_SUFFIX = ".kvs"
@@ -72,10 +73,10 @@ def segment_id(name: str) -> int | None:
 def open_segment(path: str, *, create: bool = False, direct: bool = False
                  ) -> tuple[int, int | None]:
     """(read-write fd, ``O_DIRECT`` fd or None) of a segment the writer made; ``create`` fails if
-    the name exists. Never follows a symlink (the scan's checks of files it did not just make
-    are in ``scan``)."""
+    the name exists (mode 0600: other local users never read KV). Never follows a symlink (the
+    scan's checks of files it did not just make are in ``scan``)."""
     flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o644)
+    fd = os.open(path, flags, PRIVATE_FILE)
     if not direct:
         return fd, None
     try:

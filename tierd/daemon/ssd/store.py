@@ -58,6 +58,7 @@ from tierd.daemon.ssd.index import SsdEntry as SsdEntry
 from tierd.daemon.ssd.rawdisk import o_direct_supported
 from tierd.daemon.ssd.record import Compression, check_key, footprint
 from tierd.daemon.ssd.segment import AppendJob, Placed, SegmentWriter, WriterReport, read_runs
+from tierd.daemon.ssd.statefile import PRIVATE_DIR, tighten
 from tierd.types import BlockHash, Namespace
 
 _log = logging.getLogger(__name__)
@@ -143,8 +144,8 @@ class SsdStore:
         if self._dir_fd is not None:
             raise ValueError(f"SSD store {self.directory} is already open")
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+            self.directory.mkdir(PRIVATE_DIR, parents=True, exist_ok=True)
+            dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
             _log.warning("SSD tier disabled, directory %s unusable: %s", self.directory, exc)
             return []
@@ -156,6 +157,7 @@ class SsdStore:
                          self.directory, exc)
             return []
         self._dir_fd = dir_fd
+        self._make_private()
         direct = self._direct_io and o_direct_supported(self.directory)
         try:
             loaded = self._table.load(direct)
@@ -180,6 +182,13 @@ class SsdStore:
                   self.damaged_bytes, self.skipped_files)
         self._warn_if_filesystem_small()
         return entries
+
+    def state_directory(self) -> int | None:
+        """The directory's descriptor while this store holds its lock (from a successful
+        ``open`` to ``close``), for the daemon's own state files (``statefile``); None
+        otherwise: a daemon locked out writes nothing there. The caller must not close it and
+        must be done with it before ``close``."""
+        return self._dir_fd
 
     def close(self) -> None:
         """Wait for I/O in flight, close the segments, release the directory lock; reads then
@@ -490,6 +499,20 @@ class SsdStore:
         if self._bound.regrow(self.used_bytes, st.f_bavail * st.f_frsize):
             _log.warning("SSD tier %s: the disk has room again, bound back to %d bytes",
                          self.directory, self.capacity_bytes)
+
+    def _make_private(self) -> None:
+        """At ``open``: take group and other access off the directory, with one warning saying
+        what changed (segments are made 0600 by the scan)."""
+        assert self._dir_fd is not None
+        try:
+            was = tighten(self._dir_fd)
+        except OSError as exc:
+            _log.warning("SSD tier %s: cannot make the directory private (%s): other local "
+                         "users may read the cached KV; chmod 700 it", self.directory, exc)
+            return
+        if was is not None:
+            _log.warning("SSD tier %s: directory mode %04o changed to %04o (it holds every "
+                         "tenant's KV)", self.directory, was, was & ~0o077)
 
     def _warn_if_filesystem_small(self) -> None:
         """One warning at ``open`` if the filesystem cannot hold the footprint of the bound."""
