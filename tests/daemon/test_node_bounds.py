@@ -239,6 +239,32 @@ def _store_one(rig: Rig, engine: EngineInfo) -> None:
     assert rig.node.commit(res.lease_id, [block_checksum(data)]) == 1
 
 
+async def test_default_caps_stop_abandoned_leases(rig_default: Rig) -> None:
+    """With the default caps, an engine that abandons 1024 one-block leases gets
+    RESOURCE_EXHAUSTED at the next (max_leases_per_engine = 1024)."""
+    rig = rig_default
+    hashes = chain(1)
+    rig.store(hashes)
+    for _ in range(1024):
+        await rig.node.acquire(rig.engine.engine_id, hashes, dram_run_only=True)
+    with pytest.raises(ResourceExhausted, match="max_leases_per_engine = 1024"):
+        await rig.node.acquire(rig.engine.engine_id, hashes, dram_run_only=True)
+    rig.clock.advance(31)
+    assert rig.node.stats().tiers["dram"].pinned_blocks == 0
+    rig.node.check_integrity()
+
+
+def test_capacity_is_right_after_a_wider_layout_leaves(rig_default: Rig) -> None:
+    """A wider layout registers and leaves holding nothing: its class is pruned and DRAM
+    capacity is the 8 slots of the rig's layout again (not 4 of the wider one)."""
+    rig = rig_default
+    wide = rig.node.register_engine("default", WIDE, "wide")
+    assert rig.node.stats().tiers["dram"].capacity_blocks == 4
+    rig.node.unregister_engine(wide.engine_id)
+    assert rig.node.stats().tiers["dram"].capacity_blocks == 8
+    rig.node.check_integrity()
+
+
 @pytest.fixture
 def rig_default(make_rig: MakeRig) -> Rig:
     return make_rig()
