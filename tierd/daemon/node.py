@@ -40,8 +40,14 @@ from tierd.daemon.engines import EngineTable
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, clip
 from tierd.daemon.hbm import HbmIndex
 from tierd.daemon.layout import Layout, namespace_for
-from tierd.daemon.leases import (EMPTY_LEASE, LeaseCaps, LeaseTable, ReadLease, WriteLease,
-                                 new_lease_id)
+from tierd.daemon.leases import (
+    EMPTY_LEASE,
+    LeaseCaps,
+    LeaseTable,
+    ReadLease,
+    WriteLease,
+    new_lease_id,
+)
 from tierd.daemon.listeners import TierListener, TierListeners
 from tierd.daemon.lru import DramBlock, TierIndex
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
