@@ -83,7 +83,7 @@ class TierdConfig:
                 "(RESOURCE_EXHAUSTED above)."})
     max_leases: int = dataclasses.field(default=16_384, metadata={
         "help": "Most live leases of all engines together (RESOURCE_EXHAUSTED above)."})
-    max_lease_keys: int = dataclasses.field(default=1 << 20, metadata={
+    max_lease_keys: int = dataclasses.field(default=1 << 18, metadata={
         "help": "Most blocks named by all live leases together, about 100 bytes of daemon "
                 "memory each (RESOURCE_EXHAUSTED above; >= max_blocks_per_request)."})
     min_block_bytes: int = dataclasses.field(default=1024, metadata={

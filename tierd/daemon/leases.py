@@ -40,7 +40,7 @@ class LeaseCaps:
 
     per_engine: int = 1024        # max_leases_per_engine
     total: int = 16_384           # max_leases: all engines together
-    blocks: int = 1 << 20         # max_lease_keys: blocks named by live leases, all together
+    blocks: int = 1 << 18         # max_lease_keys: blocks named by live leases, all together
 
 
 @dataclass(slots=True)

@@ -49,7 +49,7 @@ class NodeConfig:
     event_log_events: int = 100_000      # ring of take_events(); 0 = keep none (nobody drains)
     max_leases_per_engine: int = 1024    # live leases of one engine; more: ResourceExhausted
     max_leases: int = 16_384             # live leases of all engines; more: ResourceExhausted
-    max_lease_keys: int = 1 << 20        # blocks named by all live leases; more: ResourceExhausted
+    max_lease_keys: int = 1 << 18        # blocks named by all live leases; more: ResourceExhausted
     min_block_bytes: int = 1024          # smaller layouts: ValueError at registration
     max_size_classes: int = 64           # block sizes in use at once; more: ResourceExhausted
     engines: EngineCaps = field(default_factory=EngineCaps)  # idle lapse and registration caps
