@@ -38,9 +38,9 @@ stored (no pile of empty leases); releasing, committing or aborting it does noth
 class LeaseCaps:
     """Bounds of the live leases (each a config key of `tierd serve`)."""
 
-    per_engine: int = 1024        # max_leases_per_engine
-    total: int = 16_384           # max_leases: all engines together
-    blocks: int = 1 << 18         # max_lease_keys: blocks named by live leases, all together
+    per_engine: int  # max_leases_per_engine
+    total: int       # max_leases: all engines together
+    blocks: int      # max_lease_keys: blocks named by live leases, all together
 
 
 @dataclass(slots=True)
@@ -94,12 +94,12 @@ class LeaseTable:
     Pure bookkeeping: the node store frees or publishes what a lease held.
     """
 
-    def __init__(self, remember_seconds: float = 30.0, max_finished: int = 65_536,
-                 caps: LeaseCaps | None = None) -> None:
+    def __init__(self, remember_seconds: float = 30.0, max_finished: int = 65_536, *,
+                 per_engine: int = 1024, total: int = 16_384, blocks: int = 1 << 18) -> None:
         self._live: OrderedDict[str, Lease] = OrderedDict()
         self._finished: OrderedDict[str, tuple[Ending, float]] = OrderedDict()  # -> forget at
         self._remember, self._max_finished = remember_seconds, max_finished
-        self.caps = caps or LeaseCaps()
+        self.caps = LeaseCaps(per_engine, total, blocks)
         self._per_engine: Counter[str] = Counter()  # engine id -> live leases (no zero entries)
         self.blocks = 0  # blocks named by live leases (``_blocks``)
 

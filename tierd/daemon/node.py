@@ -40,14 +40,7 @@ from tierd.daemon.engines import EngineTable
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, clip
 from tierd.daemon.hbm import HbmIndex
 from tierd.daemon.layout import Layout, namespace_for
-from tierd.daemon.leases import (
-    EMPTY_LEASE,
-    LeaseCaps,
-    LeaseTable,
-    ReadLease,
-    WriteLease,
-    new_lease_id,
-)
+from tierd.daemon.leases import EMPTY_LEASE, LeaseTable, ReadLease, WriteLease, new_lease_id
 from tierd.daemon.listeners import TierListener, TierListeners
 from tierd.daemon.lru import DramBlock, TierIndex
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
@@ -94,8 +87,8 @@ class NodeStore:
             self._tiers.listener = TierListeners([self._write_behind, *outside])
         self._engines = EngineTable(config.engines)
         self._engine_gone: Callable[[str], None] = lambda engine_id: None
-        self._leases = LeaseTable(remember_seconds=config.lease_seconds, caps=LeaseCaps(
-            config.max_leases_per_engine, config.max_leases, config.max_lease_keys))
+        self._leases = LeaseTable(config.lease_seconds, per_engine=config.max_leases_per_engine,
+                                  total=config.max_leases, blocks=config.max_lease_keys)
         self._reservations = Reservations(self._tiers, self._leases, config.lease_seconds,
                                           self._expire, clock,
                                           int(config.blank_fraction * arena.size))
