@@ -63,6 +63,7 @@ __all__ = ["EMPTY_LEASE", "EngineInfo", "Flushed", "Lease", "LookupResult", "Nod
 
 log = logging.getLogger(__name__)
 
+
 class NodeStore:
     """The node's block index, leases and tier policy. Not thread-safe: one event loop."""
 
