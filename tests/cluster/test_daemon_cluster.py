@@ -196,7 +196,8 @@ def test_tenants_stay_isolated_across_nodes(cluster: Callable[..., Node]) -> Non
 def test_remote_tier_serves_a_block_evicted_on_another_node(cluster: Callable[..., Node]) -> None:
     """A (DRAM only, 32 slots) evicts a 4-block prefix; its maintain pass puts them remote; B
     misses locally, fetches them into its arena, and serves them bit-exact."""
-    a = cluster("node-a", ssd_dir="", dram_bytes=128 << 10, remote_tier=True)
+    a = cluster("node-a", ssd_dir="", dram_bytes=128 << 10, remote_tier=True,
+                block_overhead_bytes=0)                 # every one of the 32 slots usable
     b = cluster("node-b", remote_tier=True)
     prefix = chain(4, seed=3)
     with a.client() as ca, b.client() as cb:

@@ -110,3 +110,20 @@ def test_node_config_takes_every_shared_key() -> None:
     assert node.event_log_events == 0
     with pytest.raises(ValueError, match="ssd_min_hits"):
         load_config(None, env={}, overrides={"ssd_min_hits": -1})
+
+
+def test_table_bounds_come_from_the_environment() -> None:
+    """The bounds of the daemon's tables are TIERD_* variables (byte sizes with units) that
+    reach the node store; a lease-block cap below one full request is refused naming both."""
+    config = load_config(None, env={
+        "TIERD_MAX_LEASES_PER_ENGINE": "8", "TIERD_MAX_LEASES": "64",
+        "TIERD_MAX_LEASE_KEYS": "8192", "TIERD_MIN_BLOCK_BYTES": "4KiB",
+        "TIERD_BLOCK_OVERHEAD_BYTES": "1KiB", "TIERD_MAX_SIZE_CLASSES": "3"})
+    node = config.node_config()
+    assert (node.max_leases_per_engine, node.max_leases, node.max_lease_keys,
+            node.min_block_bytes, node.max_size_classes) == (8, 64, 8192, 4096, 3)
+    assert config.block_overhead_bytes == 1024
+    with pytest.raises(ValueError, match="max_lease_keys .* max_blocks_per_request"):
+        load_config(None, env={"TIERD_MAX_LEASE_KEYS": "100"})
+    with pytest.raises(ValueError, match="block_overhead_bytes"):
+        load_config(None, env={"TIERD_BLOCK_OVERHEAD_BYTES": "-1"})

@@ -97,3 +97,21 @@ def test_bad_input() -> None:
         with pytest.raises(ValueError, match="not allocated"):
             alloc.free(size, bad_id)
     alloc.check_integrity()
+
+
+def test_block_overhead_is_charged_against_the_arena() -> None:
+    """Each slot also costs ``block_overhead`` bytes of the arena's size: 4 KiB slots with
+    4 KiB of overhead fill half of an 8-slot arena; freeing one makes room for one; the class
+    of a size no longer used is forgotten."""
+    alloc = SlabAllocator(arena_bytes=8 * 4096, slab_bytes=4 * 4096, block_overhead=4096)
+    got = [alloc.allocate(4096) for _ in range(5)]
+    assert got == [0, 1, 2, 3, None]
+    assert (alloc.capacity_slots(4096), alloc.room_slots(4096), alloc.charged) == (4, 0, 8 * 4096)
+    alloc.free(4096, 2)
+    assert alloc.allocate(4096) == 2
+    for slot in range(4):
+        alloc.free(4096, slot)
+    assert alloc.classes() == [4096]
+    alloc.forget(4096)
+    assert alloc.classes() == [] and alloc.capacity_slots(4096) == 4
+    alloc.check_integrity()

@@ -48,7 +48,8 @@ def test_json_and_table(daemon: Any, kit: Any, capsys: pytest.CaptureFixture[str
     assert run_stats("--socket-path", daemon.config.socket_path, "--json") == 0
     data = json.loads(capsys.readouterr().out)
     dram = next(t for t in data["tiers"] if t["tier"] == "dram")
-    assert (dram["used_blocks"], dram["used_bytes"], dram["capacity_blocks"]) == (4, 16384, 4096)
+    assert (dram["used_blocks"], dram["used_bytes"], dram["capacity_blocks"]) == (
+        4, 16384, (16 << 20) // (4096 + 512))  # block_overhead_bytes counted per block
     assert (data["query_tokens"], data["hit_tokens"], data["hit_ratio"]) == (128, 48, 0.375)
     assert data["engines"][0]["hbm_blocks"] == 1 and data["pool_too_small"] is False
     assert [(m["model_id"], m["blocks"]["dram"], m["bytes"]["dram"], m["blocks"]["hbm"],

@@ -39,7 +39,7 @@ def build_node(config: TierdConfig, arena: ShmArena) -> Node:
     then open the store: blocks while the SSD store rebuilds its index, and the listeners hear
     of every record found. Nothing is left open if it raises (the presence filter's file is
     removed). Starts no task: the cluster link's publisher starts with the server."""
-    allocator = SlabAllocator(config.dram_bytes, config.slab_bytes)
+    allocator = SlabAllocator(config.dram_bytes, config.slab_bytes, config.block_overhead_bytes)
     ssd = (SsdStore(config.ssd_dir, footprint_bytes=config.ssd_bytes,  # headroom included
                     compression=config.ssd_compression, io_threads=config.ssd_io_threads)
            if config.ssd_dir else None)

@@ -78,6 +78,22 @@ class TierdConfig:
     blank_fraction: float = dataclasses.field(default=0.25, metadata={
         "help": "Most of the DRAM arena held in blank slots at once, all engines together "
                 "(slots engines reserve ahead of their next store; 0 = none)."})
+    max_leases_per_engine: int = dataclasses.field(default=1024, metadata={
+        "help": "Most live leases (Acquire and Reserve) one engine may hold "
+                "(RESOURCE_EXHAUSTED above)."})
+    max_leases: int = dataclasses.field(default=16_384, metadata={
+        "help": "Most live leases of all engines together (RESOURCE_EXHAUSTED above)."})
+    max_lease_keys: int = dataclasses.field(default=1 << 18, metadata={
+        "help": "Most blocks named by all live leases together, about 100 bytes of daemon "
+                "memory each (RESOURCE_EXHAUSTED above; >= max_blocks_per_request)."})
+    min_block_bytes: int = dataclasses.field(default=1024, metadata={
+        "help": "Smallest block a layout may have (INVALID_ARGUMENT at RegisterEngine below)."})
+    block_overhead_bytes: int = dataclasses.field(default=512, metadata={
+        "help": "Daemon memory counted per DRAM block (its index entry) against dram_bytes: "
+                "at most dram_bytes / (block bytes + this) blocks are held at once."})
+    max_size_classes: int = dataclasses.field(default=64, metadata={
+        "help": "Most distinct block sizes in use at once (registered engines' or held in "
+                "DRAM; RESOURCE_EXHAUSTED at RegisterEngine above)."})
     max_message_bytes: int = dataclasses.field(default=16 * _MIB, metadata={
         "help": "Largest gRPC message accepted (RESOURCE_EXHAUSTED above)."})
     presence_cells: int = dataclasses.field(default=1 * _MIB, metadata={
@@ -155,6 +171,8 @@ class TierdConfig:
         for name in ("maintain_seconds", "max_message_bytes", "ssd_io_threads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.block_overhead_bytes < 0:
+            raise ValueError(f"block_overhead_bytes must be >= 0, got {self.block_overhead_bytes}")
         self.node_config().validate()  # watermarks, lease, write-behind, engine caps
         if not self.default_tenant:
             raise ValueError("default_tenant must not be empty")
@@ -227,7 +245,7 @@ def parse_bytes(value: str | int) -> int:
 
 
 _BYTE_KEYS = {"dram_bytes", "slab_bytes", "ssd_bytes", "max_message_bytes", "remote_tier_bytes",
-              "remote_queue_bytes"}
+              "remote_queue_bytes", "min_block_bytes", "block_overhead_bytes"}
 
 
 def _coerce(name: str, raw: Any) -> Any:

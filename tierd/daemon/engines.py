@@ -88,6 +88,10 @@ class EngineTable:
             out.append(engine_id)
         return out
 
+    def infos(self) -> list[EngineInfo]:
+        """Every registered engine, least recently heard from first."""
+        return list(self._engines.values())
+
     def of_tenant(self, tenant: str) -> list[EngineInfo]:
         """Engines of ``tenant`` (any order)."""
         return [info for info in self._engines.values() if info.tenant == tenant]

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar
 
+from tierd.daemon.classes import SizeClasses
 from tierd.daemon.eviction import LruEviction
 from tierd.daemon.listeners import TierListener
 from tierd.daemon.metrics import NodeMetrics, TierStats
@@ -146,13 +147,14 @@ class TierIndex:
 
     def __init__(self, arena: ShmArena, allocator: SlabAllocator, ssd: SsdStore | None,
                  metrics: NodeMetrics, events: EventLog, ghost_entries: int,
-                 clock: Callable[[], float], listener: TierListener | None = None) -> None:
+                 clock: Callable[[], float], listener: TierListener | None = None,
+                 max_classes: int = 64) -> None:
         self.arena, self.alloc, self.ssd = arena, allocator, ssd
         self.metrics, self.events, self._clock = metrics, events, clock
         self.listener = listener
         self.dram: LruIndex[DramBlock] = LruIndex()
         self.disk: LruIndex[SsdBlock] = LruIndex()
-        self.classes: set[int] = set()          # slot sizes of every layout ever registered
+        self.classes = SizeClasses(allocator, max_classes)  # slot sizes in use
         self.counts = metrics.counts
         self.ghosts: OrderedDict[NamespacedKey, float] = OrderedDict()  # key -> last access
         self._ghost_entries = ghost_entries
@@ -246,6 +248,7 @@ class TierIndex:
     def free_slot(self, slot_bytes: int, slot_id: int) -> None:
         """Give back a slot no block was indexed in (an aborted, expired or failed write)."""
         self.alloc.free(slot_bytes, slot_id)
+        self.classes.freed(slot_bytes)
 
     def note_restore(self, key: NamespacedKey, now: float) -> None:
         """A key is about to be stored again: if it left the node recently (a ghost), observe
@@ -321,6 +324,7 @@ class TierIndex:
         assert block.pins == 0 and not block.demoting, f"{key.hex()}: dropping a pinned block"
         if reason == "corrupt":
             self.alloc.free(block.slot_bytes, block.slot_id)
+            self.classes.freed(block.slot_bytes)
             self.emit(BlockRemoved((block.block_hash,), "dram"), block.namespace)
             self.counts.checksum_failures["dram"] += 1
             return
@@ -352,6 +356,7 @@ class TierIndex:
             view = self.arena.view(self.offset(block), block.slot_bytes)
             self.listener.evicted(key, block.checksum, block.slot_bytes, lambda: _ready(view))
         self.alloc.free(block.slot_bytes, block.slot_id)
+        self.classes.freed(block.slot_bytes)
         if not last:
             self.counts.demotions += 1
         else:
@@ -478,9 +483,12 @@ class TierIndex:
             taken += self.alloc.capacity_slots(c) - free_slabs * self._slots_per_slab(c)
             largest = max(largest, c)
         capacity = taken + (free_slabs * self._slots_per_slab(largest) if largest else 0)
+        used = sum(self.alloc.used_slots(c) for c in self.classes)
+        if largest:  # within the per-block overhead charge (``SlabAllocator``)
+            capacity = min(capacity, used + self.alloc.room_slots(largest))
         pinned = sum(1 for _, b in self.dram.oldest_first() if b.pins) + reserved
         tiers = {"dram": TierStats(
-            sum(self.alloc.used_slots(c) for c in self.classes), capacity, self.dram_used_bytes(),
+            used, capacity, self.dram_used_bytes(),
             self.arena.size, pinned, n.hits["dram"], n.queries, n.evictions["dram"],
             n.demotions, 0)}
         used = self.ssd.used_bytes if self.ssd is not None else 0

@@ -40,7 +40,7 @@ from tierd.daemon.engines import EngineTable
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, clip
 from tierd.daemon.hbm import HbmIndex
 from tierd.daemon.layout import Layout, namespace_for
-from tierd.daemon.leases import LeaseTable, ReadLease, WriteLease, new_lease_id
+from tierd.daemon.leases import EMPTY_LEASE, LeaseTable, ReadLease, WriteLease, new_lease_id
 from tierd.daemon.listeners import TierListener, TierListeners
 from tierd.daemon.lru import DramBlock, TierIndex
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
@@ -63,9 +63,6 @@ __all__ = ["EMPTY_LEASE", "EngineInfo", "Flushed", "Lease", "LookupResult", "Nod
 
 log = logging.getLogger(__name__)
 
-EMPTY_LEASE = ""
-"""The lease id of an acquire that pinned nothing: never stored (no pile of miss leases)."""
-
 
 class NodeStore:
     """The node's block index, leases and tier policy. Not thread-safe: one event loop."""
@@ -81,7 +78,8 @@ class NodeStore:
         self.models = ModelTable(config.max_models)
         outside = [self.models] + ([listener] if listener is not None else [])
         self._tiers = TierIndex(arena, allocator, ssd, self.metrics, self._events,
-                            config.ghost_entries, clock, TierListeners(outside))
+                            config.ghost_entries, clock, TierListeners(outside),
+                            max_classes=config.max_size_classes)
         self._counts = self._tiers.counts
         self._write_behind = WriteBehind(self._tiers, delay=config.write_behind_seconds,
                                min_hits=config.ssd_min_hits, batch_bytes=config.write_batch_bytes,
@@ -90,7 +88,8 @@ class NodeStore:
             self._tiers.listener = TierListeners([self._write_behind, *outside])
         self._engines = EngineTable(config.engines)
         self._engine_gone: Callable[[str], None] = lambda engine_id: None
-        self._leases = LeaseTable(remember_seconds=config.lease_seconds)
+        self._leases = LeaseTable(config.lease_seconds, per_engine=config.max_leases_per_engine,
+                                  total=config.max_leases, blocks=config.max_lease_keys)
         self._reservations = Reservations(self._tiers, self._leases, config.lease_seconds,
                                           self._expire, clock,
                                           int(config.blank_fraction * arena.size))
@@ -118,17 +117,23 @@ class NodeStore:
 
     def register_engine(self, tenant: str, layout: Layout, engine_name: str = "") -> EngineInfo:
         """Give an engine an id, its namespace and its slot geometry. ValueError for a bad
-        layout or tenant, or a name over ``max_name_bytes``; ResourceExhausted if one block
-        cannot fit a slab or the tenant has ``max_engines_per_tenant`` engines."""
+        layout or tenant, a block under ``min_block_bytes`` or a name over ``max_name_bytes``;
+        ResourceExhausted if one block cannot fit a slab, the tenant has
+        ``max_engines_per_tenant`` engines or its block size would pass ``max_size_classes``."""
         namespace = namespace_for(tenant, layout)
+        if layout.block_bytes < self._config.min_block_bytes:
+            raise ValueError(f"a block of {layout.block_bytes} bytes is under min_block_bytes "
+                             f"({self._config.min_block_bytes}): use more tokens per block, or "
+                             "lower TIERD_MIN_BLOCK_BYTES")
         try:
             geometry = self._tiers.alloc.geometry(layout.block_bytes)
         except ValueError as e:
             raise ResourceExhausted(f"a block of {layout.block_bytes} bytes cannot fit: {e}") from e
+        self._tiers.classes.check_room(geometry.slot_bytes)
         info = EngineInfo(self._engines.new_id(tenant, engine_name), tenant, namespace, layout,
                           geometry, engine_name)
         self._engines.add(info, self._clock())
-        self._tiers.classes.add(geometry.slot_bytes)
+        self._tiers.classes.join(geometry.slot_bytes)
         self.models.registered(namespace, NamespaceModel(tenant, layout.model_id,
                                                          layout.block_bytes))
         return info
@@ -157,12 +162,14 @@ class NodeStore:
 
     def unregister_engine(self, engine_id: str) -> None:
         """Forget an engine: its leases end (pins dropped, reserved slots freed) and its HBM
-        report is discarded. Its committed blocks stay. NotFound if unknown."""
-        self._engine(engine_id)
+        report is discarded. Its committed blocks stay (its size class too, until they leave).
+        NotFound if unknown."""
+        info = self._engine(engine_id)
         for lease in self._leases.of_engine(engine_id):
             self._end(self._leases.finish(lease.lease_id, "unregistered"))
         self._hbm.drop(engine_id)
         self.models.unregistered(self._engines.remove(engine_id).namespace)
+        self._tiers.classes.leave(info.geometry.slot_bytes)
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -212,6 +219,7 @@ class NodeStore:
         ends before it. A failed SSD read ends the prefix there (a miss). Every returned block
         stays pinned until ``release`` or the deadline; each counts a hit and its reuse gap.
         Awaits SSD reads only; a cancelled caller's lease still completes and simply expires.
+        ResourceExhausted (pinning nothing) if the lease would pass a cap of the lease table.
         ``count_lookup``: first count the chain exactly as ``lookup`` would (queried tokens, hit
         tokens per tier as held now), for callers that acquire without looking up first.
         ``dram_run_only``: pin the leading DRAM run alone, read nothing, and list the tiers of
@@ -230,6 +238,7 @@ class NodeStore:
         if hit == len(keys) or not (keys[hit] in self._promoting or (
                 self._tiers.ssd_up and keys[hit] in self._tiers.disk)):
             return self._lease(info, keys[:hit], blocks, now, pin=True)  # nothing to read
+        self._leases.check_room(info.engine_id, hit + 1)  # before any read (again at the end)
         # The plan: the prefix held in DRAM, in flight from SSD, or on SSD. Promotions may
         # evict unpinned DRAM blocks, so the plan's DRAM hits take in-flight pins first; then
         # the new promotions' slots are allocated in one batch (one eviction pass).
@@ -304,10 +313,15 @@ class NodeStore:
                start: float, *, pin: bool) -> Lease:
         """Put a prefix (``blocks[i]`` under ``keys[i]``; ``pin``: not pinned yet) under a new
         lease, counting each block's hit and reuse gap as of ``start``. A miss gets the empty
-        lease."""
+        lease. ResourceExhausted past a cap of the lease table (unpinning what was pinned)."""
         deadline = self._clock() + self._config.lease_seconds
         if not keys:  # a miss pins nothing: no lease to track (release("") is a no-op)
             return Lease(EMPTY_LEASE, deadline, [], [], self._config.lease_seconds)
+        refused = self._leases.over_cap(info.engine_id, len(keys))
+        if refused is not None:
+            if not pin:
+                self._tiers.unpin(keys)
+            raise ResourceExhausted(refused)
         self._tiers.count_hits(keys, blocks, start, pin=pin)
         lease = ReadLease(new_lease_id(), info.engine_id, deadline, keys)
         self._leases.add(lease)
@@ -548,6 +562,10 @@ class NodeStore:
         for key, e in self._tiers.disk.oldest_first():
             assert e.pins == ssd_pins.get(key, 0), f"{key.hex()}: SSD pins disagree"
         assert all(e in self._engines for e in self._hbm.counts()), "HBM of unknown engine"
+        self._leases.check_integrity()
+        self._tiers.classes.check_integrity(Counter(
+            e.geometry.slot_bytes for e in self._engines.infos()))
+        assert {size for size, _ in owned} <= set(self._tiers.classes), "a slot of no class"
         self._hbm.check_integrity()
         self._engines.check_integrity()
         self._write_behind.check_integrity()

@@ -48,6 +48,11 @@ class NodeConfig:
     write_batch_bytes: int = 8 << 20     # most bytes of one write-behind / flush SSD write
     event_log_events: int = 100_000      # ring of take_events(); 0 = keep none (nobody drains)
     max_models: int = 1024               # models.json entries (more only while engines hold them)
+    max_leases_per_engine: int = 1024    # live leases of one engine; more: ResourceExhausted
+    max_leases: int = 16_384             # live leases of all engines; more: ResourceExhausted
+    max_lease_keys: int = 1 << 18        # blocks named by all live leases; more: ResourceExhausted
+    min_block_bytes: int = 1024          # smaller layouts: ValueError at registration
+    max_size_classes: int = 64           # block sizes in use at once; more: ResourceExhausted
     engines: EngineCaps = field(default_factory=EngineCaps)  # idle lapse and registration caps
 
     def validate(self) -> None:
@@ -58,9 +63,14 @@ class NodeConfig:
             raise ValueError("watermarks need 0 < dram_low_watermark <= dram_high_watermark <= 1,"
                              f" got {self.dram_low_watermark} and {self.dram_high_watermark}")
         for name in ("max_blocks_per_request", "hbm_max_blocks_per_engine", "ghost_entries",
-                     "max_models"):
+                     "max_models", "max_leases_per_engine", "max_leases", "min_block_bytes",
+                     "max_size_classes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_lease_keys < self.max_blocks_per_request:
+            raise ValueError(f"max_lease_keys ({self.max_lease_keys}) must be >= "
+                             f"max_blocks_per_request ({self.max_blocks_per_request}): one "
+                             "lease of a full request must fit")
         if not 0.0 <= self.blank_fraction <= 1.0:
             raise ValueError(f"blank_fraction must be in [0, 1], got {self.blank_fraction}")
         if self.ssd_min_hits < 0:

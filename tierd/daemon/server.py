@@ -220,6 +220,9 @@ class TierdServicer(pb_grpc.TierdServicer):
         if request.blank_slots:
             if request.block_hashes:
                 raise ValueError("a Reserve asks for blank_slots or names block_hashes, not both")
+            if request.filtered_query_tokens:
+                raise ValueError("filtered_query_tokens go with a Reserve of block_hashes, not "
+                                 "of blank_slots: report them at the next named Reserve")
             res = self._store.reserve_blank(engine_id, request.blank_slots)
         else:
             res = self._store.reserve(engine_id, convert.hashes_from_pb(request.block_hashes),

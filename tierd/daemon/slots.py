@@ -7,6 +7,11 @@ free goes back to the pool at once, for any class to take. Layouts with the same
 a class. Waste is at most ``slab_bytes % slot_bytes`` per slab plus the free slots of partially
 used slabs.
 
+Each allocated slot is also charged ``block_overhead`` bytes, the daemon memory of its block's
+index entry, against the arena's size: at most ``arena_bytes / (slot_bytes + block_overhead)``
+slots of one size are allocated at once, so tiny blocks cannot make the daemon's memory a
+multiple of the arena's (``allocate`` answers None past it, as when no slot is free).
+
 Slot ids are per class and encode the slab: ``slot_id = slab * slots_per_slab + index``, so the
 byte offset is a pure function of the id (``SlotGeometry.offset``) that engines compute too.
 Allocation and free are O(1). No I/O, not thread-safe (the daemon calls it from its event loop).
@@ -60,9 +65,11 @@ class SlabAllocator:
     first at start, then most recently returned first.
     """
 
-    def __init__(self, arena_bytes: int, slab_bytes: int) -> None:
-        """ValueError unless ``0 < slab_bytes <= arena_bytes``. Bytes past the last whole slab
-        are not used."""
+    def __init__(self, arena_bytes: int, slab_bytes: int, block_overhead: int = 0) -> None:
+        """ValueError unless ``0 < slab_bytes <= arena_bytes`` and ``block_overhead >= 0``.
+        Bytes past the last whole slab are not used."""
+        if block_overhead < 0:
+            raise ValueError(f"block overhead must be >= 0, got {block_overhead}")
         if slab_bytes <= 0 or slab_bytes > arena_bytes:
             raise ValueError(
                 f"slab size {slab_bytes} must be > 0 and <= the arena size {arena_bytes}: "
@@ -73,6 +80,9 @@ class SlabAllocator:
         self.num_slabs = arena_bytes // slab_bytes
         self._free_slabs: list[int] = list(range(self.num_slabs - 1, -1, -1))  # pop() -> lowest
         self._classes: dict[int, _SizeClass] = {}
+        self.block_overhead = block_overhead
+        self.charged = 0  # sum over allocated slots of slot_bytes + block_overhead
+
 
     def geometry(self, slot_bytes: int) -> SlotGeometry:
         """The geometry of the class of ``slot_bytes``. ValueError if ``slot_bytes`` is <= 0 or
@@ -87,6 +97,9 @@ class SlabAllocator:
     def allocate(self, slot_bytes: int) -> int | None:
         """Take one slot of the class; None when the class has no free slot and no slab is free.
         O(1). The caller owns the slot until it calls ``free``."""
+        cost = slot_bytes + self.block_overhead
+        if self.charged + cost > self.arena_bytes:
+            return None
         cls = self._class(slot_bytes)
         if cls.partial:
             slab_index = next(iter(cls.partial))
@@ -105,6 +118,7 @@ class SlabAllocator:
         slab.taken[index] = 1
         slab.used += 1
         cls.used += 1
+        self.charged += cost
         if slab.used == cls.geometry.slots_per_slab:
             del cls.partial[slab_index]
         return slab_index * cls.geometry.slots_per_slab + index
@@ -125,6 +139,7 @@ class SlabAllocator:
         slab.taken[index] = 0
         slab.used -= 1
         cls.used -= 1
+        self.charged -= slot_bytes + self.block_overhead
         if slab.used == 0:
             del cls.slabs[slab_index]
             cls.partial.pop(slab_index, None)
@@ -139,10 +154,26 @@ class SlabAllocator:
         return cls.used if cls else 0
 
     def capacity_slots(self, slot_bytes: int) -> int:
-        """Slots this class could hold if it took every free slab (used ones included)."""
+        """Slots this class could hold if it took every free slab (used ones included), within
+        the charge of ``block_overhead`` per slot."""
         spp = self.geometry(slot_bytes).slots_per_slab
         cls = self._classes.get(slot_bytes)
-        return (len(cls.slabs) if cls else 0) * spp + len(self._free_slabs) * spp
+        slabs = (len(cls.slabs) if cls else 0) * spp + len(self._free_slabs) * spp
+        return min(slabs, self.used_slots(slot_bytes) + self.room_slots(slot_bytes))
+
+    def room_slots(self, slot_bytes: int) -> int:
+        """Slots of ``slot_bytes`` the overhead charge still allows beside those allocated."""
+        return max(0, self.arena_bytes - self.charged) // (slot_bytes + self.block_overhead)
+
+    def classes(self) -> list[int]:
+        """The slot sizes this allocator keeps a class for (``forget`` drops an unused one)."""
+        return list(self._classes)
+
+    def forget(self, slot_bytes: int) -> None:
+        """Drop the class of ``slot_bytes`` (it must hold no slot): no memory stays behind for
+        a block size no longer in use. A later ``allocate`` makes it again."""
+        cls = self._classes.pop(slot_bytes, None)
+        assert cls is None or cls.used == 0, f"forgetting class {slot_bytes} with slots in use"
 
     def free_slabs(self) -> int:
         """Slabs no class holds."""
@@ -178,6 +209,9 @@ class SlabAllocator:
                 total += slab.used
             assert set(cls.partial) <= set(cls.slabs), f"class {slot_bytes}: stray partial slab"
             assert total == cls.used, f"class {slot_bytes}: used {cls.used} != slabs' sum {total}"
+        charged = sum(c.used * (size + self.block_overhead) for size, c in self._classes.items())
+        assert charged == self.charged <= self.arena_bytes, (
+            f"charged {self.charged} bytes, slots add up to {charged}, arena {self.arena_bytes}")
         assert len(owners) == self.num_slabs, (
             f"{self.num_slabs - len(owners)} slabs are neither free nor held by a class (leak)"
         )

@@ -12,7 +12,12 @@ committed. ``abort``, expiry and unregistering free the slots (``free``).
 ``reserve_blank`` reserves slots ahead of the blocks they will hold (a store's copy then needs no
 round trip first): the lease's hashes are None until ``commit`` names them; a name the node
 already holds, or that another lease is writing, frees its slot instead (stored once). Blank
-slots of every engine together stay within ``blank_fraction`` of the arena (``blank_bytes``).
+slots of every engine together stay within ``blank_fraction`` of the arena (``blank_bytes``);
+a blank lease keeps only the slots it was granted.
+
+A reservation that holds no slot (no hashes, or no blank slot granted) is the empty lease
+(``EMPTY_LEASE``): nothing is stored for it, and its commit or abort does nothing. Every write
+lease is checked against the lease table's caps before a slot is allocated for it.
 
 The node store resolves the engine, scopes its hashes and expires overdue leases; this module
 owns what a write lease holds, from its reservation to its end.
@@ -23,7 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tierd.daemon.errors import FailedPrecondition, clip
-from tierd.daemon.leases import LeaseTable, WriteLease, new_lease_id
+from tierd.daemon.leases import EMPTY_LEASE, LeaseTable, WriteLease, new_lease_id
 from tierd.daemon.lru import DramBlock, TierIndex
 from tierd.daemon.node_types import EngineInfo, Reservation
 from tierd.events import BlockStored
@@ -65,6 +70,9 @@ class Reservations:
             t.counts.queries += filtered_query_tokens
         now = self._clock()
         self._expire(now)
+        if not keys:
+            return self._empty(0, now)
+        self._leases.check_room(info.engine_id, len(keys))
         lease_id = new_lease_id()
         slot_bytes = info.geometry.slot_bytes
         slots: list[int | None] = [None] * len(keys)
@@ -90,11 +98,19 @@ class Reservations:
         now = self._clock()
         self._expire(now)
         size = info.geometry.slot_bytes
-        room = max(0, self._blank_budget - self.blank_bytes) // size
-        got = self._tiers.allocate_many(size, min(count, room), now)
+        want = min(count, max(0, self._blank_budget - self.blank_bytes) // size)
+        if want:
+            self._leases.check_room(info.engine_id, want)
+        got: list[int | None] = [*self._tiers.allocate_many(size, want, now)]
+        if not got:  # nothing granted: no lease, nothing kept per slot asked for
+            return self._empty(count, now)
         self.blank_bytes += len(got) * size
-        slots: list[int | None] = [*got, *[None] * (count - len(got))]
-        return self._lease(info, new_lease_id(), [None] * count, slots, [False] * count, now)
+        lease = WriteLease(new_lease_id(), info.engine_id, now + self._lease_seconds,
+                           info.namespace, info.layout.block_size, size, [None] * len(got), got,
+                           blank=True, asked=count)
+        self._leases.add(lease)
+        return Reservation(lease.lease_id, lease.deadline, [*got, *[None] * (count - len(got))],
+                           [False] * count, self._lease_seconds)
 
     def _lease(self, info: EngineInfo, lease_id: str, hashes: list[BlockHash | None],
                slots: list[int | None], stored: list[bool], now: float) -> Reservation:
@@ -104,15 +120,24 @@ class Reservations:
                                     slots))
         return Reservation(lease_id, deadline, slots, stored, self._lease_seconds)
 
+    def _empty(self, count: int, now: float) -> Reservation:
+        """The reservation of ``count`` entries without a slot: the empty lease, not stored."""
+        return Reservation(EMPTY_LEASE, now + self._lease_seconds, [None] * count,
+                           [False] * count, self._lease_seconds)
+
     def commit(self, lease_id: str, checksums: Sequence[int | None], engine_id: str | None,
                names: Sequence[BlockHash] = ()) -> int:
         """``NodeStore.commit``: publish the checksummed slots, free the others."""
         now = self._clock()
+        written = [c is not None for c in checksums]
+        if lease_id == EMPTY_LEASE:
+            _no_slot(written, [])
+            return 0
         lease = self._write_lease(lease_id, engine_id, len(checksums), "checksum (or None)")
         for i, c in enumerate(checksums):
             if c is not None and not (isinstance(c, int) and 0 <= c < 1 << 64):
                 raise ValueError(f"checksum #{i} must be an unsigned 64-bit int, got {c!r}")
-        hashes = _named(lease, names, [c is not None for c in checksums])
+        hashes = _named(lease, names, written)
         self._leases.finish(lease_id, "committed")
         self._unblank(lease)
         t, blank = self._tiers, lease.blank
@@ -124,7 +149,8 @@ class Reservations:
                 key = make_key(ns, block_hash) if block_hash is not None else None
                 if not blank:
                     del self.writing[key]  # type: ignore[arg-type]  # named at Reserve
-                elif key is not None and (key in self.writing or key in t.dram or key in t.disk):
+                elif key is not None and (key in self.writing or key in t.dram or (
+                        t.ssd_up and key in t.disk)):
                     key = None  # stored already (or being written): stored once
                 if key is None or checksum is None:
                     t.free_slot(lease.slot_bytes, slot)
@@ -149,16 +175,23 @@ class Reservations:
     def written_spans(self, lease_id: str, written: Sequence[bool], engine_id: str | None,
                       names: Sequence[BlockHash] = ()) -> list[tuple[int, int] | None]:
         """``NodeStore.written_spans``: (address, length) in the arena of each written slot."""
+        if lease_id == EMPTY_LEASE:
+            _no_slot(written, [])
+            return [None] * len(written)
         lease = self._write_lease(lease_id, engine_id, len(written), "written flag")
         _named(lease, names, written)
         geometry = self._tiers.alloc.geometry(lease.slot_bytes)
         arena, size = self._tiers.arena, lease.slot_bytes
-        return [(arena.address(geometry.offset(slot), size), size)
-                if wrote and slot is not None else None
-                for wrote, slot in zip(written, lease.slots)]
+        spans: list[tuple[int, int] | None] = [None] * len(written)  # a blank lease keeps
+        for i, (wrote, slot) in enumerate(zip(written, lease.slots)):  # only granted slots
+            if wrote and slot is not None:
+                spans[i] = (arena.address(geometry.offset(slot), size), size)
+        return spans
 
     def abort(self, lease_id: str, engine_id: str | None) -> None:
         """``NodeStore.abort``: free the reservation's slots (idempotent after its end)."""
+        if lease_id == EMPTY_LEASE:
+            return
         self._expire(self._clock())
         if self._leases.ending(lease_id) in ("aborted", "expired", "unregistered"):
             return
@@ -191,9 +224,10 @@ class Reservations:
         lease = self._leases.get(lease_id, engine_id)
         if not isinstance(lease, WriteLease):
             raise FailedPrecondition(f"lease {clip(lease_id)} is a read lease: release it")
-        if entries != len(lease.hashes):
-            raise ValueError(f"commit needs one {what} per reserved hash: {entries} given, "
-                             f"{len(lease.hashes)} reserved")
+        if entries != lease.flags:
+            raise ValueError(f"commit needs one {what} per reserved "
+                             f"{'slot' if lease.blank else 'hash'}: {entries} given, "
+                             f"{lease.flags} reserved")
         return lease
 
 
@@ -201,17 +235,29 @@ def _named(lease: WriteLease, names: Sequence[BlockHash], written: Sequence[bool
            ) -> list[BlockHash | None]:
     """The hash of each of ``lease``'s slots at its Commit: the Reserve's, or for blank slots
     ``names`` (ValueError: names for a named reservation, more names than slots, or a written
-    slot left unnamed)."""
+    slot left unnamed, or a slot written that was never granted)."""
+    _no_slot(written, lease.slots)
     if not lease.blank:
         if names:
             raise ValueError("block_hashes name blank slots only: this reservation named its "
                              "blocks at Reserve")
         return list(lease.hashes)
-    if len(names) > len(lease.slots):
-        raise ValueError(f"{len(names)} block hashes for {len(lease.slots)} blank slots: at "
+    if len(names) > lease.asked:
+        raise ValueError(f"{len(names)} block hashes for {lease.asked} blank slots: at "
                          "most one per slot")
     unnamed = next((i for i in range(len(names), len(written)) if written[i]), None)
     if unnamed is not None:
         raise ValueError(f"blank slot #{unnamed} is written but has no block hash: name every "
                          "written slot (CommitRequest.block_hashes, in slot order)")
-    return [*names, *[None] * (len(lease.slots) - len(names))]
+    granted = len(lease.slots)
+    return [*names[:granted], *[None] * (granted - len(names))]
+
+
+def _no_slot(written: Sequence[bool], slots: Sequence[int | None]) -> None:
+    """ValueError if a slot is flagged written that the Reserve never granted (past the
+    granted ones, or None)."""
+    wrong = next((i for i, w in enumerate(written)
+                  if w and (i >= len(slots) or slots[i] is None)), None)
+    if wrong is not None:
+        raise ValueError(f"slot #{wrong} is flagged written but the Reserve granted it no slot: "
+                         "flag only the slots with a slot_id")

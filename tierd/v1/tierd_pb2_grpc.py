@@ -98,7 +98,9 @@ class TierdServicer:
 
     def RegisterEngine(self, request, context):
         """Registers an engine's KV layout; returns its engine id, the arena to map and the slot
-        geometry of its block size. Call once per engine (per TP rank) at start-up.
+        geometry of its block size. Call once per engine (per TP rank) at start-up. A block under
+        the node's min_block_bytes is INVALID_ARGUMENT; one more block size than max_size_classes
+        in use at once is RESOURCE_EXHAUSTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
