@@ -12,9 +12,10 @@ from pathlib import Path
 
 
 def cache_dir(env: Mapping[str, str] | None = None) -> Path:
-    """``$XDG_CACHE_HOME/tierd`` or ``~/.cache/tierd``."""
+    """``$XDG_CACHE_HOME/tierd`` or ``$HOME/.cache/tierd``, read from ``env``."""
     env = os.environ if env is None else env
-    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    home = env.get("HOME") or os.path.expanduser("~")
+    base = env.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
     return Path(base) / "tierd"
 
 

@@ -45,3 +45,33 @@ def test_doc_command_parses_and_names_tierd() -> None:
 
     assert sglang.__version__ in SGLANG_VERSIONS_TESTED
     assert f"Tested against SGLang {sglang.__version__}" in DOC.read_text()
+
+
+def test_quick_start_as_written_connects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quick start copied as printed: its `tierd serve` line with defaults, in a new user's
+    environment, and the backend's settings from its extra config, reach one another: the
+    backend registers on the daemon (nothing silently runs without tierd)."""
+    import os
+
+    from tierd.bench.tierd_serve import documented_daemon
+    from tierd.connector.core.link import DaemonLink
+    from tierd.daemon.layout import Layout
+
+    block = re.search(r"```bash\n(.*?)```", DOC.read_text(), re.S)
+    assert block is not None
+    (daemon_line,) = [ln for ln in block.group(1).splitlines() if ln.startswith("tierd serve")]
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    extra = json.loads(parser.parse_args(launch_args()).hicache_storage_backend_extra_config)
+    with documented_daemon(daemon_line, str(tmp_path)) as env:
+        for key in [k for k in os.environ if k.startswith(("TIERD_", "XDG_"))]:
+            monkeypatch.delenv(key)
+        monkeypatch.setenv("HOME", env["HOME"])
+        config = TierdSglangConfig.from_extra_config(extra)
+        link = DaemonLink(config.link, Layout(2, 2, 64, "float16", 64, model_id="quickstart@0"),
+                          attach=True)
+        try:
+            assert link.connect(), "the documented backend config does not reach the daemon"
+            assert link.client.stats().engines
+        finally:
+            link.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +75,39 @@ def test_documented_tier_command_parses() -> None:
     assert SecondaryTierFactory.get_tier_class(tier) is TierdTier
     own = {k: v for k, v in tier.items() if k not in ("type", "module_path")}
     TierdVllmConfig.from_extra_config(own, where="secondary_tiers entry", front_end="TierdTier")
+
+
+@pytest.mark.parametrize("which", ["TierdConnector", "OffloadingConnector"])
+def test_quick_start_as_written_connects(which: str, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quick start copied as printed: its `tierd serve` line with defaults, in a new user's
+    environment, and the engine's settings from its `--kv-transfer-config`, reach one another:
+    the engine registers on the daemon (nothing silently runs without tierd)."""
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from tierd.bench.tierd_serve import documented_daemon
+    from tierd.connector.core.link import DaemonLink
+    from tierd.daemon.layout import Layout
+
+    blocks = re.findall(r"```bash\n(.*?)```", open(DOC).read(), re.S)
+    block = next(b for b in blocks if which in b)
+    (daemon_line,) = [line for line in block.splitlines() if line.startswith("tierd serve")]
+    transfer = make_arg_parser(FlexibleArgumentParser()).parse_args(
+        documented_command(block)).kv_transfer_config
+    extra = transfer.kv_connector_extra_config
+    if which == "OffloadingConnector":
+        (tier,) = extra["secondary_tiers"]
+        extra = {k: v for k, v in tier.items() if k not in ("type", "module_path")}
+    with documented_daemon(daemon_line, str(tmp_path)) as env:
+        for key in [k for k in os.environ if k.startswith(("TIERD_", "XDG_"))]:
+            monkeypatch.delenv(key)
+        monkeypatch.setenv("HOME", env["HOME"])
+        config = TierdVllmConfig.from_extra_config(extra)
+        link = DaemonLink(config, Layout(2, 2, 64, "float16", 16, model_id="quickstart@0"),
+                          attach=True)
+        try:
+            assert link.connect(), "the documented engine config does not reach the daemon"
+            assert link.client.stats().engines
+        finally:
+            link.close()

@@ -1,20 +1,24 @@
 """`tierd serve` as a child process, as the tests (the main suite, tests/vllm, tests/sglang,
 tests/vllm_serve) and the benchmarks start it: the flags on the command line and no config file
 of this host (``TIERD_CONFIG`` emptied), its stderr kept in a log file, ready once it answers
-on its Unix socket. ``copy_bench_daemons``: the pair the copy benchmarks measure against."""
+on its Unix socket. ``copy_bench_daemons``: the pair the copy benchmarks measure against.
+``documented_daemon``: a quick start's ``tierd serve`` line run verbatim, as a new user would."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import grpc
 
 from tierd.daemon.client import TierdClient
 from tierd.daemon.convert import DaemonStats
+from tierd.paths import client_socket_path
 
 LOG_NAME = "tierd-serve.log"
 
@@ -125,3 +129,48 @@ def copy_bench_daemons(workdir: str, socks: str, dram_bytes: int,
             daemon.stop()
         raise
     return daemons
+
+
+def fresh_user_env(home: str) -> dict[str, str]:
+    """This process's environment as a new user's shell would have it: ``HOME`` = ``home`` and
+    no ``TIERD_*`` or ``XDG_*`` variable, so every tierd default (socket, SSD folder) resolves
+    under ``home``, the same way for the daemon and for an engine."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERD_", "XDG_"))}
+    return {**env, "HOME": home}
+
+
+@contextmanager
+def documented_daemon(line: str, home: str, timeout: float = 120.0) -> Iterator[dict[str, str]]:
+    """Run a doc's ``tierd serve ...`` line as written (a trailing ``&`` and ``# comment``
+    dropped) in ``fresh_user_env(home)``, this Python running ``tierd``; yield that environment
+    once the daemon answers on the socket its own defaults name (RuntimeError quoting its log if
+    it does not), and stop it on exit."""
+    words = shlex.split(line, comments=True)
+    words = words[:-1] if words[-1:] == ["&"] else words
+    assert words[:2] == ["tierd", "serve"], f"not a `tierd serve` line: {line!r}"
+    env = fresh_user_env(home)
+    socket_path = client_socket_path(env)
+    log_path = os.path.join(home, LOG_NAME)
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "tierd.cli", *words[1:]], env=env,
+                                   stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout
+        with TierdClient(socket_path=socket_path, timeout=10.0) as client:
+            while True:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"`{line}` did not answer on {socket_path}:\n"
+                                       + open(log_path).read()[-3000:])
+                try:
+                    client.wait_ready(timeout=0.5)
+                    break
+                except grpc.FutureTimeoutError:
+                    pass
+        yield env
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
