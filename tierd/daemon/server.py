@@ -37,7 +37,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tierd.checksum import checksums_at
 from tierd.daemon import convert
-from tierd.daemon.arena import ShmArena
+from tierd.daemon.arena import ShmArena, check_room, free_bytes
 from tierd.daemon.auth import Authenticator, TokenTable
 from tierd.daemon.build import Node, build_node
 from tierd.daemon.cluster_link import ClusterLink
@@ -366,11 +366,15 @@ class Daemon:
     @classmethod
     async def start(cls, config: TierdConfig,
                     extra_handlers: Sequence[grpc.GenericRpcHandler] = ()) -> Daemon:
-        """Create the arena (pre-faulted), open the SSD tier (rebuilding its index), bind the
+        """Create the arena (pre-faulted; ValueError naming the fixes, before anything is made,
+        if its directory lacks the room), open the SSD tier (rebuilding its index), bind the
         listeners and start serving. Blocks the loop for the arena pre-fault. ``extra_handlers``
         are served beside Tierd (the benchmark's echo service)."""
         config.validate()
         remove_stale_arenas(config.arena_directory)
+        presence = config.presence_cells if config.presence_cells and not config.remote_tier else 0
+        check_room(config.arena_directory, config.dram_bytes + presence,
+                   free_bytes(config.arena_directory))
         arena = ShmArena.create(f"tierd-{os.getpid()}-{secrets.token_hex(4)}", config.dram_bytes,
                                 directory=config.arena_directory, prefault=config.prefault)
         try:
