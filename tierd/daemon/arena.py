@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from tierd.daemon.arena_owner import create_locked
+
 if TYPE_CHECKING:
     import torch
 
@@ -80,8 +82,9 @@ class ShmArena:
     path: str
     size: int
 
-    def __init__(self, name: str, path: str, mm: mmap.mmap) -> None:
+    def __init__(self, name: str, path: str, mm: mmap.mmap, owner_fd: int | None = None) -> None:
         """Internal: use ``create`` (daemon) or ``attach`` (engine)."""
+        self._owner_fd = owner_fd  # the maker's open fd, holding the file's lock until close
         self.name = name
         self.path = path
         self.size = len(mm)
@@ -92,7 +95,8 @@ class ShmArena:
     def create(
         cls, name: str, size_bytes: int, *, directory: str = "/dev/shm", prefault: bool = True
     ) -> ShmArena:
-        """Create the file (mode 0600, must not exist), size it and map it.
+        """Create the file (mode 0600, must not exist), size it and map it. The file is
+        locked (``arena_owner``) until ``close``, so a later daemon sees it is alive.
 
         ValueError naming ``--shm-size`` and ``--dram-bytes`` if ``directory`` has less than
         ``size_bytes`` free (nothing is created). With ``prefault`` every page is allocated
@@ -109,7 +113,7 @@ class ShmArena:
         start = time.perf_counter()
         path = os.path.join(directory, name)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = create_locked(path, 0o600)
         except FileExistsError:
             raise ValueError(
                 f"{path} already exists: pick another arena name or unlink the stale file"
@@ -120,11 +124,10 @@ class ShmArena:
                 _allocate_parallel(fd, size_bytes, directory)
             mm = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
-            os.close(fd)
             os.unlink(path)
+            os.close(fd)
             raise
-        os.close(fd)  # the mapping keeps the file alive
-        arena = cls(name, path, mm)
+        arena = cls(name, path, mm, owner_fd=fd)  # fd stays open: the lock marks us alive
         if prefault:
             try:
                 arena._prefault(fresh=True)
@@ -217,10 +220,13 @@ class ShmArena:
         return tensor
 
     def close(self) -> None:
-        """Drop this process's mapping. Idempotent. If views or tensors are still alive the pages
-        stay mapped until the last of them is garbage-collected (never a dangling pointer)."""
-        whole, mm = self._whole, self._mm
-        self._whole = self._mm = None
+        """Drop this process's mapping (and the maker's lock: unlink next). Idempotent. If views
+        or tensors are still alive the pages stay mapped until the last of them is
+        garbage-collected (never a dangling pointer)."""
+        whole, mm, owner_fd = self._whole, self._mm, self._owner_fd
+        self._whole = self._mm = self._owner_fd = None
+        if owner_fd is not None:
+            os.close(owner_fd)
         if whole is not None and mm is not None:
             whole.release()
             try:

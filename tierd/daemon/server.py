@@ -20,8 +20,6 @@ import asyncio
 import inspect
 import logging
 import os
-import re
-import secrets
 import signal
 import socket
 import time
@@ -38,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 from tierd.checksum import checksums_at
 from tierd.daemon import convert
 from tierd.daemon.arena import ShmArena, check_room, free_bytes
+from tierd.daemon.arena_owner import new_arena_name, remove_stale_arenas
 from tierd.daemon.auth import Authenticator, TokenTable
 from tierd.daemon.build import Node, build_node
 from tierd.daemon.cluster_link import ClusterLink
@@ -293,35 +292,6 @@ def describe_capacity(layout: Layout, allocator: SlabAllocator, ssd: SsdStore | 
     return ", ".join(parts)
 
 
-_ARENA_NAME = re.compile(r"^tierd-(\d+)-[0-9a-f]+(-presence)?$")  # arenas and their filters
-
-
-def remove_stale_arenas(directory: str) -> list[str]:
-    """Unlink arenas ``tierd-PID-*`` left in ``directory`` by daemons that died (kill -9): a
-    file whose PID no longer exists. Returns the names removed."""
-    removed = []
-    for name in os.listdir(directory):
-        match = _ARENA_NAME.match(name)
-        if match is None or _pid_alive(int(match.group(1))):
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
-            removed.append(name)
-        except OSError as exc:
-            _log.warning("could not remove stale arena %s: %s", name, exc)
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _claim_socket(path: str) -> None:
     """Remove a stale socket file at ``path``; ``ValueError`` if a live daemon answers on it."""
     if not os.path.exists(path):
@@ -375,7 +345,7 @@ class Daemon:
         presence = config.presence_cells if config.presence_cells and not config.remote_tier else 0
         check_room(config.arena_directory, config.dram_bytes + presence,
                    free_bytes(config.arena_directory))
-        arena = ShmArena.create(f"tierd-{os.getpid()}-{secrets.token_hex(4)}", config.dram_bytes,
+        arena = ShmArena.create(new_arena_name(), config.dram_bytes,
                                 directory=config.arena_directory, prefault=config.prefault)
         try:
             return await cls._start_with(config, arena, extra_handlers)
