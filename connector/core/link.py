@@ -34,6 +34,7 @@ from tierd.connector.core.settings import ClientSettings
 from tierd.connector.transfer import ArenaSlots
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import ChannelClosed, EngineHandle, TierdClient
+from tierd.daemon.engine_access import denied
 from tierd.daemon.layout import Layout
 from tierd.daemon.presence import PresenceView
 
@@ -223,8 +224,11 @@ class DaemonLink:
             client.close()
             log = _log.debug if self._warned else _log.warning
             self._warned = True
+            reason = describe(exc)
+            if client.target.startswith("unix:"):  # a socket this user may not open, named
+                reason = denied(client.target.removeprefix("unix:"), "socket") or reason
             log("tierd daemon at %s unavailable (%s); running without it, next try in %.1f s",
-                client.target, describe(exc), self._wait)
+                client.target, reason, self._wait)
             return None
         arena = mapping.as_tensor() if mapping is not None else None  # pre-faulted
         slots = ArenaSlots(arena, engine.geometry) if arena is not None else None

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tierd.daemon.arena_owner import create_locked
+from tierd.daemon.engine_access import denied, share
 
 if TYPE_CHECKING:
     import torch
@@ -141,7 +142,8 @@ class ShmArena:
 
     @classmethod
     def attach(cls, name: str, *, directory: str = "/dev/shm", prefault: bool = False) -> ShmArena:
-        """Map an existing arena (engine side). FileNotFoundError if the daemon has not created it.
+        """Map an existing arena (engine side). FileNotFoundError if the daemon has not created it;
+        PermissionError naming the file's owner and mode and the fixes if this user may not.
 
         ``prefault=True`` maps every page into this process now (pages already exist, so this only
         builds page tables: far cheaper than the daemon's pre-fault, but still worth doing once
@@ -149,7 +151,10 @@ class ShmArena:
         """
         _check_name(name)
         path = os.path.join(directory, name)
-        fd = os.open(path, os.O_RDWR)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except PermissionError as exc:
+            raise PermissionError(exc.errno, denied(path, "arena") or str(exc)) from None
         try:
             size = os.fstat(fd).st_size
             if size <= 0:
@@ -175,6 +180,12 @@ class ShmArena:
             _populate_parallel(ctypes.addressof(anchor), self.size, fresh)
         finally:
             del anchor
+
+    def share_with_group(self, gid: int) -> None:
+        """Give the file to group ``gid``, mode 0660, so engines of that group may attach
+        (``engine_access``). Only the maker, while open; ValueError naming the fix if refused."""
+        assert self._owner_fd is not None, "only the maker of an open arena can share it"
+        share(self._owner_fd, gid)
 
     def address(self, offset: int, length: int) -> int:
         """The address of ``[offset, offset + length)`` in this process's mapping, for native

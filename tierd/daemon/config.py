@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
 
+from tierd.daemon.engine_access import group_id
 from tierd.daemon.node_types import EngineCaps, NodeConfig
 from tierd.daemon.presence import check_cells
 from tierd.paths import cache_dir, client_socket_path, default_socket_path
@@ -48,6 +49,10 @@ class TierdConfig:
         "help": "TOML file of 'TOKEN = \"tenant\"' lines; TCP callers must send one."})
     default_tenant: str = dataclasses.field(default="default", metadata={
         "help": "Tenant of Unix-socket callers that send no token."})
+    engine_group: str = dataclasses.field(default="", metadata={
+        "help": "Group (name or gid) whose members may use the daemon: its socket and arena get "
+                "this group and mode 0660, for engines running as other users ('' = the "
+                "daemon's user only)."})
     dram_bytes: int = dataclasses.field(default=1 * _GIB, metadata={
         "help": "Size of the shared-memory DRAM arena."})
     slab_bytes: int = dataclasses.field(default=64 * _MIB, metadata={
@@ -155,6 +160,8 @@ class TierdConfig:
         self.node_config().validate()  # watermarks, lease, write-behind, engine caps
         if not self.default_tenant:
             raise ValueError("default_tenant must not be empty")
+        if self.engine_group:
+            group_id(self.engine_group)
         if self.presence_cells:
             try:
                 check_cells(self.presence_cells)

@@ -41,6 +41,7 @@ from tierd.daemon.auth import Authenticator, TokenTable
 from tierd.daemon.build import Node, build_node
 from tierd.daemon.cluster_link import ClusterLink
 from tierd.daemon.config import TierdConfig
+from tierd.daemon.engine_access import group_id, share
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, Unauthenticated
 from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.node import NodeConfig, NodeStore
@@ -387,9 +388,16 @@ class Daemon:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
+        if config.engine_group:
+            gid = group_id(config.engine_group)
+            for shm in (arena, presence.shm if presence is not None else None):
+                if shm is not None:
+                    shm.share_with_group(gid)
         if config.socket_path:
             _claim_socket(config.socket_path)
             server.add_insecure_port(f"unix:{config.socket_path}")
+            if config.engine_group:
+                share(config.socket_path, gid)
         tcp_port = None
         if config.tcp_port is not None:
             tcp_port = server.add_insecure_port(f"{_bracket(config.tcp_host)}:{config.tcp_port}")
