@@ -377,7 +377,10 @@ class Daemon:
             options=[("grpc.max_receive_message_length", config.max_message_bytes),
                      ("grpc.max_send_message_length", config.max_message_bytes),
                      ("grpc.so_reuseport", 0)])
-        auth = Authenticator(TokenTable.load(config.token_file), config.default_tenant)
+        tokens = TokenTable.load(config.token_file)
+        if config.tcp_token:
+            tokens = tokens.with_token(config.tcp_token, config.default_tenant)
+        auth = Authenticator(tokens, config.default_tenant)
         servicer = TierdServicer(store, arena, allocator, ssd, config.node_config(), auth,
                                  cluster, presence)
         store.watch_engines(servicer.engine_lapsed)
