@@ -15,6 +15,7 @@ import pytest
 
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.engine_access import group_id
+from tierd.paths import default_socket_path
 
 GID = 54321  # a group no user of this host has: only the test's engine gets it
 NOBODY = 65534
@@ -94,7 +95,9 @@ def test_engine_of_another_user_is_told_the_fix(make_daemon: Any, workdir: str) 
         f"by uid 0, gid 0 with mode {mode}, so this engine (uid {NOBODY}, groups [{NOBODY}]) "
         "may not open it; run the engine as the daemon's user, or start the daemon with "
         "engine_group (TIERD_ENGINE_GROUP) set to a group this engine has (docs/daemon.md, "
-        f"'Engines in other containers')); running without it, next try in 10.0 s"]
+        f"'Engines in other containers')); running without it, next try in 10.0 s; `tierd "
+        f"serve` listens on {default_socket_path()} by default: point the engine's socket_path "
+        "(TIERD_SOCKET_PATH) at the --socket-path the daemon runs with"]
 
 
 @needs_root
