@@ -122,3 +122,32 @@ def test_arena_refused_names_owner_mode_and_fix(make_daemon: Any, workdir: str) 
         f"engine (uid {NOBODY}, groups [{NOBODY}]) may not open it; run the engine as the "
         "daemon's user, or start the daemon with engine_group (TIERD_ENGINE_GROUP) set to a "
         "group this engine has (docs/daemon.md, 'Engines in other containers')"), result.stderr
+
+
+@needs_root
+def test_stats_of_another_user_is_told_the_fix(make_daemon: Any, workdir: str) -> None:
+    """`tierd stats` run by a user who may not open the socket names its owner, mode and the
+    fixes instead of "no daemon answers"."""
+    sockdir = os.path.join(workdir, "run")
+    os.makedirs(sockdir, mode=0o755)
+    os.chmod(workdir, 0o755)
+    running = make_daemon(socket_path=os.path.join(sockdir, "t.sock"))
+    path = running.config.socket_path
+    script = textwrap.dedent(f"""
+        import json, os, sys
+        import grpc, rich.console, rich.table
+        from tierd.cli import build_parser
+        import tierd.daemon.client, tierd.daemon.engine_access
+        args = build_parser().parse_args(["stats", "--socket-path", {path!r}])
+        os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
+        sys.exit(args._run(args))
+    """)
+    result = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"tierd stats: the daemon's socket {path} is owned by uid 0, gid 0 with mode "
+        f"{_mode(path)[0]:04o}, so this engine (uid {NOBODY}, groups [{NOBODY}]) may not open "
+        "it; run the engine as the daemon's user, or start the daemon with engine_group "
+        "(TIERD_ENGINE_GROUP) set to a group this engine has (docs/daemon.md, 'Engines in "
+        "other containers')")
