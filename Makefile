@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	whl=$$(ls $(TORCH_WHEEL_DIR)/torch-*.whl 2>/dev/null | sort -V | tail -n 1); \
 	if [ -n "$$whl" ] && ! $(PY) -c 'import torch' 2>/dev/null; then $(PIP) install -q "$$whl"; fi
-	$(PIP) install -q -e '.[test,hf]'
+	$(PIP) install -q -e '.[engine,test,hf]'
 	touch $@
 
 demo: venv

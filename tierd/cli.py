@@ -2,7 +2,8 @@
 
 Each command module exposes ``HELP`` (one line), ``configure(parser)`` (adds its flags, every
 flag with help text) and ``run(args) -> int`` (exit status). Command modules import heavy
-dependencies (torch, grpc) inside ``run`` so that ``tierd --help`` and ``tierd hash`` stay fast.
+dependencies (torch, grpc) inside ``run`` so that ``tierd --help`` and ``tierd hash`` stay fast,
+and so that the daemon's commands run without torch (an engine-side extra, ``tierd[engine]``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         # Bad input raises ValueError naming the fix; show it without a traceback.
         print(f"tierd {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] != "torch":
+            raise
+        print(f"tierd {args.command}: error: this command runs an engine and needs torch: "
+              "pip install 'tierd[engine]' (serve, stats, route, hash and plan do not)",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

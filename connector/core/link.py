@@ -21,6 +21,7 @@ lock orders them); the session-valued properties are single reads.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -34,10 +35,15 @@ from tierd.connector.core.settings import ClientSettings
 from tierd.connector.transfer import ArenaSlots
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import ChannelClosed, EngineHandle, TierdClient
+from tierd.daemon.engine_access import denied
 from tierd.daemon.layout import Layout
 from tierd.daemon.presence import PresenceView
+from tierd.paths import default_socket_path
 
 _log = logging.getLogger(__name__)
+
+WARN_EVERY_SECONDS = 60.0
+"""While the daemon stays out of reach, at most one WARNING per this many seconds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +88,7 @@ class DaemonLink:
         self._lock = threading.Lock()
         self._next_try = 0.0
         self._wait = settings.retry_seconds
-        self._warned = False
+        self._warned_at: float | None = None  # when the last WARNING of this outage was
 
     # -- the current session -------------------------------------------------------------------
 
@@ -144,7 +150,8 @@ class DaemonLink:
     def connect(self) -> bool:
         """True if up; otherwise try to register (and attach) now, unless the back-off has not
         passed. Blocks for at most one round trip. Never raises for a daemon that is absent or
-        refuses: logs it (a warning the first time) and stays down."""
+        refuses: logs it (a WARNING the first time and at most once a minute after, naming the
+        socket dialed and the daemon's default) and stays down."""
         if self._session is not None:
             return True
         now = self._clock()
@@ -158,7 +165,8 @@ class DaemonLink:
                 self._next_try = self._clock() + self._wait
                 self._wait = min(max(self._wait * 2, 1e-3), self.settings.longest_retry)
                 return False
-            self._session, self._wait, self._warned = session, self.settings.retry_seconds, False
+            self._session, self._wait = session, self.settings.retry_seconds
+            self._warned_at = None
         _log.info("tierd: engine %s registered at %s", session.engine_id, session.client.target)
         if self._on_session is not None:
             self._on_session(session)
@@ -221,10 +229,7 @@ class DaemonLink:
                 mapping = ShmArena.attach(engine.arena_name, directory=engine.arena_directory)
         except (grpc.RpcError, OSError, ValueError) as exc:
             client.close()
-            log = _log.debug if self._warned else _log.warning
-            self._warned = True
-            log("tierd daemon at %s unavailable (%s); running without it, next try in %.1f s",
-                client.target, describe(exc), self._wait)
+            self._unreachable(client.target, exc)
             return None
         arena = mapping.as_tensor() if mapping is not None else None  # pre-faulted
         slots = ArenaSlots(arena, engine.geometry) if arena is not None else None
@@ -236,6 +241,26 @@ class DaemonLink:
                 _log.warning("tierd presence filter not mapped (%s): asking on every lookup",
                              exc)
         return Session(client, engine, mapping, arena, slots, presence)
+
+    def _unreachable(self, target: str, exc: BaseException) -> None:
+        """Log a failed connect: a WARNING naming the target (and, for a socket, the daemon's
+        default one) at the first failure and at most every ``WARN_EVERY_SECONDS`` after,
+        DEBUG otherwise, so an engine never runs without tierd silently nor floods its log."""
+        now = self._clock()
+        loud = self._warned_at is None or now - self._warned_at >= WARN_EVERY_SECONDS
+        if loud:
+            self._warned_at = now
+        reason, hint = describe(exc), ""
+        if target.startswith("unix:"):
+            path, default = target.removeprefix("unix:"), default_socket_path()
+            reason = denied(path, "socket") or reason  # a socket this user may not open
+            hint = (f"; {path} is tierd's default socket: start `tierd serve`"
+                    if os.path.abspath(path) == os.path.abspath(default) else
+                    f"; `tierd serve` listens on {default} by default: point the engine's "
+                    "socket_path (TIERD_SOCKET_PATH) at the --socket-path the daemon runs with")
+        (_log.warning if loud else _log.debug)(
+            "tierd daemon at %s unavailable (%s); running without it, next try in %.1f s%s",
+            target, reason, self._wait, hint)
 
     @staticmethod
     def _end(session: Session) -> None:

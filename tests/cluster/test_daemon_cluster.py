@@ -340,3 +340,18 @@ def test_route_asks_a_daemon(cluster: Callable[..., Node],
     err = capsys.readouterr().err
     assert "FAILED_PRECONDITION" in err and "--redis-url" in err
     assert lone.daemon.cluster is None
+
+
+def test_published_address_is_dialable_over_tcp(cluster: Callable[..., Node]) -> None:
+    """A node whose node_address is a bare host (a pod IP) listening on TCP with a tcp_token is
+    located at HOST:PORT; a router dials that address with the token and is served."""
+    a = cluster("node-a", node_address="127.0.0.1", tcp_port=0, tcp_token="router-secret")
+    b = cluster("node-b")
+    hashes = chain(2, seed=5)
+    with a.client() as ca, b.client() as cb:
+        assert store(ca, ca.register_engine(LAYOUT, "a"), hashes) == 2
+        found = wait_for("A published", lambda: cb.locate(None, hashes, layout=LAYOUT),
+                         lambda r: [p.node_id for p in r.nodes] == ["node-a"])
+    assert found.nodes[0].address == f"127.0.0.1:{a.daemon.tcp_port}"
+    with TierdClient(address=found.nodes[0].address, token="router-secret") as router:
+        assert router.locate(None, hashes, layout=LAYOUT).nodes[0].node_id == "node-a"

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from tierd.daemon.arena import ShmArena
+from tierd.daemon.arena_owner import new_arena_name, remove_stale_arenas
 from tierd.daemon.client import TierdClient
 from tierd.daemon.layout import namespace_for
 from tierd.daemon.presence import PresenceFilter, PresenceView
-from tierd.daemon.server import remove_stale_arenas
 from tierd.types import NamespacedKey
 
 CELLS = 1024
@@ -102,12 +102,12 @@ def test_bad_cell_counts_are_refused(tmp_path: Path) -> None:
 
 
 def test_stale_filters_of_dead_daemons_are_removed(tmp_path: Path) -> None:
-    """A filter left by a daemon killed with -9 goes with its arena at the next start."""
-    dead = 2**22 + 12345  # above any pid_max: never alive
-    for name in (f"tierd-{dead}-ab12", f"tierd-{dead}-ab12-presence"):
-        (tmp_path / name).write_bytes(b"x")
-    assert sorted(remove_stale_arenas(str(tmp_path))) == [
-        f"tierd-{dead}-ab12", f"tierd-{dead}-ab12-presence"]
+    """A filter left by a daemon killed with -9 (no process holds its lock) goes with its arena
+    at the next start."""
+    name = new_arena_name()
+    for stale in (name, f"{name}-presence"):
+        (tmp_path / stale).write_bytes(b"x")
+    assert remove_stale_arenas(str(tmp_path)) == [name, f"{name}-presence"]
 
 
 def test_daemon_filter_tracks_commits_and_demotions(make_daemon: Any, kit: Any) -> None:

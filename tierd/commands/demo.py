@@ -162,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
                  "dram_mib", "ssd_mib", "threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    import torch  # noqa: F401  (the engine extra: missing, `tierd` says so before any daemon)
     from rich.console import Console
 
     console = Console(highlight=False)

@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from tierd.daemon.client import TierdClient
+    from tierd.daemon.engine_access import denied
 
     if args.watch is not None and args.watch <= 0:
         raise ValueError(f"--watch needs a positive number of seconds, got {args.watch}")
@@ -53,7 +54,11 @@ def run(args: argparse.Namespace) -> int:
             try:
                 stats = client.stats()
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                refused = (denied(client.target.removeprefix("unix:"), "socket")
+                           if client.target.startswith("unix:") else None)
+                if refused is not None:
+                    print(f"tierd stats: {refused}", file=sys.stderr)
+                elif exc.code() == grpc.StatusCode.UNAVAILABLE:
                     print(f"tierd stats: no daemon answers at {client.target}: start one with "
                           "`tierd serve`, or point at it with --socket-path PATH "
                           "(or --address HOST:PORT --token TOKEN)", file=sys.stderr)

@@ -15,12 +15,17 @@ about, or unlink, the daemon's segment when the engine exits.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from tierd.daemon.arena_owner import create_locked
+from tierd.daemon.engine_access import denied, share
 
 if TYPE_CHECKING:
     import torch
@@ -32,6 +37,34 @@ _PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
+
+
+def free_bytes(directory: str) -> int:
+    """Bytes an unprivileged process may still allocate in ``directory``'s filesystem."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def check_room(directory: str, need_bytes: int, free: int) -> None:
+    """``ValueError`` naming the sizes and the fixes when ``need_bytes`` exceed ``free`` bytes
+    of ``directory`` (a tmpfs whose pages, once short, would kill the process with SIGBUS)."""
+    if need_bytes > free:
+        raise ValueError(_short(directory, need_bytes, f"only {_mib(free)} is free"))
+
+
+def _short(directory: str, need_bytes: int, why: str) -> str:
+    return (f"the DRAM arena needs {_mib(need_bytes)} in {directory} but {why}: give it more "
+            f"shared memory (docker run --shm-size={_suggest(need_bytes)}, compose shm_size) "
+            "or make the arena smaller (TIERD_DRAM_BYTES / --dram-bytes)")
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
+
+
+def _suggest(need_bytes: int) -> str:
+    """A ``--shm-size`` with some room above ``need_bytes``, in whole MiB (``1088m``)."""
+    return f"{-(-need_bytes * 17 // 16 // (1 << 20))}m"
 
 
 def _check_name(name: str) -> None:
@@ -50,8 +83,9 @@ class ShmArena:
     path: str
     size: int
 
-    def __init__(self, name: str, path: str, mm: mmap.mmap) -> None:
+    def __init__(self, name: str, path: str, mm: mmap.mmap, owner_fd: int | None = None) -> None:
         """Internal: use ``create`` (daemon) or ``attach`` (engine)."""
+        self._owner_fd = owner_fd  # the maker's open fd, holding the file's lock until close
         self.name = name
         self.path = path
         self.size = len(mm)
@@ -62,9 +96,13 @@ class ShmArena:
     def create(
         cls, name: str, size_bytes: int, *, directory: str = "/dev/shm", prefault: bool = True
     ) -> ShmArena:
-        """Create the file (mode 0600, must not exist), size it and map it.
+        """Create the file (mode 0600, must not exist), size it and map it. The file is
+        locked (``arena_owner``) until ``close``, so a later daemon sees it is alive.
 
-        With ``prefault`` every page is allocated and mapped now, by several threads at once
+        ValueError naming ``--shm-size`` and ``--dram-bytes`` if ``directory`` has less than
+        ``size_bytes`` free (nothing is created). With ``prefault`` every page is allocated
+        now (``posix_fallocate``: a tmpfs that runs short answers ENOSPC, the same ValueError,
+        instead of SIGBUS on a later touch) and mapped, by several threads at once
         (``madvise(MADV_POPULATE_WRITE)`` per range, or a ``memset`` where the kernel lacks it):
         first touch costs ~2-2.7 s per GiB when done lazily, serially, on the copy path.
         Blocks for that time. ValueError if ``size_bytes <= 0`` or the file already exists.
@@ -72,24 +110,26 @@ class ShmArena:
         _check_name(name)
         if size_bytes <= 0:
             raise ValueError(f"arena size must be > 0 bytes, got {size_bytes}")
+        check_room(directory, size_bytes, free_bytes(directory))
+        start = time.perf_counter()
         path = os.path.join(directory, name)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = create_locked(path, 0o600)
         except FileExistsError:
             raise ValueError(
                 f"{path} already exists: pick another arena name or unlink the stale file"
             ) from None
         try:
             os.ftruncate(fd, size_bytes)
+            if prefault:
+                _allocate_parallel(fd, size_bytes, directory)
             mm = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
-            os.close(fd)
             os.unlink(path)
+            os.close(fd)
             raise
-        os.close(fd)  # the mapping keeps the file alive
-        arena = cls(name, path, mm)
+        arena = cls(name, path, mm, owner_fd=fd)  # fd stays open: the lock marks us alive
         if prefault:
-            start = time.perf_counter()
             try:
                 arena._prefault(fresh=True)
             except BaseException:
@@ -102,7 +142,8 @@ class ShmArena:
 
     @classmethod
     def attach(cls, name: str, *, directory: str = "/dev/shm", prefault: bool = False) -> ShmArena:
-        """Map an existing arena (engine side). FileNotFoundError if the daemon has not created it.
+        """Map an existing arena (engine side). FileNotFoundError if the daemon has not created it;
+        PermissionError naming the file's owner and mode and the fixes if this user may not.
 
         ``prefault=True`` maps every page into this process now (pages already exist, so this only
         builds page tables: far cheaper than the daemon's pre-fault, but still worth doing once
@@ -110,7 +151,10 @@ class ShmArena:
         """
         _check_name(name)
         path = os.path.join(directory, name)
-        fd = os.open(path, os.O_RDWR)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except PermissionError as exc:
+            raise PermissionError(exc.errno, denied(path, "arena") or str(exc)) from None
         try:
             size = os.fstat(fd).st_size
             if size <= 0:
@@ -136,6 +180,12 @@ class ShmArena:
             _populate_parallel(ctypes.addressof(anchor), self.size, fresh)
         finally:
             del anchor
+
+    def share_with_group(self, gid: int) -> None:
+        """Give the file to group ``gid``, mode 0660, so engines of that group may attach
+        (``engine_access``). Only the maker, while open; ValueError naming the fix if refused."""
+        assert self._owner_fd is not None, "only the maker of an open arena can share it"
+        share(self._owner_fd, gid)
 
     def address(self, offset: int, length: int) -> int:
         """The address of ``[offset, offset + length)`` in this process's mapping, for native
@@ -181,10 +231,13 @@ class ShmArena:
         return tensor
 
     def close(self) -> None:
-        """Drop this process's mapping. Idempotent. If views or tensors are still alive the pages
-        stay mapped until the last of them is garbage-collected (never a dangling pointer)."""
-        whole, mm = self._whole, self._mm
-        self._whole = self._mm = None
+        """Drop this process's mapping (and the maker's lock: unlink next). Idempotent. If views
+        or tensors are still alive the pages stay mapped until the last of them is
+        garbage-collected (never a dangling pointer)."""
+        whole, mm, owner_fd = self._whole, self._mm, self._owner_fd
+        self._whole = self._mm = self._owner_fd = None
+        if owner_fd is not None:
+            os.close(owner_fd)
         if whole is not None and mm is not None:
             whole.release()
             try:
@@ -209,23 +262,63 @@ class ShmArena:
         return f"ShmArena(name={self.name!r}, size={self.size}, open={self._whole is not None})"
 
 
-def _populate_parallel(base: int, size: int, fresh: bool) -> None:
-    """``_populate`` the page-aligned range ``[base, base + size)`` in a few threads at once."""
+def _ranges(size: int) -> list[tuple[int, int]]:
+    """``[0, size)`` cut into a few page-aligned ``(offset, length)`` ranges, one per thread."""
     n = max(1, min(os.cpu_count() or 1, 8))
     chunk = -(-size // n // _PAGE) * _PAGE
-    ranges = [(off, min(chunk, size - off)) for off in range(0, size, chunk)]
-    workers = [threading.Thread(target=_populate, args=(base + off, length, fresh))
-               for off, length in ranges[1:]]
+    return [(off, min(chunk, size - off)) for off in range(0, size, chunk)]
+
+
+def _in_parallel(work: Callable[[int, int], None], size: int) -> None:
+    """``work(offset, length)`` over ``_ranges(size)``, in threads; the first error is raised
+    once every thread has finished."""
+    errors: list[BaseException] = []
+
+    def run(offset: int, length: int) -> None:
+        try:
+            work(offset, length)
+        except BaseException as exc:  # handed to the caller's thread below
+            errors.append(exc)
+
+    workers = [threading.Thread(target=run, args=r) for r in _ranges(size)[1:]]
     for worker in workers:
         worker.start()
-    _populate(base + ranges[0][0], ranges[0][1], fresh)
+    run(*_ranges(size)[0])
     for worker in workers:
         worker.join()
+    if errors:
+        raise errors[0]
+
+
+def _allocate_parallel(fd: int, size: int, directory: str) -> None:
+    """Allocate every page of the file now; ValueError naming the fixes if the filesystem runs
+    out (another process filled it since ``check_room``, or a memory limit). A filesystem
+    without ``fallocate`` is left to the pre-fault."""
+    try:
+        _in_parallel(lambda off, length: os.posix_fallocate(fd, off, length), size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return
+        if exc.errno == errno.ENOSPC:
+            raise ValueError(_short(directory, size, "it ran out of room while allocating "
+                                    "the arena")) from None
+        raise
+
+
+def _populate_parallel(base: int, size: int, fresh: bool) -> None:
+    """``_populate`` the page-aligned range ``[base, base + size)`` in a few threads at once."""
+    _in_parallel(lambda off, length: _populate(base + off, length, fresh), size)
 
 
 def _populate(address: int, length: int, fresh: bool) -> None:
     """Fault in ``length`` bytes at ``address`` for writing; ctypes releases the GIL meanwhile.
     On a kernel without MADV_POPULATE_WRITE (EINVAL) a ``fresh`` (all-zero, unshared) range is
-    zero-filled instead, which faults it just the same; an attached range is left alone."""
-    if _libc.madvise(address, length, _MADV_POPULATE_WRITE) != 0 and fresh:
-        ctypes.memset(address, 0, length)
+    zero-filled instead, which faults it just the same; an attached range is left alone. Any
+    other failure of a ``fresh`` range (EFAULT: the kernel has no page for it, where a touch
+    would be SIGBUS) raises OSError."""
+    if _libc.madvise(address, length, _MADV_POPULATE_WRITE) == 0 or not fresh:
+        return
+    code = ctypes.get_errno()
+    if code != errno.EINVAL:
+        raise OSError(code, f"pre-faulting the arena failed: {os.strerror(code)}")
+    ctypes.memset(address, 0, length)

@@ -46,6 +46,14 @@ class TokenTable:
                                  f"with a non-empty tenant, got {token!r} = {tenant!r}")
         return cls(dict(table))
 
+    def with_token(self, token: str, tenant: str) -> TokenTable:
+        """This table plus ``token`` -> ``tenant`` (``tcp_token``); ValueError if the token
+        file gives that token to another tenant."""
+        if self.tenants.get(token, tenant) != tenant:
+            raise ValueError(f"tcp_token is also in the token file, for tenant "
+                             f"{self.tenants[token]!r}: use another token")
+        return TokenTable({**self.tenants, token: tenant})
+
     def tenant_of(self, token: str) -> str | None:
         """The tenant of ``token``, or None if unknown (constant-time per entry)."""
         found = None

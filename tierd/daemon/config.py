@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
 
+from tierd.daemon.engine_access import group_id
 from tierd.daemon.node_types import EngineCaps, NodeConfig
 from tierd.daemon.presence import check_cells
 from tierd.paths import cache_dir, client_socket_path, default_socket_path
@@ -46,8 +47,15 @@ class TierdConfig:
         "help": "Allow a non-loopback --tcp-host (tokens then travel unencrypted)."})
     token_file: str | None = dataclasses.field(default=None, metadata={
         "help": "TOML file of 'TOKEN = \"tenant\"' lines; TCP callers must send one."})
+    tcp_token: str = dataclasses.field(default="", metadata={
+        "help": "A bearer token of the default tenant, so TCP callers need no token file (set "
+                "TIERD_TCP_TOKEN from a secret; a flag would show in ps)."})
     default_tenant: str = dataclasses.field(default="default", metadata={
         "help": "Tenant of Unix-socket callers that send no token."})
+    engine_group: str = dataclasses.field(default="", metadata={
+        "help": "Group (name or gid) whose members may use the daemon: its socket and arena get "
+                "this group and mode 0660, for engines running as other users ('' = the "
+                "daemon's user only)."})
     dram_bytes: int = dataclasses.field(default=1 * _GIB, metadata={
         "help": "Size of the shared-memory DRAM arena."})
     slab_bytes: int = dataclasses.field(default=64 * _MIB, metadata={
@@ -159,8 +167,9 @@ class TierdConfig:
         if self.tcp_port is not None and not self.allow_remote and not _is_loopback(self.tcp_host):
             raise ValueError(f"tcp_host {self.tcp_host!r} is not loopback: use 127.0.0.1, or pass "
                              "--allow-remote to listen on it knowingly")
-        if self.tcp_port is not None and self.token_file is None:
-            raise ValueError("TCP needs bearer tokens: set token_file (--token-file)")
+        if self.tcp_port is not None and self.token_file is None and not self.tcp_token:
+            raise ValueError("TCP needs bearer tokens: set tcp_token (TIERD_TCP_TOKEN) or "
+                             "token_file (--token-file)")
         if self.dram_bytes <= 0 or self.slab_bytes <= 0 or self.slab_bytes > self.dram_bytes:
             raise ValueError(f"need 0 < slab_bytes ({self.slab_bytes}) <= dram_bytes "
                              f"({self.dram_bytes})")
@@ -176,6 +185,8 @@ class TierdConfig:
         self.node_config().validate()  # watermarks, lease, write-behind, engine caps
         if not self.default_tenant:
             raise ValueError("default_tenant must not be empty")
+        if self.engine_group:
+            group_id(self.engine_group)
         if self.presence_cells:
             try:
                 check_cells(self.presence_cells)
@@ -194,6 +205,15 @@ class TierdConfig:
                              "or unix:// (e.g. redis://redis:6379/0)")
         if not self.node_id:
             raise ValueError("node_id must not be empty with redis_url set (use the host name)")
+        if self.node_address and not _has_port(self.node_address) and self.tcp_port is None:
+            raise ValueError(f"node_address {self.node_address!r} has no port and the daemon "
+                             "listens on no TCP port, so routers could not dial it: set tcp_port "
+                             "(with tcp_token; in a pod tcp_host 0.0.0.0 and allow_remote), "
+                             "write node_address as HOST:PORT, or leave it empty")
+        if not self.node_address and self.tcp_port is not None and _is_wildcard(self.tcp_host):
+            raise ValueError(f"tcp_host {self.tcp_host!r} listens on every address, none of "
+                             "which routers could be told: set node_address to this node's "
+                             "address (in a pod, TIERD_NODE_ADDRESS from status.podIP)")
         if not 0 < self.cluster_heartbeat_seconds < self.cluster_node_ttl_seconds:
             raise ValueError("need 0 < cluster_heartbeat_seconds < cluster_node_ttl_seconds, "
                              f"got {self.cluster_heartbeat_seconds} and "
@@ -211,12 +231,31 @@ class TierdConfig:
                                              self.max_engines_per_tenant, self.max_name_bytes))
 
     def published_address(self, tcp_port: int | None) -> str:
-        """``node_address``, or where this daemon listens (``tcp_port``: the bound port)."""
+        """Where routers dial this daemon (``tcp_port``: the bound port): ``node_address``, with
+        that port added when it names a host only; else ``tcp_host:port``; else the socket."""
         if self.node_address:
+            if tcp_port is not None and not _has_port(self.node_address):
+                return f"{_bracket(self.node_address)}:{tcp_port}"
             return self.node_address
         if tcp_port is not None:
-            return f"{self.tcp_host}:{tcp_port}"
+            return f"{_bracket(self.tcp_host)}:{tcp_port}"
         return f"unix:{self.socket_path}"
+
+
+def _has_port(address: str) -> bool:
+    """Whether ``address`` says where to connect in full: ``host:port``, ``[v6]:port`` or
+    ``unix:PATH`` (not a bare host name, IPv4 or IPv6 address)."""
+    if address.startswith(("unix:", "[")):
+        return address.startswith("unix:") or "]:" in address
+    return address.count(":") == 1
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _is_wildcard(host: str) -> bool:
+    return host.strip("[]") in ("0.0.0.0", "::", "")
 
 
 def _is_loopback(host: str) -> bool:

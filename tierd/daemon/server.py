@@ -20,8 +20,6 @@ import asyncio
 import inspect
 import logging
 import os
-import re
-import secrets
 import signal
 import socket
 import time
@@ -37,11 +35,13 @@ from grpc_reflection.v1alpha import reflection
 
 from tierd.checksum import checksums_at
 from tierd.daemon import convert
-from tierd.daemon.arena import ShmArena
+from tierd.daemon.arena import ShmArena, check_room, free_bytes
+from tierd.daemon.arena_owner import new_arena_name, remove_stale_arenas
 from tierd.daemon.auth import Authenticator, TokenTable
 from tierd.daemon.build import Node, build_node
 from tierd.daemon.cluster_link import ClusterLink
 from tierd.daemon.config import TierdConfig
+from tierd.daemon.engine_access import group_id, share
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, Unauthenticated
 from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.node import NodeConfig, NodeStore
@@ -296,35 +296,6 @@ def describe_capacity(layout: Layout, allocator: SlabAllocator, ssd: SsdStore | 
     return ", ".join(parts)
 
 
-_ARENA_NAME = re.compile(r"^tierd-(\d+)-[0-9a-f]+(-presence)?$")  # arenas and their filters
-
-
-def remove_stale_arenas(directory: str) -> list[str]:
-    """Unlink arenas ``tierd-PID-*`` left in ``directory`` by daemons that died (kill -9): a
-    file whose PID no longer exists. Returns the names removed."""
-    removed = []
-    for name in os.listdir(directory):
-        match = _ARENA_NAME.match(name)
-        if match is None or _pid_alive(int(match.group(1))):
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
-            removed.append(name)
-        except OSError as exc:
-            _log.warning("could not remove stale arena %s: %s", name, exc)
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _claim_socket(path: str) -> None:
     """Remove a stale socket file at ``path``; ``ValueError`` if a live daemon answers on it."""
     if not os.path.exists(path):
@@ -369,12 +340,16 @@ class Daemon:
     @classmethod
     async def start(cls, config: TierdConfig,
                     extra_handlers: Sequence[grpc.GenericRpcHandler] = ()) -> Daemon:
-        """Create the arena (pre-faulted), open the SSD tier (rebuilding its index), bind the
+        """Create the arena (pre-faulted; ValueError naming the fixes, before anything is made,
+        if its directory lacks the room), open the SSD tier (rebuilding its index), bind the
         listeners and start serving. Blocks the loop for the arena pre-fault. ``extra_handlers``
         are served beside Tierd (the benchmark's echo service)."""
         config.validate()
         remove_stale_arenas(config.arena_directory)
-        arena = ShmArena.create(f"tierd-{os.getpid()}-{secrets.token_hex(4)}", config.dram_bytes,
+        presence = config.presence_cells if config.presence_cells and not config.remote_tier else 0
+        check_room(config.arena_directory, config.dram_bytes + presence,
+                   free_bytes(config.arena_directory))
+        arena = ShmArena.create(new_arena_name(), config.dram_bytes,
                                 directory=config.arena_directory, prefault=config.prefault)
         try:
             return await cls._start_with(config, arena, extra_handlers)
@@ -405,7 +380,10 @@ class Daemon:
             options=[("grpc.max_receive_message_length", config.max_message_bytes),
                      ("grpc.max_send_message_length", config.max_message_bytes),
                      ("grpc.so_reuseport", 0)])
-        auth = Authenticator(TokenTable.load(config.token_file), config.default_tenant)
+        tokens = TokenTable.load(config.token_file)
+        if config.tcp_token:
+            tokens = tokens.with_token(config.tcp_token, config.default_tenant)
+        auth = Authenticator(tokens, config.default_tenant)
         servicer = TierdServicer(store, arena, allocator, ssd, config.node_config(), auth,
                                  cluster, presence)
         store.watch_engines(servicer.engine_lapsed)
@@ -416,9 +394,16 @@ class Daemon:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
+        if config.engine_group:
+            gid = group_id(config.engine_group)
+            for shm in (arena, presence.shm if presence is not None else None):
+                if shm is not None:
+                    shm.share_with_group(gid)
         if config.socket_path:
             _claim_socket(config.socket_path)
             server.add_insecure_port(f"unix:{config.socket_path}")
+            if config.engine_group:
+                share(config.socket_path, gid)
         tcp_port = None
         if config.tcp_port is not None:
             tcp_port = server.add_insecure_port(f"{_bracket(config.tcp_host)}:{config.tcp_port}")
