@@ -137,12 +137,13 @@ def build_all(docker: DockerEngine) -> Images:
     base = import_base(docker, "tierd-test-base")
     redis = import_base(docker, "tierd-test-redis", ("redis-server",))
     with served(wheelhouse(docker, base)) as url:
-        pip = f"PIP_ARGS=--no-index --find-links {url}"
+        local = f"--no-index --find-links {url}"
+        # The classic builder builds every stage before the target (BuildKit skips unused ones),
+        # so the daemon's build needs torch's source too; the engine's build reuses that layer.
         common = ("build", "--network", "host", "--build-arg", f"BASE_IMAGE={base}",
-                  "--build-arg", pip)
+                  "--build-arg", f"PIP_ARGS={local}", "--build-arg", f"TORCH_ARGS={local}")
         docker.run(*common, "-t", "tierd:local", str(ROOT))
-        docker.run(*common, "--build-arg", f"TORCH_ARGS=--no-index --find-links {url}",
-                   "--target", "engine", "-t", "tierd-engine:local", str(ROOT))
+        docker.run(*common, "--target", "engine", "-t", "tierd-engine:local", str(ROOT))
     return Images(base, redis, "tierd:local", "tierd-engine:local")
 
 
