@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = ("Run a benchmark (hash, attention, daemon, e2e, cluster, soak, vllm, identity, serve, "
-        "vllm-tier, sglang, or all).")
+HELP = ("Run a benchmark (hash, attention, daemon, e2e, cluster, soak, tenants, vllm, identity, "
+        "serve, vllm-tier, sglang, or all).")
 
 # Benchmark name -> module under tierd.bench.
 BENCHMARKS: dict[str, str] = {
@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "e2e": "e2e",
     "cluster": "cluster",
     "soak": "soak",
+    "tenants": "tenants",
     "vllm": "vllm",
     "identity": "identity",
     "serve": "serve",

@@ -1,7 +1,8 @@
 """`tierd stats`: what each tier of a running daemon holds, and what its hit ratio means.
 
-Per tier: blocks used / capacity, bytes, pinned, hit ratio, evictions, demotions, promotions; per
-engine of the caller's tenant: HBM occupancy. Under the table, the design essay's reading of the
+Per tier: blocks used / capacity, bytes, pinned, hit ratio, evictions, demotions, promotions; the
+caller's tenant's use against its quota (every tenant's with the admin token); per engine of the
+caller's tenant: HBM occupancy. Under the table, the design essay's reading of the
 hit ratio, and "pool too small" when blocks are reused later (reuse-gap P90) than evicted blocks
 typically sat idle (idle-before-evict P50).
 """
@@ -95,6 +96,14 @@ def _size(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+def _of(used: int, quota: int | None) -> str:
+    """``used/quota`` (``-``: no quota), and the share of it when over."""
+    if quota is None:
+        return f"{_size(used)}/-"
+    over = f" ({used / quota:.0%})" if quota and used > quota else ""
+    return f"{_size(used)}/{_size(quota)}{over}"
+
+
 def render(stats: DaemonStats, console: Console) -> None:
     """Print the tier table, the model and engine tables and the reading under them."""
     from rich import box
@@ -123,6 +132,16 @@ def render(stats: DaemonStats, console: Console) -> None:
                            f"{m.blocks['ssd']} ({_size(m.bytes['ssd'])})", str(m.blocks["hbm"]),
                            _ratio(m.hit_tokens, m.query_tokens))
         console.print(models)
+    if stats.tenants:
+        tenants = Table(title="tenants (used/quota)", box=box.SIMPLE_HEAD)
+        for column in ("tenant", "DRAM", "SSD", "pinned", "reserved", "limited"):
+            tenants.add_column(column, justify="left" if column == "tenant" else "right",
+                               no_wrap=True)
+        for u in stats.tenants:
+            tenants.add_row(u.tenant, _of(u.dram_bytes, u.dram_quota),
+                            _of(u.ssd_bytes, u.ssd_quota), _size(u.pinned_bytes),
+                            _size(u.reserved_bytes), str(u.limited))
+        console.print(tenants)
     if stats.engines:
         engines = Table(title="engines (HBM, as reported)", box=box.SIMPLE_HEAD)
         for column in ("engine", "name", "HBM blocks", "HBM tokens", "HBM bytes"):

@@ -6,6 +6,9 @@ Tenancy comes from the connection, never from a request field. A caller that sen
 any transport). A caller without a token is the default tenant over the Unix socket (whoever can
 open the socket file is trusted, as with Docker's) and UNAUTHENTICATED over TCP.
 
+An ``admin_token`` (config) is no tenant: its caller reads every tenant's usage and quota in
+``Stats`` and makes no other call (UNAUTHENTICATED).
+
 The token file is TOML, one line per token::
 
     "3f9c...e1" = "team-a"
@@ -86,9 +89,27 @@ class Authenticator:
 
     tokens: TokenTable
     default_tenant: str
+    admin_token: str = ""
+    """Its caller reads every tenant's Stats and nothing else ('' = no such caller)."""
+
+    def __post_init__(self) -> None:
+        if self.admin_token and self.tokens.tenant_of(self.admin_token) is not None:
+            raise ValueError("admin_token is also a tenant's token in token_file: give the "
+                             "admin its own token")
+
+    def is_admin(self, metadata: Iterable[tuple[str, str | bytes]]) -> bool:
+        """Whether the call carries the admin token."""
+        token = bearer_token(metadata)
+        return bool(self.admin_token) and token is not None and hmac.compare_digest(
+            token.encode(), self.admin_token.encode())
 
     def tenant(self, peer: str, metadata: Iterable[tuple[str, str | bytes]]) -> str:
-        """The caller's tenant; raises ``Unauthenticated`` for a bad token, or no token on TCP."""
+        """The caller's tenant; raises ``Unauthenticated`` for a bad token, no token on TCP, or
+        the admin token (it reads Stats only)."""
+        metadata = list(metadata)
+        if self.is_admin(metadata):
+            raise Unauthenticated("the admin token reads Stats only: engines call with a "
+                                  "tenant's token from the token file")
         token = bearer_token(metadata)
         if token is None:
             if is_unix_peer(peer):

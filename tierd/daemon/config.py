@@ -22,6 +22,7 @@ from typing import Any, Literal, get_args
 from tierd.daemon.engine_access import group_id
 from tierd.daemon.node_types import EngineCaps, NodeConfig
 from tierd.daemon.presence import check_cells
+from tierd.daemon.quotas import TenantQuotas
 from tierd.paths import cache_dir, client_socket_path, default_socket_path
 
 __all__ = ["TierdConfig", "cache_dir", "client_socket_path", "default_socket_path", "field_help",
@@ -56,6 +57,15 @@ class TierdConfig:
         "help": "Group (name or gid) whose members may use the daemon: its socket and arena get "
                 "this group and mode 0660, for engines running as other users ('' = the "
                 "daemon's user only)."})
+    tenant_quotas: TenantQuotas = dataclasses.field(default_factory=TenantQuotas, metadata={
+        "help": "DRAM and SSD each tenant is guaranteed, as an inline TOML table: "
+                "'{ team-a = { dram = \"512MiB\", ssd = \"4GiB\" }, \"*\" = { dram = "
+                "\"10%%\" } }' (\"*\": every tenant not named; none: plain LRU across "
+                "tenants). See docs/daemon.md, Tenant quotas."})
+    admin_token: str = dataclasses.field(default="", metadata={
+        "help": "Bearer token whose Stats show every tenant's usage and quota; it serves no "
+                "other call ('' = none). Prefer TIERD_ADMIN_TOKEN or the config file to this "
+                "flag, which other users can read in the process list."})
     dram_bytes: int = dataclasses.field(default=1 * _GIB, metadata={
         "help": "Size of the shared-memory DRAM arena."})
     slab_bytes: int = dataclasses.field(default=64 * _MIB, metadata={
@@ -291,6 +301,8 @@ def _coerce(name: str, raw: Any) -> Any:
     """Convert a TOML/env/flag value to the field's type, ``ValueError`` naming the key."""
     kind = {f.name: f.type for f in fields(TierdConfig)}[name]
     try:
+        if name == "tenant_quotas":
+            return TenantQuotas.parse(raw)
         if name in _BYTE_KEYS:
             return parse_bytes(raw)
         if raw is None or (isinstance(raw, str) and raw.lower() in ("", "none") and

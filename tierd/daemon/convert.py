@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, cast
 
 from tierd.daemon.layout import Layout
 from tierd.daemon.models import ModelUsage
+from tierd.daemon.quotas import TenantUsage
 from tierd.daemon.slots import SlotGeometry
 from tierd.types import HASH_LENGTHS, TIERS, BlockHash, Placement, Tier
 from tierd.v1 import tierd_pb2 as pb
@@ -128,6 +129,8 @@ class DaemonStats:
     ssd_healthy: bool
     reuse_gap_p90_seconds: float | None
     idle_before_evict_p50_seconds: float | None
+    tenants: list[TenantUsage] = field(default_factory=list)
+    """Use against quota: the caller's tenant's row (every tenant's for the admin token)."""
 
     @property
     def pool_too_small(self) -> bool:
@@ -205,11 +208,17 @@ def _u64(value: int) -> int:
     return min(max(value, 0), U64_MAX)
 
 
+def _u64_or_none(value: int | None) -> int | None:
+    return None if value is None else _u64(value)
+
+
 def stats_to_pb(stats: NodeStats, engines: Sequence[EngineInfo],
-                models: Sequence[ModelUsage] = ()) -> pb.StatsResponse:
-    """A node snapshot as the Stats reply, tiers fastest first; ``engines`` and ``models`` (the
-    caller's tenant's) limit the per-engine and per-model rows, so a tenant never sees another's
-    engine ids or models. Counters saturate at 2^64 - 1 rather than fail the reply."""
+                models: Sequence[ModelUsage] = (),
+                tenants: Sequence[TenantUsage] = ()) -> pb.StatsResponse:
+    """A node snapshot as the Stats reply, tiers fastest first; ``engines``, ``models`` and
+    ``tenants`` (the caller's tenant's) limit the per-engine, per-model and per-tenant rows, so
+    a tenant never sees another's engine ids, models or usage. Counters saturate at 2^64 - 1
+    rather than fail the reply."""
     tiers = [pb.TierStats(tier=TIER_TO_PB[cast(Tier, name)], used_blocks=t.used_blocks,
                           capacity_blocks=t.capacity_blocks, used_bytes=t.used_bytes,
                           capacity_bytes=t.capacity_bytes, pinned_blocks=t.pinned_blocks,
@@ -229,7 +238,15 @@ def stats_to_pb(stats: NodeStats, engines: Sequence[EngineInfo],
                                hbm_bytes=_u64(m.bytes["hbm"]),
                                query_tokens=_u64(m.query_tokens), hit_tokens=_u64(m.hit_tokens),
                                engines=m.engines) for m in models]
-    reply = pb.StatsResponse(tiers=tiers, engines=rows, models=per_model,
+    per_tenant = [pb.TenantStats(tenant=t.tenant, dram_bytes=_u64(t.dram_bytes),
+                                 dram_quota_bytes=_u64_or_none(t.dram_quota),
+                                 ssd_bytes=_u64(t.ssd_bytes),
+                                 ssd_quota_bytes=_u64_or_none(t.ssd_quota),
+                                 pinned_bytes=_u64(t.pinned_bytes),
+                                 reserved_bytes=_u64(t.reserved_bytes),
+                                 blank_bytes=_u64(t.blank_bytes),
+                                 limited_requests=_u64(t.limited)) for t in tenants]
+    reply = pb.StatsResponse(tiers=tiers, engines=rows, models=per_model, tenants=per_tenant,
                              query_tokens=_u64(queries),
                              hit_tokens=_u64(hits), hit_ratio=stats.hit_ratio,
                              reading=stats.reading(),
@@ -300,4 +317,10 @@ def stats_from_pb(msg: pb.StatsResponse) -> DaemonStats:
                        hit_tokens=msg.hit_tokens, hit_ratio=msg.hit_ratio, reading=msg.reading,
                        checksum_failures=msg.checksum_failures, lease_expiries=msg.lease_expiries,
                        ssd_healthy=msg.ssd_healthy, reuse_gap_p90_seconds=gap,
-                       idle_before_evict_p50_seconds=idle)
+                       idle_before_evict_p50_seconds=idle,
+                       tenants=[TenantUsage(
+                           t.tenant, t.dram_bytes,
+                           t.dram_quota_bytes if t.HasField("dram_quota_bytes") else None,
+                           t.ssd_bytes, t.ssd_quota_bytes if t.HasField("ssd_quota_bytes")
+                           else None, t.pinned_bytes, t.reserved_bytes, t.blank_bytes,
+                           t.limited_requests) for t in msg.tenants])

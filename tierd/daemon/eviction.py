@@ -7,9 +7,10 @@ when no promotion is reading it. Among those, the least recently used go first.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from tierd.types import NamespacedKey
+from tierd.types import Namespace, NamespacedKey
 
 if TYPE_CHECKING:
     from tierd.daemon.lru import DramBlock, LruIndex, SsdBlock
@@ -25,9 +26,10 @@ class LruEviction:
         return block.pins == 0 and not block.demoting
 
     def dram_victims(self, dram: LruIndex[DramBlock], slot_bytes: int,
-                     count: int) -> list[NamespacedKey]:
+                     count: int, owner: Namespace | None = None) -> list[NamespacedKey]:
         """Up to ``count`` evictable DRAM blocks of the ``slot_bytes`` size class, LRU first:
-        dropping each frees one slot of that class."""
+        dropping each frees one slot of that class. ``owner``: the namespace the freed slots
+        are for (a policy with quotas weighs it; this one does not)."""
         victims: list[NamespacedKey] = []
         for key, block in dram.oldest_first():
             if len(victims) == count:
@@ -36,16 +38,23 @@ class LruEviction:
                 victims.append(key)
         return victims
 
-    def dram_victim_other_class(self, dram: LruIndex[DramBlock],
-                                slot_bytes: int) -> NamespacedKey | None:
+    def dram_victim_other_class(self, dram: LruIndex[DramBlock], slot_bytes: int,
+                                owner: Namespace | None = None) -> NamespacedKey | None:
         """The LRU evictable DRAM block of another size class than ``slot_bytes`` (dropping
-        enough of them frees a whole slab for the class), or None."""
+        enough of them frees a whole slab for the class), or None. ``owner``: as above."""
         return next((k for k, b in dram.oldest_first()
                      if b.slot_bytes != slot_bytes and self.evictable(b)), None)
 
-    def ssd_victims(self, disk: LruIndex[SsdBlock], need_bytes: int) -> list[NamespacedKey]:
+    def demotion_order(self, dram: LruIndex[DramBlock]) -> Iterator[tuple[NamespacedKey,
+                                                                           DramBlock]]:
+        """DRAM blocks in the order the flusher considers them for demotion: LRU first."""
+        return dram.oldest_first()
+
+    def ssd_victims(self, disk: LruIndex[SsdBlock], need_bytes: int,
+                    writers: Sequence[Namespace] = ()) -> list[NamespacedKey]:
         """Unpinned SSD records, LRU first, whose stored bytes add up to at least
-        ``need_bytes`` (all of them if they do not)."""
+        ``need_bytes`` (all of them if they do not). ``writers``: the namespaces of the records
+        the room is for (weighed by a policy with quotas, not by this one)."""
         victims: list[NamespacedKey] = []
         for key, entry in disk.oldest_first():
             if need_bytes <= 0:

@@ -215,11 +215,12 @@ class TierIndex:
         """Bytes of every allocated slot (stored, reserved and staged blocks)."""
         return sum(self.alloc.used_slots(c) * c for c in self.classes)
 
-    def allocate_many(self, slot_bytes: int, count: int, now: float) -> list[int]:
+    def allocate_many(self, slot_bytes: int, count: int, now: float,
+                      owner: Namespace | None = None) -> list[int]:
         """Up to ``count`` free slots of ``slot_bytes``, in order, evicting the DRAM blocks the
         eviction policy names until they free up (this size class first, found in one pass for
-        the whole batch, then other classes one at a time); fewer if the rest are pinned. Never
-        blocks."""
+        the whole batch, then other classes one at a time); fewer if the rest are pinned (or
+        the policy spares them: ``owner``, the namespace the slots are for). Never blocks."""
         slots: list[int] = []
         batch_done = False
         while len(slots) < count:
@@ -229,11 +230,12 @@ class TierIndex:
                 continue
             if not batch_done:  # each victim of this class frees one slot of it
                 batch_done = True
-                victims = self.eviction.dram_victims(self.dram, slot_bytes, count - len(slots))
+                victims = self.eviction.dram_victims(self.dram, slot_bytes, count - len(slots),
+                                                     owner)
                 if victims:
                     self.drop_dram_many(victims, now)
                     continue
-            victim = self.eviction.dram_victim_other_class(self.dram, slot_bytes)
+            victim = self.eviction.dram_victim_other_class(self.dram, slot_bytes, owner)
             if victim is None:
                 break
             self.drop_dram(victim, now)
@@ -390,7 +392,7 @@ class TierIndex:
         it brings the SSD back. A block pinned meanwhile stays."""
         excess = self.dram_used_bytes() - low_bytes
         victims: list[tuple[NamespacedKey, DramBlock]] = []
-        for key, block in self.dram.oldest_first():
+        for key, block in self.eviction.demotion_order(self.dram):
             if excess <= 0 or (probe and victims):
                 break
             if self.eviction.evictable(block) and not (probe and key in self.disk):
@@ -414,7 +416,8 @@ class TierIndex:
         assert self.ssd is not None
         writes = [(k, b) for k, b in blocks
                   if k not in self.disk and b.hits >= min_hits and not b.demoting]
-        writes = writes[:self.make_ssd_room([b.slot_bytes for _, b in writes], now)]
+        writes = writes[:self.make_ssd_room([b.slot_bytes for _, b in writes], now,
+                                            [b.namespace for _, b in writes])]
         for _, block in writes:
             block.demoting = True
         try:
@@ -435,9 +438,11 @@ class TierIndex:
         self.check_ssd()
         return written
 
-    def make_ssd_room(self, sizes: list[int], now: float) -> int:
+    def make_ssd_room(self, sizes: list[int], now: float,
+                      writers: Sequence[Namespace] = ()) -> int:
         """Drop LRU unpinned SSD blocks until records of ``sizes`` (payload bytes) fit; returns
-        how many of them (a prefix) fit."""
+        how many of them (a prefix) fit. ``writers``: each record's namespace (the policy may
+        spare other tenants' blocks for them)."""
         assert self.ssd is not None
         bounds = [self.ssd.record_bytes(s) for s in sizes]
         fit = len(bounds)
@@ -445,7 +450,7 @@ class TierIndex:
             fit -= 1
         need = sum(bounds[:fit])
         free = self.ssd.capacity_bytes - self.ssd.used_bytes
-        for key in self.eviction.ssd_victims(self.disk, need - free):
+        for key in self.eviction.ssd_victims(self.disk, need - free, writers[:fit]):
             self.drop_ssd(key, now)
         free = self.ssd.capacity_bytes - self.ssd.used_bytes
         while fit and free < need:

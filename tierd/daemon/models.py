@@ -126,6 +126,10 @@ class ModelTable:
             if self._prune():
                 self._save()
 
+    def model_of(self, namespace: Namespace) -> NamespaceModel | None:
+        """The model a namespace's engines registered (here or, from the file, before)."""
+        return self._models.get(namespace)
+
     def queried(self, namespace: Namespace, query_tokens: int, hit_tokens: int) -> None:
         """Count one lookup of ``namespace``'s engine."""
         if namespace not in self._models:

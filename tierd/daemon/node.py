@@ -20,6 +20,9 @@ Policy (documented in docs/daemon.md):
   ``write_behind_seconds`` (``write_behind``, run by the daemon), and ``close`` writes what is
   still DRAM-only, most recently used first, within ``stop_flush_seconds``.
 - Engines silent for ``engines.idle_seconds`` are unregistered by ``maintain`` (``engines``).
+- ``tenant_quotas`` (``quotas``): over-quota tenants' blocks are evicted and demoted first
+  (``quota_eviction``), and an acquire or reservation is cut to what its tenant may still hold
+  (``quota_gate``).
 - An unhealthy SSD store is hidden (DRAM only; ``AllBlocksCleared(tier="ssd")``, a warning,
   ``tierd_ssd_healthy`` 0) but its index kept; ``maintain`` tries one demotion per pass, and a
   write that succeeds makes the store healthy and its blocks served again.
@@ -47,11 +50,14 @@ from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
 from tierd.daemon.models import ModelTable, ModelUsage, NamespaceModel
 from tierd.daemon.node_types import EngineInfo, Lease, LookupResult, NodeConfig, Reservation
 from tierd.daemon.promotion import Promoter, Promotion
+from tierd.daemon.quota_eviction import QuotaEviction
+from tierd.daemon.quota_gate import QuotaGate
+from tierd.daemon.quotas import QuotaCollector, QuotaLedger, TenantUsage
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.writebehind import Flushed, WriteBehind
 from tierd.daemon.writes import Reservations
 from tierd.events import EventLog, KVEvent
-from tierd.types import BlockHash, NamespacedKey, Tier, make_key, make_keys
+from tierd.types import BlockHash, Namespace, NamespacedKey, Tier, make_key, make_keys
 
 if TYPE_CHECKING:
     from tierd.daemon.arena import ShmArena
@@ -76,10 +82,20 @@ class NodeStore:
         if ssd is not None:
             self.metrics.watch_ssd(ssd)
         self.models = ModelTable(config.max_models)
-        outside = [self.models] + ([listener] if listener is not None else [])
+        self.quotas = QuotaLedger(config.tenant_quotas, arena.size,
+                                  ssd.full_bytes if ssd is not None else 0,
+                                  config.blank_fraction, self._model_tenant)
+        self.metrics.registry.register(QuotaCollector(self.quotas))
+        outside: list[TierListener] = [self.models, self.quotas]
+        if listener is not None:
+            outside.append(listener)
         self._tiers = TierIndex(arena, allocator, ssd, self.metrics, self._events,
                             config.ghost_entries, clock, TierListeners(outside),
                             max_classes=config.max_size_classes)
+        if config.tenant_quotas:
+            self._tiers.eviction = QuotaEviction(self.quotas)
+        self._gate = QuotaGate(self.quotas, self._tiers.dram, config.lease_seconds,
+                               config.blank_fraction)
         self._counts = self._tiers.counts
         self._write_behind = WriteBehind(self._tiers, delay=config.write_behind_seconds,
                                min_hits=config.ssd_min_hits, batch_bytes=config.write_batch_bytes,
@@ -92,7 +108,8 @@ class NodeStore:
                                   total=config.max_leases, blocks=config.max_lease_keys)
         self._reservations = Reservations(self._tiers, self._leases, config.lease_seconds,
                                           self._expire, clock,
-                                          int(config.blank_fraction * arena.size))
+                                          int(config.blank_fraction * arena.size),
+                                          self._gate.write_ended)
         self._writing = self._reservations.writing  # reserved key -> its write lease id
         self._inflight_pins: Counter[NamespacedKey] = Counter()  # pins of acquires in progress
         self._promoter = Promoter(self._tiers, arena, ssd, self._writing.__contains__,
@@ -136,6 +153,7 @@ class NodeStore:
         self._tiers.classes.join(geometry.slot_bytes)
         self.models.registered(namespace, NamespaceModel(tenant, layout.model_id,
                                                          layout.block_bytes))
+        self.quotas.register(namespace, tenant, layout.block_bytes)
         return info
 
     @property
@@ -170,6 +188,7 @@ class NodeStore:
         self._hbm.drop(engine_id)
         self.models.unregistered(self._engines.remove(engine_id).namespace)
         self._tiers.classes.leave(info.geometry.slot_bytes)
+        self.quotas.unregister(info.namespace)
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -232,6 +251,9 @@ class NodeStore:
         tiers = self._query(info, hashes, keys, hit) if count_lookup or dram_run_only else []
         now = self._clock()
         self._expire(now)
+        keys, blocks = self._gate.pin_limit(info, keys, blocks, lambda: keys[0] in self._promoting
+                                            or (self._tiers.ssd_up and keys[0] in self._tiers.disk))
+        hit = len(blocks)
         if dram_run_only:
             lease = self._lease(info, keys[:hit], blocks, now, pin=True)
             return dataclasses.replace(lease, held_after=tiers[hit:])
@@ -256,7 +278,7 @@ class NodeStore:
             else:
                 break
             plan.append((key, None))
-        slots = self._tiers.allocate_many(info.geometry.slot_bytes, len(new), now)
+        slots = self._tiers.allocate_many(info.geometry.slot_bytes, len(new), now, info.namespace)
         reads: list[tuple[Promotion, memoryview]] = []  # started here: one batched SSD read
         for n, i in enumerate(new):
             promotion = (self._promoter.stage(plan[i][0], info.geometry, slots[n], reads)
@@ -324,6 +346,7 @@ class NodeStore:
             raise ResourceExhausted(refused)
         self._tiers.count_hits(keys, blocks, start, pin=pin)
         lease = ReadLease(new_lease_id(), info.engine_id, deadline, keys)
+        self._gate.read_began(lease)
         self._leases.add(lease)
         return Lease(lease.lease_id, deadline, [b.slot_id for b in blocks],
                      [b.checksum for b in blocks], self._config.lease_seconds)
@@ -382,8 +405,11 @@ class NodeStore:
         """
         info = self._engine(engine_id)
         self.models.queried(info.namespace, filtered_query_tokens, 0)
-        return self._reservations.reserve(info, hashes, self._keys(info, hashes),
-                                          filtered_query_tokens)
+        keys = self._keys(info, hashes)
+        self._expire(self._clock())
+        limit = self._gate.hold_limit(info, len(keys), "reserved")
+        return self._gate.reserved(info, self._reservations.reserve(
+            info, hashes, keys, filtered_query_tokens, limit), "reserved", limit)
 
     def reserve_blank(self, engine_id: str, count: int) -> Reservation:
         """Allocate ``count`` slots not yet named, under a write lease (evicting as ``reserve``
@@ -397,7 +423,10 @@ class NodeStore:
         if count > self._config.max_blocks_per_request:
             raise ResourceExhausted(f"{count} blank slots in one request; at most "
                                     f"{self._config.max_blocks_per_request}: ask for fewer")
-        return self._reservations.reserve_blank(info, count)
+        self._expire(self._clock())
+        limit = self._gate.hold_limit(info, count, "blank")
+        return self._gate.reserved(info, self._reservations.reserve_blank(info, count, limit),
+                                   "blank", limit)
 
     def commit(self, lease_id: str, checksums: Sequence[int | None], *,
                engine_id: str | None = None, names: Sequence[BlockHash] = ()) -> int:
@@ -512,6 +541,12 @@ class NodeStore:
             reuse_gap_p90=self.metrics.reuse_gap.quantile(0.9),
             idle_before_evict_p50=self.metrics.idle_before_evict.quantile(0.5))
 
+    def tenants(self, tenant: str | None = None) -> list[TenantUsage]:
+        """What ``tenant`` (None: every tenant) uses and holds against its quota (overdue
+        leases expired first)."""
+        self._expire(self._clock())
+        return self.quotas.usage(None if tenant is None else [tenant])
+
     def models_of(self, tenant: str) -> list[ModelUsage]:
         """Occupancy and hits per model of ``tenant`` (``ModelTable.usage_of``)."""
         return self.models.usage_of(tenant, [e.namespace for e in self.engines_of(tenant)])
@@ -566,6 +601,10 @@ class NodeStore:
         self._tiers.classes.check_integrity(Counter(
             e.geometry.slot_bytes for e in self._engines.infos()))
         assert {size for size, _ in owned} <= set(self._tiers.classes), "a slot of no class"
+        self._gate.check_integrity(self._leases.live(), {
+            "dram": [k for k, _ in self._tiers.dram.oldest_first()],
+            "ssd": [k for k, _ in self._tiers.disk.oldest_first()] if self._tiers.ssd_told_up
+            else []})
         self._hbm.check_integrity()
         self._engines.check_integrity()
         self._write_behind.check_integrity()
@@ -594,8 +633,14 @@ class NodeStore:
         """Free what an already finished lease held: unpin its blocks or free its slots."""
         if isinstance(lease, ReadLease):
             self._tiers.unpin(lease.keys)
+            self._gate.read_ended(lease)
             return
         self._reservations.free(lease)
+
+    def _model_tenant(self, namespace: Namespace) -> tuple[str, int] | None:
+        """The (tenant, block bytes) the model table remembers of a namespace, or None."""
+        model = self.models.model_of(namespace)
+        return (model.tenant, model.block_bytes) if model is not None else None
 
     def _pin_inflight(self, key: NamespacedKey) -> None:
         self._tiers.pin(key)

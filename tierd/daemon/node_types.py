@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tierd.daemon.layout import Layout
+from tierd.daemon.quotas import TenantQuotas
 from tierd.daemon.slots import SlotGeometry
 from tierd.types import Namespace, Tier
 
@@ -54,6 +55,7 @@ class NodeConfig:
     min_block_bytes: int = 1024          # smaller layouts: ValueError at registration
     max_size_classes: int = 64           # block sizes in use at once; more: ResourceExhausted
     engines: EngineCaps = field(default_factory=EngineCaps)  # idle lapse and registration caps
+    tenant_quotas: TenantQuotas = field(default_factory=TenantQuotas)  # none: plain LRU
 
     def validate(self) -> None:
         """ValueError naming the field to fix."""

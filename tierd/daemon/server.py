@@ -261,9 +261,11 @@ class TierdServicer(pb_grpc.TierdServicer):
 
     async def Stats(self, request: pb.StatsRequest,
                     context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        if self._auth.is_admin(context.invocation_metadata() or ()):  # every tenant's usage
+            return convert.stats_to_pb(self._store.stats(), (), (), self._store.tenants())
         tenant = self._tenant(context)
         return convert.stats_to_pb(self._store.stats(), self._store.engines_of(tenant),
-                                   self._store.models_of(tenant))
+                                   self._store.models_of(tenant), self._store.tenants(tenant))
 
     async def Locate(self, request: pb.LocateRequest,
                      context: grpc.aio.ServicerContext) -> pb.LocateResponse:
@@ -383,7 +385,7 @@ class Daemon:
         tokens = TokenTable.load(config.token_file)
         if config.tcp_token:
             tokens = tokens.with_token(config.tcp_token, config.default_tenant)
-        auth = Authenticator(tokens, config.default_tenant)
+        auth = Authenticator(tokens, config.default_tenant, config.admin_token)
         servicer = TierdServicer(store, arena, allocator, ssd, config.node_config(), auth,
                                  cluster, presence)
         store.watch_engines(servicer.engine_lapsed)
@@ -421,6 +423,8 @@ class Daemon:
             daemon._metrics_http, _ = start_http_server(
                 config.metrics_port, addr=config.metrics_host, registry=store.metrics.registry)
             daemon.metrics_port = daemon._metrics_http.server_port
+        if config.tenant_quotas:
+            _log.info("tenant quotas: %s", config.tenant_quotas.describe())
         if cluster is not None:
             cluster.set_address(config.published_address(tcp_port))
             cluster.start()

@@ -52,16 +52,20 @@ class Reservations:
 
     def __init__(self, tiers: TierIndex, leases: LeaseTable, lease_seconds: float,
                  expire: Callable[[float], None], clock: Callable[[], float],
-                 blank_budget: int) -> None:
+                 blank_budget: int,
+                 ended: Callable[[WriteLease], None] = lambda lease: None) -> None:
         self._tiers, self._leases, self._lease_seconds = tiers, leases, lease_seconds
         self._expire, self._clock = expire, clock
+        self._ended = ended  # told of every write lease that ends (commit, abort, expiry...)
         self.writing: dict[NamespacedKey, str] = {}
         self._blank_budget = blank_budget
         self.blank_bytes = 0  # in the slots of live blank leases (at most blank_budget)
 
     def reserve(self, info: EngineInfo, hashes: Sequence[BlockHash],
-                keys: Sequence[NamespacedKey], filtered_query_tokens: int) -> Reservation:
-        """``NodeStore.reserve`` for a known engine; ``keys[i]`` is ``hashes[i]`` scoped."""
+                keys: Sequence[NamespacedKey], filtered_query_tokens: int,
+                limit: int | None = None) -> Reservation:
+        """``NodeStore.reserve`` for a known engine; ``keys[i]`` is ``hashes[i]`` scoped;
+        at most ``limit`` slots (None: no limit)."""
         if not 0 <= filtered_query_tokens <= MAX_FILTERED_QUERY_TOKENS:
             raise ValueError(f"filtered_query_tokens {filtered_query_tokens} is over 2^40, the "
                              "most one Reserve may report: send the count since the last Reserve")
@@ -83,8 +87,11 @@ class Reservations:
                 if key not in self.writing and key not in wanted and not (
                         key in t.dram or (t.ssd_up and key in t.disk)):
                     wanted[key] = i
-            got = t.allocate_many(slot_bytes, len(wanted), now)
+            take = len(wanted) if limit is None else min(len(wanted), limit)
+            got = t.allocate_many(slot_bytes, take, now, info.namespace)
             room = bool(wanted) and len(got) == len(wanted)
+            if limit is not None:
+                limit -= len(got)
             for (key, i), slot in zip(wanted.items(), got):
                 t.note_restore(key, now)
                 slots[i] = slot
@@ -92,16 +99,18 @@ class Reservations:
         stored = [key in t.dram or (t.ssd_up and key in t.disk) for key in keys]
         return self._lease(info, lease_id, list(hashes), slots, stored, now)
 
-    def reserve_blank(self, info: EngineInfo, count: int) -> Reservation:
+    def reserve_blank(self, info: EngineInfo, count: int,
+                      limit: int | None = None) -> Reservation:
         """``NodeStore.reserve_blank`` for a known engine: ``count`` slots, fewer (None) where
-        no room could be made, named at ``commit``."""
+        no room could be made (or past ``limit``), named at ``commit``."""
         now = self._clock()
         self._expire(now)
         size = info.geometry.slot_bytes
-        want = min(count, max(0, self._blank_budget - self.blank_bytes) // size)
+        room = max(0, self._blank_budget - self.blank_bytes) // size
+        want = min(count, room if limit is None else min(room, limit))
         if want:
             self._leases.check_room(info.engine_id, want)
-        got: list[int | None] = [*self._tiers.allocate_many(size, want, now)]
+        got: list[int | None] = [*self._tiers.allocate_many(size, want, now, info.namespace)]
         if not got:  # nothing granted: no lease, nothing kept per slot asked for
             return self._empty(count, now)
         self.blank_bytes += len(got) * size
@@ -140,6 +149,7 @@ class Reservations:
         hashes = _named(lease, names, written)
         self._leases.finish(lease_id, "committed")
         self._unblank(lease)
+        self._ended(lease)
         t, blank = self._tiers, lease.blank
         run: list[BlockHash] = []
         parent: BlockHash | None = None
@@ -209,6 +219,7 @@ class Reservations:
                 if block_hash is not None:
                     del self.writing[make_key(lease.namespace, block_hash)]
                 self._tiers.free_slot(lease.slot_bytes, slot)
+        self._ended(lease)
 
     def _unblank(self, lease: WriteLease) -> None:
         """A blank lease ended: its slots no longer count against the budget."""

@@ -300,8 +300,30 @@ class EngineStats(_message.Message):
     block_bytes: int
     def __init__(self, engine_id: _Optional[str] = ..., engine_name: _Optional[str] = ..., hbm_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
+class TenantStats(_message.Message):
+    __slots__ = ("tenant", "dram_bytes", "dram_quota_bytes", "ssd_bytes", "ssd_quota_bytes", "pinned_bytes", "reserved_bytes", "blank_bytes", "limited_requests")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    DRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAM_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SSD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SSD_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLANK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIMITED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    dram_bytes: int
+    dram_quota_bytes: int
+    ssd_bytes: int
+    ssd_quota_bytes: int
+    pinned_bytes: int
+    reserved_bytes: int
+    blank_bytes: int
+    limited_requests: int
+    def __init__(self, tenant: _Optional[str] = ..., dram_bytes: _Optional[int] = ..., dram_quota_bytes: _Optional[int] = ..., ssd_bytes: _Optional[int] = ..., ssd_quota_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., blank_bytes: _Optional[int] = ..., limited_requests: _Optional[int] = ...) -> None: ...
+
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "engines", "query_tokens", "hit_tokens", "hit_ratio", "reading", "checksum_failures", "lease_expiries", "ssd_healthy", "reuse_gap_p90_seconds", "idle_before_evict_p50_seconds", "models")
+    __slots__ = ("tiers", "engines", "query_tokens", "hit_tokens", "hit_ratio", "reading", "checksum_failures", "lease_expiries", "ssd_healthy", "reuse_gap_p90_seconds", "idle_before_evict_p50_seconds", "models", "tenants")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +336,7 @@ class StatsResponse(_message.Message):
     REUSE_GAP_P90_SECONDS_FIELD_NUMBER: _ClassVar[int]
     IDLE_BEFORE_EVICT_P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     engines: _containers.RepeatedCompositeFieldContainer[EngineStats]
     query_tokens: int
@@ -326,7 +349,8 @@ class StatsResponse(_message.Message):
     reuse_gap_p90_seconds: float
     idle_before_evict_p50_seconds: float
     models: _containers.RepeatedCompositeFieldContainer[ModelStats]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., reading: _Optional[str] = ..., checksum_failures: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., ssd_healthy: _Optional[bool] = ..., reuse_gap_p90_seconds: _Optional[float] = ..., idle_before_evict_p50_seconds: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., reading: _Optional[str] = ..., checksum_failures: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., ssd_healthy: _Optional[bool] = ..., reuse_gap_p90_seconds: _Optional[float] = ..., idle_before_evict_p50_seconds: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
 
 class LocateRequest(_message.Message):
     __slots__ = ("engine_id", "block_hashes", "layout")
