@@ -180,8 +180,9 @@ def run(args: argparse.Namespace) -> int:
                 _Demo(args, console, config.socket_path, daemon).run()
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-    console.print(f"demo finished in {time.perf_counter() - started:.1f} s; daemon stopped, "
-                  "socket, arena and SSD directory removed")
+    ended = ("the daemon at the socket keeps serving" if args.socket is not None
+             else "daemon stopped, socket, arena and SSD directory removed")
+    console.print(f"demo finished in {time.perf_counter() - started:.1f} s; {ended}")
     return 0
 
 
