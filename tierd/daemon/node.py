@@ -1,31 +1,14 @@
 """The node store: one daemon's block index over its DRAM arena and SSD directory (no gRPC).
 
-Every RPC of the gRPC edge is one method here. The store owns metadata only: engines copy KV bytes
-into and out of the shared-memory arena themselves; the SSD store moves bytes between the arena
-and disk. Methods run on the daemon's event loop; the sync ones never block, the async ones await
-SSD I/O only. Keys: ``make_key(namespace_for(tenant, layout), block_hash)``, so models, TP ranks
-and tenants never share an entry. Which copy moves and how it is counted: ``lru.TierIndex``.
-
-Policy (documented in docs/daemon.md):
-- ``commit`` publishes reserved slots as DRAM blocks (``writes``). ``maintain`` (the flusher):
-  above the high watermark of DRAM occupancy (allocated slot bytes / arena bytes, reserved slots
-  included) the LRU unpinned blocks go to SSD until the low watermark (blocks under
-  ``ssd_min_hits`` hits, or that the SSD cannot take, are evicted); the SSD makes room by
-  dropping its own LRU blocks.
-- ``reserve`` and ``acquire`` never wait on a write: short of a slot they evict LRU unpinned DRAM
-  blocks synchronously, this size class first (a block with an SSD copy is merely demoted).
-- An SSD hit in ``acquire`` is read into a fresh DRAM slot (``promotion``); the SSD copy is
-  kept (demoting it again costs no write). Pinned blocks are never evicted or moved.
-- Write-behind (``writebehind``): committed blocks get an SSD copy within about
-  ``write_behind_seconds`` (``write_behind``, run by the daemon), and ``close`` writes what is
-  still DRAM-only, most recently used first, within ``stop_flush_seconds``.
-- Engines silent for ``engines.idle_seconds`` are unregistered by ``maintain`` (``engines``).
-- ``tenant_quotas`` (``quotas``): over-quota tenants' blocks are evicted and demoted first
-  (``quota_eviction``), and an acquire or reservation is cut to what its tenant may still hold
-  (``quota_gate``).
-- An unhealthy SSD store is hidden (DRAM only; ``AllBlocksCleared(tier="ssd")``, a warning,
-  ``tierd_ssd_healthy`` 0) but its index kept; ``maintain`` tries one demotion per pass, and a
-  write that succeeds makes the store healthy and its blocks served again.
+Every RPC is one method here; the store owns metadata only (engines copy KV bytes themselves).
+Methods run on the daemon's event loop: sync ones never block, async ones await SSD I/O only.
+Keys are ``make_key(namespace_for(tenant, layout), hash)``: models, TP ranks and tenants never
+share an entry. Which copy moves and how it is counted: ``lru.TierIndex``.
+Policy, in docs/daemon.md: commits publish reserved slots (``writes``); ``maintain`` demotes
+above the high watermark; reads and reservations evict synchronously, never waiting on a write;
+SSD hits are promoted (``promotion``); a write-behind copies commits to SSD (``writebehind``);
+quotas shed over-quota tenants first (``quota_eviction``, ``quota_gate``). Pinned blocks never
+move. Cross-table checks: ``node_integrity``.
 """
 
 from __future__ import annotations
@@ -48,6 +31,7 @@ from tierd.daemon.listeners import TierListener, TierListeners
 from tierd.daemon.lru import DramBlock, TierIndex
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
 from tierd.daemon.models import ModelTable, ModelUsage, NamespaceModel
+from tierd.daemon.node_integrity import check_slots_and_pins
 from tierd.daemon.node_types import EngineInfo, Lease, LookupResult, NodeConfig, Reservation
 from tierd.daemon.promotion import Promoter, Promotion
 from tierd.daemon.quota_eviction import QuotaEviction
@@ -57,7 +41,7 @@ from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.writebehind import Flushed, WriteBehind
 from tierd.daemon.writes import Reservations
 from tierd.events import EventLog, KVEvent
-from tierd.types import BlockHash, Namespace, NamespacedKey, Tier, make_key, make_keys
+from tierd.types import BlockHash, Namespace, NamespacedKey, Tier, make_keys
 
 if TYPE_CHECKING:
     from tierd.daemon.arena import ShmArena
@@ -86,9 +70,7 @@ class NodeStore:
                                   ssd.full_bytes if ssd is not None else 0,
                                   config.blank_fraction, self._model_tenant)
         self.metrics.registry.register(QuotaCollector(self.quotas))
-        outside: list[TierListener] = [self.models, self.quotas]
-        if listener is not None:
-            outside.append(listener)
+        outside: list[TierListener] = [self.models, self.quotas, *filter(None, [listener])]
         self._tiers = TierIndex(arena, allocator, ssd, self.metrics, self._events,
                             config.ghost_entries, clock, TierListeners(outside),
                             max_classes=config.max_size_classes)
@@ -555,56 +537,18 @@ class NodeStore:
         """Assert every index, pin, lease and slot agrees with the allocator and the SSD store.
         Call between operations (tests do, after every step)."""
         self._tiers.check_integrity()
-        self.models.check_integrity({
-            "dram": [k for k, _ in self._tiers.dram.oldest_first()],
-            "ssd": ([k for k, _ in self._tiers.disk.oldest_first()]
-                    if self._tiers.ssd_told_up else []),
-            "hbm": self._hbm.told_keys()})
-        owned: Counter[tuple[int, int]] = Counter()
-        for key, b in self._tiers.dram.oldest_first():
-            assert key not in self._writing, f"{key.hex()} is both stored and reserved"
-            owned[(b.slot_bytes, b.slot_id)] += 1
-        pins: Counter[NamespacedKey] = Counter(self._inflight_pins)
-        writing: dict[NamespacedKey, str] = {}
-        for lease in self._leases.live():
-            if isinstance(lease, ReadLease):
-                pins.update(lease.keys)
-                continue
-            for block_hash, slot in zip(lease.hashes, lease.slots):
-                if slot is not None:
-                    owned[(lease.slot_bytes, slot)] += 1
-                    if block_hash is not None:  # blank slots are named at commit
-                        writing[make_key(lease.namespace, block_hash)] = lease.lease_id
-        assert writing == self._writing, "reserved keys disagree with the live write leases"
-        blank = sum(lease.slot_bytes * sum(s is not None for s in lease.slots)
-                    for lease in self._leases.live()
-                    if isinstance(lease, WriteLease) and lease.blank)
-        assert blank == self._reservations.blank_bytes, "blank slots disagree with their leases"
-        for p in self._promoting.values():
-            owned[(p.slot_bytes, p.slot_id)] += 1
-            assert p.source.pins > 0, f"promotion of {p.key.hex()} does not pin its source"
-        assert all(n == 1 for n in owned.values()), "an arena slot has two owners"
-        for c in self._tiers.classes:
-            mine = sum(1 for size, _ in owned if size == c)
-            assert mine == self._tiers.alloc.used_slots(c), (
-                f"class {c}: allocator has {self._tiers.alloc.used_slots(c)} slots used, "
-                f"index {mine}")
-        for key, b in self._tiers.dram.oldest_first():
-            assert b.pins == pins.get(key, 0), (
-                f"{key.hex()}: {b.pins} pins but {pins.get(key, 0)} lease references")
-        assert set(pins) <= {k for k, _ in self._tiers.dram.oldest_first()}, "a lease pins a ghost"
-        ssd_pins = Counter(p.key for p in self._promoting.values())
-        for key, e in self._tiers.disk.oldest_first():
-            assert e.pins == ssd_pins.get(key, 0), f"{key.hex()}: SSD pins disagree"
+        dram = [k for k, _ in self._tiers.dram.oldest_first()]
+        ssd = [k for k, _ in self._tiers.disk.oldest_first()] if self._tiers.ssd_told_up else []
+        self.models.check_integrity({"dram": dram, "ssd": ssd, "hbm": self._hbm.told_keys()})
+        owned = check_slots_and_pins(self._tiers, self._leases.live(), self._writing,
+                                     self._inflight_pins, self._reservations.blank_bytes,
+                                     self._promoting.values())
+        assert {size for size, _ in owned} <= set(self._tiers.classes), "a slot of no class"
         assert all(e in self._engines for e in self._hbm.counts()), "HBM of unknown engine"
         self._leases.check_integrity()
         self._tiers.classes.check_integrity(Counter(
             e.geometry.slot_bytes for e in self._engines.infos()))
-        assert {size for size, _ in owned} <= set(self._tiers.classes), "a slot of no class"
-        self._gate.check_integrity(self._leases.live(), {
-            "dram": [k for k, _ in self._tiers.dram.oldest_first()],
-            "ssd": [k for k, _ in self._tiers.disk.oldest_first()] if self._tiers.ssd_told_up
-            else []})
+        self._gate.check_integrity(self._leases.live(), {"dram": dram, "ssd": ssd})
         self._hbm.check_integrity()
         self._engines.check_integrity()
         self._write_behind.check_integrity()
@@ -646,8 +590,7 @@ class NodeStore:
         self._tiers.pin(key)
         self._inflight_pins[key] += 1
 
-    def _landed_pinned(self, key: NamespacedKey, pins: int) -> None:
-        """A promotion landed pinned once per acquire waiting on it: in-flight pins."""
+    def _landed_pinned(self, key: NamespacedKey, pins: int) -> None:  # once per waiting acquire
         self._inflight_pins[key] += pins
 
     def _unpin_inflight(self, key: NamespacedKey) -> None:
