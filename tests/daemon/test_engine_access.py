@@ -29,8 +29,10 @@ def _mode(path: str) -> tuple[int, int]:
 
 
 def _engine(socket_path: str, groups: list[int]) -> subprocess.CompletedProcess[str]:
-    """An engine process of uid ``NOBODY`` with ``groups``: imports as root, then drops to that
-    user and registers through ``DaemonLink`` (attaching the arena and presence filter)."""
+    """An engine process of uid ``NOBODY`` with ``groups``: as root it connects once and closes
+    (so every module the connect path imports lazily is loaded: the checkout and its venv may sit
+    in a folder that user cannot read), then drops to that user and registers through
+    ``DaemonLink`` (attaching the arena and presence filter)."""
     script = textwrap.dedent(f"""
         import logging, os, sys
         import grpc
@@ -38,12 +40,15 @@ def _engine(socket_path: str, groups: list[int]) -> subprocess.CompletedProcess[
         from tierd.connector.core.settings import ClientSettings
         from tierd.daemon.layout import Layout
         import tierd.daemon.presence, tierd.connector.transfer
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-        os.setgroups({groups!r}); os.setgid({NOBODY}); os.setuid({NOBODY})
         layout = Layout(num_layers=2, num_kv_heads=2, head_size=16, dtype="float16",
                         block_size=16, model_id="test-model@0")
-        link = DaemonLink(ClientSettings(socket_path={socket_path!r}), layout, attach=True,
-                          presence=True)
+        settings = ClientSettings(socket_path={socket_path!r})
+        warm = DaemonLink(settings, layout, attach=True, presence=True)
+        assert warm.connect(), "root could not connect"
+        warm.close()
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+        os.setgroups({groups!r}); os.setgid({NOBODY}); os.setuid({NOBODY})
+        link = DaemonLink(settings, layout, attach=True, presence=True)
         up = link.connect()
         print("up" if up else "down", link.session.presence is not None if up else "")
         link.close()
@@ -139,6 +144,8 @@ def test_stats_of_another_user_is_told_the_fix(make_daemon: Any, workdir: str) -
         from tierd.cli import build_parser
         import tierd.daemon.client, tierd.daemon.engine_access
         args = build_parser().parse_args(["stats", "--socket-path", {path!r}])
+        with tierd.daemon.client.TierdClient(socket_path={path!r}) as warm:  # lazy imports
+            warm.stats()
         os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
         sys.exit(args._run(args))
     """)
