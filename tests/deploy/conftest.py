@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +34,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def docker() -> Iterator[DockerEngine]:
     """The engine already running, or Debian's dockerd started for the session and stopped at
     its end (its data root in a temporary folder)."""
-    engine = DockerEngine.start(Path(tempfile.mkdtemp(prefix="tierd-docker-")))
+    engine = DockerEngine.start(Path(tempfile.gettempdir()) / f"tierd-docker-{uuid.uuid4().hex}")
     try:
         yield engine
     finally:

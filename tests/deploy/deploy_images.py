@@ -148,5 +148,5 @@ def build_all(docker: DockerEngine) -> Images:
 
 
 if __name__ == "__main__":  # builds the images by hand: python tests/deploy/deploy_images.py
-    engine = DockerEngine.start(Path(tempfile.mkdtemp(prefix="tierd-docker-")))
+    engine = DockerEngine.start(Path(tempfile.gettempdir()) / "tierd-docker-by-hand")
     print(build_all(engine), file=sys.stderr)

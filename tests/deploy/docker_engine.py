@@ -32,8 +32,8 @@ class DockerEngine:
 
     @classmethod
     def start(cls, tmp: Path) -> DockerEngine:
-        """The engine already answering, or a new ``dockerd`` under ``tmp``; RuntimeError naming
-        the fix when neither works."""
+        """The engine already answering, or a new ``dockerd`` under ``tmp`` (made only then);
+        RuntimeError naming the fix when neither works."""
         if shutil.which("docker") is None:
             raise RuntimeError("no docker client: apt-get install docker.io")
         running = cls(os.environ.get("DOCKER_HOST"))
@@ -72,7 +72,8 @@ class DockerEngine:
             self._process.kill()
             self._process.wait()
         if self._root is not None:
-            subprocess.run(["umount", "-R", str(self._root / "data")], capture_output=True)
+            for mounted in ("data", "exec/netns/default"):   # what dockerd may leave mounted
+                subprocess.run(["umount", "-R", str(self._root / mounted)], capture_output=True)
             shutil.rmtree(self._root, ignore_errors=True)
         self._process = None
 
