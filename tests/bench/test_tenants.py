@@ -1,6 +1,6 @@
-"""`tierd bench tenants` on tiny arguments: four real daemons and their clients end to end; every
-figure and verdict is reported, and under quotas the hostile tenant takes none of the
-well-behaved one's blocks (the structure and the hits, not the timings)."""
+"""`tierd bench tenants` on tiny arguments: two rounds of four real daemons and their clients end
+to end; every arm, figure and verdict is reported, and under quotas the hostile tenant takes none
+of the well-behaved one's blocks (the structure and the hits, not the timings)."""
 
 from __future__ import annotations
 
@@ -8,23 +8,36 @@ import json
 import subprocess
 import sys
 
+from tierd.bench.tenants import paired
 
-def test_tenants_reports_every_phase_and_verdict() -> None:
-    """2 s per phase on a 4 MiB arena of 16 KiB blocks: the JSON has the four phases and four
-    verdicts; the well-behaved tenant makes no error and, beside the hostile one under quotas,
-    hits every block it stored; the text form has the verdict lines."""
+
+def test_tenants_reports_every_arm_and_verdict() -> None:
+    """Two rounds of 2 s on a 4 MiB arena of 16 KiB blocks: the JSON has the four arms, two
+    rounds each, and four verdicts; the well-behaved tenant makes no error and, beside the
+    hostile one under quotas, hits every block it stored; without quotas it loses blocks."""
     args = [sys.executable, "-m", "tierd.cli", "bench", "tenants", "--seconds", "2",
-            "--dram-bytes", "4MiB", "--block-kib", "16", "--lease-seconds", "1"]
+            "--rounds", "2", "--dram-bytes", "4MiB", "--block-kib", "16", "--lease-seconds", "1"]
     done = subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=300)
     assert done.returncode in (0, 1), done.stderr
     figures = json.loads(done.stdout)
-    assert set(figures["phases"]) == {"alone", "benign", "hostile", "no quotas"}
+    assert {arm: len(rounds) for arm, rounds in figures["rounds"].items()} == {
+        "alone": 2, "benign": 2, "hostile": 2, "no quotas": 2}
     assert [c[0] for c in figures["checks"]] == [
         "hit ratio, hostile / alone", "p99 Acquire, hostile / alone",
-        "RSS growth MiB (hostile phase)", "well-behaved errors"]
-    for phase in figures["phases"].values():
-        assert phase["well_loads"] > 0 and phase["well_errors"] == 0
-        assert phase["exit_codes"] == [0] * len(phase["exit_codes"])
-    assert figures["phases"]["alone"]["well_hit_ratio"] == 1.0
-    assert figures["phases"]["hostile"]["well_hit_ratio"] == 1.0
-    assert figures["phases"]["hostile"]["other_refused"] > 0
+        "RSS growth MiB (hostile rounds)", "well-behaved errors"]
+    for rounds in figures["rounds"].values():
+        for arm in rounds:
+            assert arm["well_loads"] > 0 and arm["well_errors"] == 0
+            assert arm["exit_codes"] == [0] * len(arm["exit_codes"])
+    for arm in ("alone", "hostile"):
+        assert [r["well_hit_ratio"] for r in figures["rounds"][arm]] == [1.0, 1.0]
+    assert all(r["other_refused"] > 0 for r in figures["rounds"]["hostile"])
+    assert figures["medians"]["no quotas"]["hit_ratio"] < 1.0
+
+
+def test_figures_are_paired_by_round() -> None:
+    """Each round's arm is divided by the alone arm of the same round, then the median taken:
+    a slow round slows both arms and cancels."""
+    runs = {"alone": [{"p99": 1.0}, {"p99": 10.0}, {"p99": 2.0}],
+            "hostile": [{"p99": 1.05}, {"p99": 12.0}, {"p99": 2.0}]}
+    assert paired(runs, "hostile", "p99") == 1.05

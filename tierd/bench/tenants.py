@@ -1,16 +1,21 @@
 """`tierd bench tenants`: can a hostile tenant starve a well-behaved one under ``tenant_quotas``?
 
-A real `tierd serve` (DRAM only, a token file of two tenants, ``tenant_quotas`` giving the
-well-behaved tenant half the arena and the other one a quarter) runs four phases, each on a
-fresh daemon, each with the well-behaved client paced at the same rate:
+Four arms, each a real `tierd serve` of its own (DRAM only, a token file of two tenants,
+``tenant_quotas`` giving the well-behaved tenant half the arena and the other one a quarter),
+each with the well-behaved client paced at the same rate:
 
 1. ``alone``: the well-behaved tenant only;
 2. ``benign``: beside the other tenant behaving well at the same rate (a working set within its
-   quota, every lease released): the cost of a second client's load alone, on these cores;
+   quota, every lease released);
 3. ``hostile``: beside the other tenant turned hostile: it abandons half its read leases (they
    pin until they expire), spams blank reservations it never commits, and stores a working set
    10x its quota;
-4. ``no quotas``: phase 3 without ``tenant_quotas`` (context: what the quotas prevent).
+4. ``no quotas``: arm 3 without ``tenant_quotas`` (context: what the quotas prevent).
+
+A round runs the four arms at the same time, over the same seconds: the host's noise and the
+client processes' own CPU then fall on every arm alike, and what differs between arms is what a
+daemon let its second tenant do to the first. Each figure is the median over the rounds of the
+arm's value over the alone arm's of the same round.
 
 The well-behaved client (a process, its own token) first stores its working set (40% of the
 arena: within its share), then until the deadline loads a random chain of it at a fixed rate:
@@ -18,27 +23,27 @@ arena: within its share), then until the deadline loads a random chain of it at 
 missed is stored again through blank slots (``Reserve(blank_slots)`` + copy + ``Commit`` with
 names), as TierdTier stores.
 
-Figures, each the hostile phase against the phase alone of the same run: the well-behaved
-tenant's hit ratio (blocks acquired / blocks asked for; target >= 0.9 of alone's) and its p99
-``Acquire`` latency (target <= 1.1x alone's; beside it, against the benign phase: the same
-load without the hostility), and the daemon's RSS at the start and the end of the timed part
-of the hostile phase (target: growth <= max(4 MiB, 5%)). ~100 s on 2 cores (``--seconds`` per
-phase).
+Targets: hostile / alone, the well-behaved tenant's hit ratio (blocks acquired / blocks asked
+for) >= 0.9 and p99 ``Acquire`` <= 1.1; the daemon's RSS over the timed part of every hostile
+round grows <= max(4 MiB, 5%). ~90 s on 2 cores (``--rounds`` x ``--seconds``).
 """
 
 from __future__ import annotations
 
 import argparse
 import array
+import contextlib
 import hashlib
 import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from tierd.bench.soak import _layout, _quantile, _usage
@@ -51,11 +56,16 @@ CHAIN_BLOCKS = 8
 WELL_SHARE, OTHER_SHARE = 0.5, 0.25     # of the arena, by tenant_quotas
 WORKING_SET = {"well": 0.4, "benign": 0.2, "hostile": 2.5}  # of the arena (hostile: 10x quota)
 TOKENS = {"well": "bench-token-well", "other": "bench-token-other"}  # tenant -> token
+ARMS: dict[str, tuple[str | None, bool]] = {  # arm -> (the other client's role, quotas on)
+    "alone": (None, True), "benign": ("benign", True), "hostile": ("hostile", True),
+    "no quotas": ("hostile", False)}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=15.0,
-                        help="timed part of each phase, seconds (15)")
+                        help="timed part of each round, seconds (15)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds, each of the four arms at once (3)")
     parser.add_argument("--dram-bytes", default="64MiB", help="the daemon's arena (64MiB)")
     parser.add_argument("--block-kib", type=int, default=64, help="block size in KiB (64)")
     parser.add_argument("--rate", type=float, default=50.0,
@@ -79,16 +89,43 @@ def run(args: argparse.Namespace) -> int:
 
     dram = parse_bytes(args.dram_bytes)
     block = args.block_kib << 10
-    phases = {}
-    for name, other, quotas in (("alone", None, True), ("benign", "benign", True),
-                                ("hostile", "hostile", True), ("no quotas", "hostile", False)):
-        phases[name] = _phase(args, dram, block, other, quotas)
-    return _report(args, dram, block, phases)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ARMS}
+    for _ in range(args.rounds):
+        for name, result in _round(args, dram, block).items():
+            runs[name].append(result)
+    return _report(args, dram, block, runs)
 
 
-def _phase(args: argparse.Namespace, dram: int, block: int, other: str | None,
-           quotas: bool) -> dict[str, Any]:
-    """One daemon, the clients of one phase; their figures and the daemon's RSS."""
+def _round(args: argparse.Namespace, dram: int, block: int) -> dict[str, dict[str, Any]]:
+    """Every arm at once, each on its own daemon, all clients paced over the same seconds:
+    the host's noise and the clients' own CPU fall on every arm alike, so what differs
+    between arms is what one daemon let its second tenant do to the first."""
+    warmup = 4.0 + WORKING_SET["well"] * dram / block / 400 * len(ARMS)  # the first stores
+    with contextlib.ExitStack() as stack:
+        daemons = {name: stack.enter_context(_daemon(args, dram, block, quotas))
+                   for name, (_, quotas) in ARMS.items()}
+        start = time.time() + warmup
+        until = start + args.seconds
+        procs: dict[str, dict[str, subprocess.Popen[bytes]]] = {}
+        for name, (other, _) in ARMS.items():
+            sock, workdir = daemons[name][1:]
+            procs[name] = {role: _spawn(args, role, sock, workdir, dram, block, start, until)
+                           for role in ["well"] + ([other] if other is not None else [])}
+        while time.time() < start:
+            time.sleep(0.05)
+        rss_start = {name: _usage(d[0].pid) for name, d in daemons.items()}
+        for clients in procs.values():
+            for p in clients.values():
+                p.wait()
+        return {name: _figures(procs[name], daemons[name][2], rss_start[name],
+                               _usage(daemons[name][0].pid)) for name in ARMS}
+
+
+@contextlib.contextmanager
+def _daemon(args: argparse.Namespace, dram: int, block: int,
+            quotas: bool) -> Iterator[tuple[subprocess.Popen[bytes], str, str]]:
+    """A `tierd serve` of its own folder (DRAM only, the two tenants' token file, quotas if
+    asked); yields the process, its socket and its folder, both removed afterwards."""
     workdir = tempfile.mkdtemp(prefix="tierd-tenants-")
     sock = os.path.join(workdir, "d.sock")
     tokens = os.path.join(workdir, "tokens.toml")
@@ -102,44 +139,40 @@ def _phase(args: argparse.Namespace, dram: int, block: int, other: str | None,
                                      f'{{ dram = "{OTHER_SHARE:.0%}" }} }}']
     server = TierdServe(workdir, flags, socket_path=sock)
     try:
-        daemon = server.start()
-        return _drive(args, daemon, sock, workdir, dram, block, other)
+        yield server.start(), sock, workdir
     finally:
         server.stop(timeout=60)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _drive(args: argparse.Namespace, daemon: subprocess.Popen[bytes], sock: str, workdir: str,
-           dram: int, block: int, other: str | None) -> dict[str, Any]:
-    warmup = 3.0 + WORKING_SET["well"] * dram / block / 400  # the clients' first stores
-    start = time.time() + warmup
-    until = start + args.seconds
-    roles = ["well"] + ([other] if other is not None else [])
-    chains = {r: max(1, int(WORKING_SET[r] * dram / block) // CHAIN_BLOCKS) for r in roles}
-    outs = {r: os.path.join(workdir, f"{r}.json") for r in roles}
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "tierd.bench.tenants", "--role", r, "--socket", sock,
-         "--start", repr(start), "--until", repr(until), "--out", outs[r],
-         "--chains", str(chains[r]), "--block-kib", str(args.block_kib),
-         "--rate", str(args.rate)]) for r in roles]
-    while time.time() < start:
-        time.sleep(0.05)
-    rss_start, anon_start, _ = _usage(daemon.pid)
-    for p in procs:
-        p.wait()
-    rss_end, anon_end, _ = _usage(daemon.pid)
-    results = {r: _load(path) for r, path in outs.items()}
+def _spawn(args: argparse.Namespace, role: str, sock: str, workdir: str, dram: int, block: int,
+           start: float, until: float) -> subprocess.Popen[bytes]:
+    chains = max(1, int(WORKING_SET[role] * dram / block) // CHAIN_BLOCKS)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tierd.bench.tenants", "--role", role, "--socket", sock,
+         "--start", repr(start), "--until", repr(until),
+         "--out", os.path.join(workdir, f"{role}.json"), "--chains", str(chains),
+         "--block-kib", str(args.block_kib), "--rate", str(args.rate)])
+
+
+def _figures(clients: dict[str, subprocess.Popen[bytes]], workdir: str,
+             rss_start: tuple[float, float, int], rss_end: tuple[float, float, int]
+             ) -> dict[str, Any]:
+    """One arm's figures: the well-behaved client's, the other client's refusals and errors,
+    the daemon's RSS at the start and the end of the timed part."""
+    results = {role: _load(os.path.join(workdir, f"{role}.json")) for role in clients}
     well = results["well"]
+    other = next((r for role, r in results.items() if role != "well"), None)
     lat = sorted(well["latencies"])
     return {"well_hit_ratio": well["hits"] / well["asked"] if well["asked"] else 0.0,
             "well_loads": len(lat), "well_p50_ms": _quantile(lat, 0.5) * 1e3,
             "well_p99_ms": _quantile(lat, 0.99) * 1e3, "well_errors": well["errors"],
             "well_error_kinds": well["error_kinds"],
-            "other_refused": results[other]["refused"] if other is not None else 0,
-            "other_errors": results[other]["errors"] if other is not None else 0,
-            "rss_start_mib": rss_start, "rss_end_mib": rss_end,
-            "anon_start_mib": anon_start, "anon_end_mib": anon_end,
-            "exit_codes": [p.returncode for p in procs]}
+            "other_refused": other["refused"] if other is not None else 0,
+            "other_errors": other["errors"] if other is not None else 0,
+            "rss_start_mib": rss_start[0], "rss_end_mib": rss_end[0],
+            "anon_start_mib": rss_start[1], "anon_end_mib": rss_end[1],
+            "exit_codes": [p.returncode for p in clients.values()]}
 
 
 def _load(path: str) -> dict[str, Any]:
@@ -152,41 +185,80 @@ def _load(path: str) -> dict[str, Any]:
     return data
 
 
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Per arm, the median over the rounds of the well-behaved tenant's hit ratio, p50 and p99
+    ``Acquire`` and of the daemon's RSS at the start; the largest RSS growth of any round; the
+    errors summed."""
+    return {name: {"hit_ratio": _median([p["well_hit_ratio"] for p in arm]),
+                   "p50_ms": _median([p["well_p50_ms"] for p in arm]),
+                   "p99_ms": _median([p["well_p99_ms"] for p in arm]),
+                   "rss_growth_mib": max((p["rss_end_mib"] - p["rss_start_mib"] for p in arm),
+                                         default=0.0),
+                   "rss_start_mib": _median([p["rss_start_mib"] for p in arm]),
+                   "errors": sum(p["well_errors"] + sum(c != 0 for c in p["exit_codes"])
+                                 for p in arm)}
+            for name, arm in runs.items()}
+
+
+def paired(runs: dict[str, list[dict[str, Any]]], arm: str, field: str) -> float:
+    """The median over the rounds of ``arm``'s ``field`` divided by the alone arm's of the
+    same round (arms of one round ran at the same time, on the same host)."""
+    return _median([p[field] / a[field] if a[field] else 0.0
+                    for p, a in zip(runs[arm], runs["alone"], strict=True)])
+
+
+def verdicts(runs: dict[str, list[dict[str, Any]]],
+             summary: dict[str, dict[str, float]]) -> list[tuple[str, float, str, bool]]:
+    """The targets, each ``(name, value, target, met)``: the hostile arm's hit ratio and p99
+    ``Acquire`` against the alone arm's (``paired``), the hostile rounds' largest RSS growth,
+    and no well-behaved errors."""
+    hit = paired(runs, "hostile", "well_hit_ratio")
+    p99 = paired(runs, "hostile", "well_p99_ms")
+    growth = summary["hostile"]["rss_growth_mib"]
+    rss_limit = max(4.0, 0.05 * summary["hostile"]["rss_start_mib"])
+    errors = int(sum(s["errors"] for s in summary.values()))
+    return [("hit ratio, hostile / alone", round(hit, 3), ">= 0.9", hit >= 0.9),
+            ("p99 Acquire, hostile / alone", round(p99, 3), "<= 1.1", p99 <= 1.1),
+            ("RSS growth MiB (hostile rounds)", round(growth, 2), f"<= {rss_limit:.1f}",
+             growth <= rss_limit),
+            ("well-behaved errors", errors, "== 0", errors == 0)]
+
+
 def _report(args: argparse.Namespace, dram: int, block: int,
-            phases: dict[str, dict[str, Any]]) -> int:
-    alone, benign, hostile = phases["alone"], phases["benign"], phases["hostile"]
-    hit = hostile["well_hit_ratio"] / alone["well_hit_ratio"] if alone["well_hit_ratio"] else 0.0
-    p99 = hostile["well_p99_ms"] / alone["well_p99_ms"] if alone["well_p99_ms"] else 0.0
-    same_load = hostile["well_p99_ms"] / benign["well_p99_ms"] if benign["well_p99_ms"] else 0.0
-    growth = hostile["rss_end_mib"] - hostile["rss_start_mib"]
-    rss_limit = max(4.0, 0.05 * hostile["rss_start_mib"])
-    errors = sum(p["well_errors"] + sum(c != 0 for c in p["exit_codes"]) for p in phases.values())
-    checks = [("hit ratio, hostile / alone", round(hit, 3), ">= 0.9", hit >= 0.9),
-              ("p99 Acquire, hostile / alone", round(p99, 3), "<= 1.1", p99 <= 1.1),
-              ("RSS growth MiB (hostile phase)", round(growth, 2), f"<= {rss_limit:.1f}",
-               growth <= rss_limit),
-              ("well-behaved errors", errors, "== 0", errors == 0)]
+            runs: dict[str, list[dict[str, Any]]]) -> int:
+    summary = summarize(runs)
+    checks = verdicts(runs, summary)
+    benign = paired(runs, "benign", "well_p99_ms")
     ok = all(good for *_, good in checks)
     if args.json:
-        print(json.dumps({"phases": phases, "checks": [list(c) for c in checks],
-                          "p99_hostile_over_benign": same_load, "pass": ok}, indent=2))
+        print(json.dumps({"rounds": runs, "medians": summary, "checks": [list(c) for c in checks],
+                          "p99_benign_over_alone": benign, "pass": ok}, indent=2))
         return 0 if ok else 1
     mib = 1 << 20
     print(f"tierd bench tenants: arena {dram / mib:.0f} MiB of {block >> 10} KiB blocks, DRAM "
-          f"only, lease {args.lease_seconds:g} s, {args.seconds:g} s per phase at "
-          f"{args.rate:g} loads/s per client; quotas: well-behaved {WELL_SHARE:.0%}, other "
-          f"{OTHER_SHARE:.0%}; working sets {WORKING_SET['well']:.0%} of the arena, benign "
+          f"only, lease {args.lease_seconds:g} s, {args.rounds} rounds of {args.seconds:g} s, "
+          f"the four arms of a round at once, a daemon each, {args.rate:g} loads/s per client; "
+          f"quotas: well-behaved {WELL_SHARE:.0%}, other {OTHER_SHARE:.0%}; working sets "
+          f"{WORKING_SET['well']:.0%} of the arena, benign "
           f"{WORKING_SET['benign']:.0%}, hostile {WORKING_SET['hostile'] / OTHER_SHARE:g}x its "
           "quota")
-    for name, p in phases.items():
-        print(f"  {name:<10} well-behaved: hit ratio {p['well_hit_ratio']:.3f} over "
-              f"{p['well_loads']} loads, Acquire p50 {p['well_p50_ms']:.2f} ms, p99 "
-              f"{p['well_p99_ms']:.2f} ms, errors {p['well_errors']}"
-              + (f" ({', '.join(p['well_error_kinds'])})" if p["well_error_kinds"] else "")
-              + (f"; the other refused {p['other_refused']} calls" if name != "alone" else ""))
-        print(f"  {'':<10} daemon RSS {p['rss_start_mib']:.1f} -> {p['rss_end_mib']:.1f} MiB "
-              f"(heap {p['anon_start_mib']:.1f} -> {p['anon_end_mib']:.1f} MiB)")
-    print(f"  context    p99 Acquire, hostile / benign (same load)  {same_load:.3f}")
+    for name, arm in runs.items():
+        s = summary[name]
+        p99s = ", ".join(f"{p['well_p99_ms']:.2f}" for p in arm)
+        refused = sum(p["other_refused"] for p in arm)
+        kinds = sorted({k for p in arm for k in p["well_error_kinds"]})
+        print(f"  {name:<10} well-behaved, medians: hit ratio {s['hit_ratio']:.3f}, Acquire p50 "
+              f"{s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms (rounds: {p99s}), errors "
+              f"{s['errors']:g}" + (f" ({', '.join(kinds)})" if kinds else "")
+              + (f"; the other refused {refused} calls" if name != "alone" else ""))
+        print(f"  {'':<10} daemon RSS growth, largest of the rounds {s['rss_growth_mib']:+.2f} "
+              f"MiB (last round {arm[-1]['rss_start_mib']:.1f} -> "
+              f"{arm[-1]['rss_end_mib']:.1f} MiB)")
+    print(f"  context    p99 Acquire, benign / alone (a second tenant's load)  {benign:.3f}")
     for name, value, target, good in checks:
         print(f"  verdict    {name:<32} {value!s:>8}  target {target:<7} "
               f"{'ok' if good else 'MISSED'}")
