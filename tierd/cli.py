@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "route": "route",
     "serve": "serve",
     "stats": "stats",
+    "why": "why",
 }
 
 

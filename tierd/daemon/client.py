@@ -26,7 +26,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -37,6 +37,9 @@ from tierd.paths import client_socket_path
 from tierd.types import BlockHash, Tier
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from tierd.daemon.why import Variant, WhyAnswer
 
 T = TypeVar("T")
 
@@ -277,6 +280,15 @@ class TierdClient:
     def stats(self) -> DaemonStats:
         """Occupancy and counters of every tier, and the caller's engines."""
         return convert.stats_from_pb(self._call("Stats", pb.StatsRequest()))
+
+    def why(self, layout: Layout, hashes: Sequence[BlockHash],
+            variants: Sequence[Variant] = ()) -> WhyAnswer:
+        """Where the caller's tenant's chain ``hashes`` in ``layout`` lives on the node and
+        why its first missing block misses (``tierd.daemon.why``). Read-only."""
+        from tierd.daemon import why_convert
+
+        return why_convert.answer_from_pb(
+            self._call("Why", why_convert.request_to_pb(layout, hashes, variants)))
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the channel connects; ``grpc.FutureTimeoutError`` after ``timeout`` s."""

@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Generic, Literal, TypeVar
 
 from tierd.daemon.classes import SizeClasses
 from tierd.daemon.eviction import LruEviction
+from tierd.daemon.ghosts import Ghost, GhostList, Pressure
 from tierd.daemon.listeners import TierListener
 from tierd.daemon.metrics import NodeMetrics, TierStats
 from tierd.daemon.slots import SlabAllocator
 from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEvent
-from tierd.types import BlockHash, Namespace, NamespacedKey, make_key
+from tierd.types import BlockHash, Namespace, NamespacedKey, Tier, make_key
 
 if TYPE_CHECKING:
     from tierd.daemon.arena import ShmArena
@@ -156,8 +157,7 @@ class TierIndex:
         self.disk: LruIndex[SsdBlock] = LruIndex()
         self.classes = SizeClasses(allocator, max_classes)  # slot sizes in use
         self.counts = metrics.counts
-        self.ghosts: OrderedDict[NamespacedKey, float] = OrderedDict()  # key -> last access
-        self._ghost_entries = ghost_entries
+        self.ghosts = GhostList(ghost_entries)  # blocks that recently left the node
         self._was_up = ssd is not None
         self.eviction = LruEviction()
 
@@ -255,9 +255,9 @@ class TierIndex:
     def note_restore(self, key: NamespacedKey, now: float) -> None:
         """A key is about to be stored again: if it left the node recently (a ghost), observe
         the gap since its last access and forget it."""
-        last_access = self.ghosts.pop(key, None)
-        if last_access is not None:
-            self.metrics.reuse_gap.observe(max(0.0, now - last_access))
+        ghost = self.ghosts.forget(key)
+        if ghost is not None:
+            self.metrics.reuse_gap.observe(max(0.0, now - ghost.last_access))
 
     def land(self, key: NamespacedKey, source: SsdBlock, slot_bytes: int, slot_id: int,
              pins: int) -> None:
@@ -318,10 +318,12 @@ class TierIndex:
         self.metrics.reuse_gap.observe_many(gaps)
         self.dram.touch_all(keys)
 
-    def drop_dram(self, key: NamespacedKey, now: float, reason: DropReason = "evicted") -> None:
+    def drop_dram(self, key: NamespacedKey, now: float, reason: DropReason = "evicted",
+                  pressure: Pressure = "room") -> None:
         """Remove an unpinned DRAM copy and free its slot: "evicted" is a demotion if an SSD
-        copy remains, else an eviction (the listener may keep its bytes); "corrupt" (its bytes
-        no longer match its checksum) is counted as a checksum failure and never handed on."""
+        copy remains, else an eviction (the listener may keep its bytes; the ghost list keeps
+        ``pressure``); "corrupt" (its bytes no longer match its checksum) is counted as a
+        checksum failure and never handed on."""
         block = self.dram.pop(key)
         assert block.pins == 0 and not block.demoting, f"{key.hex()}: dropping a pinned block"
         if reason == "corrupt":
@@ -329,8 +331,10 @@ class TierIndex:
             self.classes.freed(block.slot_bytes)
             self.emit(BlockRemoved((block.block_hash,), "dram"), block.namespace)
             self.counts.checksum_failures["dram"] += 1
+            if key not in self.disk:
+                self.ghosts.remember(key, Ghost(block.last_access, now, "dram", "corrupt"))
             return
-        self._evict_dram(key, block, now)
+        self._evict_dram(key, block, now, pressure)
         self.emit(BlockRemoved((block.block_hash,), "dram"), block.namespace)
 
     def drop_dram_many(self, keys: Sequence[NamespacedKey], now: float) -> None:
@@ -341,7 +345,7 @@ class TierIndex:
         for key in keys:
             block = self.dram.pop(key)
             assert block.pins == 0 and not block.demoting, f"{key.hex()}: dropping a pinned block"
-            self._evict_dram(key, block, now)
+            self._evict_dram(key, block, now, "room")
             if run and block.namespace != namespace:
                 self.emit(BlockRemoved(tuple(run), "dram"), namespace)
                 run = []
@@ -350,7 +354,8 @@ class TierIndex:
         if run:
             self.emit(BlockRemoved(tuple(run), "dram"), namespace)
 
-    def _evict_dram(self, key: NamespacedKey, block: DramBlock, now: float) -> None:
+    def _evict_dram(self, key: NamespacedKey, block: DramBlock, now: float,
+                    pressure: Pressure) -> None:
         """A DRAM copy popped from the index leaves (all but its event): the listener may keep
         its bytes if it was the node's last copy, its slot is freed, and it is counted."""
         last = not (self.ssd_up and key in self.disk)
@@ -363,7 +368,7 @@ class TierIndex:
             self.counts.demotions += 1
         else:
             self.counts.evictions["dram"] += 1
-            self._left_node(key, block.created, block.last_access, now)
+            self._left_node(key, block.created, block.last_access, now, "dram", pressure)
 
     def drop_ssd(self, key: NamespacedKey, now: float, reason: DropReason = "evicted") -> None:
         """Remove an SSD copy and its record (a no-op for the store if it already dropped a
@@ -382,7 +387,8 @@ class TierIndex:
         if evicted:
             self.counts.evictions["ssd"] += 1
         if key not in self.dram:
-            self._left_node(key, entry.created, entry.last_access, now)
+            self._left_node(key, entry.created, entry.last_access, now, "ssd",
+                            "ssd_room" if evicted else "corrupt")
 
     async def demote(self, low_bytes: float, min_hits: int, probe: bool, now: float) -> None:
         """Move LRU unpinned DRAM blocks down until DRAM holds at most ``low_bytes``: each is
@@ -404,7 +410,8 @@ class TierIndex:
         now = self._clock()
         for key, block in victims:
             if self.dram.get(key) is block and block.pins == 0:
-                self.drop_dram(key, now)
+                self.drop_dram(key, now, pressure="admission" if block.hits < min_hits
+                               else "watermark")
 
     async def write_to_ssd(self, blocks: Sequence[tuple[NamespacedKey, DramBlock]],
                            min_hits: int, now: float) -> int:
@@ -523,7 +530,7 @@ class TierIndex:
                 total += e.stored_bytes
             assert total == self.ssd.used_bytes, (
                 f"SSD index holds {total} bytes, the store accounts {self.ssd.used_bytes}")
-        assert len(self.ghosts) <= self._ghost_entries, "ghost table over its bound"
+        self.ghosts.check_integrity()
 
     def _read_later(self, entry: SsdBlock) -> asyncio.Future[bytes | None]:
         """Start reading and verifying the block's record on an I/O thread (the remote tier's
@@ -545,14 +552,11 @@ class TierIndex:
     def _slots_per_slab(self, slot_bytes: int) -> int:
         return self.alloc.geometry(slot_bytes).slots_per_slab
 
-    def _left_node(self, key: NamespacedKey, created: float, last_access: float,
-                   now: float) -> None:
+    def _left_node(self, key: NamespacedKey, created: float, last_access: float, now: float,
+                   tier: Tier, pressure: Pressure) -> None:
         self.metrics.block_lifetime.observe(max(0.0, now - created))
         self.metrics.idle_before_evict.observe(max(0.0, now - last_access))
-        self.ghosts[key] = last_access
-        self.ghosts.move_to_end(key)
-        while len(self.ghosts) > self._ghost_entries:
-            self.ghosts.popitem(last=False)
+        self.ghosts.remember(key, Ghost(last_access, now, tier, pressure))
 
 
 def _ready(view: memoryview) -> asyncio.Future[bytes | None]:

@@ -130,6 +130,15 @@ class ModelTable:
         """The model a namespace's engines registered (here or, from the file, before)."""
         return self._models.get(namespace)
 
+    def namespaces_of(self, tenant: str) -> list[tuple[Namespace, NamespaceModel]]:
+        """``tenant``'s namespaces in the table, least recently registered first."""
+        return [(ns, m) for ns, m in self._models.items() if m.tenant == tenant]
+
+    def blocks_in(self, namespace: Namespace) -> dict[Tier, int]:
+        """Blocks ``namespace`` holds per tier ("hbm": summed over the engines reporting)."""
+        counts = self._counts.get(namespace)
+        return dict(counts.blocks) if counts is not None else {}
+
     def queried(self, namespace: Namespace, query_tokens: int, hit_tokens: int) -> None:
         """Count one lookup of ``namespace``'s engine."""
         if namespace not in self._models:

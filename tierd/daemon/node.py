@@ -38,6 +38,7 @@ from tierd.daemon.quota_eviction import QuotaEviction
 from tierd.daemon.quota_gate import QuotaGate
 from tierd.daemon.quotas import QuotaCollector, QuotaLedger, TenantUsage
 from tierd.daemon.slots import SlabAllocator
+from tierd.daemon.why import Explainer
 from tierd.daemon.writebehind import Flushed, WriteBehind
 from tierd.daemon.writes import Reservations
 from tierd.events import EventLog, KVEvent
@@ -47,7 +48,6 @@ if TYPE_CHECKING:
     from tierd.daemon.arena import ShmArena
     from tierd.daemon.ssd import SsdStore
 
-# The store and the values it takes and returns (defined in node_types), importable from here.
 __all__ = ["EMPTY_LEASE", "EngineInfo", "Flushed", "Lease", "LookupResult", "NodeConfig",
            "NodeStore", "Reservation"]
 
@@ -98,6 +98,7 @@ class NodeStore:
                                   self._landed_pinned, clock)
         self._promoting = self._promoter.active
         self._hbm = HbmIndex(config.hbm_max_blocks_per_engine, TierListeners(outside))
+        self.why = Explainer(self._tiers, self._hbm, self._engines, self.models, clock, config)
         self._maintaining = asyncio.Lock()
         self.metrics.ssd_healthy.set(0.0)
 
@@ -513,8 +514,7 @@ class NodeStore:
         n = self._counts
         tiers = self._tiers.stats(reserved=len(self._writing) + len(self._promoting))
         hbm = self._hbm.counts()
-        tiers["hbm"] = TierStats(sum(hbm.values()), 0, 0, 0, 0, n.hits["hbm"], n.queries,
-                                 0, 0, 0)
+        tiers["hbm"] = TierStats(sum(hbm.values()), 0, 0, 0, 0, n.hits["hbm"], n.queries, 0, 0, 0)
         self.metrics.set_gauges(tiers, hbm, self._tiers.ssd_up)
         return NodeStats(
             tiers=tiers, hbm_blocks=hbm, checksum_failures=n.checksum_failures.total(),

@@ -34,7 +34,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from tierd.checksum import checksums_at
-from tierd.daemon import convert
+from tierd.daemon import convert, why_convert
 from tierd.daemon.arena import ShmArena, check_room, free_bytes
 from tierd.daemon.arena_owner import new_arena_name, remove_stale_arenas
 from tierd.daemon.auth import Authenticator, TokenTable
@@ -285,6 +285,12 @@ class TierdServicer(pb_grpc.TierdServicer):
             raise ValueError("Locate needs engine_id, or a layout to ask without registering")
         placements, stale = await self._cluster.locate(namespace, hashes)
         return convert.locate_to_pb(placements, stale)
+
+    async def Why(self, request: pb.WhyRequest,
+                  context: grpc.aio.ServicerContext) -> pb.WhyResponse:
+        layout, hashes, variants = why_convert.request_from_pb(request)
+        return why_convert.answer_to_pb(
+            self._store.why.explain(self._tenant(context), layout, hashes, variants))
 
 
 def describe_capacity(layout: Layout, allocator: SlabAllocator, ssd: SsdStore | None) -> str:

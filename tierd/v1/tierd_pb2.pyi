@@ -387,3 +387,75 @@ class LocateResponse(_message.Message):
     nodes: _containers.RepeatedCompositeFieldContainer[NodePlacement]
     stale: bool
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodePlacement, _Mapping]]] = ..., stale: _Optional[bool] = ...) -> None: ...
+
+class ChainVariant(_message.Message):
+    __slots__ = ("differs", "block_size", "block_hashes")
+    DIFFERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    differs: str
+    block_size: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, differs: _Optional[str] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class WhyRequest(_message.Message):
+    __slots__ = ("layout", "block_hashes", "variants")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    layout: Layout
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    variants: _containers.RepeatedCompositeFieldContainer[ChainVariant]
+    def __init__(self, layout: _Optional[_Union[Layout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., variants: _Optional[_Iterable[_Union[ChainVariant, _Mapping]]] = ...) -> None: ...
+
+class BlockPlace(_message.Message):
+    __slots__ = ("hbm_engines", "dram", "ssd")
+    HBM_ENGINES_FIELD_NUMBER: _ClassVar[int]
+    DRAM_FIELD_NUMBER: _ClassVar[int]
+    SSD_FIELD_NUMBER: _ClassVar[int]
+    hbm_engines: _containers.RepeatedScalarFieldContainer[str]
+    dram: bool
+    ssd: bool
+    def __init__(self, hbm_engines: _Optional[_Iterable[str]] = ..., dram: _Optional[bool] = ..., ssd: _Optional[bool] = ...) -> None: ...
+
+class Eviction(_message.Message):
+    __slots__ = ("seconds_ago", "idle_seconds", "tier", "pressure", "cause")
+    SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PRESSURE_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    seconds_ago: float
+    idle_seconds: float
+    tier: Tier
+    pressure: str
+    cause: str
+    def __init__(self, seconds_ago: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., tier: _Optional[_Union[Tier, str]] = ..., pressure: _Optional[str] = ..., cause: _Optional[str] = ...) -> None: ...
+
+class HeldElsewhere(_message.Message):
+    __slots__ = ("model_id", "differs", "tokens")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DIFFERS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    differs: _containers.RepeatedScalarFieldContainer[str]
+    tokens: int
+    def __init__(self, model_id: _Optional[str] = ..., differs: _Optional[_Iterable[str]] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class WhyResponse(_message.Message):
+    __slots__ = ("blocks", "first_miss", "evicted", "elsewhere", "namespace_blocks", "engines", "ssd_min_hits")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_MISS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    ELSEWHERE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    SSD_MIN_HITS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockPlace]
+    first_miss: int
+    evicted: Eviction
+    elsewhere: _containers.RepeatedCompositeFieldContainer[HeldElsewhere]
+    namespace_blocks: int
+    engines: int
+    ssd_min_hits: int
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockPlace, _Mapping]]] = ..., first_miss: _Optional[int] = ..., evicted: _Optional[_Union[Eviction, _Mapping]] = ..., elsewhere: _Optional[_Iterable[_Union[HeldElsewhere, _Mapping]]] = ..., namespace_blocks: _Optional[int] = ..., engines: _Optional[int] = ..., ssd_min_hits: _Optional[int] = ...) -> None: ...

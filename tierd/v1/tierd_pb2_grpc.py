@@ -90,6 +90,11 @@ class TierdStub:
                 request_serializer=tierd_dot_v1_dot_tierd__pb2.LocateRequest.SerializeToString,
                 response_deserializer=tierd_dot_v1_dot_tierd__pb2.LocateResponse.FromString,
                 _registered_method=True)
+        self.Why = channel.unary_unary(
+                '/tierd.v1.Tierd/Why',
+                request_serializer=tierd_dot_v1_dot_tierd__pb2.WhyRequest.SerializeToString,
+                response_deserializer=tierd_dot_v1_dot_tierd__pb2.WhyResponse.FromString,
+                _registered_method=True)
 
 
 class TierdServicer:
@@ -192,6 +197,17 @@ class TierdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Why(self, request, context):
+        """Where a prompt's chain lives on this node, block by block, and why its first missing block
+        misses: evicted (from the ghost list of recent evictions), held under another namespace of
+        the caller's tenant (the same tokens hashed or computed with other settings), or never
+        stored. Read-only: pins nothing, counts no lookup. Only the caller's tenant's namespaces are
+        searched or named (tierd why).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TierdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -249,6 +265,11 @@ def add_TierdServicer_to_server(servicer, server):
                     servicer.Locate,
                     request_deserializer=tierd_dot_v1_dot_tierd__pb2.LocateRequest.FromString,
                     response_serializer=tierd_dot_v1_dot_tierd__pb2.LocateResponse.SerializeToString,
+            ),
+            'Why': grpc.unary_unary_rpc_method_handler(
+                    servicer.Why,
+                    request_deserializer=tierd_dot_v1_dot_tierd__pb2.WhyRequest.FromString,
+                    response_serializer=tierd_dot_v1_dot_tierd__pb2.WhyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -549,6 +570,33 @@ class Tierd:
             '/tierd.v1.Tierd/Locate',
             tierd_dot_v1_dot_tierd__pb2.LocateRequest.SerializeToString,
             tierd_dot_v1_dot_tierd__pb2.LocateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Why(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierd.v1.Tierd/Why',
+            tierd_dot_v1_dot_tierd__pb2.WhyRequest.SerializeToString,
+            tierd_dot_v1_dot_tierd__pb2.WhyResponse.FromString,
             options,
             channel_credentials,
             insecure,
