@@ -22,11 +22,11 @@ async def test_blocks_by_place_and_eviction_under_room(make_rig: MakeRig) -> Non
     rig.store(second)
     rig.node.report_hbm(rig.engine.engine_id, second[:1], [])
     rig.clock.advance(2)
-    held = rig.node.why.explain("default", LAYOUT, second)
+    held = rig.node.insight.why.explain("default", LAYOUT, second)
     assert held.first_miss == 8 and held.evicted is None and held.namespace_blocks == 9
     assert [(b.hbm_engines, b.dram, b.ssd) for b in held.blocks[:2]] == [
         ((rig.engine.engine_id,), True, False), ((), True, False)]
-    gone = rig.node.why.explain("default", LAYOUT, first)
+    gone = rig.node.insight.why.explain("default", LAYOUT, first)
     assert gone.first_miss == 0 and gone.evicted is not None and gone.elsewhere == []
     assert (gone.evicted.seconds_ago, gone.evicted.idle_seconds, gone.evicted.tier,
             gone.evicted.pressure) == (2.0, 5.0, "dram", "room")
@@ -39,7 +39,7 @@ async def test_admission(make_rig: MakeRig) -> None:
     cold = chain(6, "cold")
     rig.store(cold)
     await rig.node.maintain()
-    answer = rig.node.why.explain("default", LAYOUT, cold)
+    answer = rig.node.insight.why.explain("default", LAYOUT, cold)
     assert answer.first_miss == 0 and answer.evicted is not None
     assert (answer.evicted.tier, answer.evicted.pressure) == ("dram", "admission")
     assert answer.ssd_min_hits == 1
@@ -56,7 +56,7 @@ async def test_ssd_room(make_rig: MakeRig) -> None:
         await rig.node.maintain()
     rig.store(chain(4, "newer"))
     await rig.node.write_behind()
-    answer = rig.node.why.explain("default", LAYOUT, old)
+    answer = rig.node.insight.why.explain("default", LAYOUT, old)
     assert answer.evicted is not None and answer.first_miss == 0
     assert (answer.evicted.tier, answer.evicted.pressure) == ("ssd", "ssd_room")
     rig.node.check_integrity()
@@ -71,7 +71,7 @@ async def test_other_model_and_other_hashing_of_the_same_tenant(make_rig: MakeRi
     prompt, salted = chain(3, "p"), chain(3, "salted")
     rig.store(prompt[:2], engine=tuned)
     rig.store(salted)
-    answer = rig.node.why.explain("default", LAYOUT, prompt,
+    answer = rig.node.insight.why.explain("default", LAYOUT, prompt,
                                   [Variant("no cache_salt", 16, salted)])
     assert answer.first_miss == 0 and answer.evicted is None
     assert [(e.model_id, e.differs, e.tokens) for e in answer.elsewhere] == [
@@ -89,10 +89,11 @@ async def test_another_tenant_is_never_searched(make_rig: MakeRig) -> None:
     prompt = chain(2, "p")
     rig.store(prompt, engine=other)
     rig.store(prompt, engine=other_model)
-    answer = rig.node.why.explain("default", LAYOUT, prompt, [Variant("algo x", 16, prompt)])
+    answer = rig.node.insight.why.explain("default", LAYOUT, prompt,
+                                          [Variant("algo x", 16, prompt)])
     assert (answer.first_miss, answer.evicted, answer.elsewhere, answer.namespace_blocks) == (
         0, None, [], 0)
-    assert rig.node.why.explain("b", LAYOUT, prompt).first_miss == 2
+    assert rig.node.insight.why.explain("b", LAYOUT, prompt).first_miss == 2
     rig.node.check_integrity()
 
 
@@ -103,9 +104,10 @@ async def test_ghost_list_is_bounded_and_forgets_a_restored_block(make_rig: Make
     first = chain(8, "a")
     rig.store(first)
     rig.store(chain(8, "b"))
-    assert len(rig.node.why.explain("default", LAYOUT, first).blocks) == 8
-    evicted = [rig.node.why.explain("default", LAYOUT, [h]).evicted is not None for h in first]
+    assert len(rig.node.insight.why.explain("default", LAYOUT, first).blocks) == 8
+    why = rig.node.insight.why
+    evicted = [why.explain("default", LAYOUT, [h]).evicted is not None for h in first]
     assert evicted == [False] * 4 + [True] * 4
     rig.store(first[7:])
-    assert rig.node.why.explain("default", LAYOUT, first[7:]).evicted is None
+    assert rig.node.insight.why.explain("default", LAYOUT, first[7:]).evicted is None
     rig.node.check_integrity()

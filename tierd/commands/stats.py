@@ -142,6 +142,15 @@ def render(stats: DaemonStats, console: Console) -> None:
                             _of(u.ssd_bytes, u.ssd_quota), _size(u.pinned_bytes),
                             _size(u.reserved_bytes), str(u.limited))
         console.print(tenants)
+    if stats.savings:
+        saved = Table(title="prefill saved (tokens served, engine seconds saved)",
+                      box=box.SIMPLE_HEAD)
+        for column in ("tenant", "model", "tier", "tokens", "seconds"):
+            saved.add_column(column, justify="right" if column in ("tokens", "seconds")
+                             else "left", overflow="fold")
+        for r in stats.savings:
+            saved.add_row(r.tenant, r.model_id, r.tier, str(r.tokens), f"{r.seconds:.1f}")
+        console.print(saved)
     if stats.engines:
         engines = Table(title="engines (HBM, as reported)", box=box.SIMPLE_HEAD)
         for column in ("engine", "name", "HBM blocks", "HBM tokens", "HBM bytes"):

@@ -114,9 +114,9 @@ class _Requests:
 
     @staticmethod
     def hot(engine_id: str, stored: Sequence[BlockHash], removed: Sequence[BlockHash],
-            cleared: bool) -> pb.ReportHotBlocksRequest:
+            cleared: bool, speed: float = 0.0) -> pb.ReportHotBlocksRequest:
         return pb.ReportHotBlocksRequest(engine_id=engine_id, stored=stored, removed=removed,
-                                         cleared=cleared)
+                                         cleared=cleared, prefill_tokens_per_second=speed)
 
 
 class ChannelClosed(grpc.RpcError):  # type: ignore[misc]  # grpc has no type stubs
@@ -263,10 +263,13 @@ class TierdClient:
                             lambda reply: None)
 
     def report_hot_blocks(self, engine_id: str, stored: Sequence[BlockHash] = (),
-                          removed: Sequence[BlockHash] = (), cleared: bool = False) -> None:
+                          removed: Sequence[BlockHash] = (), cleared: bool = False, *,
+                          prefill_tokens_per_second: float = 0.0) -> None:
         """Tell the daemon which blocks entered / left the engine's GPU pool (``cleared``
-        first empties the engine's HBM set)."""
-        self._call("ReportHotBlocks", _Requests.hot(engine_id, stored, removed, cleared))
+        first empties the engine's HBM set) and, if measured (> 0), the engine's prefill speed
+        (the cache's savings are counted at it)."""
+        self._call("ReportHotBlocks", _Requests.hot(engine_id, stored, removed, cleared,
+                                                    prefill_tokens_per_second))
 
     def locate(self, engine_id: str | None, hashes: Sequence[BlockHash], *,
                layout: Layout | None = None) -> Located:
@@ -366,9 +369,11 @@ class AsyncTierdClient:
         await self._call("Abort", pb.AbortRequest(engine_id=engine_id, lease_id=lease_id))
 
     async def report_hot_blocks(self, engine_id: str, stored: Sequence[BlockHash] = (),
-                                removed: Sequence[BlockHash] = (), cleared: bool = False) -> None:
+                                removed: Sequence[BlockHash] = (), cleared: bool = False, *,
+                                prefill_tokens_per_second: float = 0.0) -> None:
         """See ``TierdClient.report_hot_blocks``."""
-        await self._call("ReportHotBlocks", _Requests.hot(engine_id, stored, removed, cleared))
+        await self._call("ReportHotBlocks", _Requests.hot(engine_id, stored, removed, cleared,
+                                                          prefill_tokens_per_second))
 
     async def locate(self, engine_id: str | None, hashes: Sequence[BlockHash], *,
                      layout: Layout | None = None) -> Located:

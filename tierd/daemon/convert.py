@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, cast
 from tierd.daemon.layout import Layout
 from tierd.daemon.models import ModelUsage
 from tierd.daemon.quotas import TenantUsage
+from tierd.daemon.savings import Saved
 from tierd.daemon.slots import SlotGeometry
 from tierd.types import HASH_LENGTHS, TIERS, BlockHash, Placement, Tier
 from tierd.v1 import tierd_pb2 as pb
@@ -131,6 +132,8 @@ class DaemonStats:
     idle_before_evict_p50_seconds: float | None
     tenants: list[TenantUsage] = field(default_factory=list)
     """Use against quota: the caller's tenant's row (every tenant's for the admin token)."""
+    savings: list[Saved] = field(default_factory=list)
+    """Prefill served per tenant, model and tier (the caller's tenant's; all for the admin)."""
 
     @property
     def pool_too_small(self) -> bool:
@@ -323,4 +326,11 @@ def stats_from_pb(msg: pb.StatsResponse) -> DaemonStats:
                            t.dram_quota_bytes if t.HasField("dram_quota_bytes") else None,
                            t.ssd_bytes, t.ssd_quota_bytes if t.HasField("ssd_quota_bytes")
                            else None, t.pinned_bytes, t.reserved_bytes, t.blank_bytes,
-                           t.limited_requests) for t in msg.tenants])
+                           t.limited_requests) for t in msg.tenants],
+                       savings=[Saved(s.tenant, s.model_id, TIER_FROM_PB[s.tier], s.tokens,
+                                      s.seconds) for s in msg.savings])
+
+
+def savings_to_pb(rows: Sequence[Saved]) -> list[pb.SavingsStats]:
+    return [pb.SavingsStats(tenant=r.tenant, model_id=r.model_id, tier=TIER_TO_PB[r.tier],
+                            tokens=_u64(r.tokens), seconds=r.seconds) for r in rows]

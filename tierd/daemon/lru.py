@@ -49,6 +49,7 @@ class DramBlock:
     hits: int = 0            # acquires that returned this block
     pins: int = 0            # live read leases holding it; > 0: never evicted or moved
     demoting: bool = False   # an SSD write of its bytes is in flight; the slot must stay put
+    promoted: bool = False   # read from SSD and not yet handed out (its next hit is an SSD hit)
 
 
 @dataclass(slots=True)
@@ -160,6 +161,8 @@ class TierIndex:
         self.ghosts = GhostList(ghost_entries)  # blocks that recently left the node
         self._was_up = ssd is not None
         self.eviction = LruEviction()
+        self.served: Callable[[Namespace, int, int], None] | None = None
+        """Told of each acquire's blocks: (namespace, blocks already in DRAM, read from SSD)."""
 
     def load(self, entries: list[SsdEntry], now: float) -> None:
         """Index the records an opened SSD store found (oldest first), then drop the oldest
@@ -266,7 +269,7 @@ class TierIndex:
         "dram"."""
         self.add_dram(key, DramBlock(source.namespace, source.block_hash, slot_bytes, slot_id,
                                      source.checksum, source.created, source.last_access,
-                                     source.hits))
+                                     source.hits, promoted=True))
         self.pin(key, pins)
         if key in self.disk:
             self.disk.touch(key)
@@ -310,13 +313,19 @@ class TierIndex:
         the caller's lease to hold)."""
         gaps: list[float] = []
         pins = 1 if pin else 0
+        from_ssd = 0
         for block in blocks:
             block.hits += 1
             gaps.append(now - block.last_access)
             block.last_access = now
             block.pins += pins
+            if block.promoted:
+                from_ssd += 1
+                block.promoted = False
         self.metrics.reuse_gap.observe_many(gaps)
         self.dram.touch_all(keys)
+        if self.served is not None and blocks:
+            self.served(blocks[0].namespace, len(blocks) - from_ssd, from_ssd)
 
     def drop_dram(self, key: NamespacedKey, now: float, reason: DropReason = "evicted",
                   pressure: Pressure = "room") -> None:

@@ -25,6 +25,7 @@ from tierd.checksum import block_checksum
 from tierd.daemon.engines import EngineTable
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, clip
 from tierd.daemon.hbm import HbmIndex
+from tierd.daemon.insight import Insight
 from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.leases import EMPTY_LEASE, LeaseTable, ReadLease, WriteLease, new_lease_id
 from tierd.daemon.listeners import TierListener, TierListeners
@@ -38,7 +39,6 @@ from tierd.daemon.quota_eviction import QuotaEviction
 from tierd.daemon.quota_gate import QuotaGate
 from tierd.daemon.quotas import QuotaCollector, QuotaLedger, TenantUsage
 from tierd.daemon.slots import SlabAllocator
-from tierd.daemon.why import Explainer
 from tierd.daemon.writebehind import Flushed, WriteBehind
 from tierd.daemon.writes import Reservations
 from tierd.events import EventLog, KVEvent
@@ -98,7 +98,8 @@ class NodeStore:
                                   self._landed_pinned, clock)
         self._promoting = self._promoter.active
         self._hbm = HbmIndex(config.hbm_max_blocks_per_engine, TierListeners(outside))
-        self.why = Explainer(self._tiers, self._hbm, self._engines, self.models, clock, config)
+        self.insight = Insight.over(self._tiers, self._hbm, self._engines, self.models, clock,
+                                    config)
         self._maintaining = asyncio.Lock()
         self.metrics.ssd_healthy.set(0.0)
 
@@ -140,8 +141,7 @@ class NodeStore:
         return info
 
     @property
-    def has_ssd(self) -> bool:
-        """Whether the store has an SSD tier (healthy or not)."""
+    def has_ssd(self) -> bool:  # an SSD tier, healthy or not
         return self._ssd is not None
 
     def engine(self, engine_id: str, tenant: str) -> EngineInfo:
@@ -175,8 +175,7 @@ class NodeStore:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def held_keys(self) -> list[NamespacedKey]:
-        """``TierIndex.held_keys``: the key of every DRAM copy and every served SSD copy."""
+    def held_keys(self) -> list[NamespacedKey]:  # every DRAM copy and every served SSD copy
         return self._tiers.held_keys()
 
     def lookup(self, engine_id: str, hashes: Sequence[BlockHash]) -> LookupResult:
@@ -552,6 +551,7 @@ class NodeStore:
         self._hbm.check_integrity()
         self._engines.check_integrity()
         self._write_behind.check_integrity()
+        self.insight.check_integrity()
 
     # -- helpers -------------------------------------------------------------------------------
 

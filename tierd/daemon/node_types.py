@@ -54,6 +54,7 @@ class NodeConfig:
     max_lease_keys: int = 1 << 18        # blocks named by all live leases; more: ResourceExhausted
     min_block_bytes: int = 1024          # smaller layouts: ValueError at registration
     max_size_classes: int = 64           # block sizes in use at once; more: ResourceExhausted
+    recompute_tokens_per_second: float = 10_000.0  # prefill speed where no engine reports one
     engines: EngineCaps = field(default_factory=EngineCaps)  # idle lapse and registration caps
     tenant_quotas: TenantQuotas = field(default_factory=TenantQuotas)  # none: plain LRU
 
@@ -82,6 +83,9 @@ class NodeConfig:
                 raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
         if self.event_log_events < 0:
             raise ValueError(f"event_log_events must be >= 0, got {self.event_log_events}")
+        if not self.recompute_tokens_per_second > 0:
+            raise ValueError("recompute_tokens_per_second must be > 0, got "
+                             f"{self.recompute_tokens_per_second}")
         if self.write_batch_bytes < 1:
             raise ValueError(f"write_batch_bytes must be >= 1, got {self.write_batch_bytes}")
         self.engines.validate()

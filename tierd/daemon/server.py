@@ -257,15 +257,24 @@ class TierdServicer(pb_grpc.TierdServicer):
         engine_id = self._engine(context, request.engine_id)
         self._store.report_hbm(engine_id, convert.hashes_from_pb(request.stored),
                                convert.hashes_from_pb(request.removed), request.cleared)
+        if request.prefill_tokens_per_second:
+            self._store.insight.savings.report_speed(
+                self._store.engine(engine_id, self._tenant(context)).namespace,
+                request.prefill_tokens_per_second)
         return pb.ReportHotBlocksResponse()
 
     async def Stats(self, request: pb.StatsRequest,
                     context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        savings = self._store.insight.savings
         if self._auth.is_admin(context.invocation_metadata() or ()):  # every tenant's usage
-            return convert.stats_to_pb(self._store.stats(), (), (), self._store.tenants())
+            reply = convert.stats_to_pb(self._store.stats(), (), (), self._store.tenants())
+            reply.savings.extend(convert.savings_to_pb(savings.rows()))
+            return reply
         tenant = self._tenant(context)
-        return convert.stats_to_pb(self._store.stats(), self._store.engines_of(tenant),
-                                   self._store.models_of(tenant), self._store.tenants(tenant))
+        reply = convert.stats_to_pb(self._store.stats(), self._store.engines_of(tenant),
+                                    self._store.models_of(tenant), self._store.tenants(tenant))
+        reply.savings.extend(convert.savings_to_pb(savings.rows(tenant)))
+        return reply
 
     async def Locate(self, request: pb.LocateRequest,
                      context: grpc.aio.ServicerContext) -> pb.LocateResponse:
@@ -290,7 +299,7 @@ class TierdServicer(pb_grpc.TierdServicer):
                   context: grpc.aio.ServicerContext) -> pb.WhyResponse:
         layout, hashes, variants = why_convert.request_from_pb(request)
         return why_convert.answer_to_pb(
-            self._store.why.explain(self._tenant(context), layout, hashes, variants))
+            self._store.insight.why.explain(self._tenant(context), layout, hashes, variants))
 
 
 def describe_capacity(layout: Layout, allocator: SlabAllocator, ssd: SsdStore | None) -> str:

@@ -217,16 +217,18 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReportHotBlocksRequest(_message.Message):
-    __slots__ = ("engine_id", "stored", "removed", "cleared")
+    __slots__ = ("engine_id", "stored", "removed", "cleared", "prefill_tokens_per_second")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     CLEARED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     stored: _containers.RepeatedScalarFieldContainer[bytes]
     removed: _containers.RepeatedScalarFieldContainer[bytes]
     cleared: bool
-    def __init__(self, engine_id: _Optional[str] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., cleared: _Optional[bool] = ...) -> None: ...
+    prefill_tokens_per_second: float
+    def __init__(self, engine_id: _Optional[str] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., cleared: _Optional[bool] = ..., prefill_tokens_per_second: _Optional[float] = ...) -> None: ...
 
 class ReportHotBlocksResponse(_message.Message):
     __slots__ = ()
@@ -323,7 +325,7 @@ class TenantStats(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., dram_bytes: _Optional[int] = ..., dram_quota_bytes: _Optional[int] = ..., ssd_bytes: _Optional[int] = ..., ssd_quota_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., blank_bytes: _Optional[int] = ..., limited_requests: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "engines", "query_tokens", "hit_tokens", "hit_ratio", "reading", "checksum_failures", "lease_expiries", "ssd_healthy", "reuse_gap_p90_seconds", "idle_before_evict_p50_seconds", "models", "tenants")
+    __slots__ = ("tiers", "engines", "query_tokens", "hit_tokens", "hit_ratio", "reading", "checksum_failures", "lease_expiries", "ssd_healthy", "reuse_gap_p90_seconds", "idle_before_evict_p50_seconds", "models", "tenants", "savings")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +339,7 @@ class StatsResponse(_message.Message):
     IDLE_BEFORE_EVICT_P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    SAVINGS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     engines: _containers.RepeatedCompositeFieldContainer[EngineStats]
     query_tokens: int
@@ -350,7 +353,22 @@ class StatsResponse(_message.Message):
     idle_before_evict_p50_seconds: float
     models: _containers.RepeatedCompositeFieldContainer[ModelStats]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., reading: _Optional[str] = ..., checksum_failures: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., ssd_healthy: _Optional[bool] = ..., reuse_gap_p90_seconds: _Optional[float] = ..., idle_before_evict_p50_seconds: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+    savings: _containers.RepeatedCompositeFieldContainer[SavingsStats]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., reading: _Optional[str] = ..., checksum_failures: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., ssd_healthy: _Optional[bool] = ..., reuse_gap_p90_seconds: _Optional[float] = ..., idle_before_evict_p50_seconds: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., savings: _Optional[_Iterable[_Union[SavingsStats, _Mapping]]] = ...) -> None: ...
+
+class SavingsStats(_message.Message):
+    __slots__ = ("tenant", "model_id", "tier", "tokens", "seconds")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    model_id: str
+    tier: Tier
+    tokens: int
+    seconds: float
+    def __init__(self, tenant: _Optional[str] = ..., model_id: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class LocateRequest(_message.Message):
     __slots__ = ("engine_id", "block_hashes", "layout")

@@ -1,0 +1,147 @@
+"""What the cache saved: prefill tokens served from each tier, per tenant and model, and the
+prefill seconds they saved the engines.
+
+Every block an ``Acquire`` hands to an engine is a block the engine did not prefill. The tier
+index tells ``Savings.served`` of each lease's blocks, split by where they came from ("dram":
+already in the arena; "ssd": read from SSD for this acquire). A block's tokens saved
+``block_size / speed`` seconds, where ``speed`` is the engine's measured prefill speed (its
+connector reports it with ``ReportHotBlocks``) or, where none was reported, the node's
+``recompute_tokens_per_second`` (the planner's figure for a 7-8B model on one GPU).
+
+Exported as ``tierd_prefill_tokens_served_total{tenant,model,tier}`` and
+``tierd_prefill_seconds_saved_total{tenant,model,tier}``, and in ``tierd stats``. Bounded: at
+most ``max_rows`` (tenant, model, tier) rows, the least recently served dropped past it (its
+counters restart, which Prometheus reads as a counter reset).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily
+
+from tierd.types import Namespace, Tier
+
+if TYPE_CHECKING:
+    from tierd.daemon.engines import EngineTable
+    from tierd.daemon.lru import TierIndex
+    from tierd.daemon.node_types import NodeConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Saved:
+    """One (tenant, model, tier) row: prefill tokens served from the tier, seconds saved."""
+
+    tenant: str
+    model_id: str
+    tier: Tier
+    tokens: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class _Row:
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Who:
+    tenant: str
+    model_id: str
+    block_size: int
+
+
+class Savings:
+    """The savings counters of one node; ``served`` runs on the acquire path (a dict lookup and
+    two adds). Not thread-safe but for the scrape, which reads a copy."""
+
+    def __init__(self, tiers: TierIndex, engines: EngineTable, registry: CollectorRegistry,
+                 config: NodeConfig, max_rows: int = 4096) -> None:
+        self._engines = engines
+        self._default_speed = config.recompute_tokens_per_second
+        self._max_rows = max_rows
+        self._rows: OrderedDict[tuple[str, str, Tier], _Row] = OrderedDict()
+        self._who: dict[Namespace, _Who] = {}        # namespace -> its engines' tenant and model
+        self._speed: dict[Namespace, float] = {}     # namespace -> reported tokens per second
+        tiers.served = self.served
+        registry.register(self)
+
+    def report_speed(self, namespace: Namespace, tokens_per_second: float) -> None:
+        """An engine of ``namespace`` measured its prefill at ``tokens_per_second`` (> 0)."""
+        if not tokens_per_second > 0 or tokens_per_second == float("inf"):
+            raise ValueError(f"prefill_tokens_per_second must be a positive number, got "
+                             f"{tokens_per_second}")
+        if namespace not in self._speed and len(self._speed) >= self._max_rows:
+            self._speed.pop(next(iter(self._speed)))
+        self._speed[namespace] = tokens_per_second
+
+    def speed(self, namespace: Namespace) -> float:
+        """The prefill speed seconds saved are counted at: reported, else the default."""
+        return self._speed.get(namespace, self._default_speed)
+
+    def served(self, namespace: Namespace, dram_blocks: int, ssd_blocks: int) -> None:
+        """An acquire of ``namespace``'s engine handed out blocks already in DRAM and blocks
+        read from SSD for it."""
+        who = self._who.get(namespace) or self._learn(namespace)
+        if who is None:
+            return
+        speed = self.speed(namespace)
+        by_tier: tuple[tuple[Tier, int], ...] = (("dram", dram_blocks), ("ssd", ssd_blocks))
+        for tier, blocks in by_tier:
+            if blocks:
+                key = (who.tenant, who.model_id, tier)
+                row = self._rows.get(key)
+                if row is None:
+                    row = self._rows[key] = _Row()
+                    if len(self._rows) > self._max_rows:
+                        self._rows.popitem(last=False)
+                self._rows.move_to_end(key)
+                tokens = blocks * who.block_size
+                row.tokens += tokens
+                row.seconds += tokens / speed
+
+    def rows(self, tenant: str | None = None) -> list[Saved]:
+        """Every row (of ``tenant`` only, if given), by tenant, model, tier."""
+        return [Saved(t, m, tier, r.tokens, r.seconds)
+                for (t, m, tier), r in sorted(list(self._rows.items()))
+                if tenant is None or t == tenant]
+
+    def check_integrity(self) -> None:
+        assert len(self._rows) <= self._max_rows, "savings rows over their bound"
+        assert len(self._speed) <= self._max_rows, "reported speeds over their bound"
+        assert len(self._who) <= self._max_rows, "namespace cache over its bound"
+
+    def _learn(self, namespace: Namespace) -> _Who | None:
+        """The tenant, model and block size of ``namespace``'s registered engines (an acquire
+        comes from one), cached."""
+        info = next((e for e in self._engines.infos() if e.namespace == namespace), None)
+        if info is None:
+            return None
+        if len(self._who) >= self._max_rows:
+            self._who.clear()
+        who = self._who[namespace] = _Who(info.tenant, info.layout.model_id,
+                                          info.layout.block_size)
+        return who
+
+    # -- Prometheus collector ----------------------------------------------------------------
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return list(self.collect())
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        tokens = CounterMetricFamily("tierd_prefill_tokens_served",
+                                     "Prefill tokens handed to engines from a tier",
+                                     labels=["tenant", "model", "tier"])
+        seconds = CounterMetricFamily("tierd_prefill_seconds_saved",
+                                      "Engine prefill seconds those tokens saved",
+                                      labels=["tenant", "model", "tier"])
+        for row in self.rows():
+            tokens.add_metric([row.tenant, row.model_id, row.tier], row.tokens)
+            seconds.add_metric([row.tenant, row.model_id, row.tier], row.seconds)
+        yield tokens
+        yield seconds
