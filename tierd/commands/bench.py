@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = ("Run a benchmark (hash, attention, daemon, e2e, cluster, soak, tenants, vllm, identity, "
-        "serve, vllm-tier, sglang, or all).")
+HELP = ("Run a benchmark (hash, attention, daemon, e2e, cluster, soak, tenants, insight, vllm, "
+        "identity, serve, vllm-tier, sglang, or all).")
 
 # Benchmark name -> module under tierd.bench.
 BENCHMARKS: dict[str, str] = {
@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "cluster": "cluster",
     "soak": "soak",
     "tenants": "tenants",
+    "insight": "insight",
     "vllm": "vllm",
     "identity": "identity",
     "serve": "serve",

@@ -37,6 +37,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="Print one JSON object and exit.")
     parser.add_argument("--watch", metavar="SECONDS", type=float, default=None,
                         help="Refresh every SECONDS until Ctrl-C.")
+    parser.add_argument("--what-if", action="store_true",
+                        help="Also print each tier's estimated hit ratio at 0.25x to 8x its "
+                             "size (every lookup, and per model) and the size where it "
+                             "flattens.")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
             if args.watch is not None:
                 console.clear()
             render(stats, console)
+            if args.what_if:
+                render_what_if(stats, console)
             if args.watch is None:
                 return 0
             time.sleep(args.watch)
@@ -169,3 +175,30 @@ def render(stats: DaemonStats, console: Console) -> None:
         console.print(f"pool too small: reuse gap P90 {stats.reuse_gap_p90_seconds:.1f} s > "
                       f"idle before evict P50 {stats.idle_before_evict_p50_seconds:.1f} s",
                       highlight=False)
+
+
+def render_what_if(stats: DaemonStats, console: Console) -> None:
+    """The what-if table: per tier and model, the hit ratio at each scale of the tier's size and
+    the size where the curve flattens (more would gain under one point up to 8x)."""
+    from rich import box
+    from rich.table import Table
+
+    from tierd.daemon.shards import SCALES
+
+    if not stats.what_if:
+        console.print("what-if: no lookups sampled yet", highlight=False)
+        return
+    bytes_of = {t.tier: t.capacity_bytes for t in stats.tiers}
+    table = Table(title="what-if: hit ratio were the tier this many times its size",
+                  box=box.SIMPLE_HEAD)
+    table.add_column("tier")
+    table.add_column("model", overflow="fold")
+    for scale in SCALES:
+        table.add_column(f"{scale:g}x", justify="right", no_wrap=True)
+    table.add_column("flattens at", justify="right", no_wrap=True)
+    for c in stats.what_if:
+        model = "all lookups" if c.model_id == "*" else f"{c.model_id} ({c.tenant})"
+        flat = ("still climbing at 8x" if c.flattens_at is None else
+                f"{c.flattens_at:g}x ({_size(int(c.flattens_at * bytes_of.get(c.tier, 0)))})")
+        table.add_row(c.tier, model, *(f"{r:.2f}" for r in c.hit_ratios), flat)
+    console.print(table)

@@ -137,7 +137,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         with TierdClient(socket_path=args.socket, address=args.address, token=args.token,
                          timeout=10.0) as client:
-            answer = client.why(layout, chain, variants_of(tokens, args))
+            answer = client.why(layout, chain)
+            if answer.first_miss < len(chain):  # search the tenant's other namespaces too
+                answer = client.why(layout, chain, variants_of(tokens, args))
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
             print("tierd why: no daemon answers: start one with `tierd serve`, or point at it "

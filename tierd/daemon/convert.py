@@ -17,6 +17,7 @@ from tierd.daemon.layout import Layout
 from tierd.daemon.models import ModelUsage
 from tierd.daemon.quotas import TenantUsage
 from tierd.daemon.savings import Saved
+from tierd.daemon.shards import SCALES, Curve
 from tierd.daemon.slots import SlotGeometry
 from tierd.types import HASH_LENGTHS, TIERS, BlockHash, Placement, Tier
 from tierd.v1 import tierd_pb2 as pb
@@ -134,6 +135,8 @@ class DaemonStats:
     """Use against quota: the caller's tenant's row (every tenant's for the admin token)."""
     savings: list[Saved] = field(default_factory=list)
     """Prefill served per tenant, model and tier (the caller's tenant's; all for the admin)."""
+    what_if: list[Curve] = field(default_factory=list)
+    """What-if curves per tier: every lookup's, then per model (as ``savings``)."""
 
     @property
     def pool_too_small(self) -> bool:
@@ -328,7 +331,19 @@ def stats_from_pb(msg: pb.StatsResponse) -> DaemonStats:
                            else None, t.pinned_bytes, t.reserved_bytes, t.blank_bytes,
                            t.limited_requests) for t in msg.tenants],
                        savings=[Saved(s.tenant, s.model_id, TIER_FROM_PB[s.tier], s.tokens,
-                                      s.seconds) for s in msg.savings])
+                                      s.seconds) for s in msg.savings],
+                       what_if=[Curve(TIER_FROM_PB[c.tier], c.tenant, c.model_id,
+                                      c.capacity_blocks, tuple(c.hit_ratios),
+                                      c.flattens_at_scale if c.HasField("flattens_at_scale")
+                                      else None, c.references) for c in msg.what_if])
+
+
+def curves_to_pb(curves: Sequence[Curve]) -> list[pb.WhatIfCurve]:
+    return [pb.WhatIfCurve(tier=TIER_TO_PB[c.tier], tenant=c.tenant,
+                           model_id=c.model_id, capacity_blocks=c.capacity_blocks,
+                           scales=SCALES, hit_ratios=c.hit_ratios,
+                           flattens_at_scale=c.flattens_at, references=c.references)
+            for c in curves]
 
 
 def savings_to_pb(rows: Sequence[Saved]) -> list[pb.SavingsStats]:

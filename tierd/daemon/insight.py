@@ -1,33 +1,119 @@
 """The node's insight into its own cache, bundled so the node store holds it in one field:
 ``why`` answers ``tierd why`` (``tierd.daemon.why``), ``savings`` counts what the cache saved
-the engines (``tierd.daemon.savings``). Both read the node's tables and change none of them."""
+the engines (``tierd.daemon.savings``), ``shards`` samples lookups for the what-if curves
+(``tierd.daemon.shards``). None of them changes the node's tables.
+
+The curves are exported as gauges, refreshed by each maintenance pass (``refresh``, on the event
+loop: a scrape never reads the sampler while it changes):
+``tierd_whatif_hit_ratio{tier,tenant,model,scale}`` (tenant "" and model "*": every lookup),
+``tierd_whatif_flattens_at_scale{tier,tenant,model}`` (+Inf while the curve still climbs at
+8x), ``tierd_whatif_sample_rate`` and ``tierd_whatif_sampled_blocks``. Per model lookups:
+``tierd_model_query_tokens_total`` and ``tierd_model_hit_tokens_total{tenant,model}``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import CounterMetricFamily
 
 from tierd.daemon.engines import EngineTable
 from tierd.daemon.hbm import HbmIndex
 from tierd.daemon.lru import TierIndex
+from tierd.daemon.metrics import NodeStats
 from tierd.daemon.models import ModelTable
 from tierd.daemon.node_types import NodeConfig
 from tierd.daemon.savings import Savings
+from tierd.daemon.shards import SCALES, Curve, Label, Shards
 from tierd.daemon.why import Explainer
+from tierd.types import Namespace, Tier
+
+WHAT_IF_TIERS: tuple[Tier, ...] = ("dram", "ssd")
+"""Tiers with a what-if curve (HBM is the engines' own)."""
+
+
+class _ModelLookups:
+    """``tierd_model_query_tokens_total`` and ``tierd_model_hit_tokens_total`` by tenant and
+    model (the model table's counters, read at each scrape), for hit ratios per model."""
+
+    def __init__(self, models: ModelTable) -> None:
+        self._models = models
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return list(self.collect())
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        queried = CounterMetricFamily("tierd_model_query_tokens", "Tokens a model's engines "
+                                      "looked up", labels=["tenant", "model"])
+        hit = CounterMetricFamily("tierd_model_hit_tokens", "Tokens of those found, all tiers",
+                                  labels=["tenant", "model"])
+        for (tenant, model), (q, h) in sorted(self._models.lookups().items()):
+            queried.add_metric([tenant, model], q)
+            hit.add_metric([tenant, model], h)
+        yield queried
+        yield hit
+
+
+class _Gauges:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.hit_ratio = Gauge("tierd_whatif_hit_ratio", "Estimated hit ratio were the tier "
+                               "scale times its size", ["tier", "tenant", "model", "scale"],
+                               registry=registry)
+        self.flattens = Gauge("tierd_whatif_flattens_at_scale", "Smallest scale past which "
+                              "the what-if curve gains under one point up to 8x",
+                              ["tier", "tenant", "model"], registry=registry)
+        self.rate = Gauge("tierd_whatif_sample_rate", "Share of blocks the what-if sampler follows",
+                          registry=registry)
+        self.sampled = Gauge("tierd_whatif_sampled_blocks", "Blocks the sampler tracks",
+                             registry=registry)
 
 
 @dataclass(frozen=True, slots=True)
 class Insight:
     why: Explainer
     savings: Savings
+    shards: Shards
+    _gauges: _Gauges
 
     @classmethod
     def over(cls, tiers: TierIndex, hbm: HbmIndex, engines: EngineTable, models: ModelTable,
              clock: Callable[[], float], config: NodeConfig) -> Insight:
-        """Build both over the node's tables; the savings hook into ``tiers`` and export their
-        counters to the node's registry."""
+        """Build all three over the node's tables; the savings hook into ``tiers``; the
+        counters and gauges join the node's registry."""
+        def label_of(namespace: Namespace) -> Label | None:
+            model = models.model_of(namespace)
+            return (model.tenant, model.model_id) if model is not None else None
+
+        registry = tiers.metrics.registry
+        registry.register(_ModelLookups(models))
         return cls(Explainer(tiers, hbm, engines, models, clock, config),
-                   Savings(tiers, engines, tiers.metrics.registry, config))
+                   Savings(tiers, engines, registry, config), Shards(label_of),
+                   _Gauges(registry))
+
+    def what_if(self, stats: NodeStats, tenant: str | None = None) -> list[Curve]:
+        """Each tier's curve for every lookup and per model (of ``tenant`` only, if given), at
+        the tier's capacity in ``stats``; drains the sampler's queue first."""
+        self.shards.drain()
+        labels = [x for x in self.shards.labels() if tenant is None or x[0] == tenant]
+        return [curve for tier in WHAT_IF_TIERS if stats.tiers[tier].capacity_blocks
+                for curve in self.shards.curves(tier, stats.tiers[tier].capacity_blocks, labels)]
+
+    def refresh(self, stats: NodeStats) -> None:
+        """Drain the sampler and set the what-if gauges (a maintenance pass calls it)."""
+        g = self._gauges
+        g.hit_ratio.clear()
+        g.flattens.clear()
+        for c in self.what_if(stats):
+            for scale, ratio in zip(SCALES, c.hit_ratios):
+                g.hit_ratio.labels(c.tier, c.tenant, c.model_id, f"{scale:g}").set(ratio)
+            g.flattens.labels(c.tier, c.tenant, c.model_id).set(
+                math.inf if c.flattens_at is None else c.flattens_at)
+        g.rate.set(self.shards.rate)
+        g.sampled.set(self.shards.sampled_blocks)
 
     def check_integrity(self) -> None:
         self.savings.check_integrity()
+        self.shards.check_integrity()

@@ -163,6 +163,7 @@ class TierIndex:
         self.eviction = LruEviction()
         self.served: Callable[[Namespace, int, int], None] | None = None
         """Told of each acquire's blocks: (namespace, blocks already in DRAM, read from SSD)."""
+        self._promoted = 0  # DRAM blocks with ``promoted`` set (none: hits skip the check)
 
     def load(self, entries: list[SsdEntry], now: float) -> None:
         """Index the records an opened SSD store found (oldest first), then drop the oldest
@@ -270,6 +271,7 @@ class TierIndex:
         self.add_dram(key, DramBlock(source.namespace, source.block_hash, slot_bytes, slot_id,
                                      source.checksum, source.created, source.last_access,
                                      source.hits, promoted=True))
+        self._promoted += 1
         self.pin(key, pins)
         if key in self.disk:
             self.disk.touch(key)
@@ -313,15 +315,18 @@ class TierIndex:
         the caller's lease to hold)."""
         gaps: list[float] = []
         pins = 1 if pin else 0
-        from_ssd = 0
         for block in blocks:
             block.hits += 1
             gaps.append(now - block.last_access)
             block.last_access = now
             block.pins += pins
-            if block.promoted:
-                from_ssd += 1
-                block.promoted = False
+        from_ssd = 0
+        if self._promoted:
+            for block in blocks:
+                if block.promoted:
+                    from_ssd += 1
+                    block.promoted = False
+            self._promoted -= from_ssd
         self.metrics.reuse_gap.observe_many(gaps)
         self.dram.touch_all(keys)
         if self.served is not None and blocks:
@@ -335,6 +340,7 @@ class TierIndex:
         checksum failure and never handed on."""
         block = self.dram.pop(key)
         assert block.pins == 0 and not block.demoting, f"{key.hex()}: dropping a pinned block"
+        self._promoted -= block.promoted
         if reason == "corrupt":
             self.alloc.free(block.slot_bytes, block.slot_id)
             self.classes.freed(block.slot_bytes)
@@ -354,6 +360,7 @@ class TierIndex:
         for key in keys:
             block = self.dram.pop(key)
             assert block.pins == 0 and not block.demoting, f"{key.hex()}: dropping a pinned block"
+            self._promoted -= block.promoted
             self._evict_dram(key, block, now, "room")
             if run and block.namespace != namespace:
                 self.emit(BlockRemoved(tuple(run), "dram"), namespace)
@@ -526,6 +533,8 @@ class TierIndex:
         """Assert entries sit under their own keys and inside the arena, the SSD index matches
         the store's records and byte accounting, and the ghost table is bounded."""
         self.alloc.check_integrity()
+        assert self._promoted == sum(b.promoted for _, b in self.dram.oldest_first()), \
+            "promoted blocks miscounted"
         for key, b in self.dram.oldest_first():
             assert key == make_key(b.namespace, b.block_hash), "DRAM entry under a wrong key"
             end = self.offset(b) + b.slot_bytes

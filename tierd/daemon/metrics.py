@@ -174,16 +174,17 @@ class _CountsCollector:
         c = self._counts
         yield CounterMetricFamily("tierd_prefix_cache_queries", "Tokens looked up",
                                   value=c.queries)
-        for name, doc, label, values in (
-                ("tierd_prefix_cache_hits", "Tokens of the hit prefix, by tier", "tier", c.hits),
+        for name, doc, label, values, known in (
+                ("tierd_prefix_cache_hits", "Tokens of the hit prefix, by tier", "tier", c.hits,
+                 ("hbm", "dram", "ssd")),
                 ("tierd_evictions", "Blocks dropped from a tier with no copy below it", "tier",
-                 c.evictions),
+                 c.evictions, ("dram", "ssd")),
                 ("tierd_checksum_failures", "Payloads that failed their checksum (served as "
-                 "misses)", "tier", c.checksum_failures),
+                 "misses)", "tier", c.checksum_failures, ("dram", "ssd")),
                 ("tierd_lease_expiries", "Leases that passed their deadline", "kind",
-                 c.lease_expiries)):
+                 c.lease_expiries, ("read", "write"))):
             family = CounterMetricFamily(name, doc, labels=[label])
-            for value, n in sorted(dict(values).items()):
+            for value, n in sorted({**dict.fromkeys(known, 0), **dict(values)}.items()):
                 family.add_metric([value], n)
             yield family
         yield CounterMetricFamily("tierd_demotions", "DRAM copies dropped with an SSD copy kept",

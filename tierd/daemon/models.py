@@ -134,6 +134,18 @@ class ModelTable:
         """``tenant``'s namespaces in the table, least recently registered first."""
         return [(ns, m) for ns, m in self._models.items() if m.tenant == tenant]
 
+    def lookups(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(tenant, model id) -> (queried, hit) tokens of every namespace in the table, summed.
+        Safe from another thread (reads copies) for a metrics scrape."""
+        out: dict[tuple[str, str], tuple[int, int]] = {}
+        counts = dict(self._counts)
+        for namespace, model in list(self._models.items()):
+            c = counts.get(namespace)
+            key = (model.tenant, model.model_id)
+            queried, hit = out.get(key, (0, 0))
+            out[key] = (queried + (c.query_tokens if c else 0), hit + (c.hit_tokens if c else 0))
+        return out
+
     def blocks_in(self, namespace: Namespace) -> dict[Tier, int]:
         """Blocks ``namespace`` holds per tier ("hbm": summed over the engines reporting)."""
         counts = self._counts.get(namespace)

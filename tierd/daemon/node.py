@@ -209,6 +209,7 @@ class NodeStore:
             count = tiers.count(tier)
             self._counts.hits[tier] += count * tokens
         self.models.queried(info.namespace, len(hashes) * tokens, len(tiers) * tokens)
+        self.insight.shards.accessed(info.namespace, keys)
         return tiers
 
     async def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
@@ -466,7 +467,7 @@ class NodeStore:
                 low = self._config.dram_low_watermark * self._arena.size
                 await self._tiers.demote(low, self._config.ssd_min_hits, not self._tiers.ssd_up,
                                          now)
-            self.stats()
+            self.insight.refresh(self.stats())
 
     def take_events(self) -> list[KVEvent]:
         """Every tier event since the last call, oldest first (the last
@@ -523,8 +524,7 @@ class NodeStore:
             idle_before_evict_p50=self.metrics.idle_before_evict.quantile(0.5))
 
     def tenants(self, tenant: str | None = None) -> list[TenantUsage]:
-        """What ``tenant`` (None: every tenant) uses and holds against its quota (overdue
-        leases expired first)."""
+        """What ``tenant`` (None: all) uses and holds against its quota (overdue leases end)."""
         self._expire(self._clock())
         return self.quotas.usage(None if tenant is None else [tenant])
 

@@ -10,13 +10,11 @@ connector reports it with ``ReportHotBlocks``) or, where none was reported, the 
 
 Exported as ``tierd_prefill_tokens_served_total{tenant,model,tier}`` and
 ``tierd_prefill_seconds_saved_total{tenant,model,tier}``, and in ``tierd stats``. Bounded: at
-most ``max_rows`` (tenant, model, tier) rows, the least recently served dropped past it (its
-counters restart, which Prometheus reads as a counter reset).
+most ``max_rows`` (tenant, model, tier) rows; models past it are not counted.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -49,11 +47,14 @@ class _Row:
     seconds: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class _Who:
-    tenant: str
-    model_id: str
+@dataclass(slots=True)
+class _Namespace:
+    """What ``served`` needs of a namespace: its two rows, tokens per block, prefill speed."""
+
+    dram: _Row
+    ssd: _Row
     block_size: int
+    speed: float
 
 
 class Savings:
@@ -65,8 +66,8 @@ class Savings:
         self._engines = engines
         self._default_speed = config.recompute_tokens_per_second
         self._max_rows = max_rows
-        self._rows: OrderedDict[tuple[str, str, Tier], _Row] = OrderedDict()
-        self._who: dict[Namespace, _Who] = {}        # namespace -> its engines' tenant and model
+        self._rows: dict[tuple[str, str, Tier], _Row] = {}
+        self._of: dict[Namespace, _Namespace] = {}   # namespace -> its rows (a cache)
         self._speed: dict[Namespace, float] = {}     # namespace -> reported tokens per second
         tiers.served = self.served
         registry.register(self)
@@ -79,6 +80,8 @@ class Savings:
         if namespace not in self._speed and len(self._speed) >= self._max_rows:
             self._speed.pop(next(iter(self._speed)))
         self._speed[namespace] = tokens_per_second
+        if namespace in self._of:
+            self._of[namespace].speed = tokens_per_second
 
     def speed(self, namespace: Namespace) -> float:
         """The prefill speed seconds saved are counted at: reported, else the default."""
@@ -87,46 +90,47 @@ class Savings:
     def served(self, namespace: Namespace, dram_blocks: int, ssd_blocks: int) -> None:
         """An acquire of ``namespace``'s engine handed out blocks already in DRAM and blocks
         read from SSD for it."""
-        who = self._who.get(namespace) or self._learn(namespace)
-        if who is None:
+        entry = self._of.get(namespace) or self._learn(namespace)
+        if entry is None:
             return
-        speed = self.speed(namespace)
-        by_tier: tuple[tuple[Tier, int], ...] = (("dram", dram_blocks), ("ssd", ssd_blocks))
-        for tier, blocks in by_tier:
-            if blocks:
-                key = (who.tenant, who.model_id, tier)
-                row = self._rows.get(key)
-                if row is None:
-                    row = self._rows[key] = _Row()
-                    if len(self._rows) > self._max_rows:
-                        self._rows.popitem(last=False)
-                self._rows.move_to_end(key)
-                tokens = blocks * who.block_size
-                row.tokens += tokens
-                row.seconds += tokens / speed
+        tokens = dram_blocks * entry.block_size
+        entry.dram.tokens += tokens
+        entry.dram.seconds += tokens / entry.speed
+        if ssd_blocks:
+            tokens = ssd_blocks * entry.block_size
+            entry.ssd.tokens += tokens
+            entry.ssd.seconds += tokens / entry.speed
 
     def rows(self, tenant: str | None = None) -> list[Saved]:
         """Every row (of ``tenant`` only, if given), by tenant, model, tier."""
         return [Saved(t, m, tier, r.tokens, r.seconds)
                 for (t, m, tier), r in sorted(list(self._rows.items()))
-                if tenant is None or t == tenant]
+                if (tenant is None or t == tenant) and r.tokens]
 
     def check_integrity(self) -> None:
         assert len(self._rows) <= self._max_rows, "savings rows over their bound"
         assert len(self._speed) <= self._max_rows, "reported speeds over their bound"
-        assert len(self._who) <= self._max_rows, "namespace cache over its bound"
+        assert len(self._of) <= self._max_rows, "namespace cache over its bound"
+        rows = set(map(id, self._rows.values()))
+        assert all(id(e.dram) in rows and id(e.ssd) in rows for e in self._of.values()), \
+            "a namespace counts into a row that is not reported"
 
-    def _learn(self, namespace: Namespace) -> _Who | None:
-        """The tenant, model and block size of ``namespace``'s registered engines (an acquire
-        comes from one), cached."""
+    def _learn(self, namespace: Namespace) -> _Namespace | None:
+        """The rows, block size and speed of ``namespace`` from its registered engines (an
+        acquire comes from one), cached. None past ``max_rows`` rows: not counted."""
         info = next((e for e in self._engines.infos() if e.namespace == namespace), None)
         if info is None:
             return None
-        if len(self._who) >= self._max_rows:
-            self._who.clear()
-        who = self._who[namespace] = _Who(info.tenant, info.layout.model_id,
-                                          info.layout.block_size)
-        return who
+        tenant, model = info.tenant, info.layout.model_id
+        if (tenant, model, "dram") not in self._rows and len(self._rows) + 2 > self._max_rows:
+            return None
+        if len(self._of) >= self._max_rows:
+            self._of.clear()
+        entry = self._of[namespace] = _Namespace(
+            self._rows.setdefault((tenant, model, "dram"), _Row()),
+            self._rows.setdefault((tenant, model, "ssd"), _Row()),
+            info.layout.block_size, self.speed(namespace))
+        return entry
 
     # -- Prometheus collector ----------------------------------------------------------------
 

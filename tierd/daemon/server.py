@@ -265,15 +265,16 @@ class TierdServicer(pb_grpc.TierdServicer):
 
     async def Stats(self, request: pb.StatsRequest,
                     context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        savings = self._store.insight.savings
+        insight, stats = self._store.insight, self._store.stats()
         if self._auth.is_admin(context.invocation_metadata() or ()):  # every tenant's usage
-            reply = convert.stats_to_pb(self._store.stats(), (), (), self._store.tenants())
-            reply.savings.extend(convert.savings_to_pb(savings.rows()))
-            return reply
-        tenant = self._tenant(context)
-        reply = convert.stats_to_pb(self._store.stats(), self._store.engines_of(tenant),
-                                    self._store.models_of(tenant), self._store.tenants(tenant))
-        reply.savings.extend(convert.savings_to_pb(savings.rows(tenant)))
+            reply = convert.stats_to_pb(stats, (), (), self._store.tenants())
+            tenant = None
+        else:
+            tenant = self._tenant(context)
+            reply = convert.stats_to_pb(stats, self._store.engines_of(tenant),
+                                        self._store.models_of(tenant), self._store.tenants(tenant))
+        reply.savings.extend(convert.savings_to_pb(insight.savings.rows(tenant)))
+        reply.what_if.extend(convert.curves_to_pb(insight.what_if(stats, tenant)))
         return reply
 
     async def Locate(self, request: pb.LocateRequest,

@@ -325,7 +325,7 @@ class TenantStats(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., dram_bytes: _Optional[int] = ..., dram_quota_bytes: _Optional[int] = ..., ssd_bytes: _Optional[int] = ..., ssd_quota_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., blank_bytes: _Optional[int] = ..., limited_requests: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "engines", "query_tokens", "hit_tokens", "hit_ratio", "reading", "checksum_failures", "lease_expiries", "ssd_healthy", "reuse_gap_p90_seconds", "idle_before_evict_p50_seconds", "models", "tenants", "savings")
+    __slots__ = ("tiers", "engines", "query_tokens", "hit_tokens", "hit_ratio", "reading", "checksum_failures", "lease_expiries", "ssd_healthy", "reuse_gap_p90_seconds", "idle_before_evict_p50_seconds", "models", "tenants", "savings", "what_if")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +340,7 @@ class StatsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     SAVINGS_FIELD_NUMBER: _ClassVar[int]
+    WHAT_IF_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     engines: _containers.RepeatedCompositeFieldContainer[EngineStats]
     query_tokens: int
@@ -354,7 +355,28 @@ class StatsResponse(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[ModelStats]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
     savings: _containers.RepeatedCompositeFieldContainer[SavingsStats]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., reading: _Optional[str] = ..., checksum_failures: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., ssd_healthy: _Optional[bool] = ..., reuse_gap_p90_seconds: _Optional[float] = ..., idle_before_evict_p50_seconds: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., savings: _Optional[_Iterable[_Union[SavingsStats, _Mapping]]] = ...) -> None: ...
+    what_if: _containers.RepeatedCompositeFieldContainer[WhatIfCurve]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., reading: _Optional[str] = ..., checksum_failures: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., ssd_healthy: _Optional[bool] = ..., reuse_gap_p90_seconds: _Optional[float] = ..., idle_before_evict_p50_seconds: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., savings: _Optional[_Iterable[_Union[SavingsStats, _Mapping]]] = ..., what_if: _Optional[_Iterable[_Union[WhatIfCurve, _Mapping]]] = ...) -> None: ...
+
+class WhatIfCurve(_message.Message):
+    __slots__ = ("tier", "tenant", "model_id", "capacity_blocks", "scales", "hit_ratios", "flattens_at_scale", "references")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATIOS_FIELD_NUMBER: _ClassVar[int]
+    FLATTENS_AT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    REFERENCES_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    tenant: str
+    model_id: str
+    capacity_blocks: int
+    scales: _containers.RepeatedScalarFieldContainer[float]
+    hit_ratios: _containers.RepeatedScalarFieldContainer[float]
+    flattens_at_scale: float
+    references: float
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., tenant: _Optional[str] = ..., model_id: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., scales: _Optional[_Iterable[float]] = ..., hit_ratios: _Optional[_Iterable[float]] = ..., flattens_at_scale: _Optional[float] = ..., references: _Optional[float] = ...) -> None: ...
 
 class SavingsStats(_message.Message):
     __slots__ = ("tenant", "model_id", "tier", "tokens", "seconds")
