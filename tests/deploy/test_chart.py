@@ -25,6 +25,7 @@ EVERYTHING: dict[str, Any] = {
     "tcp": {"enabled": True, "tokenSecret": "tierd-tcp"},
     "engineGroup": 2000,
     "serviceMonitor": {"enabled": True},
+    "grafanaDashboard": {"enabled": True, "folder": "tierd"},
     "remoteTier": {"enabled": True},
     "priorityClassName": "system-node-critical",
 }
