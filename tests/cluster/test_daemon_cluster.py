@@ -1,5 +1,6 @@
 """Two real daemons (own arena, SSD dir and Unix socket each) sharing one real redis-server act as
-two cluster nodes: Locate across nodes, the remote tier, a Redis outage, a dead node, tenants."""
+two cluster nodes: Locate across nodes, the remote tier, a Redis outage, a dead node, tenants,
+`tierd why` naming the node that holds a prompt."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import pytest
 import redis
 from prometheus_client import generate_latest
 
+from tierd import hashing
 from tierd.checksum import block_checksum
+from tierd.commands import why as why_cmd
 from tierd.daemon.arena import ShmArena
 from tierd.daemon.client import EngineHandle, Located, TierdClient
 from tierd.daemon.cluster_link import ClusterLink
@@ -355,3 +358,33 @@ def test_published_address_is_dialable_over_tcp(cluster: Callable[..., Node]) ->
     assert found.nodes[0].address == f"127.0.0.1:{a.daemon.tcp_port}"
     with TierdClient(address=found.nodes[0].address, token="router-secret") as router:
         assert router.locate(None, hashes, layout=LAYOUT).nodes[0].node_id == "node-a"
+
+
+WHY_TOKENS = list(range(500, 564))   # four 16-token blocks
+
+
+def why_json(node: Node, capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
+    parser = argparse.ArgumentParser()
+    why_cmd.configure(parser)
+    assert why_cmd.run(parser.parse_args([
+        ",".join(map(str, WHY_TOKENS)), "--model", LAYOUT.model_id, "--num-layers", "2",
+        "--num-kv-heads", "2", "--head-size", "16", "--dtype", "float16", "--socket-path",
+        node.config.socket_path, "--json"])) == 0
+    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+
+def test_why_names_the_node_that_holds_the_prompt(cluster: Callable[..., Node],
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A stores the prompt's 4 blocks; asked on B, the verdict is never stored here, the
+    cluster nodes list A with 4 DRAM blocks and the reason points at routing."""
+    a, b = cluster("node-a"), cluster("node-b")
+    with a.client() as ca:
+        engine = ca.register_engine(LAYOUT, "a")
+        assert store(ca, engine, hashing.block_hashes(WHY_TOKENS, 16)) == 4
+    report = wait_for("A published", lambda: why_json(b, capsys),
+                      lambda r: bool(r["nodes"]))
+    assert report["verdict"] == "never_stored" and report["cluster_stale"] is False
+    assert report["nodes"] == [{"node_id": "node-a", "address": f"unix:{a.config.socket_path}",
+                                "prefix_blocks": 4, "tiers": ["dram"] * 4}]
+    assert "node node-a" in str(report["reason"]) and "routing" in str(report["reason"])
+    assert why_json(a, capsys)["verdict"] == "hit"

@@ -21,7 +21,10 @@ engines report it in HBM, DRAM, SSD. At the first block that misses it says why:
 - never stored: with nothing stored under the namespace at all, the engine stores nothing for
   this tenant and layout (its connector is not saving, or saves elsewhere).
 
-Another tenant's blocks are never searched or named. ``--json`` prints one object for scripts.
+On a cluster node the answer also lists the nodes that hold a prefix of the prompt (the cluster
+directory's ``Locate``, the remote tier included), and a miss that another node would have hit
+says so. Another tenant's blocks are never searched or named. ``--json`` prints one object for
+scripts.
 """
 
 from __future__ import annotations
@@ -169,6 +172,11 @@ def explain(answer: WhyAnswer, layout: Layout, num_tokens: int) -> dict[str, Any
         "namespace_blocks": answer.namespace_blocks, "engines": answer.engines,
         "blocks": blocks, "first_miss": None, "verdict": "hit",
     }
+    if answer.cluster:
+        report["cluster_stale"] = answer.cluster_stale
+        report["nodes"] = [{"node_id": p.node_id, "address": p.address,
+                            "prefix_blocks": p.prefix_blocks, "tiers": list(p.tiers)}
+                           for p in answer.nodes]
     if answer.first_miss == len(answer.blocks):
         if partial:
             report |= {"verdict": "partial_block", "reason": (
@@ -207,6 +215,11 @@ def explain(answer: WhyAnswer, layout: Layout, num_tokens: int) -> dict[str, Any
             if answer.ssd_min_hits:
                 report["reason"] += (f"; blocks with fewer than ssd_min_hits "
                                      f"({answer.ssd_min_hits}) hits are never written to SSD")
+    better = [p for p in answer.nodes if p.prefix_blocks > answer.first_miss]
+    if better:
+        report["reason"] += (f"; node {better[0].node_id} ({better[0].address}) holds "
+                             f"{better[0].prefix_blocks} blocks of it: routing sent the prompt "
+                             "elsewhere (tierd route)")
     return report
 
 
@@ -229,6 +242,11 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"  {span:<16} tokens {first * size}..{(last + 1) * size - 1}  {place}")
     if report["partial_tokens"]:
         print(f"  partial block    {report['partial_tokens']} tokens: never stored")
+    for node in report.get("nodes", []):
+        print(f"  cluster: node {node['node_id']} holds {node['prefix_blocks']} blocks "
+              f"({' '.join(node['tiers'])})")
+    if report.get("cluster_stale"):
+        print("  cluster: Redis could not be asked (the directory is stale)")
     print(f"verdict: {report['verdict']}: {report['reason']}")
     for other in report.get("elsewhere", [])[1:]:
         print(f"  also {other['tokens']} tokens with {', '.join(other['differs'])}")

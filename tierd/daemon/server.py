@@ -17,6 +17,7 @@ never an RPC error: it makes the directory stale and the node serves locally.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import os
@@ -299,8 +300,12 @@ class TierdServicer(pb_grpc.TierdServicer):
     async def Why(self, request: pb.WhyRequest,
                   context: grpc.aio.ServicerContext) -> pb.WhyResponse:
         layout, hashes, variants = why_convert.request_from_pb(request)
-        return why_convert.answer_to_pb(
-            self._store.insight.why.explain(self._tenant(context), layout, hashes, variants))
+        tenant = self._tenant(context)
+        answer = self._store.insight.why.explain(tenant, layout, hashes, variants)
+        if self._cluster is not None:
+            nodes, stale = await self._cluster.locate(namespace_for(tenant, layout), hashes)
+            answer = dataclasses.replace(answer, cluster=True, nodes=nodes, cluster_stale=stale)
+        return why_convert.answer_to_pb(answer)
 
 
 def describe_capacity(layout: Layout, allocator: SlabAllocator, ssd: SsdStore | None) -> str:

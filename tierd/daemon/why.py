@@ -21,7 +21,7 @@ blocks are never looked at, whatever hashes the caller sends.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from tierd.daemon.engines import EngineTable
 from tierd.daemon.ghosts import PRESSURES, Pressure
@@ -30,7 +30,7 @@ from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.lru import TierIndex
 from tierd.daemon.models import ModelTable
 from tierd.daemon.node_types import EngineInfo, NodeConfig
-from tierd.types import BlockHash, Namespace, NamespacedKey, Tier, make_key, make_keys
+from tierd.types import BlockHash, Namespace, NamespacedKey, Placement, Tier, make_key, make_keys
 
 MAX_VARIANTS = 16
 """Most variant chains one question may carry."""
@@ -99,6 +99,11 @@ class WhyAnswer:
     namespace_blocks: int
     engines: int
     ssd_min_hits: int
+    cluster: bool = False
+    """Whether the daemon is a cluster node; then ``nodes`` are the cluster's holders of the
+    chain (``Placement``s as Locate ranks them) unless ``cluster_stale``."""
+    nodes: list[Placement] = field(default_factory=list)
+    cluster_stale: bool = False
 
 
 class Explainer:

@@ -13,6 +13,8 @@ from tierd.daemon.convert import (
     hashes_from_pb,
     layout_from_pb,
     layout_to_pb,
+    locate_to_pb,
+    located_from_pb,
     tiers_from_pb,
 )
 from tierd.daemon.ghosts import PRESSURES
@@ -46,7 +48,9 @@ def answer_to_pb(answer: WhyAnswer) -> pb.WhyResponse:
         elsewhere=[pb.HeldElsewhere(model_id=e.model_id, differs=e.differs, tokens=e.tokens)
                    for e in answer.elsewhere],
         namespace_blocks=answer.namespace_blocks, engines=answer.engines,
-        ssd_min_hits=answer.ssd_min_hits)
+        ssd_min_hits=answer.ssd_min_hits, cluster=answer.cluster,
+        nodes=locate_to_pb(answer.nodes, answer.cluster_stale).nodes,
+        cluster_stale=answer.cluster_stale)
     if answer.evicted is not None:
         e = answer.evicted
         msg.evicted.CopyFrom(pb.Eviction(seconds_ago=e.seconds_ago, idle_seconds=e.idle_seconds,
@@ -68,4 +72,6 @@ def answer_from_pb(msg: pb.WhyResponse) -> WhyAnswer:
         first_miss=msg.first_miss, evicted=evicted,
         elsewhere=[Elsewhere(e.model_id, tuple(e.differs), e.tokens) for e in msg.elsewhere],
         namespace_blocks=msg.namespace_blocks, engines=msg.engines,
-        ssd_min_hits=msg.ssd_min_hits)
+        ssd_min_hits=msg.ssd_min_hits, cluster=msg.cluster,
+        nodes=located_from_pb(pb.LocateResponse(nodes=msg.nodes)).nodes,
+        cluster_stale=msg.cluster_stale)

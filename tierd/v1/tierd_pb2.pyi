@@ -483,7 +483,7 @@ class HeldElsewhere(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., differs: _Optional[_Iterable[str]] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class WhyResponse(_message.Message):
-    __slots__ = ("blocks", "first_miss", "evicted", "elsewhere", "namespace_blocks", "engines", "ssd_min_hits")
+    __slots__ = ("blocks", "first_miss", "evicted", "elsewhere", "namespace_blocks", "engines", "ssd_min_hits", "cluster", "nodes", "cluster_stale")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FIRST_MISS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
@@ -491,6 +491,9 @@ class WhyResponse(_message.Message):
     NAMESPACE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     SSD_MIN_HITS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_STALE_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[BlockPlace]
     first_miss: int
     evicted: Eviction
@@ -498,4 +501,7 @@ class WhyResponse(_message.Message):
     namespace_blocks: int
     engines: int
     ssd_min_hits: int
-    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockPlace, _Mapping]]] = ..., first_miss: _Optional[int] = ..., evicted: _Optional[_Union[Eviction, _Mapping]] = ..., elsewhere: _Optional[_Iterable[_Union[HeldElsewhere, _Mapping]]] = ..., namespace_blocks: _Optional[int] = ..., engines: _Optional[int] = ..., ssd_min_hits: _Optional[int] = ...) -> None: ...
+    cluster: bool
+    nodes: _containers.RepeatedCompositeFieldContainer[NodePlacement]
+    cluster_stale: bool
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockPlace, _Mapping]]] = ..., first_miss: _Optional[int] = ..., evicted: _Optional[_Union[Eviction, _Mapping]] = ..., elsewhere: _Optional[_Iterable[_Union[HeldElsewhere, _Mapping]]] = ..., namespace_blocks: _Optional[int] = ..., engines: _Optional[int] = ..., ssd_min_hits: _Optional[int] = ..., cluster: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodePlacement, _Mapping]]] = ..., cluster_stale: _Optional[bool] = ...) -> None: ...
