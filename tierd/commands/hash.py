@@ -88,12 +88,12 @@ def parse_tokens(text: str) -> list[int]:
         if not isinstance(values, list) or not all(type(v) is int for v in values):
             raise ValueError("the JSON must be an array of integers, e.g. [1, 2, 3]")
         return values
-    tokens: list[int] = []
-    for word in re.split(r"[,\s]+", text.strip(", ")):
-        if not re.fullmatch(r"[+-]?\d+", word):
+    words = re.split(r"[,\s]+", text.strip(", "))
+    for word in words:  # ASCII digits with an optional sign (int() alone takes "1_0", "²")
+        digits = word[1:] if word[:1] in ("+", "-") else word
+        if not (digits.isascii() and digits.isdigit()):
             raise ValueError(f"{word!r} is not a token id; give integers like 1,2,3")
-        tokens.append(int(word))
-    return tokens
+    return list(map(int, words))
 
 
 def check_lora(lora_name: str | None, lora_path: str | None) -> None:
