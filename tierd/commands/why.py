@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     report = explain(answer, layout, len(tokens))
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps(report))  # one line: the C encoder (indent would use the Python one)
     else:
         print_report(report)
     return 0
