@@ -87,6 +87,19 @@ def test_queue_is_bounded() -> None:
     assert shards.curves("dram", 4)[0].model_id == "*"
 
 
+async def test_drain_in_steps() -> None:
+    """``drain(limit)`` replays whole chains up to about ``limit`` blocks; ``drain_async``
+    replays the rest in steps."""
+    shards = Shards(lambda ns: None)
+    for chain in range(3):
+        shards.accessed(NS, [_key(chain, i) for i in range(4)])
+    shards.drain(4)
+    assert shards.sampled_blocks == 4
+    await shards.drain_async(step=4)
+    assert shards.sampled_blocks == 12
+    shards.check_integrity()
+
+
 def test_stats_what_if_and_gauges(daemon: Any, kit: Any,
                                   capsys: pytest.CaptureFixture[str]) -> None:
     """After a lookup stores and looks up a chain twice, `tierd stats --what-if --json` has a

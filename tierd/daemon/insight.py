@@ -32,6 +32,8 @@ from tierd.daemon.why import Explainer
 from tierd.types import Namespace, Tier
 
 WHAT_IF_TIERS: tuple[Tier, ...] = ("dram", "ssd")
+DRAIN_ON_READ = 4096
+"""Most queued blocks a read of the curves (a Stats call) replays on the event loop."""
 """Tiers with a what-if curve (HBM is the engines' own)."""
 
 
@@ -95,14 +97,17 @@ class Insight:
 
     def what_if(self, stats: NodeStats, tenant: str | None = None) -> list[Curve]:
         """Each tier's curve for every lookup and per model (of ``tenant`` only, if given), at
-        the tier's capacity in ``stats``; drains the sampler's queue first."""
-        self.shards.drain()
+        the tier's capacity in ``stats``; drains up to ``DRAIN_ON_READ`` queued blocks first
+        (the maintenance pass drains the rest: the curves are at most one pass old)."""
+        self.shards.drain(DRAIN_ON_READ)
         labels = [x for x in self.shards.labels() if tenant is None or x[0] == tenant]
         return [curve for tier in WHAT_IF_TIERS if stats.tiers[tier].capacity_blocks
                 for curve in self.shards.curves(tier, stats.tiers[tier].capacity_blocks, labels)]
 
-    def refresh(self, stats: NodeStats) -> None:
-        """Drain the sampler and set the what-if gauges (a maintenance pass calls it)."""
+    async def refresh(self, stats: NodeStats) -> None:
+        """Drain the sampler (yielding to requests as it goes) and set the what-if gauges (a
+        maintenance pass calls it)."""
+        await self.shards.drain_async()
         g = self._gauges
         g.hit_ratio.clear()
         g.flattens.clear()

@@ -467,7 +467,7 @@ class NodeStore:
                 low = self._config.dram_low_watermark * self._arena.size
                 await self._tiers.demote(low, self._config.ssd_min_hits, not self._tiers.ssd_up,
                                          now)
-            self.insight.refresh(self.stats())
+            await self.insight.refresh(self.stats())
 
     def take_events(self) -> list[KVEvent]:
         """Every tier event since the last call, oldest first (the last

@@ -3,7 +3,8 @@ node's lookups (SHARDS: spatial sampling with a fixed memory bound).
 
 **Off the request path.** A lookup only queues its chain (its keys joined into one bytes
 object: O(1) per request besides that copy, bounded by ``max_pending_blocks``); the maintenance
-pass (``drain``) samples and replays the queue. A block is sampled when 3 bytes of its hash
+pass samples and replays the queue (``drain_async``: in steps, requests served between them; a
+read of the curves replays at most a few thousand blocks itself). A block is sampled when 3 bytes of its hash
 fall under a threshold (rate ``R = threshold / 2**24``): the same blocks are sampled every time
 they are looked up, whichever chain holds them.
 
@@ -23,6 +24,7 @@ fold into one). The curve covers the daemon's life since start.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import math
 from collections import deque
@@ -131,16 +133,27 @@ class Shards:
             self._pending.append((namespace, b"".join(keys), len(keys[0])))
             self._pending_blocks += len(keys)
 
-    def drain(self) -> None:
-        """Replay the queued chains through the stack model (see the module doc)."""
-        while self._pending:
+    def drain(self, limit: int | None = None) -> None:
+        """Replay the queued chains through the stack model (see the module doc): all, or
+        whole chains until about ``limit`` blocks were replayed. Never blocks on I/O; costs a
+        few microseconds per queued block."""
+        budget = math.inf if limit is None else limit
+        while self._pending and budget > 0:
             namespace, joined, size = self._pending.popleft()
             self._pending_blocks -= len(joined) // size
+            budget -= len(joined) // size
             below = self._below
             keys = [NamespacedKey(joined[i:i + size]) for i in range(0, len(joined), size)]
             sampled = [k for k in keys if k[-3:] < below]
             if sampled:
                 self._replay(self._label(namespace), sampled)
+
+    async def drain_async(self, step: int = 1024) -> None:
+        """``drain`` all, about ``step`` blocks at a time, yielding to the event loop between
+        steps so requests are served meanwhile."""
+        while self._pending:
+            self.drain(step)
+            await asyncio.sleep(0)
 
     def hit_ratio(self, capacity_blocks: float, label: Label | None = None) -> float:
         """The estimated hit ratio at a cache of ``capacity_blocks`` blocks, for ``label``'s
