@@ -22,12 +22,12 @@ from prometheus_client.core import CounterMetricFamily
 
 from tierd.daemon.engines import EngineTable
 from tierd.daemon.hbm import HbmIndex
-from tierd.daemon.lru import TierIndex
 from tierd.daemon.metrics import NodeStats
 from tierd.daemon.models import ModelTable
 from tierd.daemon.node_types import NodeConfig
 from tierd.daemon.savings import Savings
 from tierd.daemon.shards import SCALES, Curve, Label, Shards
+from tierd.daemon.tier_index import TierIndex
 from tierd.daemon.why import Explainer
 from tierd.types import Namespace, Tier
 

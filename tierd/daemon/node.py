@@ -3,7 +3,7 @@
 Every RPC is one method here; the store owns metadata only (engines copy KV bytes themselves).
 Methods run on the daemon's event loop: sync ones never block, async ones await SSD I/O only.
 Keys are ``make_key(namespace_for(tenant, layout), hash)``: models, TP ranks and tenants never
-share an entry. Which copy moves and how it is counted: ``lru.TierIndex``.
+share an entry. Which copy moves and how it is counted: ``tier_index.TierIndex``.
 Policy, in docs/daemon.md: commits publish reserved slots (``writes``); ``maintain`` demotes
 above the high watermark; reads and reservations evict synchronously, never waiting on a write;
 SSD hits are promoted (``promotion``); a write-behind copies commits to SSD (``writebehind``);
@@ -29,7 +29,7 @@ from tierd.daemon.insight import Insight
 from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.leases import EMPTY_LEASE, LeaseTable, ReadLease, WriteLease, new_lease_id
 from tierd.daemon.listeners import TierListener, TierListeners
-from tierd.daemon.lru import DramBlock, TierIndex
+from tierd.daemon.lru import DramBlock
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
 from tierd.daemon.models import ModelTable, ModelUsage, NamespaceModel
 from tierd.daemon.node_integrity import check_slots_and_pins
@@ -39,6 +39,7 @@ from tierd.daemon.quota_eviction import QuotaEviction
 from tierd.daemon.quota_gate import QuotaGate
 from tierd.daemon.quotas import QuotaCollector, QuotaLedger, TenantUsage
 from tierd.daemon.slots import SlabAllocator
+from tierd.daemon.tier_index import TierIndex
 from tierd.daemon.writebehind import Flushed, WriteBehind
 from tierd.daemon.writes import Reservations
 from tierd.events import EventLog, KVEvent

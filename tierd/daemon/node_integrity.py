@@ -13,8 +13,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from tierd.daemon.leases import ReadLease, WriteLease
-from tierd.daemon.lru import TierIndex
 from tierd.daemon.promotion import Promotion
+from tierd.daemon.tier_index import TierIndex
 from tierd.types import NamespacedKey, make_key
 
 

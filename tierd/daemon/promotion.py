@@ -16,9 +16,10 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tierd.daemon.lru import SsdBlock, TierIndex
+from tierd.daemon.lru import SsdBlock
 from tierd.daemon.slots import SlotGeometry
 from tierd.daemon.ssd.index import READ_BATCH_BYTES
+from tierd.daemon.tier_index import TierIndex
 from tierd.types import NamespacedKey
 
 if TYPE_CHECKING:

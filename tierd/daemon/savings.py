@@ -26,8 +26,8 @@ from tierd.types import Namespace, Tier
 
 if TYPE_CHECKING:
     from tierd.daemon.engines import EngineTable
-    from tierd.daemon.lru import TierIndex
     from tierd.daemon.node_types import NodeConfig
+    from tierd.daemon.tier_index import TierIndex
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tierd.daemon.listeners import Payload
-from tierd.daemon.lru import DramBlock, TierIndex
+from tierd.daemon.lru import DramBlock
+from tierd.daemon.tier_index import TierIndex
 from tierd.types import NamespacedKey, Tier
 
 

@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING
 
 from tierd.daemon.errors import FailedPrecondition, clip
 from tierd.daemon.leases import EMPTY_LEASE, LeaseTable, WriteLease, new_lease_id
-from tierd.daemon.lru import DramBlock, TierIndex
+from tierd.daemon.lru import DramBlock
 from tierd.daemon.node_types import EngineInfo, Reservation
+from tierd.daemon.tier_index import TierIndex
 from tierd.events import BlockStored
 from tierd.types import BlockHash, NamespacedKey, make_key
 
