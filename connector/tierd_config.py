@@ -3,7 +3,6 @@ paged pool. Plain values, importable from ``tierd.connector.tierd_hooks`` too.""
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import InitVar, dataclass
 
 from tierd.connector.core.settings import ClientSettings
@@ -23,8 +22,8 @@ def layout_for(spec: KVCacheSpec, model_id: str, tp_rank: int = 0, tp_size: int 
 
 _RENAMED = {"call_timeout_s": "timeout_seconds", "reconnect_min_s": "retry_seconds",
             "reconnect_max_s": "retry_max_seconds"}
-"""Keys of earlier versions, still accepted (with a ``DeprecationWarning``), and their names
-now (``ClientSettings``, the same as the vLLM connector's)."""
+"""Keys of earlier versions, refused with a ``ValueError`` naming what they are called now
+(``ClientSettings``, the same as the vLLM connector's)."""
 
 
 @dataclass(frozen=True)
@@ -32,8 +31,8 @@ class TierdHooksConfig(ClientSettings):
     """Where the daemon is (``ClientSettings``: ``socket_path``, ``address`` + ``token``,
     ``timeout_seconds``; a lost daemon is retried after ``retry_seconds``, doubling up to
     ``retry_max_seconds``) and how much the hooks may buffer. Staging memory is allocated once
-    at ``register_kv_caches``. The old keys ``call_timeout_s``, ``reconnect_min_s`` and
-    ``reconnect_max_s`` still work, with a warning."""
+    at ``register_kv_caches``. The earlier keys ``call_timeout_s``, ``reconnect_min_s`` and
+    ``reconnect_max_s`` raise ``ValueError`` naming the new ones."""
 
     engine_name: str = "reference-engine"
     retry_seconds: float = 0.2
@@ -69,9 +68,8 @@ class TierdHooksConfig(ClientSettings):
                "reconnect_max_s": reconnect_max_s}
         for key, value in old.items():
             if value is not None:
-                warnings.warn(f"TierdHooksConfig({key}=...) is now {_RENAMED[key]}",
-                              DeprecationWarning, stacklevel=3)
-                object.__setattr__(self, _RENAMED[key], value)
+                raise ValueError(f"TierdHooksConfig({key}=...) is now {_RENAMED[key]}: use "
+                                 f"TierdHooksConfig({_RENAMED[key]}={value!r})")
         self.validate_client()
         if self.model_id is not None:
             validate_model_id(self.model_id)

@@ -12,12 +12,8 @@ Extra keys are vLLM 0.33's tagged tuples, in its order: ``("lora", name, path)``
 They are built in ``tierd.extra_keys``; ``VLLM_HASH_CONTRACT`` names the vLLM release whose
 contract this is. See ``docs/hashing.md``.
 
-Speed: for blocks of up to 16 tokens the token array is encoded by hand from a memo of
-per-token CBOR codes (0.6-0.75x the cost of cbor2 + hashlib; ``tierd bench hash`` measures it);
-longer blocks' token arrays are encoded by ``cbor2``, whose C loop wins there. The parent and the
-extra keys (encoded by ``cbor2``) are spliced around it: a CBOR array is its head followed by its
-items' encodings, so the result is byte-for-byte what ``cbor2.dumps`` gives for the 3-tuple;
-``tests/test_hashing.py`` checks that on random inputs, ``tests/vllm/`` against vLLM itself.
+Every block is encoded by ``cbor2.dumps(..., canonical=True)``, as vLLM encodes it;
+``tests/test_hashing.py`` checks known answers, ``tests/vllm/`` checks against vLLM itself.
 """
 
 from __future__ import annotations
@@ -25,9 +21,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import operator
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, Literal, cast, get_args
 
 import cbor2
@@ -68,40 +63,6 @@ MAX_TOKEN_ID: Final = 2**32 - 1
 _log = logging.getLogger(__name__)
 _TOKEN_TYPECODE: Final = "I"
 assert array(_TOKEN_TYPECODE).itemsize == 4, "array('I') must hold exactly uint32 token ids"
-# Token codes memoised below this id: covers 256k vocabularies. Only ids actually seen are kept
-# (a few MiB for typical text), 25 MiB if every id below the limit shows up.
-_MEMO_LIMIT: Final = 1 << 18
-_HAND_ENCODED_MAX: Final = 16  # longest block whose token array is encoded by hand
-_NULL: Final = b"\xf6"  # CBOR null: a block without extra keys
-
-
-def _head(major: int, value: int) -> bytes:
-    """CBOR item head (major type, shortest argument), as canonical encoding requires."""
-    kind = major << 5
-    if value < 24:
-        return bytes((kind | value,))
-    if value < 0x100:
-        return bytes((kind | 24, value))
-    if value < 0x10000:
-        return bytes((kind | 25,)) + value.to_bytes(2, "big")
-    if value < 0x100000000:
-        return bytes((kind | 26,)) + value.to_bytes(4, "big")
-    return bytes((kind | 27,)) + value.to_bytes(8, "big")
-
-
-class _TokenCodes(dict[int, bytes]):
-    """Memo of token id -> CBOR unsigned-int encoding. Pure cache: entries never change; ids
-    below ``_MEMO_LIMIT`` are kept (bounded by the vocabulary), larger ones computed each time."""
-
-    def __missing__(self, token_id: int) -> bytes:
-        token_id = operator.index(token_id)  # bools and NumPy ints hash as their int value
-        code = _head(0, token_id)
-        if token_id < _MEMO_LIMIT:
-            self[token_id] = code
-        return code
-
-
-_TOKEN_CODES: Final = _TokenCodes()
 
 
 def _check_algo(algo: str) -> HashAlgo:
@@ -141,7 +102,7 @@ def none_hash(seed: str | None = None, algo: HashAlgo = "sha256_cbor") -> BlockH
 
 def encode_block(parent: bytes, token_ids: Sequence[int], extra_keys: ExtraKeys | None) -> bytes:
     """The bytes that get hashed, by ``cbor2`` itself: ``cbor2.dumps((parent,
-    tuple(token_ids), extra_keys), canonical=True)``. The reference the fast path must equal."""
+    tuple(token_ids), extra_keys), canonical=True)``."""
     return bytes(cbor2.dumps((parent, tuple(token_ids), extra_keys), canonical=True))
 
 
@@ -155,8 +116,8 @@ def hash_block(
 ) -> BlockHash:
     """Hash one full block the way vLLM's ``hash_block_tokens`` does, through ``cbor2``.
 
-    A falsy ``parent`` means block 0 (``NONE_HASH`` for ``seed``). Reference path: prompts go
-    through ``block_hashes`` / ``BlockHasher``, which validate input and are faster.
+    A falsy ``parent`` means block 0 (``NONE_HASH`` for ``seed``). Prompts go through
+    ``block_hashes`` / ``BlockHasher``, which validate the token ids.
     """
     algo = _check_algo(algo)
     root = parent if parent else none_hash(seed, algo)
@@ -171,37 +132,18 @@ def _check_block_size(block_size: int) -> None:
         )
 
 
-def _as_tokens(token_ids: Iterable[int], exact: bool) -> Sequence[int]:
-    """Validate token ids as uint32 in one C-level pass (``array('I')``). Unless ``exact`` is
-    asked for, a list or tuple is then used as it is (its int objects already exist): its bools
-    or NumPy ints still hash as their values, since the token-code memo looks them up by value.
-    ``exact`` (for cbor2, which encodes a bool as CBOR true) returns a list of plain ints."""
+def _as_tokens(token_ids: Iterable[int]) -> list[int]:
+    """Token ids as plain ints, checked to be uint32 in one C-level pass (``array('I')``):
+    NumPy ints, tensors and bools hash as the ints they equal."""
     tolist = getattr(token_ids, "tolist", None)  # NumPy arrays and torch tensors
     if tolist is not None:
         token_ids = tolist()
     try:
-        checked = array(_TOKEN_TYPECODE, token_ids)
+        return array(_TOKEN_TYPECODE, token_ids).tolist()
     except (TypeError, OverflowError) as exc:
         raise ValueError(
             f"token ids must be integers in [0, {MAX_TOKEN_ID}] ({exc}); pass tokenizer ids"
         ) from None
-    if not exact and (type(token_ids) is list or type(token_ids) is tuple):
-        return token_ids
-    return checked.tolist()
-
-
-def _token_arrays(tokens: list[int], size: int) -> list[bytes]:
-    """CBOR of each full block's token array (array head + one uint per token).
-
-    Up to ``_HAND_ENCODED_MAX`` tokens a block, joining memoised per-token codes beats cbor2
-    (``tierd bench hash``: ~0.7x the cost at 16); for longer blocks cbor2's C loop wins, so it
-    encodes them (``tokens`` are then plain ints, see ``_as_tokens``)."""
-    if size > _HAND_ENCODED_MAX:
-        dumps = cbor2.dumps
-        return [dumps(tokens[start : start + size]) for start in range(0, len(tokens), size)]
-    codes = list(map(_TOKEN_CODES.__getitem__, tokens))  # one C-level pass
-    head, join = _head(4, size), b"".join
-    return [head + join(codes[start : start + size]) for start in range(0, len(tokens), size)]
 
 
 class BlockHasher:
@@ -219,8 +161,8 @@ class BlockHasher:
     """
 
     __slots__ = (
-        "block_size", "algo", "num_blocks", "keys", "_pending", "_prefix", "_lead", "_exact",
-        "_mm_cursor", "_per_block", "_first_code", "_rest_code", "_extra", "_extra_code",
+        "block_size", "algo", "num_blocks", "keys", "_pending", "_parent", "_digest",
+        "_mm_cursor", "_per_block", "_first_keys", "_rest_keys",
     )  # fmt: skip
 
     def __init__(
@@ -251,20 +193,16 @@ class BlockHasher:
         )
         """The request's extra-key inputs; ``keys.for_block`` gives any block's extra keys."""
         self._pending: list[int] = []  # fed tokens not yet in a hashed block
-        root = parent if parent else none_hash(seed, self.algo)
-        self._prefix = b"\x83" + _head(2, len(root)) + root  # array(3) head + parent bytes
-        self._lead = b"\x83" + _head(2, 32 if self.algo == "sha256_cbor" else 16)
-        self._exact = block_size > _HAND_ENCODED_MAX  # cbor2 encodes the tokens: plain ints
+        self._parent: bytes = parent if parent else none_hash(seed, self.algo)
+        self._digest: Callable[[bytes], bytes] = (
+            _sha256 if self.algo == "sha256_cbor" else xxhash.xxh3_128_digest)
         self._mm_cursor = 0
         # Without multimodal items or prompt embeds the keys are block 0's (LoRA, salt) and
-        # every later block's (LoRA): encoded once here.
+        # every later block's (LoRA): found once here.
         self._per_block = self.keys.per_block
         static = not self._per_block
-        self._first_code = _encode_keys(self.keys.for_block(0, block_size)[0]) if static else b""
-        self._rest_code = (_encode_keys(self.keys.for_block(block_size, 2 * block_size)[0])
-                           if static else b"")
-        self._extra: ExtraKeys | None = None  # last per-block keys, their encoding
-        self._extra_code = _NULL
+        self._first_keys = self.keys.for_block(0, block_size)[0] if static else None
+        self._rest_keys = self.keys.for_block(block_size, 2 * block_size)[0] if static else None
 
     @property
     def num_pending(self) -> int:
@@ -274,51 +212,44 @@ class BlockHasher:
     @property
     def last_hash(self) -> BlockHash | None:
         """Hash of the newest full block, or None before the first one."""
-        return BlockHash(self._prefix[len(self._lead) :]) if self.num_blocks else None
+        return BlockHash(self._parent) if self.num_blocks else None
 
     def append(self, token_ids: Iterable[int]) -> list[BlockHash]:
         """Feed tokens; return the hashes of the blocks they complete, oldest first (often [])."""
         pending = self._pending
-        pending += _as_tokens(token_ids, self._exact)
+        pending += _as_tokens(token_ids)
         size = self.block_size
         if len(pending) < size:
             return []
         full = len(pending) // size * size
-        bodies = _token_arrays(pending[:full], size)
-        del pending[:full]
-        sha = self.algo == "sha256_cbor"
-        sha256, xxh = hashlib.sha256, xxhash.xxh3_128_digest
-        lead, prefix = self._lead, self._prefix
-        per_block, first, rest = self._per_block, self._first_code, self._rest_code
+        dumps, digest, parent = cbor2.dumps, self._digest, self._parent
+        per_block, first, rest = self._per_block, self._first_keys, self._rest_keys
         position = self.num_blocks * size
         out: list[bytes] = []
-        for body in bodies:
+        for start in range(0, full, size):
             if per_block:
                 extra = self._extra_for(position)
             else:
                 extra = rest if position else first
-            message = prefix + body + extra
-            digest = sha256(message).digest() if sha else xxh(message)
-            out.append(digest)
-            prefix = lead + digest
+            block = tuple(pending[start : start + size])
+            parent = digest(dumps((parent, block, extra), canonical=True))
+            out.append(parent)
             position += size
-        self._prefix = prefix
+        del pending[:full]
+        self._parent = parent
         self.num_blocks += len(out)
         return cast(list[BlockHash], out)
 
-    def _extra_for(self, start: int) -> bytes:
-        """Encoded extra keys of the block starting at ``start`` (consecutive blocks only: the
-        multimodal cursor moves forward). Equal keys in a row are encoded once."""
+    def _extra_for(self, start: int) -> ExtraKeys | None:
+        """Extra keys of the block starting at ``start`` (consecutive blocks only: the
+        multimodal cursor moves forward)."""
         extra, self._mm_cursor = self.keys.for_block(start, start + self.block_size,
                                                      self._mm_cursor)
-        if extra != self._extra:
-            self._extra = extra
-            self._extra_code = _encode_keys(extra)
-        return self._extra_code
+        return extra
 
 
-def _encode_keys(keys: ExtraKeys | None) -> bytes:
-    return _NULL if keys is None else bytes(cbor2.dumps(keys, canonical=True))
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
 
 
 def block_hashes(

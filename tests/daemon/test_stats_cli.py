@@ -80,9 +80,12 @@ def test_pool_too_small_when_reuse_gap_p90_exceeds_idle_p50() -> None:
     assert _stats(None, 10.0, 0.05).pool_too_small is False
 
 
-def test_old_socket_flag_still_works_with_a_warning(workdir: str,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    """`--socket` (the earlier spelling) is `--socket-path`, with a warning naming the new one."""
-    assert run_stats("--socket", os.path.join(workdir, "none.sock")) == 1
+def test_old_socket_flag_is_refused_naming_the_new_one(workdir: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`--socket` (the earlier spelling) is a usage error naming `--socket-path`."""
+    path = os.path.join(workdir, "none.sock")
+    with pytest.raises(SystemExit) as exit:
+        run_stats("--socket", path)
+    assert exit.value.code == 2
     err = capsys.readouterr().err
-    assert "--socket is now --socket-path" in err and "no daemon answers at unix:" in err
+    assert "--socket is now --socket-path" in err and f"use --socket-path {path}" in err

@@ -1,11 +1,9 @@
 """`tierd bench hash`: per-block cost of tierd.hashing against cbor2 + hashlib, same process.
 
 The limit is vLLM's own path, ``hashlib.sha256(cbor2.dumps(obj, canonical=True))``, timed on
-the same tokens in the same run; tierd's ``sha256_cbor`` must cost at most ``--limit`` times it
-and give bit-identical hashes. The default limit is 1.0 (never slower than what it replaces) for
-blocks of up to 16 tokens, whose token arrays tierd encodes by hand. Longer blocks go through
-cbor2 as vLLM's do, plus tierd's token-id validation (~0.2 us per 16 tokens, which vLLM skips),
-so there the limit is 1.3.
+the same tokens in the same run; tierd's ``sha256_cbor`` must give bit-identical hashes at most
+``--limit`` times its cost (1.3 by default). tierd encodes each block with cbor2 as vLLM does and
+adds its check of the token ids (uint32), which vLLM skips.
 """
 
 from __future__ import annotations
@@ -25,12 +23,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
     parser.add_argument("--vocab", type=int, default=128256, help="token ids drawn below this")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs; the best is kept (5)")
-    parser.add_argument(
-        "--limit",
-        type=float,
-        default=None,
-        help="max tierd/cbor2 cost ratio for sha256_cbor (1.0 up to 16-token blocks, else 1.3)",
-    )
+    parser.add_argument("--limit", type=float, default=1.3,
+                        help="max tierd/cbor2 cost ratio for sha256_cbor (1.3)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
@@ -51,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from tierd import hashing
 
     size, blocks = args.block_size, args.blocks
-    limit = args.limit if args.limit is not None else (1.0 if size <= 16 else 1.3)
+    limit = args.limit
     rng = random.Random(0)
     tokens = [rng.randrange(args.vocab) for _ in range(size * blocks)]
     chunks = [tokens[i : i + size] for i in range(0, len(tokens), size)]

@@ -1,17 +1,16 @@
 """Flags that several commands share, spelled once: the daemon's socket is ``--socket-path``
 everywhere (as ``tierd serve``, the config key ``socket_path`` and ``TIERD_SOCKET_PATH`` name
-it). Earlier spellings keep working with a warning that names the new one."""
+it). An earlier spelling is refused with an error that names the new one."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 
 class _Renamed(argparse.Action):
-    """Stores like the flag it was renamed to and says so on standard error."""
+    """Refuses a flag that was renamed, naming the new spelling (a usage error, exit 2)."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, new: str = "",
                  **kwargs: Any) -> None:
@@ -20,14 +19,12 @@ class _Renamed(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
-        print(f"{parser.prog}: warning: {option_string} is now {self.new} (one name for the "
-              "daemon's socket in every command); the old spelling still works",
-              file=sys.stderr)
-        setattr(namespace, self.dest, values)
+        parser.error(f"{option_string} is now {self.new} (one name for the daemon's socket in "
+                     f"every command): use {self.new} {values}")
 
 
 def add_socket_path(parser: argparse.ArgumentParser, help: str) -> None:
-    """``--socket-path PATH`` (into ``args.socket``), and the old ``--socket`` alias."""
+    """``--socket-path PATH`` (into ``args.socket``); the earlier ``--socket`` is refused."""
     parser.add_argument("--socket-path", metavar="PATH", dest="socket", default=None, help=help)
     parser.add_argument("--socket", metavar="PATH", dest="socket", action=_Renamed,
                         new="--socket-path", help=argparse.SUPPRESS)

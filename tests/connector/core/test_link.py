@@ -142,17 +142,18 @@ def test_settings_name_the_fix() -> None:
 
 
 def test_front_end_configs_share_the_client_knobs() -> None:
-    """Both front ends' configs are ClientSettings with the same knob names; the hooks' old
-    names still work, with a DeprecationWarning naming the new one."""
+    """Both front ends' configs are ClientSettings with the same knob names; the hooks' earlier
+    names are refused with a ValueError naming the new one."""
     from tierd.connector.tierd_config import TierdHooksConfig
     from tierd.connector.vllm.config import TierdVllmConfig
 
     vllm = TierdVllmConfig.from_extra_config({"timeout_seconds": 2.0, "retry_max_seconds": 40})
     assert isinstance(vllm, ClientSettings) and vllm.longest_retry == 40
-    with pytest.warns(DeprecationWarning) as warned:
-        hooks = TierdHooksConfig(call_timeout_s=3.0, reconnect_min_s=0.1, reconnect_max_s=1.0)
-    assert [str(w.message).split()[-1] for w in warned] == ["timeout_seconds", "retry_seconds",
-                                                           "retry_max_seconds"]
+    for old, new in (("call_timeout_s", "timeout_seconds"), ("reconnect_min_s", "retry_seconds"),
+                     ("reconnect_max_s", "retry_max_seconds")):
+        with pytest.raises(ValueError, match=rf"{old}=\.\.\.\) is now {new}: use .*{new}=3\.0"):
+            TierdHooksConfig(**{old: 3.0})
+    hooks = TierdHooksConfig(timeout_seconds=3.0, retry_seconds=0.1, retry_max_seconds=1.0)
     assert isinstance(hooks, ClientSettings)
     assert (hooks.timeout_seconds, hooks.retry_seconds, hooks.retry_max_seconds) == (3.0, 0.1, 1.0)
 
