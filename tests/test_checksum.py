@@ -1,14 +1,28 @@
-"""The block checksum and its GIL-free form agree, byte for byte."""
+"""The block checksum and its in-place form agree, byte for byte, with the native helpers and
+without them."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 
+import pytest
+
+from tierd import checksum
 from tierd.checksum import block_checksum, checksums_at
 
 
-def test_checksums_at_match_block_checksum() -> None:
+@pytest.fixture(params=["native", "python-xxhash"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``checksums_at`` on the native helpers' xxh3 (built at install), then on python-xxhash."""
+    if request.param == "native":
+        assert checksum._native_xxh3() is not None, "the native helpers are not built"
+    else:
+        monkeypatch.setattr(checksum, "_native_xxh3", lambda: None)
+    return str(request.param)
+
+
+def test_checksums_at_match_block_checksum(path: str) -> None:
     """Spans of 0, 1, 16 KiB + 3 and 2 MiB bytes (and a None) hash as ``block_checksum`` of
     the same bytes; one flipped byte changes its span's checksum only."""
     sizes = [0, 1, (16 << 10) + 3, 2 << 20]

@@ -1,8 +1,9 @@
-"""Native code of the connector: small C helpers compiled on first use, with Python fallbacks.
+"""Native code of the connector: C helpers built when tierd is installed, with Python fallbacks.
 
-- ``build.shared_library``: compile one C file with the host's compiler into the tierd cache
-  dir (once per source version) and load it with ctypes; None where there is no compiler.
-- ``verified_copy``: a DRAM load in one pass (hash each piece of a slot, copy it while it is in
-  cache), the engine side of both connectors; ``load_verified`` answers None when the library
-  is unavailable, and the caller verifies, then copies, in two passes.
+- ``library.shared_library``: the helpers' library (``setup.py`` builds ``verified_copy.c``
+  and ``xxh3.c``, xxHash vendored in ``xxhash/``), loaded with ctypes; None (one WARNING) where
+  it was not built.
+- ``verified_copy``: a DRAM load in one pass (each slot hashed as it is copied), the engine side
+  of both connectors; ``load_verified`` answers None when the library is unavailable, and the
+  caller verifies, then copies, in two passes.
 """

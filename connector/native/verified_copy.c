@@ -25,9 +25,8 @@
  * slots are not read again soon: the daemon hashes them once). No hash here: the daemon
  * checksums committed slots itself.
  *
- * For the pieces, xxh3 comes in as function pointers from the python-xxhash extension already
- * loaded in the process (the same code that computed the stored checksums), so nothing here
- * links a library; the fused kernel is checked against it when the library is loaded.
+ * For the pieces, xxh3 is xxHash's streaming API (xxh3.c, the same code as the checksums); the
+ * fused kernel is checked against block_checksum when the library is loaded.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -36,16 +35,10 @@
 #include <emmintrin.h>
 #endif
 
-typedef void *(*create_fn)(void);
-typedef int (*free_fn)(void *);
-typedef int (*reset_fn)(void *);
-typedef int (*update_fn)(void *, const void *, size_t);
-typedef uint64_t (*digest_fn)(const void *);
-
-struct xxh3 { create_fn create; free_fn free; reset_fn reset; update_fn update; digest_fn digest; };
+#include "xxh3_api.h"
 
 struct load {
-    const struct xxh3 *h;      /* NULL: a store (engine blocks -> slots, no hash) */
+    int verify;                /* 1: a load (slots -> engine blocks, hashed); 0: a store */
     int64_t nblocks;
     const uint64_t *slot;      /* address of each block's slot */
     const int64_t *block;      /* engine block id of each block */
@@ -59,7 +52,7 @@ struct load {
     int isa;                   /* a load: the fused kernel to use where it fits (ISA_*) */
 };
 
-enum { PIECE = 16 * 1024 };  /* bytes hashed, then copied while in L1/L2: 16 KiB measured best */
+enum { PIECE = 16 * 1024 };  /* bytes hashed, then copied while in L1/L2 */
 enum { STREAM_MIN = 8 << 20 };  /* loads of at least this many bytes use non-temporal stores */
 
 /* Copy one piece; with `stream`, non-temporal stores where dst is 16-byte aligned. */
@@ -100,12 +93,12 @@ static void lower_first_bad(struct load *j, int64_t b) {
 /* One block: walk its rows in slot order; before a row's bytes are copied, the slot is hashed
  * up to past them, PIECE bytes at a time, so every byte is copied right after it was hashed
  * (while it is still in cache). Returns 1 if the checksum matched. */
-static int one_block(struct load *j, void *state, int64_t b) {
+static int one_block(struct load *j, XXH3_state_t *state, int64_t b) {
     const unsigned char *src = (const unsigned char *)(uintptr_t)j->slot[b];
     const unsigned char *hashed = src;
     const unsigned char *end = src + j->layers * j->heads * j->tokens * j->row;
     unsigned char *block = (unsigned char *)(uintptr_t)(j->base + j->block[b] * j->s_block);
-    j->h->reset(state);
+    XXH3_64bits_reset(state);
     for (int64_t l = 0; l < j->layers; l++)
         for (int64_t h = 0; h < j->heads; h++)
             for (int64_t t = 0; t < j->tokens; t++, src += j->row) {
@@ -114,13 +107,13 @@ static int one_block(struct load *j, void *state, int64_t b) {
                     size_t len = (size_t)(j->row - off < PIECE ? j->row - off : PIECE);
                     while (hashed < src + off + (int64_t)len) {
                         size_t n = (size_t)(end - hashed < PIECE ? end - hashed : PIECE);
-                        j->h->update(state, hashed, n);
+                        TIERD_XXH3_64_UPDATE(state, hashed, n);
                         hashed += n;
                     }
                     copy_piece(dst + off, src + off, len, j->stream);
                 }
             }
-    return j->h->digest(state) == j->want[b];
+    return XXH3_64bits_digest(state) == j->want[b];
 }
 
 /* One block of a store: its rows, in (layer, head, token) order, back to back into its slot. */
@@ -289,7 +282,7 @@ static stripes_fn stripes_for(int isa) {
 }
 
 /* The best fused kernel this CPU runs (ISA_PIECES: none). */
-int tierd_fused_isa(void) {
+TIERD_API int tierd_fused_isa(void) {
     if (stripes_for(ISA_AVX512)) return ISA_AVX512;
     if (stripes_for(ISA_AVX2)) return ISA_AVX2;
     return ISA_PIECES;
@@ -312,7 +305,7 @@ static int fused_block(struct load *j, stripes_fn stripes, int64_t b) {
     return merge(acc, (uint64_t)total) == j->want[b];
 }
 #else
-int tierd_fused_isa(void) { return ISA_PIECES; }
+TIERD_API TIERD_API int tierd_fused_isa(void) { return ISA_PIECES; }
 #endif
 
 /* The next block for this thread, or nblocks when all are taken (or past a failed one). */
@@ -327,7 +320,7 @@ static int64_t take(struct load *j) {
  * every block below the lowest failure was taken before it was found and is finished. */
 static void *run_part(void *arg) {
     struct load *j = arg;
-    if (j->h == NULL) {
+    if (!j->verify) {
         for (int64_t b; (b = take(j)) < j->nblocks;)
             store_block(j, b);
 #if defined(__SSE2__)
@@ -345,11 +338,11 @@ static void *run_part(void *arg) {
         return NULL;
     }
 #endif
-    void *state = j->h->create();
+    XXH3_state_t *state = XXH3_createState();
     if (state == NULL) { lower_first_bad(j, 0); return NULL; }  /* no memory: all a miss */
     for (int64_t b; (b = take(j)) < j->nblocks;)
         if (!one_block(j, state, b)) { lower_first_bad(j, b); break; }
-    j->h->free(state);
+    XXH3_freeState(state);
 #if defined(__SSE2__)
     _mm_sfence();  /* the non-temporal stores are visible before the caller is told */
 #endif
@@ -372,14 +365,11 @@ static void run(struct load *job, int threads) {
         if (started[t]) pthread_join(ids[t], NULL);
 }
 
-/* A load (`h` the hash API, `isa` the fused kernel to use where the rows allow: ISA_PIECES for
- * none), or with `h` NULL a store: see tierd_store_rows. */
-int64_t tierd_load_verified(const struct xxh3 *h, int64_t nblocks, const uint64_t *slot,
-                            const int64_t *block, const uint64_t *want, uint64_t base,
-                            int64_t layers, int64_t heads, int64_t tokens, int64_t row,
-                            int64_t s_layer, int64_t s_block, int64_t s_head, int64_t s_token,
-                            int threads, int isa) {
-    struct load job = {h, nblocks, slot, block, want, base, layers, heads, tokens, row,
+static int64_t run_job(int verify, int64_t nblocks, const uint64_t *slot, const int64_t *block,
+                       const uint64_t *want, uint64_t base, int64_t layers, int64_t heads,
+                       int64_t tokens, int64_t row, int64_t s_layer, int64_t s_block,
+                       int64_t s_head, int64_t s_token, int threads, int isa) {
+    struct load job = {verify, nblocks, slot, block, want, base, layers, heads, tokens, row,
                        s_layer, s_block, s_head, s_token, nblocks, 0,
                        nblocks * layers * heads * tokens * row >= STREAM_MIN, isa};
     if (nblocks <= 0) return 0;
@@ -387,11 +377,21 @@ int64_t tierd_load_verified(const struct xxh3 *h, int64_t nblocks, const uint64_
     return job.first_bad;
 }
 
-void tierd_store_rows(int64_t nblocks, const uint64_t *slot, const int64_t *block, uint64_t base,
-                      int64_t layers, int64_t heads, int64_t tokens, int64_t row,
-                      int64_t s_layer, int64_t s_block, int64_t s_head, int64_t s_token,
-                      int threads) {
-    /* No hash API: the job is a store (run_part), the same threads and stores as a load. */
-    tierd_load_verified(NULL, nblocks, slot, block, NULL, base, layers, heads, tokens, row,
-                        s_layer, s_block, s_head, s_token, threads, 0);
+/* A load: `isa` is the fused kernel to use where the rows allow (ISA_PIECES for none). */
+TIERD_API int64_t tierd_load_verified(int64_t nblocks, const uint64_t *slot, const int64_t *block,
+                                      const uint64_t *want, uint64_t base, int64_t layers,
+                                      int64_t heads, int64_t tokens, int64_t row, int64_t s_layer,
+                                      int64_t s_block, int64_t s_head, int64_t s_token,
+                                      int threads, int isa) {
+    return run_job(1, nblocks, slot, block, want, base, layers, heads, tokens, row, s_layer,
+                   s_block, s_head, s_token, threads, isa);
+}
+
+/* A store: the same threads and stores as a load, no hash. */
+TIERD_API void tierd_store_rows(int64_t nblocks, const uint64_t *slot, const int64_t *block,
+                                uint64_t base, int64_t layers, int64_t heads, int64_t tokens,
+                                int64_t row, int64_t s_layer, int64_t s_block, int64_t s_head,
+                                int64_t s_token, int threads) {
+    run_job(0, nblocks, slot, block, NULL, base, layers, heads, tokens, row, s_layer, s_block,
+            s_head, s_token, threads, 0);
 }

@@ -1,26 +1,18 @@
 """A DRAM load in one pass: each slot is checked (xxh3-64) as it is copied; and the copy of a
-store (``store_rows``: engine blocks into slots, the same threads and non-temporal stores, no
-hash: the daemon checksums what is committed).
+store (``store_rows``: engine blocks into slots, the same threads, no hash: the daemon checksums
+what is committed).
 
-A load must verify every block where it lies in the arena (docs/connector.md, "Integrity").
-Verifying every slot and then copying the verified ones reads the arena twice; on these hosts
-that costs ~1.9x a memcpy of the same bytes, the verify pass alone ~0.9x. ``verified_copy.c``
-runs on ``torch.get_num_threads()`` threads taking blocks as they go, with two kernels (``ISAS``):
-where every row is a whole number of 64-byte stripes (all real KV blocks), each stripe is loaded
-once into AVX-512 (or AVX2) registers, stored to the engine's block and folded into xxh3's
-accumulators, so a load costs what a copy costs; otherwise it hashes 16 KiB of a slot, copies
-those bytes while they are still in the core's cache, and goes on (the python-xxhash code, any
-CPU). Loads of 8 MiB or more write with non-temporal stores (no read of destination lines
-first). The fused kernels are checked against python-xxhash when the library loads and are not
-used if they ever disagree.
+A load must verify every block where it lies in the arena (docs/connector.md, "Integrity");
+verifying, then copying, reads the arena twice. ``verified_copy.c`` (built at install, see
+``library``) reads it once, on ``torch.get_num_threads()`` threads, with the kernels of ``ISAS``;
+the fused ones are checked against ``block_checksum`` when the library loads and are not used if
+they disagree.
 
-What a caller gets from ``load_verified``: how many leading blocks verified (all of them in the
-engine's KV), or None when the library is not available (no C compiler, ``TIERD_NATIVE=0``), so
-the caller verifies, then copies. What it does not promise: the bytes of a block that failed its
-check, and of blocks after it, may have been partly copied into their engine blocks. Those blocks
-are reported failed and recomputed, as they must be whatever they held before (stale KV of an
-earlier request); nothing may use them meanwhile. The caller keeps the slots pinned (a lease) for
-the call and has checked the slot ids (``ArenaSlots``).
+``load_verified`` returns how many leading blocks verified (all of them in the engine's KV), or
+None when the library is not available, so the caller verifies, then copies. The bytes of a
+block that failed, and of blocks after it, may have been partly copied into their engine blocks:
+they are reported failed and recomputed, and nothing may use them meanwhile. The caller keeps
+the slots pinned (a lease) for the call and has checked the slot ids (``ArenaSlots``).
 """
 
 from __future__ import annotations
@@ -31,16 +23,15 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
-from tierd.checksum import XXHASH_LIBRARY, block_checksum
+from tierd.checksum import block_checksum
 
-from .build import shared_library
+from .library import shared_library
 
 _log = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("verified_copy.c")
+_SOURCE = "verified_copy.c"
 _I64, _U64, _PTR = ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
 
 
@@ -99,12 +90,6 @@ class BlockRows:
         return rows
 
 
-class _Xxh3(ctypes.Structure):
-    """The streaming xxh3-64 API of the python-xxhash extension, as function pointers."""
-
-    _fields_ = [(name, _PTR) for name in ("create", "free", "reset", "update", "digest")]
-
-
 ISAS = {"pieces": 0, "avx2": 2, "avx512": 3}
 """The load kernels of ``verified_copy.c``: hash a piece then copy it (any CPU, any rows), or
 fold xxh3 into the copy, one load per 64-byte stripe, with AVX2 or AVX-512 (rows a multiple of
@@ -113,20 +98,19 @@ fold xxh3 into the copy, one load per 64-byte stripe, with AVX2 or AVX-512 (rows
 
 @dataclass(frozen=True)
 class _Native:
-    """The compiled ``tierd_load_verified`` and ``tierd_store_rows``, the hash API, the best
-    load kernel this CPU runs and ``TIERD_LOAD_KERNEL`` allows (``ISAS``), and the one used:
-    the best of those that agreed with ``block_checksum`` at load."""
+    """The built ``tierd_load_verified`` and ``tierd_store_rows``, the best load kernel this CPU
+    runs and ``TIERD_LOAD_KERNEL`` allows (``ISAS``), and the one used: the best of those that
+    agreed with ``block_checksum`` at load."""
 
     fn: Callable[..., int]
     store_fn: Callable[..., None]
-    api: _Xxh3
     cpu_isa: int
     isa: int
 
     def __call__(self, rows: BlockRows, addresses: Sequence[int], block_ids: Sequence[int],
                  checksums: Sequence[int], threads: int) -> int:
         n = len(addresses)
-        return int(self.fn(ctypes.byref(self.api), n, (_U64 * n)(*addresses),
+        return int(self.fn(n, (_U64 * n)(*addresses),
                            (_I64 * n)(*block_ids), (_U64 * n)(*checksums), *_grid(rows),
                            threads, self.isa))
 
@@ -154,33 +138,26 @@ def _library() -> _Native | None:
 
 
 def _load() -> _Native | None:
-    lib = shared_library(_SOURCE)
+    lib = shared_library()
     if lib is None:
         return None
-    ext = XXHASH_LIBRARY  # the same xxh3 that made the checksums
-    update = "XXH3_64bits_update_dispatch" if hasattr(ext, "XXH3_64bits_update_dispatch") \
-        else "XXH3_64bits_update"
-    api = _Xxh3(*(ctypes.cast(getattr(ext, name), _PTR) for name in (
-        "XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", update,
-        "XXH3_64bits_digest")))
     fn = lib.tierd_load_verified
     fn.restype = _I64
-    fn.argtypes = [ctypes.POINTER(_Xxh3), _I64, _PTR, _PTR, _PTR, _U64, *[_I64] * 8,
-                   ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [_I64, _PTR, _PTR, _PTR, _U64, *[_I64] * 8, ctypes.c_int, ctypes.c_int]
     store = lib.tierd_store_rows
     store.restype = None
     store.argtypes = [_I64, _PTR, _PTR, _U64, *[_I64] * 8, ctypes.c_int]
     best = min(int(lib.tierd_fused_isa()), _kernel_cap())
-    native = _Native(fn, store, api, best, ISAS["pieces"])
+    native = _Native(fn, store, best, ISAS["pieces"])
     if not _self_test(native):
         _log.warning("tierd: %s disagrees with block_checksum; DRAM loads take the Python path",
-                     _SOURCE.name)
+                     _SOURCE)
         return None
     for isa in sorted((i for i in ISAS.values() if 0 < i <= best), reverse=True):
         if _fused_agrees(replace(native, isa=isa)):
             return replace(native, isa=isa)
         _log.warning("tierd: the fused %s load of %s disagrees with block_checksum; not used",
-                     next(k for k, v in ISAS.items() if v == isa), _SOURCE.name)
+                     next(k for k, v in ISAS.items() if v == isa), _SOURCE)
     return native
 
 
@@ -231,7 +208,7 @@ def _fused_agrees(native: _Native) -> bool:
 
 
 def available() -> bool:
-    """True when ``load_verified`` runs natively here (compiles the helper on first call)."""
+    """True when ``load_verified`` runs natively here (loads the library on first call)."""
     return _library() is not None
 
 

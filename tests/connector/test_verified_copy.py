@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,10 +10,9 @@ import pytest
 import torch
 
 from tierd.checksum import block_checksum
-from tierd.connector.native import build, verified_copy
+from tierd.connector.native import library, verified_copy
 from tierd.connector.native.verified_copy import BlockRows, load_verified, store_rows
 
-needs_cc = pytest.mark.skipif(build.compiler() is None, reason="no C compiler on this machine")
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 
 
@@ -53,7 +51,6 @@ def _as_blocks(slots: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     return slots.view(-1, layers, heads, tokens, width).transpose(0, 1)
 
 
-@needs_cc
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("order", LAYOUTS)
 def test_every_layout_lands_in_canonical_order(order: str, threads: int, kernel: str) -> None:
@@ -70,7 +67,6 @@ def test_every_layout_lands_in_canonical_order(order: str, threads: int, kernel:
     assert int(kv[:, [1, 2, 5, 7]].sum()) == 0
 
 
-@needs_cc
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_counts_leading_blocks_before_the_first_mismatch(threads: int, kernel: str) -> None:
     """Eight blocks whose slot 5 has one flipped byte: 5 verified and in place, whatever the
@@ -84,7 +80,6 @@ def test_counts_leading_blocks_before_the_first_mismatch(threads: int, kernel: s
     assert torch.equal(kv[:, :5], _as_blocks(slots[:5], kv))
 
 
-@needs_cc
 @pytest.mark.parametrize("threads", [2, 8])
 def test_threads_taking_blocks_as_they_go_count_to_the_lowest_failure(threads: int,
                                                                        kernel: str) -> None:
@@ -100,7 +95,6 @@ def test_threads_taking_blocks_as_they_go_count_to_the_lowest_failure(threads: i
     assert torch.equal(kv[:, :13], _as_blocks(slots[:13], kv))
 
 
-@needs_cc
 def test_a_pool_of_rows_larger_than_a_piece(kernel: str) -> None:
     """The reference engine's pool (one 100,000-byte row per block, hashed in 16 KiB pieces):
     rows 2 and 0 land bit-exact; a wrong checksum for the second stops there."""
@@ -113,7 +107,6 @@ def test_a_pool_of_rows_larger_than_a_piece(kernel: str) -> None:
     assert load_verified(rows, addresses, [2, 0], [sums[0], sums[1] + 1]) == 1
 
 
-@needs_cc
 @pytest.mark.parametrize("tail", [48, 0], ids=["ragged", "stripes"])
 @pytest.mark.parametrize("skew", [0, 1], ids=["aligned", "unaligned"])
 def test_a_large_load_is_exact_with_streaming_stores(skew: int, tail: int, kernel: str) -> None:
@@ -133,7 +126,6 @@ def test_a_large_load_is_exact_with_streaming_stores(skew: int, tail: int, kerne
     assert load_verified(rows, addresses, [5, 0, 1, 2, 3], sums) == 2
 
 
-@needs_cc
 @pytest.mark.parametrize("kernel", ["avx2", "avx512"], indirect=True)
 def test_a_fused_kernel_agrees_with_block_checksum_at_every_turn(kernel: str) -> None:
     """Every whole number of stripes from 4 to 70 (past four of xxh3's 1 KiB turns, every
@@ -152,7 +144,6 @@ def test_a_fused_kernel_agrees_with_block_checksum_at_every_turn(kernel: str) ->
             slot[at] ^= 0x80
 
 
-@needs_cc
 def test_the_best_kernel_this_cpu_runs_is_the_one_used() -> None:
     """The kernels that fold xxh3 into the copy agreed with python-xxhash at load, so the best
     this CPU runs is in use (a disagreement would drop to the next, with a warning)."""
@@ -160,7 +151,6 @@ def test_the_best_kernel_this_cpu_runs_is_the_one_used() -> None:
     assert native is not None and native.isa == native.cpu_isa
 
 
-@needs_cc
 def test_tierd_load_kernel_caps_the_kernel(monkeypatch: pytest.MonkeyPatch,
                                            caplog: pytest.LogCaptureFixture) -> None:
     """``TIERD_LOAD_KERNEL=pieces`` keeps the hash-then-copy kernel (an A/B, or a CPU where
@@ -198,7 +188,6 @@ def test_bad_arguments_are_refused_before_any_copy() -> None:
         BlockRows.of(kv[0])
 
 
-@needs_cc
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("order", LAYOUTS)
 def test_a_store_writes_each_block_in_canonical_order(order: str, threads: int) -> None:
@@ -213,7 +202,6 @@ def test_a_store_writes_each_block_in_canonical_order(order: str, threads: int) 
     assert torch.equal(_as_blocks(slots, kv), kv[:, [6, 0, 3]])
 
 
-@needs_cc
 def test_a_large_store_is_exact_with_streaming_stores() -> None:
     """Five pool rows of 2 MiB + 48 bytes (past the non-temporal threshold, a ragged tail)
     stored into slots in another order: bit-exact; an out-of-range block id is refused."""
@@ -237,34 +225,40 @@ def test_without_the_helper_nothing_is_copied(monkeypatch: pytest.MonkeyPatch) -
     assert int(kv.sum()) == 0 and torch.equal(slots, before)
 
 
-def test_disabled_or_uncompilable_helpers_fall_back_with_a_warning(
+def test_the_library_is_built_where_tierd_is_installed() -> None:
+    """``make venv`` (an editable install) built the helpers beside ``library.py``, under this
+    Python's extension name, and they load."""
+    path = library.find()
+    assert path is not None and path.parent == Path(library.__file__).parent
+    assert library.shared_library() is not None and verified_copy.available()
+
+
+def test_a_missing_or_unloadable_library_falls_back_with_a_warning(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """TIERD_NATIVE=0 builds nothing; a compiler that fails leaves no library in the cache and
-    logs why, and so does a cache dir that cannot be made; a working compiler writes
-    ``<stem>-<hash>.so`` there and loads it."""
-    source = tmp_path / "probe.c"
-    source.write_text("int tierd_probe(void) { return 42; }\n")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setenv("TIERD_NATIVE", "0")
-    assert build.shared_library(source) is None
-    monkeypatch.delenv("TIERD_NATIVE")
-    monkeypatch.setenv("CC", shutil.which("false") or "false")
-    with caplog.at_level(logging.WARNING):
-        assert build.shared_library(source) is None
-    assert "did not compile" in caplog.text
-    assert not list((tmp_path / "cache").rglob("*.so"))
-    (tmp_path / "not-a-dir").write_text("")  # a cache dir that cannot be made
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-dir"))
-    monkeypatch.setattr(build, "_loaded", {})
-    with caplog.at_level(logging.WARNING):
-        assert build.shared_library(source) is None
-    assert "set XDG_CACHE_HOME to a writable directory" in caplog.text
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    if shutil.which("cc") is None:
-        return
-    monkeypatch.setenv("CC", "cc")
-    monkeypatch.setattr(build, "_loaded", {})
-    lib = build.shared_library(source)
-    assert lib is not None and lib.tierd_probe() == 42
-    assert [p.name[:6] for p in (tmp_path / "cache" / "tierd" / "native").glob("*.so")] == \
-        ["probe-"]
+    """TIERD_NATIVE=0: None, and no warning; a folder without the library: None, and a WARNING
+    naming the Python paths' cost and how to build it; a file that is not a library: None, and
+    a WARNING naming it. A build for another Python of the machine is found too."""
+    try:
+        monkeypatch.setenv("TIERD_NATIVE", "0")
+        library.shared_library.cache_clear()
+        with caplog.at_level(logging.WARNING):
+            assert library.shared_library() is None
+        assert not caplog.records
+        monkeypatch.delenv("TIERD_NATIVE")
+        find = library.find
+        monkeypatch.setattr(library, "find", lambda: find(tmp_path))
+        library.shared_library.cache_clear()
+        with caplog.at_level(logging.WARNING):
+            assert library.shared_library() is None
+        assert "not built" in caplog.text and "reads the arena twice" in caplog.text
+        assert "make native" in caplog.text
+        (tmp_path / "_native.cpython-399-x86_64-linux-gnu.so").write_text("not a library")
+        assert find(tmp_path) == tmp_path / (
+            "_native.cpython-399-x86_64-linux-gnu.so")
+        library.shared_library.cache_clear()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert library.shared_library() is None
+        assert "do not load" in caplog.text and "cpython-399" in caplog.text
+    finally:
+        library.shared_library.cache_clear()

@@ -72,6 +72,17 @@ def test_daemon_image_has_no_torch_and_stays_small(docker: DockerEngine, images:
     assert size <= IMAGE_LIMIT_BYTES
 
 
+def test_images_carry_the_native_helpers_built_at_install(docker: DockerEngine,
+                                                          images: Images) -> None:
+    """Both images hold the native helpers, built by the build stage's compiler (which the
+    images themselves do not carry), and they load: checksums and loads take no Python path."""
+    probe = ("import shutil, sys; from tierd.connector.native import library; "
+             "sys.exit(library.shared_library() is None or shutil.which('gcc') is not None)")
+    for image in (images.daemon, images.engine):
+        assert docker.run("run", "--rm", "--entrypoint", "python", image, "-c", probe,
+                          check=False).returncode == 0, f"{image}: no native helpers, or a gcc"
+
+
 def test_daemon_healthy_stats_metrics_and_demo_from_a_second_container(
         docker: DockerEngine, images: Images, name: str, tmp_path: Path) -> None:
     """The daemon container turns healthy; the host reads `tierd stats` through the socket
