@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.vllm_serve, pytest.mark.timeout(1200)]
 _FRESH = itertools.count(1000)
 TOKENS = 1000                       # 31 full blocks of 32 and a tail
 HIT = (TOKENS - 1) // BLOCK * BLOCK  # the tokens a full hit loads (never the last one)
+AFTER_RELOAD = (400, 684)            # answer tokens past the first preemption and readmission
 
 
 def connected(stack: Any, *servers: VllmServe) -> None:
@@ -154,19 +155,26 @@ def same_or_near_tie(got: list[tuple[str, dict[str, float]]],
 
 def test_preemption_under_a_small_kv_cache_leaves_no_pins(stack: Any) -> None:
     """Three requests at once on an instance whose KV cache holds 48 blocks: short prompts
-    (10 blocks, loaded from tierd) and long answers (22 more blocks each) outgrow it, so vLLM
-    preempts and readmits them, loading again each time; no pin is left. Each answer's first
-    16 tokens are the storing instance's alone, or part from them only at a near tie: vLLM's
-    arithmetic depends on the batch (bf16, no batch-invariant mode), and on a 2-core AVX-512
-    host a batch of three changes the 8th or 9th greedy token of some runs, tierd or not (the
-    storing instance three at a time did the same); past such a tie an answer may reach the
-    end-of-text token early, so the answers ignore it and always run to 700 tokens."""
+    (11 blocks each, loaded from tierd) and long answers (22 more blocks each) outgrow it by the
+    ~190th answer token, so vLLM preempts and readmits them, loading again each time; no pin is
+    left. The tokens checked are those generated after a readmission, at AFTER_RELOAD: instance
+    a continues each answer from its exact token ids, computing that context itself (a cache
+    salt no block in tierd or its own cache has), and the answer's next 16 tokens must be a's,
+    or part from them only at a near tie (vLLM's arithmetic depends on the batch: bf16, no
+    batch-invariant mode). The first 16 tokens, loaded before any preemption, are checked the
+    same way against the storing instance's. The answers ignore the end-of-text token and
+    always run to 700 tokens."""
     prompts = [prompt(10 * BLOCK + 5, seed=20 + i) for i in range(3)]
-    alone = [stack.a.greedy_tokens(text, 16) for text in prompts]
+    alone = [stack.a.greedy(text, 16) for text in prompts]
     before = stack.d.metric("vllm:num_preemptions")
     with ThreadPoolExecutor(3) as pool:
-        got = list(pool.map(lambda text: stack.d.greedy_tokens(text, 700, top=1), prompts))
-    for answer, one in zip(got, alone):
-        assert len(answer) == 700 and same_or_near_tie(answer[:16], one), (answer[:16], one)
+        got = list(pool.map(lambda text: stack.d.greedy(text, 700, top=1), prompts))
     assert stack.d.metric("vllm:num_preemptions") > before
+    for answer, one in zip(got, alone):
+        assert len(answer.tokens) == 700
+        assert same_or_near_tie(answer.tokens[:16], one.tokens), (answer.tokens[:16], one.tokens)
+        for at in AFTER_RELOAD:
+            want = stack.a.greedy(answer.context(at), 16, cache_salt="reference")
+            window = answer.tokens[at:at + 16]
+            assert same_or_near_tie(window, want.tokens), (at, window, want.tokens)
     no_pins(stack)

@@ -47,6 +47,21 @@ def stack_daemon(workdir: str) -> TierdServe:
                                 os.path.join(workdir, "ssd"), "--ssd-bytes", "1GiB"])
 
 
+@dataclass(frozen=True)
+class Greedy:
+    """A greedy completion: the prompt's token ids, then each generated token (as vLLM spells a
+    token id, ``"token_id:N"``) with the ``top`` most likely tokens at its place and their
+    log-probabilities (vLLM's ``logprobs``)."""
+
+    prompt_ids: list[int]
+    tokens: list[tuple[str, dict[str, float]]]
+
+    def context(self, generated: int) -> list[int]:
+        """The token ids the model saw before generating token ``generated``."""
+        return self.prompt_ids + [int(t.removeprefix("token_id:"))
+                                  for t, _ in self.tokens[:generated]]
+
+
 @dataclass
 class VllmServe:
     """One `vllm serve` process: ``model`` served as ``name`` with TierdConnector on
@@ -159,24 +174,31 @@ class VllmServe:
     def external_hits(self) -> float:
         return self.metric("vllm:external_prefix_cache_hits")
 
-    def greedy_tokens(self, prompt: str, max_tokens: int, top: int = 5
-                      ) -> list[tuple[str, dict[str, float]]]:
+    def greedy(self, prompt: str | list[int], max_tokens: int, top: int = 5,
+               cache_salt: str | None = None) -> Greedy:
         """A greedy completion of exactly ``max_tokens`` tokens (``ignore_eos``: a path that
-        parts at a near tie may reach the end-of-text token sooner), token by token: each token
-        and the ``top`` most likely tokens at its place with their log-probabilities (vLLM's
-        ``logprobs``)."""
+        parts at a near tie may reach the end-of-text token sooner) of a text or of token ids,
+        token by token (``Greedy``). ``cache_salt``: vLLM's, which changes every block hash, so
+        neither vLLM's prefix cache nor tierd holds a block of it from other requests."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
-        body = json.dumps({"model": self.name, "prompt": prompt, "max_tokens": max_tokens,
-                           "temperature": 0, "logprobs": top, "ignore_eos": True})
+        request: dict[str, Any] = {
+            "model": self.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "logprobs": top, "ignore_eos": True, "return_tokens_as_token_ids": True,
+            "return_token_ids": True}
+        if cache_salt is not None:
+            request["cache_salt"] = cache_salt
         try:
-            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            conn.request("POST", "/v1/completions", json.dumps(request),
+                         {"Content-Type": "application/json"})
             response = conn.getresponse()
             reply = response.read()
         finally:
             conn.close()
         assert response.status == 200, reply[:500]
-        logprobs = json.loads(reply)["choices"][0]["logprobs"]
-        return list(zip(logprobs["tokens"], logprobs["top_logprobs"]))
+        choice = json.loads(reply)["choices"][0]
+        logprobs = choice["logprobs"]
+        return Greedy(choice["prompt_token_ids"],
+                      list(zip(logprobs["tokens"], logprobs["top_logprobs"])))
 
     def _stream(self, prompt: str, max_tokens: int) -> tuple[http.client.HTTPConnection, Any]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
