@@ -46,9 +46,10 @@ class KVTransferHooks(Protocol):
 
         ``kv_cache.pool`` is ``[num_blocks, block_bytes]`` uint8: row ``b`` is block ``b`` of
         every layer, K and V (exactly one daemon slot); ``k_caches``/``v_caches`` are per-layer
-        views of it in the design essay's layout, FP8 scales in ``k_scales``/``v_scales``. Move
-        blocks with ``tierd.gpu.cache_ops.gather_blocks`` / ``scatter_blocks``. The tensors
-        live as long as the engine; write them in place, never replace them."""
+        views of it in vLLM's original paged layout (``tierd.gpu.layout``), FP8 scales in
+        ``k_scales``/``v_scales``. Move blocks with ``tierd.gpu.cache_ops.gather_blocks`` /
+        ``scatter_blocks``. The tensors live as long as the engine; write them in place, never
+        replace them."""
         ...
 
     def lookup(self, request: Request) -> int:

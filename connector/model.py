@@ -36,10 +36,10 @@ _TORCH_DTYPES: dict[ModelDType, torch.dtype] = {
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of the decoder. The default (~31M parameters: 8 layers of hidden 512, 8 query and
-    2 KV heads of dim 64, SwiGLU 1,408, vocabulary 8,192, fp32) prefills 2,048 tokens through
-    the engine in about 0.8 s on two CPU threads (``python -m tierd.connector.engine``
-    measures it). fp32 because bf16 matmuls ran ~2x slower on these CPUs and fp32 matches
-    Hugging Face to 1e-4. A 16-token KV block is 8 x 2 x 2 x 64 x 16 x 4 B = 64 KiB."""
+    2 KV heads of dim 64, SwiGLU 1,408, vocabulary 8,192, fp32) is small enough to prefill
+    2,048 tokens on a CPU in a test (``python -m tierd.connector.engine`` times it). fp32
+    because CPUs without half-precision matrix units run it faster, and it matches Hugging Face
+    to 1e-4. A 16-token KV block is 8 x 2 x 2 x 64 x 16 x 4 B = 64 KiB."""
 
     vocab_size: int = 8192
     hidden_size: int = 512
@@ -218,7 +218,7 @@ _SAMPLE_BYTES = 4096
 def model_identity(model: LlamaModel) -> ModelIdentity:
     """The model id of ``model`` (``tierd.model_identity``): its config and, like a checkpoint's,
     each weight's name, dtype, shape and its first, middle and last 4 KiB. Costs one small copy
-    per tensor (about 1 ms for the default model)."""
+    per tensor."""
     parts: list[bytes] = []
     for name, tensor in sorted(model.state_dict().items()):
         raw = tensor.detach().reshape(-1).view(torch.uint8)

@@ -49,9 +49,9 @@ class TierdHooksConfig(ClientSettings):
     """The worker gathers saves and hot-tier reports for up to this long (or until half the
     staging ring is waiting, or ``flush``), then writes the saves with one Reserve and one
     Commit and sends the reports merged into one: fewer round trips beside the engine's
-    compute (a lone round trip costs ~2 ms of CPU, engine and daemon together, on the 2-core
-    hosts), at the price of other engines and routers seeing the blocks up to that much
-    later. 0: send each step's work at once."""
+    compute (each round trip costs CPU, engine and daemon together), at the price of other
+    engines and routers seeing the blocks up to that much later. 0: send each step's work at
+    once."""
     worker_nice: int = 10
     """Niceness added to the worker thread (Linux; 0: none). The worker only does background
     work (copies into the arena, round trips), so on a busy host it runs in the gaps the

@@ -1,42 +1,19 @@
 """``TierdHooks``: the reference engine's ``KVTransferHooks`` over a tierd node daemon.
 
-Per engine step (see ``tierd.connector.hooks`` for the call order)::
+Per engine step (the call order is ``tierd.connector.hooks``'s):
 
-    lookup   none if the daemon's presence filter (shared memory) says it holds no copy of the
-             first block past the hot-tier hit (the tokens go with the next Reserve, for the
-             node's count); else one Acquire round trip for the chain past the hot-tier hit
-             (``count_lookup``: the daemon counts it as a Lookup): pins the loadable prefix under
-             a lease (SSD hits are staged into DRAM by the daemon), kept until its ``load``
-    load     no round trip: ``core.load.load_leased`` under that lease through the ``PoolRows``
-             sink (each block checked where it lies in the arena while it is copied straight
-             into a host pool, in one pass; through staging for a device pool); a copy counts
-             only if the lease's deadline had not passed when it was done; the Release is queued
-             to the worker at ``step_end`` (after the forward pass, so it never delays compute). A
-             lease whose
-             ``load`` never comes (allocation failed, request finished) is released at
-             ``request_finished`` / ``step_end``
-    save     one copy pool -> staging ring per run of consecutive pool blocks (the pool block
-             may be reused right after); the worker gathers saves (and hot-tier reports) for up
-             to ``save_batch_s`` or half the ring, then makes one Reserve (blocks the node
-             already holds are skipped), copies staging -> arena slots with plain host memcpys
-             (no torch op: no second OpenMP team beside the engine's), and one Commit with the
-             written flags (``core.save``: the daemon checksums). The worker runs at a lower
-             priority (``worker_nice``).
-    step_end the engine's hot-tier (HBM) BlockStored/BlockRemoved events, batched, are queued for
-             ReportHotBlocks (when ``attach_block_events`` was called); the worker gathers them
-             with the saves and sends the reports of a batch merged into one
+- ``lookup``: none if the daemon's presence filter says it holds no copy of the first block past
+  the hot-tier hit; else one Acquire that pins the loadable prefix under a lease until ``load``.
+- ``load``: no round trip; ``core.load.load_leased`` through the ``PoolRows`` sink (each block
+  checked as it is copied). The Release is queued at ``step_end``, after the forward pass.
+- ``save``: pool -> staging ring on the engine thread; the worker gathers saves for up to
+  ``save_batch_s``, then one Reserve, memcpys into the slots and one Commit (``core.save``).
+- ``step_end``: the engine's hot-tier events are queued for ReportHotBlocks.
 
-Failure is never an exception out of the engine. A failed load (lease expired, checksum mismatch,
-daemon gone, any gRPC error) returns False for that block and all after it, so the engine
-recomputes them. A save that cannot be queued (ring or queue full) is dropped and counted. The
-daemon link is ``core.link.DaemonLink``, failed calls classified by ``core.errors``: if the daemon
-is down at start or goes away, the hooks behave like ``NullHooks`` and the worker reconnects with
-exponential backoff (``retry_seconds`` .. ``retry_max_seconds``), re-registering the engine and
-attaching the new arena.
-
-Threads: hook methods run on the engine thread; one worker thread does the queued round trips and
-the reconnects. Every arena and lease belongs to one ``core.link.Session``; work for a lost
-session is dropped, never applied to the next one.
+Failure is never an exception out of the engine: a failed load returns False for that block and
+all after it (recomputed); a save that cannot be queued is dropped and counted; a lost daemon
+makes the hooks act as ``NullHooks`` while the worker reconnects (``core.link.DaemonLink``).
+One worker thread does the round trips; work for a lost session is dropped, never replayed.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ passes a view of the same shape), on CPU or a GPU. An arena slot holds exactly o
 Copies on the engine thread are one batched torch op each (``index_select`` / ``index_copy_``
 over an int64-word view of the arena) or one ``copy_`` per run of consecutive rows, never a
 Python loop per block; the checksums (xxh3-64,
-``tierd.checksum.block_checksum``, ~30 GB/s) are computed block by block over memory already in
+``tierd.checksum.block_checksum``) are computed block by block over memory already in
 place.
 
 Load (``load_blocks``, the copy under ``core.sinks.PoolRows``), host pool: each slot checked
@@ -25,8 +25,8 @@ consecutive pool rows, so the pool may be reused at once) -> reserved arena slot
 memcpys of runs of adjacent slots (no torch op, so a background thread does not start a second
 OpenMP team beside the engine's). The daemon checksums the slots at the Commit.
 
-Staging memory is allocated and zero-filled once (first touch of fresh pages costs ~2.5 s/GiB on
-these hosts; a per-call temporary would pay it on every transfer).
+Staging memory is allocated and zero-filled once (the first touch of fresh pages is slow; a
+per-call temporary would pay it on every transfer).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class ArenaSlots:
         size = arena.numel()
         self.num_slots = (size // geometry.slab_bytes) * geometry.slots_per_slab
         # Copy in 8-byte words where the geometry allows: torch's indexed copies move one
-        # element at a time, so uint8 elements would be ~8x slower than memcpy.
+        # element at a time, so uint8 elements would be far slower than memcpy.
         unit = 8 if (geometry.slab_bytes % 8 == 0 and self.slot_bytes % 8 == 0
                      and arena.data_ptr() % 8 == 0) else 1
         base = arena[:size // unit * unit].view(torch.int64) if unit == 8 else arena

@@ -230,10 +230,9 @@ def _decode(
     Per chunk of sequences (sorted by length, so a chunk's width fits its longest member):
     - K: one gather of whole (block, head) slabs through a ``[B, D/x]`` view of x-vectors, so
       the transposition to token-major rows rides inside the gather; then one batched matmul
-      per (sequence, head): in half precision ``K [L, D] @ q^T [D, G]`` (beats ``q @ K^T`` on
-      a bf16-capable CPU, ~9 vs ~12 ms on one thread for the benchmark's decode), in fp32
-      ``q [G, D] @ K^T [D, L]`` (~2.5x faster than the other on an AVX2 host). The scale is
-      folded into ``q``; an fp32 softmax over ``L``.
+      per (sequence, head): in half precision ``K [L, D] @ q^T [D, G]`` (faster than
+      ``q @ K^T`` on a bf16-capable CPU), in fp32 ``q [G, D] @ K^T [D, L]`` (faster than the
+      other there). The scale is folded into ``q``; an fp32 softmax over ``L``.
     - V: one row gather, no transposition: P.V is a batched matmul per (block, head), with
       V's tokens (already its innermost axis) as the reduction (``[D, B] @ [B, G]`` or
       ``[G, B] @ [B, D]``), summed over blocks.
@@ -254,8 +253,8 @@ def _decode(
     # Scaled in fp32 (one rounding to the query dtype), as [S, Hk, D, G] for K @ q^T.
     cdt = compute_dtype(query)
     # Which operand is wide: fp32 matmuls (MKL sgemm) run fastest with the tokens as the
-    # output's columns (``q @ K^T``, ``P @ V^T``: ~2.5x faster than the other orientation on an
-    # AVX2 host); half-precision ones with the tokens as its rows (``K @ q^T``, ``V @ P^T``).
+    # output's columns (``q @ K^T``, ``P @ V^T``); half-precision ones with the tokens as its
+    # rows (``K @ q^T``, ``V @ P^T``).
     wide = cdt == torch.float32
     q_s = q.float().mul_(scale).to(cdt)
     q_c = q_s if wide else q_s.transpose(-1, -2).contiguous()  # [S, Hk, G, D] or [S, Hk, D, G]
@@ -325,9 +324,8 @@ def _decode(
 
 def compute_dtype(query: torch.Tensor) -> torch.dtype:
     """The dtype decode's matmuls run in: the query's, except half precision on a CPU without
-    native half-precision matrix units, where fp32 is several times faster (on an AVX2 host a
-    bf16 ``bmm`` runs ~4x slower than fp32 over the same data, and the upcast is a cache-warm
-    copy)."""
+    native half-precision matrix units, where fp32 is several times faster (the upcast is a
+    cache-warm copy)."""
     if query.device.type != "cpu" or query.dtype == torch.float32:
         return query.dtype
     native = {
@@ -383,7 +381,7 @@ def _prefill(
     log-sum-exps. Elsewhere one SDPA with a causal-offset mask. K/V are gathered in the
     query's dtype even where decode computes in fp32 (``compute_dtype``): the flash kernel
     upcasts half precision block by block itself, and fp32 copies of the gathered K/V (fresh
-    memory each call) measured slower (0.98-1.18x of SDPA against 0.84-0.89x on an AVX2 host).
+    memory each call) were slower.
     """
     cdt = query.dtype  # SDPA's CPU flash kernel upcasts half precision block by block itself
     for i in seqs:

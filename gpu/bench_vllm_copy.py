@@ -1,4 +1,4 @@
-"""GPU check of the connector's device path (issue 11): H2D and D2H GB/s of ``DeviceTransfer``
+"""GPU check of the connector's device path: H2D and D2H GB/s of ``DeviceTransfer``
 between a registered tierd arena and GPU KV tensors laid out as vLLM 0.33 allocates them (per-
 layer ``[B, H, N, K|V]`` views of one buffer), beside a pinned torch tensor's copy of the same
 bytes measured in the same run (target: >= 0.80 of it). Also checks the bytes: a save, then a

@@ -1,6 +1,6 @@
 """The paged KV cache: per-layer K/V views over one pool whose rows are whole tier blocks.
 
-Per layer, in the design essay's layout (``x = 16 bytes / element size``)::
+Per layer, in vLLM's original PagedAttention layout (``x = 16 bytes / element size``)::
 
     K: [num_blocks, num_kv_heads, head_size // x, block_size, x]
     V: [num_blocks, num_kv_heads, head_size, block_size]

@@ -1,6 +1,6 @@
 // Paged attention for decode (one query token per sequence) over tierd's paged KV cache.
 //
-// Follows the design essay (vLLM's original PagedAttention kernel, section 4):
+// Follows vLLM's original PagedAttention kernel:
 //   - one thread block per (query head, sequence): grid = (num_heads, num_seqs);
 //   - NUM_WARPS warps take the sequence's KV blocks round-robin (warp w: blocks w, w + NUM_WARPS..);
 //   - inside a warp, a thread group of THREAD_GROUP_SIZE = 32 / BLOCK_SIZE lanes owns one key

@@ -1,4 +1,4 @@
-"""GPU check of ``TierdTier`` under vLLM's native tiered offloading (issue 19), for a GPU host
+"""GPU check of ``TierdTier`` under vLLM's native tiered offloading, for a GPU host
 with vLLM (0.32+) and tierd installed. Not run yet: no GPU host with vLLM was available.
 
 A `tierd serve` on a temporary socket, then two engines in turn (each a fresh process, so the

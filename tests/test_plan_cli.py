@@ -133,7 +133,7 @@ def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_walkthrough_prints_plans_and_trace(capsys: pytest.CaptureFixture[str]) -> None:
-    """`tierd demo --walkthrough` narrates the essay's plans, then paged vs contiguous."""
+    """`tierd demo --walkthrough` narrates a few plans, then paged vs contiguous."""
     assert main(["demo", "--walkthrough"]) == 0
     out = capsys.readouterr().out
     assert "   GPU KV cache size: 393,216 tokens" in out

@@ -1,4 +1,4 @@
-"""tierd.planner: vLLM's start-up figures, the essay's advice bands, trace waste."""
+"""tierd.planner: vLLM's start-up figures, the advice bands, trace waste."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_band_boundaries() -> None:
     assert plan(PlanInputs(LLAMA, kv_pool_gib=9.99)).band == "under_10x"
 
 
-def test_under_10x_advice_in_essay_order() -> None:
+def test_under_10x_advice_in_order() -> None:
     """4 GiB budget pool at 8,192: fp8, lower length, quantize, TP, GQA, with what-ifs."""
     p = plan(PlanInputs(LLAMA, gpu_memory_gib=24, weights_gib=16, overhead_gib=4,
                         gpu_memory_utilization=1.0))

@@ -1,33 +1,19 @@
 """Model identity: which weights computed a block, as a short string in every namespace.
 
-Blocks are keyed by token-id hash chains, which say nothing about the model: two models of one
-shape (a base model and its fine-tune, Llama-3 and Llama-3.1, new weights at an old path) hash
-the same prompt to the same chain. So every namespace (``tierd.daemon.layout.Layout.model_id``)
-carries a *model id*, built only here, by every front end:
-
-    model id = "<label>@<digest>"   e.g.  "Llama-3-8B-Instruct@3f2a9c1b7d6e5f40"
+Hash chains say nothing about the model (a base model and its fine-tune hash a prompt alike),
+so every namespace (``tierd.daemon.layout.Layout.model_id``) carries a *model id*, built only
+here, by every front end: ``"<label>@<digest>"``, e.g. ``"Llama-3-8B-Instruct@3f2a9c1b7d6e5f40"``.
 
 - ``label``: readable (the served model name or the checkpoint folder), for ``tierd stats``.
-- ``digest``: 16 hex digits of sha256 over the *content* of the checkpoint and the engine
-  settings that change K and V for given weights (compute dtype, quantization, config
-  overrides such as RoPE scaling; the KV dtype and shape are in the layout already):
-  - ``config.json`` (canonical JSON: formatting does not count, every value does);
-  - every weight file at the top of the checkpoint (``*.safetensors``, ``*.bin``, ``*.pt``,
-    ``*.pth``, ``*.gguf``): its name and size, a safetensors file's header (every tensor's
-    name, dtype, shape and offsets) and 4 KiB from the start, middle and end of every tensor's
-    bytes; other formats: 65 evenly spaced 4 KiB pieces.
+- ``digest``: 16 hex digits of sha256 over ``config.json`` (canonical JSON), the engine settings
+  that change K and V for given weights (compute dtype, quantization, config overrides), and
+  every top-level weight file's name, size, safetensors header and 4 KiB from the start, middle
+  and end of every tensor (other formats: 65 evenly spaced 4 KiB pieces).
 
-What this means: copies of one checkpoint in two places, served under one name, share blocks
-(same content, same label: another name is another id, as an operator would expect); different
-weights, even with an identical ``config.json`` and identical headers, differ in the sampled
-bytes of every tensor a fine-tune, a merge or a quantization touches; rewriting the files in
-place changes the id. Not seen: an edit that leaves every sampled piece of every tensor as it
-was (set ``model_id`` by hand after such deliberate surgery). The cost is a few preads per
-tensor whatever the checkpoint's size (``tierd bench identity`` measures it).
-
-An operator may also give the id outright (``kv_connector_extra_config`` ``model_id``), e.g. to
-share one cache between checkpoints that differ only in ways that do not change KV. A wrong
-value serves one model's KV to another: ``validate_model_id`` checks only its spelling.
+So copies of one checkpoint served under one name share blocks; other weights, or files rewritten
+in place, get another id; an edit that leaves every sampled piece as it was is not seen (set
+``model_id`` by hand then). ``model_id`` given outright shares one cache between checkpoints; a
+wrong value serves one model's KV to another (``validate_model_id`` checks only its spelling).
 """
 
 from __future__ import annotations

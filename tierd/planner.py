@@ -1,4 +1,4 @@
-"""KV-cache memory planning: vLLM's start-up figures, the design essay's advice, trace waste.
+"""KV-cache memory planning: vLLM's start-up figures, advice for the band, trace waste.
 
 Pure computation, no I/O and no torch, so ``tierd plan`` answers instantly. From a model's shape
 (:class:`ModelShape`), a KV dtype, a block size and either an explicit per-GPU KV pool or a GPU's
@@ -7,8 +7,8 @@ memory budget (:class:`PlanInputs`), :func:`plan` computes what vLLM prints at s
     GPU KV cache size: 393,216 tokens
     Maximum concurrency for 8,192 tokens per request: 48.00x
 
-with ``X = num_blocks / ceil(max_model_len / block_size)``, then the design essay's advice
-(section 8.2) for the concurrency band it falls in. :func:`trace_waste` compares the KV bytes a
+with ``X = num_blocks / ceil(max_model_len / block_size)``, then the advice for the concurrency
+band it falls in (docs/planning.md). :func:`trace_waste` compares the KV bytes a
 trace of requests wastes under contiguous allocation (every request reserves ``max_model_len``)
 with paged allocation (only each request's last partial block). Sizes are binary: 1 GiB = 2**30.
 """
@@ -319,7 +319,7 @@ def _what_if(inputs: PlanInputs, **changes: Any) -> float:
 
 
 def _advice(measured: Plan) -> tuple[Advice, ...]:
-    """The design essay's section 8.2, in its order, skipping steps already taken."""
+    """The advice for the plan's band, in order, skipping steps already taken."""
     inputs, steps = measured.inputs, []
     budgeted = inputs.memory_gib is not None
     no_fp8 = inputs.gpu is not None and not inputs.gpu.native_fp8

@@ -1,9 +1,9 @@
 """Blank slots reserved ahead of a front end's next store, so that its copy starts at once.
 
-A store names its blocks in a Reserve round trip before it can copy (``core.save``): ~2-3 ms for
-128 blocks of 2 MiB on a 2-core host, a tenth of the copy. A ``SlotStock`` keeps one reservation
-of *blank* slots (``Reserve`` with ``blank_slots``), asked for right after each store, so the
-next store takes it, copies into its first slots at once and names them at its Commit
+A store names its blocks in a Reserve round trip before it can copy (``core.save``). A
+``SlotStock`` keeps one reservation of *blank* slots (``Reserve`` with ``blank_slots``), asked
+for right after each store, so the next store takes it, copies into its first slots at once and
+names them at its Commit
 (``CommitRequest.block_hashes``; a block the node holds already is stored once, its slot freed,
 and slots past the store's blocks are freed too).
 

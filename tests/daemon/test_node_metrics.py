@@ -120,7 +120,7 @@ def _stats(hit_ratio: float, queries: int = 160) -> NodeStats:
     (0.8, "healthy"), (0.5, "check prompt template order"), (0.2, "low"),
     (0.05, "check routing"),
 ])
-def test_reading_follows_the_essay(ratio: float, words: str) -> None:
+def test_reading_says_what_the_ratio_means(ratio: float, words: str) -> None:
     """> 0.7 healthy; 0.3-0.7 template order; < 0.1 routing, pool size, timestamps."""
     assert words in _stats(ratio).reading()
     assert _stats(0.0, queries=0).reading() == "no lookups yet"

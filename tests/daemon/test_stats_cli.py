@@ -1,5 +1,5 @@
-"""`tierd stats` against a real daemon: the table, --json, the essay's reading, "pool too small",
-and the message when no daemon runs."""
+"""`tierd stats` against a real daemon: the table, --json, the hit ratio's reading, "pool too
+small", and the message when no daemon runs."""
 
 from __future__ import annotations
 

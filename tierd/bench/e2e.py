@@ -3,8 +3,7 @@
 1. TTFT of a prompt whose 2k-token prefix is computed (cold: in no tier), hit in the engine's pool
    (hot), loaded from the DRAM tier, and loaded from the SSD tier (after a maintain pass demoted
    it), each in a fresh engine (a warm-up request first, so no first-call cost is counted).
-   Targets: cold / DRAM >= 10x, cold / SSD >= 5x (the design essay and LMCache claim 5-20x and
-   3-10x).
+   Targets: cold / DRAM >= 10x, cold / SSD >= 5x.
 2. Each hit's extra time over a hot hit, against the time to move the same KV bytes at memcpy
    speed (DRAM) and raw sequential disk read speed (SSD; ``tierd.daemon.ssd.rawdisk``), both
    measured in this run on this machine. Target: within 2x. Each extra comes from pairs measured

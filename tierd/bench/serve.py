@@ -11,7 +11,7 @@ serve` processes of vLLM's CPU build with TierdConnector, serving a small seeded
 - **tierd SSD**: after `tierd serve` restarts (SIGTERM writes DRAM to SSD), B again.
 
 Every hit must give the cold run's greedy text. It prints the median TTFT of each and the ratios
-cold / DRAM hit and cold / SSD hit against ``--limit`` (10 and 5, the design essay's), and the
+cold / DRAM hit and cold / SSD hit against ``--limit`` (10 and 5), and the
 DRAM hit / vLLM's own cache (how close a tierd hit comes to never having left the engine).
 Run it with vLLM's CPU build: ``make bench-serve`` (``ARGS="--tokens 8192"``).
 """

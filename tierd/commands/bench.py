@@ -52,8 +52,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         child = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.configure(child)
         child.set_defaults(_bench_run=module.run)
-    everything = sub.add_parser("all", help="Run every benchmark with its default flags, in turn "
-                                            "(but serve).")
+    everything = sub.add_parser("all", help="Run every benchmark with its default flags, in turn, "
+                                            "but those that need an engine's venv (serve, "
+                                            "vllm-tier, sglang).")
     everything.set_defaults(_bench_run=None)
 
 

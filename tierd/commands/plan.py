@@ -1,8 +1,8 @@
 """`tierd plan`: size the KV pool the way vLLM will, and say what to do about it.
 
 Prints vLLM's start-up figures (bytes per token and per block, ``GPU KV cache size: N tokens``,
-``Maximum concurrency for L tokens per request: X.XXx``), the design essay's advice for that
-concurrency band, and with ``--trace`` the KV memory contiguous allocation would waste compared
+``Maximum concurrency for L tokens per request: X.XXx``), the advice for that concurrency
+band, and with ``--trace`` the KV memory contiguous allocation would waste compared
 with paged allocation. All computation lives in :mod:`tierd.planner`; this module parses flags
 and renders text or JSON. It never imports torch, so it answers instantly.
 """
@@ -208,7 +208,7 @@ def walkthrough() -> int:
     """`tierd demo` until the daemon exists: a narrated tour of a few plans and a trace."""
     llama = planner.preset("Llama-3-8B")
     tours: list[tuple[str, str, PlanInputs]] = [
-        ("Llama-3-8B with fp16 KV in a 48 GiB pool (the design essay's running example).",
+        ("Llama-3-8B with fp16 KV in a 48 GiB pool.",
          "--model Llama-3-8B --kv-pool-gib 48",
          PlanInputs(llama, kv_pool_gib=48)),
         ("The same pool with fp8 KV: half the bytes per token, so twice the tokens and "
@@ -216,11 +216,11 @@ def walkthrough() -> int:
          "--model Llama-3-8B --kv-pool-gib 48 --kv-cache-dtype fp8",
          PlanInputs(llama, kv_cache_dtype="fp8", kv_pool_gib=48)),
         ("Budgeting from the GPU instead: Qwen3-8B on one L40S at 0.92 utilization "
-         "(essay 8.3a: a chatbot).",
+         "(a chatbot).",
          "--model Qwen3-8B --gpu L40S --gpu-memory-utilization 0.92 --overhead-gib 6",
          PlanInputs(planner.preset("Qwen3-8B"), gpu=planner.gpu("L40S"),
                     gpu_memory_utilization=0.92, overhead_gib=6)),
-        ("Long context on Ampere: Qwen3-32B on 2x A100 at 131,072 tokens (essay 8.3c). "
+        ("Long context on Ampere: Qwen3-32B on 2x A100 at 131,072 tokens. "
          "Under 10x, and no native fp8.",
          "--model Qwen3-32B --gpu A100 -tp 2 --gpu-memory-utilization 0.95 "
          "--max-model-len 131072",

@@ -2,9 +2,9 @@
 
 Per tier: blocks used / capacity, bytes, pinned, hit ratio, evictions, demotions, promotions; the
 caller's tenant's use against its quota (every tenant's with the admin token); per engine of the
-caller's tenant: HBM occupancy. Under the table, the design essay's reading of the
-hit ratio, and "pool too small" when blocks are reused later (reuse-gap P90) than evicted blocks
-typically sat idle (idle-before-evict P50).
+caller's tenant: HBM occupancy. Under the table, what the hit ratio means, and "pool too small"
+when blocks are reused later (reuse-gap P90) than evicted blocks typically sat idle
+(idle-before-evict P50).
 """
 
 from __future__ import annotations

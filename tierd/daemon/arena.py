@@ -214,7 +214,7 @@ class ShmArena:
 
         ``prefault`` maps every page of the tensor's own mapping now (page tables only, contents
         unchanged; a mapping of its own is not covered by ``attach(prefault=True)``): otherwise
-        the first copy through each page takes a fault, ~7 ms per 8 MiB on the copying thread.
+        the first copy through each page takes a page fault on the copying thread.
 
         Engines copy blocks with ``tensor[off:off + n].copy_(src)``; on a GPU host they
         ``cudaHostRegister`` ``tensor.data_ptr()`` once so those copies are DMA from pinned memory.

@@ -194,8 +194,8 @@ class _CountsCollector:
 
 
 class AgeHistogram:
-    """A seconds histogram cheap enough to observe once per block on the hot path (~0.3 us: a
-    bisect, no lock; the event loop is its only writer), exported as a Prometheus histogram."""
+    """A seconds histogram cheap enough to observe once per block on the hot path (a bisect, no
+    lock; the event loop is its only writer), exported as a Prometheus histogram."""
 
     def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
         self.name, self.documentation = name, documentation
@@ -283,7 +283,7 @@ class NodeStats:
                 and self.reuse_gap_p90 > self.idle_before_evict_p50)
 
     def reading(self) -> str:
-        """The design essay's interpretation of the hit ratio, one line."""
+        """What the hit ratio means for the operator, in one line."""
         queries = max((t.queries for t in self.tiers.values()), default=0)
         r = self.hit_ratio
         if queries == 0:

@@ -100,7 +100,7 @@ class RecordHeader:
 def choose_payload(payload: memoryview, compression: Compression) -> tuple[int, memoryview | bytes]:
     """(flags, bytes to store): lz4 only if it is strictly smaller (``lz4``) or saves >= 10%
     (``auto``, which first compresses a 64 KiB sample taken from four places in the block, so
-    incompressible KV such as raw fp16/bf16 costs ~0.02 ms per 2 MiB block)."""
+    incompressible KV such as raw fp16/bf16 costs little)."""
     if compression == "off":
         return 0, payload
     if compression == "auto" and len(payload) > _AUTO_SAMPLE:

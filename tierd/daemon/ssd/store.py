@@ -1,31 +1,15 @@
 """The SSD (cold) tier: append-only segment files in a directory with a byte bound, behind one
 asynchronous facade, ``SsdStore``, which runs the file I/O on threads and settles its outcomes.
 
-Records (header, padding) are in ``record``; segment files and the blocking I/O on them in
-``segment``; the in-memory index (key -> segment, offset, header, and each segment's live and
-garbage bytes) in ``index`` (all in ``tierd.daemon.ssd``). A demotion pass
-(``write_many``) appends its records to the current segment with one vectored write and one
-``fdatasync`` (a directory ``fsync`` only when it creates a segment), on a single writer thread,
-then acknowledges them. ``read_many`` sorts its records by (segment, offset) and reads each run
-of adjacent records with one ``preadv`` straight into the targets.
-
-Removal marks a record dead: ``used_bytes`` (what counts against the bound) is the live records'
-bytes; the files also hold garbage. A segment whose records are all dead is unlinked at once;
-before a batch is appended, if the sealed segments' garbage passes ``garbage_fraction`` of the
-full bound, ``compact`` re-appends the live records of the segments with the most garbage (on
-the writer thread, so it is ordered with appends), at most a segment's worth at a time, and
-unlinks each group once copied, until their garbage is at most half that. Hence on disk, records
-no larger than a segment:
-
-    physical bytes <= full bound * (1 + garbage_fraction) + 2 * segment_bytes
-
-(the current segment's garbage, and the live bytes of a segment being copied), except after a
-reopen with a smaller capacity until the caller has removed the excess. A bound given as
-``footprint_bytes`` is turned into the capacity that keeps this under it (``bound``).
-
-A write that fails with ``ENOSPC`` or ``EDQUOT`` does not make the store unhealthy: it lowers
-the effective bound (``capacity_bytes``) below the live bytes, so the caller evicts to make room,
-with one warning; later writes raise it again as the filesystem has room (``bound``).
+Records are in ``record``, segment files and their blocking I/O in ``segment``, the in-memory
+index in ``index``. ``write_many`` appends a batch with one vectored write and one
+``fdatasync`` on a single writer thread; ``read_many`` reads each run of adjacent records with
+one ``preadv`` straight into the targets. Removal marks a record dead (``used_bytes``, what
+counts against the bound, is the live bytes); a segment with no live record is unlinked, and
+``compact`` re-appends the live records of the segments with the most garbage once it passes
+``garbage_fraction``, so on disk ``physical bytes <= full bound * (1 + garbage_fraction) +
+2 * segment_bytes`` (``bound`` turns a ``footprint_bytes`` into that capacity). ``ENOSPC`` or
+``EDQUOT`` lowers the effective bound (``capacity_bytes``) instead of failing the store.
 
 Not thread-safe: call it from one thread (the daemon's event loop); only file I/O is offloaded.
 """
