@@ -4,9 +4,9 @@ node's lookups (SHARDS: spatial sampling with a fixed memory bound).
 **Off the request path.** A lookup only queues its chain (its keys joined into one bytes
 object: O(1) per request besides that copy, bounded by ``max_pending_blocks``); the maintenance
 pass samples and replays the queue (``drain_async``: in steps, requests served between them; a
-read of the curves replays at most a few thousand blocks itself). A block is sampled when 3 bytes of its hash
-fall under a threshold (rate ``R = threshold / 2**24``): the same blocks are sampled every time
-they are looked up, whichever chain holds them.
+read of the curves replays at most a few thousand blocks itself). A block is sampled when 3
+bytes of its hash fall under a threshold (rate ``R = threshold / 2**24``): the same blocks are
+sampled every time they are looked up, whichever chain holds them.
 
 **Model.** Each sampled block gets its stack distance: the distinct sampled blocks referenced
 since its own last reference (a ``Fenwick`` tree over reference times), scaled by ``1 / R``. A
