@@ -71,13 +71,18 @@ def new_keys(n: int) -> list[OffloadKey]:
 class TierEngine:
     """One engine's offloading manager (module doc)."""
 
-    def __init__(self, model_dir: str, socket_path: str, **kwargs: Any) -> None:
+    def __init__(self, model_dir: str, socket_path: str, *, connect: bool = True,
+                 **kwargs: Any) -> None:
+        """``connect``: wait until the tier has reached the daemon, as a running engine has
+        (a tier still starting answers MISS)."""
         tier = {"socket_path": socket_path, "retry_seconds": 0.0, "timeout_seconds": 5.0,
                 **kwargs.pop("tier", {})}
         self.config = offloading_config(model_dir, tier, **kwargs)
         self.spec = TieringOffloadingSpec(self.config)
         self.manager = self.spec.get_manager()
         self.tier = self.manager.secondary_tiers[0]
+        if connect:
+            assert self.tier.connect(), "no tierd daemon"
         # vLLM 0.33's manager lock (0.32's manager is entered from one thread and has none)
         self.lock = getattr(self.manager, "lock", contextlib.nullcontext())
         self._n = 0
