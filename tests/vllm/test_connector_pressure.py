@@ -3,6 +3,13 @@ forward steps slower than the daemon's leases."""
 
 from __future__ import annotations
 
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 
 pytest.importorskip("vllm", reason="needs real vLLM: run `make test-vllm`")
@@ -12,6 +19,20 @@ from harness import BLOCK, Daemon, Engine, make_request, vllm_config  # noqa: E4
 from tierd.daemon.client import TierdClient  # noqa: E402
 
 pytestmark = pytest.mark.vllm
+
+LEASE = 2.0
+"""The write lease of the ``short_lease`` daemon, seconds; a slow step outlasts it."""
+
+
+@pytest.fixture
+def short_lease() -> Iterator[Daemon]:
+    """A daemon (DRAM only) whose leases and reservations last ``LEASE`` seconds."""
+    workdir = tempfile.mkdtemp(prefix="tierd-v")
+    running = Daemon(workdir, ssd=False)
+    running.start("--lease-seconds", str(LEASE))
+    yield running
+    running.stop()
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def prompt(seed: int, blocks: int = 6) -> list[int]:
@@ -63,3 +84,60 @@ def test_waiting_requests_are_looked_up_once(model_dir: str, daemon: Daemon,
     finally:
         a.close()
         b.close()
+
+
+def test_a_step_slower_than_the_write_lease_still_saves(model_dir: str,
+                                                        short_lease: Daemon) -> None:
+    """A's prefill step outlasts the write lease between its first layer's Reserve and
+    wait_for_save (a forward pass on an overloaded host): its 6 blocks are re-offered under a
+    fresh reservation and stored, none dropped, and B loads all 6."""
+    a = Engine.start(vllm_config(model_dir, short_lease.socket_path))
+    b = Engine.start(vllm_config(model_dir, short_lease.socket_path))
+    real_wait = a.worker.wait_for_save
+    slowed: list[bool] = []
+
+    def slow_step() -> None:
+        if not slowed:
+            slowed.append(True)
+            time.sleep(LEASE + 0.5)
+        real_wait()
+
+    a.worker.wait_for_save = slow_step
+    try:
+        a.run([make_request("a", prompt(1))])
+        counters = a.worker.worker_counters.data
+        assert (counters["saved_blocks"], counters["dropped_blocks"]) == (6, 0)
+        assert counters["reoffered_blocks"] == 6 and counters["lapsed_blocks"] == 0
+        b.run([make_request("b", prompt(1))])
+        assert b.worker.worker_counters.data["loaded_blocks"] == 6
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_commit_that_lands_after_its_lease_is_a_warning(
+        model_dir: str, short_lease: Daemon, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The committer thread is held up past the write lease (the step itself was fast): the
+    daemon refuses the Commit, and the 6 lost blocks are a WARNING and counted as dropped and
+    lapsed, never lost silently."""
+    import tierd.connector.vllm.commits as commits
+
+    real_commit = commits._commit
+
+    def late(*args: Any) -> Any:
+        time.sleep(LEASE + 0.5)
+        return real_commit(*args)
+
+    monkeypatch.setattr(commits, "_commit", late)
+    a = Engine.start(vllm_config(model_dir, short_lease.socket_path))
+    try:
+        with caplog.at_level(logging.WARNING, logger="tierd.connector.vllm.commits"):
+            a.run([make_request("a", prompt(2))])
+            counters = a.worker.worker_counters.data
+        assert counters["saved_blocks"] == 0
+        assert counters["dropped_blocks"] == counters["lapsed_blocks"] == 6
+        assert any("6 saved blocks were not stored" in r.getMessage() and "lease" in
+                   r.getMessage() for r in caplog.records)
+    finally:
+        a.close()
