@@ -36,6 +36,9 @@ class Reservation:
     lease_id: str
     slot_ids: list[int | None]
     already_stored: list[bool]
+    seconds_left: float = float("inf")
+    """The lease the daemon granted (commit or abort before it runs out, counted from when the
+    Reserve was sent)."""
 
     @property
     def targets(self) -> list[int]:
@@ -53,7 +56,8 @@ def reserve(client: TierdClient, engine_id: str, hashes: Sequence[BlockHash], *,
     engine answered from the presence filter since its last Reserve, for the node's hit
     ratio. Raises ``grpc.RpcError``."""
     got = client.reserve(engine_id, hashes, filtered_query_tokens=filtered_query_tokens)
-    return Reservation(engine_id, got.lease_id, list(got.slot_ids), list(got.already_stored))
+    return Reservation(engine_id, got.lease_id, list(got.slot_ids), list(got.already_stored),
+                       got.seconds_left)
 
 
 def write_rows(slots: ArenaSlots, slot_ids: Sequence[int | None], rows: torch.Tensor) -> None:

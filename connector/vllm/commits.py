@@ -10,22 +10,31 @@ With TP > 1, a step's Commit is *held* until the scheduler's verdict on that ste
 then committed as not written, so no rank stores what another rank computed on a failed load.
 
 The committer thread only returns outcomes; ``harvest`` applies them (counters, a failed call
-through ``DaemonLink.failed``) on the engine thread.
+through ``DaemonLink.failed``) on the engine thread. A failed Commit loses its blocks: never
+silently. They count as ``dropped_blocks`` (and ``lapsed_blocks`` where the write lease had
+ended, a step slower than the lease), with a WARNING (at most one a minute, with the count
+since the last).
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
 
-from tierd.connector.core.link import DaemonLink, Session
+from tierd.connector.core.errors import classify, describe
+from tierd.connector.core.link import WARN_EVERY_SECONDS, DaemonLink, Session
 from tierd.connector.core.save import Reservation, commit
 from tierd.daemon.client import TierdClient
 
 from .cuda_copy import SaveTicket
 from .stats import Counters
+
+_log = logging.getLogger(__name__)
 
 _Outcome = tuple[int, int, grpc.RpcError | None]  # blocks stored, blocks lost, the error
 
@@ -46,9 +55,11 @@ class Committer:
     Commits run on a thread of their own over a channel of their own."""
 
     def __init__(self, link: DaemonLink, counters: Counters, slot_bytes: int,
-                 tp_size: int) -> None:
+                 tp_size: int, clock: Callable[[], float] = time.monotonic) -> None:
         self._link, self._counters, self._slot_bytes = link, counters, slot_bytes
-        self._tp_size = tp_size
+        self._tp_size, self._clock = tp_size, clock
+        self._lost = 0                  # blocks lost since the last WARNING
+        self._warned = -WARN_EVERY_SECONDS
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tierd-commit")
         self._futures: list[tuple[Session | None, Future[_Outcome]]] = []
         self._client: TierdClient | None = None
@@ -91,10 +102,27 @@ class Committer:
                     self._client = None
                 if session is not None:  # a failure of an older session drops nothing
                     self._link.failed(exc, session, names_lease=True)
+                self._warn_lost(lost, exc)
             self._counters.count("dropped_blocks", lost)
             self._counters.count("saved_blocks", stored)
             self._counters.count("saved_bytes", stored * self._slot_bytes)
         self._futures = keep
+
+    def _warn_lost(self, lost: int, exc: grpc.RpcError) -> None:
+        """Count a failed Commit's ``lost`` blocks as lapsed where its lease had ended, and say
+        so in a WARNING (at most one per ``WARN_EVERY_SECONDS``, naming the blocks lost since)."""
+        lapsed = classify(exc, names_lease=True) == "lease"
+        if lapsed:
+            self._counters.count("lapsed_blocks", lost)
+        self._lost += lost
+        now = self._clock()
+        if not self._lost or now - self._warned < WARN_EVERY_SECONDS:
+            return
+        _log.warning("tierd: %d saved blocks were not stored (%s)%s; counted in dropped_blocks",
+                     self._lost, describe(exc),
+                     ": the write lease ended before the Commit (a step slower than the "
+                     "daemon's lease_seconds); raise lease_seconds" if lapsed else "")
+        self._lost, self._warned = 0, now
 
     def close(self) -> None:
         """Land every submitted Commit and count it; Commits still waiting for a verdict are

@@ -474,6 +474,13 @@ class DeviceTransfer:
                 landed.record()
         return SaveTicket(save.blocks, landed)
 
+    def drop_save(self) -> None:
+        """Drop the open save without touching the arena (its slots may be freed at once); the
+        current stream waits for the gathers already queued, as ``finish_save`` makes it."""
+        save, self._save = self._save, None
+        if save is not None and save.layers:
+            self._gathered().block_current()
+
     def save_done(self, ticket: SaveTicket) -> bool:
         """True once the ticket's bytes are in the arena (does not block)."""
         return ticket.landed.query()

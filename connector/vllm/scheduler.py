@@ -1,15 +1,18 @@
 """The scheduler half of the vLLM adapter: which blocks to load and which to save, per step.
 
 Metadata only (no KV bytes). Per request scheduled from the waiting queue, one ``Lookup`` (the
-tier of each hit, for vLLM's hit-source stats) and one ``Acquire`` per TP rank: **the hit it
-reports is pinned** under a lease, so between this answer and the workers' load only a dead
-daemon can make the load fail. A hit with SSD blocks is not waited for. With host KV it is an
-asynchronous load (vLLM's ``load_async``), not pinned here: the workers acquire and copy it
-chunk by chunk as the daemon reads it (``streaming``) and report it through ``get_finished``.
-With CUDA KV its Acquires run as futures while the daemon stages the blocks into DRAM, and the
-lookup answers None until they resolve (vLLM asks again at its next step). A pin is released on
+tier of each hit, for vLLM's hit-source stats; the one the daemon counts for its hit ratio, so
+once per request, as vLLM counts its own prefix-cache queries) and one ``Acquire`` per TP rank:
+**the hit it reports is pinned** under a lease, so between this answer and the workers' load
+only a dead daemon can make the load fail. vLLM asks again at every step a request waits; those
+asks are answered from the first answer without a round trip while its pin is fresh. A hit
+with SSD blocks is not waited for. With host KV it is an asynchronous load (vLLM's
+``load_async``), not pinned here: the workers acquire and copy it chunk by chunk as the daemon
+reads it (``streaming``) and report it through ``get_finished``. With CUDA KV its Acquires run
+as futures while the daemon stages the blocks into DRAM, and the lookup answers None until
+they resolve (vLLM asks again at its next step). A pin is released on
 every path: when every worker has reported the load done (``TierdWorkerMetadata.loaded``), when
-vLLM allocates no external tokens, when the request is looked up again, finishes or is aborted
+vLLM allocates no external tokens, when the request is looked up afresh, finishes or is aborted
 (an abandoned staging is released as its Acquires resolve), and at the latest when its lease
 expires.
 
@@ -74,6 +77,19 @@ class _Pin:
     block_ids: list[int] = field(default_factory=list)  # where vLLM loads it (once planned)
     failed_from: int | None = None  # first hit block some worker failed to load
     stream: bool = False           # loaded asynchronously, the workers acquire it (no leases)
+    skipped: int = 0               # leading leased blocks dropped since (the local hit grew)
+    fresh_until: float = float("inf")  # clock time after which the answer is asked again
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """What the daemon said of a waiting request's blocks ``[start, end)``: the first ``held``
+    are held (pinned or streamed, ``_Pin``), the rest are not. vLLM asks again at every step a
+    request waits; such asks are answered from here."""
+
+    start: int
+    held: int
+    end: int
 
 
 _IN_DRAM: tuple[Tier, ...] = ("dram", "hbm")
@@ -91,6 +107,8 @@ class _Staging:
     futures: list[Future[AcquiredBlocks]]  # one per TP rank
     deadline: float
     clock: Callable[[], float]
+    end: int = 0                   # the end of the range asked for (``_Answer.end``)
+    asked: float = 0.0             # clock time the Acquires were sent
 
     def ready(self) -> bool:
         return all(f.done() for f in self.futures)
@@ -122,6 +140,8 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._recomputing: set[str] = set()
         self._local: dict[str, int] = {}          # block position past the local hit, per lookup
+        self._answers: dict[str, _Answer] = {}    # waiting requests the daemon answered for
+        self._counted: set[str] = set()           # requests whose Lookup the daemon counted
         self._failures_seen: set[int] = set()     # failed blocks reported since the last build
         self._step = 0                            # steps built
         self._reported = 0                        # steps whose workers' report arrived
@@ -135,14 +155,22 @@ class SchedulerSide:
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` (the local prefix-cache hit, block-aligned) that
         tierd holds and has now pinned for this request: full blocks only, and never the block
-        holding the request's last token (vLLM must compute that one to sample). Replaces the
-        request's earlier pin. 0 if the daemon is unreachable.
+        holding the request's last token (vLLM must compute that one to sample). 0 if the
+        daemon is unreachable.
 
         A hit with SSD blocks never makes the scheduler wait for a disk: with ``stream`` it is
         answered at once as an asynchronous load (``streams``: vLLM parks the request while the
         workers copy it as the daemon reads it; nothing pinned here); otherwise None while the
-        daemon stages it into DRAM (vLLM asks again at its next step). Blocks for a Lookup and,
-        for a DRAM hit, an Acquire round trip."""
+        daemon stages it into DRAM (vLLM asks again at its next step). The first ask of a
+        request blocks for a Lookup (the one the daemon counts for its hit ratio) and, for a
+        DRAM hit, an Acquire round trip.
+
+        vLLM asks again at every step a request waits (for KV space, say): such an ask is
+        answered from the first answer (``_answered``), with no round trip, while its pin is
+        fresh (less than half its lease gone) and the local hit has not shrunk. Otherwise the
+        range is acquired again without a Lookup (counted nothing), as futures, and the ask
+        answers None until they resolve. A hit answered this way is pinned like any other, so
+        a block the daemon lost since fails its load and vLLM recomputes it."""
         req_id, bs = request.request_id, self._block_size
         start = -(-num_computed_tokens // bs)
         self._local[req_id] = start
@@ -151,42 +179,85 @@ class SchedulerSide:
             if staging.start == start and not staging.ready() and not staging.expired():
                 self._staging[req_id] = staging
                 return None
-            pin = None
             if staging.start == start:
-                pin = self._collect(staging)
-            else:  # vLLM's local hit moved since: look up afresh
-                self._abandon(staging)
-            if pin is not None:
-                self._pins[req_id] = pin
-                return (start + len(pin.hashes)) * bs - num_computed_tokens
+                staged = self._settle(req_id, staging)
+                return (start + staged) * bs - num_computed_tokens if staged else 0
+            self._abandon(staging)  # vLLM's local hit moved since: ask afresh
+        end = self._end(request, start)
+        known = self._answered(req_id, start, end)
+        if known is not None:
+            return (start + known) * bs - num_computed_tokens if known else 0
+        before = self._pins.get(req_id)
         self._unpin(req_id)
-        usable = (request.num_tokens - 1) // bs  # full blocks that leave the last token out
-        if not self._load or usable <= start:
-            return 0
-        hashes = self._hashes(request)
-        end = min(usable, len(hashes),
-                  start + min(link.engine.max_blocks_per_request if link.up else 1 << 30
-                              for link in self._links))
         if end <= start or not all(link.connect() for link in self._links):
             return 0
-        wanted = [BlockHash(h) for h in hashes[start:end]]
-        tiers = self._look_up(wanted)
-        if not tiers:
+        wanted = [BlockHash(h) for h in self._hashes(request)[start:end]]
+        if req_id in self._counted:  # asked before: Acquires alone, counted nothing
+            seen = {before.start + i: t for i, t in enumerate(before.tiers)} if before else {}
+            tiers: list[Tier] = [seen.get(start + i, "dram") for i in range(len(wanted))]
+            self._staging[req_id] = self._stage(start, wanted, tiers, end, block=False)
+            return None
+        looked_up = self._look_up(wanted)
+        if looked_up is None:
             return 0
-        hits = wanted[:len(tiers)]
+        self._counted.add(req_id)
+        tiers, hits = looked_up, wanted[:len(looked_up)]
+        if not hits:
+            self._answers[req_id] = _Answer(start, 0, end)
+            return 0
         on_disk = any(tier not in _IN_DRAM for tier in tiers)
         if on_disk and self._stream:  # the workers acquire it as they copy it
             self._pins[req_id] = _Pin(start, hits, list(tiers), [], stream=True)
+            self._answers[req_id] = _Answer(start, len(hits), end)
             return (start + len(hits)) * bs - num_computed_tokens
-        staging = self._stage(start, hits, tiers)
+        staging = self._stage(start, hits, tiers, end, block=not on_disk)
         if on_disk:
             self._staging[req_id] = staging
             return None
-        pin = self._collect(staging)
-        if pin is None:
+        held = self._settle(req_id, staging)
+        return (start + held) * bs - num_computed_tokens if held else 0
+
+    def _end(self, request: Any, start: int) -> int:
+        """The end of the block range to ask the daemon for from ``start``: the full blocks
+        that leave the last token out, cut to the daemon's ``max_blocks_per_request`` (``start``
+        when there is nothing to ask)."""
+        usable = (int(request.num_tokens) - 1) // self._block_size
+        if not self._load or usable <= start:
+            return start
+        hashes = self._hashes(request)
+        most = min(int(link.engine.max_blocks_per_request) if link.up else 1 << 30
+                   for link in self._links)
+        return max(start, min(usable, len(hashes), start + most))
+
+    def _answered(self, req_id: str, start: int, end: int) -> int | None:
+        """Blocks from ``start`` held for ``req_id`` as its last answer says, its pin cut to
+        them; None if that answer cannot tell (none yet, the local hit shrank, the range grew,
+        the pin was planned, released or is no longer fresh)."""
+        answer = self._answers.get(req_id)
+        if answer is None or start < answer.start or end > answer.end:
+            return None
+        if start >= answer.start + answer.held:  # the daemon held nothing from here
+            self._unpin(req_id)
             return 0
-        self._pins[req_id] = pin
-        return (start + len(pin.hashes)) * bs - num_computed_tokens
+        pin = self._pins.get(req_id)
+        if (pin is None or pin.block_ids or pin.start > start
+                or (not pin.stream and self._clock() >= pin.fresh_until)):
+            return None
+        skip = start - pin.start
+        del pin.hashes[:skip], pin.tiers[:skip], pin.hashes[end - start:], pin.tiers[end - start:]
+        pin.start, pin.skipped = start, pin.skipped + skip
+        return len(pin.hashes)
+
+    def _settle(self, req_id: str, staging: _Staging) -> int:
+        """Pin what ``staging``'s Acquires hold (``_collect``) and remember the answer unless a
+        call failed; the blocks held."""
+        pin = self._collect(staging)
+        if pin is not None:
+            self._pins[req_id] = pin
+        held = len(pin.hashes) if pin is not None else 0
+        if all(f.exception() is None for f in staging.futures):
+            self._answers[req_id] = _Answer(staging.start, held, staging.end)
+        return held
 
     def streams(self, req_id: str) -> bool:
         """The hit last reported for ``req_id`` is an asynchronous (streamed) load."""
@@ -202,22 +273,26 @@ class SchedulerSide:
             first.failed(exc)
             return None
 
-    def _stage(self, start: int, hits: list[BlockHash], tiers: list[Tier]) -> _Staging:
-        """Start an Acquire of ``hits`` (rank 0 holds them in ``tiers``) on every rank: one
-        blocking round trip when all are in DRAM, else futures while the daemon stages the SSD
-        blocks into DRAM."""
-        if all(tier in _IN_DRAM for tier in tiers):  # no disk read: one blocking round trip
+    def _stage(self, start: int, hits: list[BlockHash], tiers: list[Tier], end: int, *,
+               block: bool) -> _Staging:
+        """Start an Acquire of ``hits`` (rank 0 holds them in ``tiers``, as far as known) on
+        every rank: with ``block`` one blocking round trip (all in DRAM: no disk read), else
+        futures while the daemon stages the SSD blocks into DRAM. ``end``: the end of the range
+        asked for."""
+        asked = self._clock()
+        if block:
             futures = [_now(link.client.acquire, link.engine.engine_id, hits)
                        for link in self._links]
         else:
             futures = [link.client.acquire_async(link.engine.engine_id, hits)
                        for link in self._links]
         return _Staging(start, hits, list(tiers), futures,
-                        self._clock() + self._links[0].timeout_seconds, self._clock)
+                        asked + self._links[0].timeout_seconds, self._clock, end, asked)
 
     def _collect(self, staging: _Staging) -> _Pin | None:
         """Wait for ``staging``'s Acquires and pin the prefix every rank holds (the shortest
-        wins). None if some rank holds none or its call failed (leases taken are released)."""
+        wins), fresh until half the shortest lease has gone. None if some rank holds none or its
+        call failed (leases taken are released)."""
         pin = _Pin(staging.start, list(staging.hashes), list(staging.tiers), [])
         for rank, (link, future) in enumerate(zip(self._links, staging.futures)):
             try:
@@ -229,6 +304,7 @@ class SchedulerSide:
                 continue
             if got.num_blocks:
                 pin.leases.append((rank, got.lease_id))
+                pin.fresh_until = min(pin.fresh_until, staging.asked + got.seconds_left / 2)
             if got.num_blocks == 0 or not pin.hashes:
                 pin.hashes = []
             else:
@@ -271,9 +347,9 @@ class SchedulerSide:
             link = self._links[rank]
             if not link.up:
                 continue  # the daemon forgot the lease with the engine
+            corrupt_from = None if pin.failed_from is None else pin.skipped + pin.failed_from
             try:
-                link.client.release(link.engine.engine_id, lease_id,
-                                    corrupt_from=pin.failed_from)
+                link.client.release(link.engine.engine_id, lease_id, corrupt_from=corrupt_from)
             except grpc.RpcError as exc:  # the lease ended (nothing held any more), or the
                 link.failed(exc, names_lease=True)  # daemon is gone
         pin.leases.clear()
@@ -305,6 +381,7 @@ class SchedulerSide:
         # vLLM sets request.num_computed_tokens only after this call: the local hit is the one
         # get_num_new_matched_tokens saw.
         local = self._local.pop(req_id, request.num_computed_tokens // bs)
+        self._answers.pop(req_id, None)  # admitted: a later ask (after a preemption) is new
         if count == 0 or pin is None:
             self._unpin(req_id)
             start = local
@@ -418,6 +495,8 @@ class SchedulerSide:
         self._recomputing.discard(request.request_id)
         self._local.pop(request.request_id, None)
         self._bad_until.pop(request.request_id, None)
+        self._answers.pop(request.request_id, None)
+        self._counted.discard(request.request_id)
 
     def close(self) -> None:
         """Release every pin, unregister."""

@@ -14,11 +14,13 @@ from typing import Any
 from .base import KVConnectorStats
 
 COUNTERS = ("loaded_blocks", "loaded_bytes", "failed_blocks", "saved_blocks", "saved_bytes",
-            "skipped_blocks", "dropped_blocks")
+            "skipped_blocks", "dropped_blocks", "lapsed_blocks", "reoffered_blocks")
 """loaded: written into vLLM's cache after its checksum verified; failed: planned loads handed
 back to vLLM to recompute; saved: committed to the daemon; skipped: planned saves the daemon
 already held or had no room for; dropped: planned saves lost (daemon down, a failed load
-upstream of them, a layer missing, a failed call)."""
+upstream of them, a layer missing, a failed call); lapsed: of the dropped, those whose write
+lease had ended when their Commit arrived; reoffered: saves of a step that outlasted half of its
+write lease, reserved and copied again (then saved, skipped or dropped like any other)."""
 
 
 @dataclass

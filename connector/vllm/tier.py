@@ -19,7 +19,8 @@ returns at once; copies and daemon calls run on ``workers`` threads, ``tier_jobs
   prefix lies, then Acquires of the rest in 32 MiB pieces pin it in DRAM (SSD hits are read in
   meanwhile) under leases; later lookups answer HIT for pinned keys, MISS for the rest.
   A key whose load failed answers MISS until it is stored again (else vLLM retries it forever).
-  A daemon that is away answers MISS at once.
+  A daemon that is away answers MISS at once, and so does a tier still making its first
+  connect (a request never waits for the tier's start).
 * ``submit_load``: the pinned slots are copied into the primary rows, each slot verified in the
   same pass (``verified_copy``); a bad slot fails its key (``successful_keys`` names the others)
   and is reported so the daemon drops it; the lease is released when no key uses it.
@@ -188,13 +189,28 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         self._counts: dict[str, int] = {}
         self._counts_lock = threading.Lock()
         self._closed = False
-        self._pool.submit("probe", self.connect)  # register and map the arena before requests
+        self._started = threading.Event()  # set once the first connect has ended, either way
+        self._starting = threading.Thread(target=self._start, name=f"tierd-{tier_type}-connect",
+                                          daemon=True)
+        self._starting.start()
+
+    def _start(self) -> None:
+        """Register and map the arena before requests come, on a thread of its own: not a job,
+        so vLLM is not kept stepping for it, and lookups meanwhile answer MISS (``lookup``)."""
+        try:
+            self.connect()
+        finally:
+            self._started.set()
 
     def connect(self) -> bool:
         """Register with the daemon and map its arena now, if not done yet (blocks for one
-        round trip at most); whether the daemon is reachable. Called on a pool thread at start;
-        jobs and lookups connect by themselves."""
-        return self._session() is not None
+        round trip at most); whether the daemon is reachable. Called on a thread of its own at
+        start; jobs and lookups connect by themselves. Once it returns True, lookups ask the
+        daemon."""
+        if self._session() is None:
+            return False
+        self._started.set()
+        return True
 
     def _session(self) -> Session | None:
         """The current registration, registering first if needed (``DaemonLink.connect``: one
@@ -208,8 +224,10 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """MISS while the first connect is still under way (as for a daemon that is away: a
+        request never waits for the tier's start), else ``Lookups.lookup`` (module doc)."""
         self._take_inbox()
-        if not self._config.load:
+        if not self._config.load or not self._started.is_set():
             return LookupResult.MISS
         answer, free = self._lookups.lookup(key, req_context)
         self._release_all(free)
@@ -441,6 +459,8 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
     # -- the rest of vLLM's interface ----------------------------------------------------------
 
     def has_pending_work(self) -> bool:
+        """Jobs, probes, results or reports not yet taken, or pool tasks (a Commit, a Release)
+        still running; not the first connect (``_start``), which needs no step of vLLM's."""
         return bool(self._jobs or self._probes or self._results or not self._inbox.empty()
                     or self._pool.busy())
 
@@ -477,6 +497,7 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
         if self._closed:
             return
         self._closed = True
+        self._starting.join(self._config.timeout_seconds + 10.0)
         if not self._pool.stop(self._config.timeout_seconds + 10.0):
             _log.error("tierd tier: a job still runs at shutdown; keeping the primary view")
             return

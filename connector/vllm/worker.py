@@ -29,7 +29,12 @@ Per step, with the metadata the scheduler half built:
   the arena). The Commit
   names the written slots and the daemon checksums them itself (in its own process, so the
   engine's part of a store is the copy out of its KV), and the blocks become visible to other
-  engines only whole, when it lands. If some layer never arrived, Abort instead.
+  engines only whole, when it lands. If some layer never arrived, Abort instead. A step that
+  outlasted half of its write lease (a slow forward pass) is *re-offered* first: a fresh
+  Reserve, every layer copied again from vLLM's blocks (they hold the step's KV until it ends),
+  the old reservation aborted, so a slow step does not lose its saves to a lapsed lease
+  (``reoffered_blocks``); a Commit that still finds its lease ended is a WARNING and
+  ``lapsed_blocks`` (``commits``).
 
 On CUDA (vLLM's KV tensors on a GPU) the copies go through ``cuda_copy.DeviceTransfer`` over
 the arena, registered as pinned memory at attach (``device_path.DevicePath``): a load is queued on
@@ -84,6 +89,8 @@ class _PendingSave:
     targets: list[tuple[int, int]]      # (index in the reservation, slot byte offset)
     block_runs: list[Run]
     owners: list[str]                   # per target, the request it belongs to
+    renew_at: float                     # half its lease gone: re-offered at ``finish_save``
+    counts: list[tuple[str, int]]       # what reserving it counted (undone if re-offered)
     layers_done: set[int] = field(default_factory=set)
     device: DeviceLoads | None = None   # CUDA: its transfer holds the open save
 
@@ -111,6 +118,7 @@ class _StepSave:
     tried: bool = False
     pending: _PendingSave | None = None
     lease_lost: bool = False            # a lease of this step's (CUDA) loads ran out
+    saves: list[SaveSpec] = field(default_factory=list)  # the step's accepted saves
 
 
 @dataclass(slots=True)
@@ -151,7 +159,8 @@ class WorkerSide:
         self._counters = Counters()
         self._outcomes = Outcomes(self._counters, self.format.slot_bytes, tp_size)
         self._save = _StepSave()
-        self._commits = Committer(self.link, self._counters, self.format.slot_bytes, tp_size)
+        self._commits = Committer(self.link, self._counters, self.format.slot_bytes, tp_size,
+                                  clock)
         self._device = DevicePath(self.format, kv_bytes,
                                   kv_bytes[0].is_cuda if device_path is None else device_path)
         self._streaming = _Streaming(self._host.with_threads(1))  # the forward pass keeps the rest
@@ -287,10 +296,15 @@ class WorkerSide:
         step = self._save
         if not step.tried:
             step.tried = True
-            step.pending = self._reserve(saves)
+            step.saves = self._outcomes.accepted(saves)
+            step.pending = self._reserve(step.saves)
         pending, layer = step.pending, self._layers.get(layer_name)
         if pending is None or layer is None or not pending.targets:
             return
+        self._copy_layer(pending, layer)
+
+    def _copy_layer(self, pending: _PendingSave, layer: int) -> None:
+        """Copy ``layer``'s part of ``pending``'s blocks into its slots (on CUDA: queue it)."""
         if pending.device is not None:
             pending.device.transfer.save_layer(layer)
         else:
@@ -299,13 +313,17 @@ class WorkerSide:
         pending.layers_done.add(layer)
 
     def _reserve(self, saves: list[SaveSpec]) -> _PendingSave | None:
-        """Reserve slots for the accepted saves (``core.save.reserve``); on CUDA open the
+        """Reserve slots for the accepted ``saves`` (``core.save.reserve``); on CUDA open the
         device save. None if nothing is to be written."""
-        saves = self._outcomes.accepted(saves)
         block_ids = [b for spec in saves for b in spec.block_ids]
         if not block_ids:
             return None
-        count = self._counters.count
+        counts: list[tuple[str, int]] = []
+
+        def count(name: str, amount: int) -> None:
+            self._counters.count(name, amount)
+            counts.append((name, amount))
+
         if not self.link.connect():
             count("dropped_blocks", len(block_ids))
             return None
@@ -315,6 +333,7 @@ class WorkerSide:
         hashes = [BlockHash(h) for spec in saves for h in spec.block_hashes][:limit]
         owners = [spec.req_id for spec in saves for _ in spec.block_hashes][:limit]
         count("dropped_blocks", len(block_ids) - len(hashes))
+        asked = self._clock()
         try:
             reservation = reserve(session.client, session.engine_id, hashes)
         except grpc.RpcError as exc:
@@ -333,15 +352,46 @@ class WorkerSide:
             count("dropped_blocks", len(targets) - kept)
             targets = targets[:kept]
         return _PendingSave(reservation, targets, block_runs, [owners[i] for i, _ in targets],
-                            device=device)
+                            asked + reservation.seconds_left / 2, counts, device=device)
+
+    def _reoffer(self, old: _PendingSave, saves: list[SaveSpec]) -> _PendingSave | None:
+        """The step outlasted half of its write lease, so its Commit might land after the lease
+        ended and store nothing: abort that reservation, reserve anew and copy every layer again
+        from vLLM's blocks (they hold this step's KV until the step ends). The old reservation's
+        counts are undone; the new one counts its own. None if nothing was reserved (its blocks
+        counted as dropped)."""
+        if old.device is not None:
+            old.device.transfer.drop_save()
+        for name, amount in old.counts:
+            self._counters.count(name, -amount)
+        session = self.link.session
+        if session is not None:
+            try:
+                abort(session.client, old.reservation)
+            except grpc.RpcError as exc:
+                self.link.failed(exc, session, names_lease=True)
+        new = self._reserve(saves)
+        if new is None:
+            return None
+        for layer in range(len(self.format.layer_names)):
+            if new.targets:
+                self._copy_layer(new, layer)
+            new.layers_done.add(layer)
+        self._counters.count("reoffered_blocks", len(new.targets))
+        return new
 
     def finish_save(self) -> None:
         """Hand this step's Commit to the committer thread, or Abort the reservation if a layer
-        is missing. Returns without waiting for the daemon; never raises for a daemon failure
-        (outcomes are counted when they arrive)."""
+        is missing. A step that outlasted half of its write lease is re-offered first
+        (``_reoffer``). Returns without waiting for the daemon; never raises for a daemon
+        failure (outcomes are counted when they arrive)."""
         lease_lost = self._finish_loads() or self._save.lease_lost
         self._commits.harvest()
-        pending, self._save = self._save.pending, _StepSave()
+        step, self._save = self._save, _StepSave()
+        pending = step.pending
+        if (pending is not None and not lease_lost and self._clock() >= pending.renew_at
+                and len(pending.layers_done) == len(self.format.layer_names)):
+            pending = self._reoffer(pending, step.saves)
         # CUDA: close the device save (D2H queued, or nothing written if a layer is missing)
         ticket = pending.device.transfer.finish_save() if pending and pending.device else None
         if pending is None or not self.link.up:

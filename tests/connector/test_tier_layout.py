@@ -15,7 +15,8 @@ PER_BLOCK = 2 * 32 * 8 * 128 * 16 * 2  # Llama-3-8B, fp16, block 16, one worker
 
 
 def config(**changes: Any) -> SimpleNamespace:
-    parallel = SimpleNamespace(tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, world_size=1)
+    parallel = SimpleNamespace(tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, world_size=1,
+                               is_parallelism_agnostic=False)
     fields: dict[str, Any] = dict(
         groups=(SimpleNamespace(tokens_per_block=16,
                                 layer_names=tuple(f"l{i}" for i in range(32))),),
@@ -23,7 +24,7 @@ def config(**changes: Any) -> SimpleNamespace:
         kv_cache_layout=None, model=SimpleNamespace(name="m", dtype="float16"),
         cache=SimpleNamespace(tokens_per_hash=16, blocks_per_chunk=1), parallel=parallel)
     for key, value in changes.items():
-        if key in ("tp_size", "world_size"):
+        if key in ("tp_size", "world_size", "is_parallelism_agnostic"):
             setattr(parallel, key, value)
         else:
             fields[key] = value
@@ -55,6 +56,34 @@ def test_layout_spells_the_chunk_and_separates_every_geometry() -> None:
     assert len(formats) == 1 + len(others)
     assert tier_layout(config(), PER_BLOCK + 4096, base.model_id).kv_format != base.kv_format
     assert replace(base, kv_format="x").fingerprint() != base.fingerprint()
+
+
+def test_replicated_rows_share_across_tp_sizes_and_sharded_rows_do_not() -> None:
+    """A replicated (MLA) layout keeps one copy of the latent KV per row whatever the TP size:
+    TP 2 and TP 4 share one namespace (TP size 1 in it). Sharded rows of TP 2 and TP 4 hold
+    other bytes and stay apart, also where vLLM calls a direct layout parallelism-agnostic; a
+    canonical layout it calls so shares, by its slot size."""
+    def layout(tp: int, **changes: Any) -> Any:
+        copies = 1 if changes.get("replicated_layout") else tp
+        per_block = PER_BLOCK if copies == 1 else PER_BLOCK // tp
+        return tier_layout(config(tp_size=tp, world_size=tp, worker_kv_bytes_per_block=per_block,
+                                  **changes), per_block * copies, "m@1")
+
+    two, four = layout(2, replicated_layout=True), layout(4, replicated_layout=True)
+    assert two.fingerprint() == four.fingerprint() and two.tp_size == 1
+    assert two.fingerprint() != layout(1).fingerprint()  # one copy, but not vLLM's replicated
+    assert layout(2).fingerprint() != layout(4).fingerprint()
+    direct = [layout(tp, is_parallelism_agnostic=True) for tp in (2, 4)]
+    assert direct[0].fingerprint() != direct[1].fingerprint() and direct[0].tp_size == 2
+    canonical = [layout(tp, is_parallelism_agnostic=True, canonical_layout=True) for tp in (2, 4)]
+    assert canonical[0].fingerprint() == canonical[1].fingerprint()
+    assert canonical[0].fingerprint() != layout(2, canonical_layout=True).fingerprint()
+
+
+def test_no_kv_cache_group_is_a_clear_error() -> None:
+    """A config without KV cache groups fails at start naming the fix, not an IndexError."""
+    with pytest.raises(ValueError, match="no KV cache group.*remove the TierdTier entry"):
+        tier_layout(config(groups=()), PER_BLOCK, "m@1")
 
 
 def test_unsupported_dtype_is_refused() -> None:

@@ -179,6 +179,7 @@ class Engine:
     invalid_reported: set[int] = field(default_factory=set)
     recved: set[str] = field(default_factory=set)  # requests some rank reported as received
     between: Any = None  # called with the engine after schedule(), before the forward pass
+    external: list[int] = field(default_factory=lambda: [0, 0])  # vLLM's connector queries, hits
     _last: dict[str, int] = field(default_factory=dict)
     # One for the engine's life, as vLLM's executor keeps it: a request is received once every
     # rank has reported it, in whichever steps they do.
@@ -304,6 +305,11 @@ class Engine:
 
     def _absorb(self, outputs: dict[int, Any]) -> None:
         for engine_outputs in outputs.values():
+            stats = engine_outputs.scheduler_stats
+            counted = stats.connector_prefix_cache_stats if stats is not None else None
+            if counted is not None:  # vLLM's external prefix-cache stats, preemptions apart
+                self.external[0] += counted.queries
+                self.external[1] += counted.hits
             for o in engine_outputs.outputs:
                 self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:

@@ -336,6 +336,59 @@ def test_tp2_rows_hold_both_ranks(daemon: Daemon, model_dir: str) -> None:
             engine.close()
 
 
+def test_replicated_rows_are_shared_between_tp_sizes(daemon: Daemon, model_dir: str) -> None:
+    """A replicated layout (MLA under TP alone: every rank holds the chunk's whole KV, a row
+    one copy): a TP-2 writer's chunks load byte for byte in a TP-4 reader, whose namespace
+    holds no TP size; sharded rows of TP 4 hold other bytes and see none of them."""
+    writer = TierEngine(model_dir, daemon.socket_path, tp=2, replicated=True)
+    reader = TierEngine(model_dir, daemon.socket_path, tp=4, replicated=True)
+    sharded = TierEngine(model_dir, daemon.socket_path, tp=4)
+    try:
+        keys, data = new_keys(4), payloads(4)
+        writer.store(keys, data)
+        assert reader.load(keys) == data
+        assert reader.tier._layout.tp_size == 1 and reader.tier._layout.block_bytes == SLOT
+        assert sharded.load(keys) == []
+        assert daemon.pinned_blocks() == 0
+    finally:
+        for engine in (writer, reader, sharded):
+            engine.close()
+
+
+def test_a_starting_tier_keeps_no_request_waiting(daemon: Daemon, model_dir: str) -> None:
+    """An engine starts while the daemon does not answer (SIGSTOP): its tier's first connect
+    waits, and meanwhile a request's lookup answers MISS at once and vLLM is not kept stepping
+    (no pending work). Once the daemon answers, the tier stores and another engine loads."""
+    assert daemon.process is not None
+    daemon.process.send_signal(signal.SIGSTOP)
+    try:
+        engine = TierEngine(model_dir, daemon.socket_path, connect=False)
+        ctx = engine.context()
+        with engine.manager.lock:
+            engine.manager.on_new_request(ctx)
+            assert engine.manager.lookup(new_keys(1)[0], ctx) is LookupResult.MISS
+            assert not engine.manager.has_pending_work()
+            engine.manager.on_request_finished(ctx)
+    finally:
+        daemon.process.send_signal(signal.SIGCONT)
+    other = TierEngine(model_dir, daemon.socket_path)
+    try:
+        assert engine.tier.connect()
+        keys, data = new_keys(3), payloads(3)
+        engine.store(keys, data)
+        assert other.load(keys) == data
+    finally:
+        engine.close()
+        other.close()
+
+
+def test_no_kv_cache_group_is_refused_naming_the_fix(daemon: Daemon, model_dir: str) -> None:
+    """vLLM's config with no KV cache group (``groups=()``) fails the tier's start with a
+    ValueError naming the fix, not an IndexError."""
+    with pytest.raises(ValueError, match="no KV cache group.*remove the TierdTier entry"):
+        TierEngine(model_dir, daemon.socket_path, groups=())
+
+
 @pytest.mark.parametrize("cpu_chunks", [64, 32])
 def test_many_concurrent_requests(daemon: Daemon, model_dir: str, cpu_chunks: int) -> None:
     """24 requests sharing a prefix (51 chunks) look up in the same steps on B and each loads

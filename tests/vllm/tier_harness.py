@@ -44,24 +44,32 @@ SLOT = 2 * LAYERS * KV_HEADS * HEAD * BLOCK * 2
 
 def offloading_config(model_dir: str, tier: dict[str, Any], *, tp: int = 1,
                       cpu_chunks: int = 32, engine_id: str | None = None,
-                      events: bool = False) -> OffloadingConfig:
+                      events: bool = False, replicated: bool = False,
+                      groups: tuple[OffloadingGroupConfig, ...] | None = None
+                      ) -> OffloadingConfig:
     """vLLM's ``OffloadingConfig`` of the tiny model at TP ``tp`` (rank 0's view, as the
-    scheduler builds it) with ``tier`` as its only secondary tier."""
+    scheduler builds it) with ``tier`` as its only secondary tier. ``replicated``: vLLM's
+    replicated layout (a pure-MLA model under TP: every rank holds a chunk's whole KV, and a
+    row one copy of it); ``groups``: other KV cache groups than the tiny model's one."""
     row = -(-SLOT // 4096) * 4096
     extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": cpu_chunks * row,
              "secondary_tiers": [{"type": "TierdTier", "module_path": "tierd.connector.vllm.tier",
                                   **tier}]}
+    if groups is None:
+        groups = (OffloadingGroupConfig(tokens_per_block=BLOCK, layer_names=LAYER_NAMES,
+                                        group_id=0),)
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=BLOCK, layer_names=LAYER_NAMES,
-                                      group_id=0),),
-        worker_kv_bytes_per_block=SLOT // tp, enable_kv_cache_events=events,
+        groups=groups,
+        worker_kv_bytes_per_block=SLOT if replicated else SLOT // tp,
+        enable_kv_cache_events=events,
         extra_config=extra, engine_id=engine_id or f"tierd-test-{uuid.uuid4().hex[:12]}",
         model=OffloadingModelConfig(name=model_dir, dtype="float16"),
         cache=OffloadingCacheConfig(tokens_per_hash=BLOCK, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
             rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=1,
             data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-            is_parallelism_agnostic=False))
+            is_parallelism_agnostic=False),
+        replicated_layout=replicated)
 
 
 def new_keys(n: int) -> list[OffloadKey]:
@@ -71,13 +79,18 @@ def new_keys(n: int) -> list[OffloadKey]:
 class TierEngine:
     """One engine's offloading manager (module doc)."""
 
-    def __init__(self, model_dir: str, socket_path: str, **kwargs: Any) -> None:
+    def __init__(self, model_dir: str, socket_path: str, *, connect: bool = True,
+                 **kwargs: Any) -> None:
+        """``connect``: wait until the tier has reached the daemon, as a running engine has
+        (a tier still starting answers MISS)."""
         tier = {"socket_path": socket_path, "retry_seconds": 0.0, "timeout_seconds": 5.0,
                 **kwargs.pop("tier", {})}
         self.config = offloading_config(model_dir, tier, **kwargs)
         self.spec = TieringOffloadingSpec(self.config)
         self.manager = self.spec.get_manager()
         self.tier = self.manager.secondary_tiers[0]
+        if connect:
+            assert self.tier.connect(), "no tierd daemon"
         # vLLM 0.33's manager lock (0.32's manager is entered from one thread and has none)
         self.lock = getattr(self.manager, "lock", contextlib.nullcontext())
         self._n = 0

@@ -19,6 +19,7 @@ innermost) of one shared buffer, in several physical orders. Requests carry vLLM
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -133,8 +134,14 @@ class FakeVllm:
     def admit(self, req: FakeRequest, local_hit: int = 0, shared: Sequence[int] = ()) -> int:
         """vLLM scheduling a waiting request: lookup beyond the local hit (held in ``shared``),
         allocation, update_state_after_alloc, and only then ``num_computed_tokens`` set (vLLM's
-        order). Returns the external tokens."""
+        order). A lookup that answers None (Acquires in flight) is asked again, as vLLM does at
+        its next step. Returns the external tokens."""
         external, load_async = self.scheduler.get_num_new_matched_tokens(req, local_hit)
+        for _ in range(1000):
+            if external is not None:
+                break
+            time.sleep(0.005)
+            external, load_async = self.scheduler.get_num_new_matched_tokens(req, local_hit)
         assert load_async is False and external is not None
         rid = req.request_id
         table = list(shared) + [self.free.pop(0)

@@ -4,6 +4,7 @@ from tierd, and what is never loaded or saved twice."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -123,3 +124,26 @@ def test_local_prefix_cache_hit_is_not_saved_again(engines: Any) -> None:
     assert [s.block_ids for s in a.metas[-1].saves] == [a.tables["b"][2:6]]
     assert a.counters() == (0, 0, 10, 0, 0)
 
+
+
+def test_a_step_slower_than_half_its_write_lease_reoffers_its_saves(sock: str,
+                                                                    engines: Any) -> None:
+    """A's worker clock jumps 1,000 s on every reading, so its prefill step outlasts half its
+    write lease between the Reserve and wait_for_save: the 6 blocks are reserved and copied
+    again, stored once, the old reservation freed; B loads them bit-exact."""
+    a, b = engines(0), engines(20)
+    worker = a.workers[0]._worker
+    now = [time.monotonic()]
+
+    def jumping() -> float:
+        now[0] += 1000.0
+        return now[0]
+
+    worker._clock = jumping
+    req_a, req_b = FakeRequest("a", prompt(100)), FakeRequest("b", prompt(100))
+    assert a.prefill(req_a) == (0, set())
+    assert a.counters() == (0, 0, 6, 0, 0) and usage(sock) == (6, 0)
+    assert a.workers[0].worker_counters.data["reoffered_blocks"] == 6
+    assert b.prefill(req_b) == (96, set())
+    for block_a, block_b in zip(a.tables["a"][:6], b.tables["b"][:6]):
+        assert torch.equal(a.block(block_a), b.block(block_b))

@@ -1,0 +1,143 @@
+"""TierdConnector inside real vLLM 0.33 under pressure: requests that wait for KV space, and
+forward steps slower than the daemon's leases."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs real vLLM: run `make test-vllm`")
+
+from harness import BLOCK, Daemon, Engine, make_request, vllm_config  # noqa: E402
+
+from tierd.daemon.client import TierdClient  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+LEASE = 2.0
+"""The write lease of the ``short_lease`` daemon, seconds; a slow step outlasts it."""
+
+
+@pytest.fixture
+def short_lease() -> Iterator[Daemon]:
+    """A daemon (DRAM only) whose leases and reservations last ``LEASE`` seconds."""
+    workdir = tempfile.mkdtemp(prefix="tierd-v")
+    running = Daemon(workdir, ssd=False)
+    running.start("--lease-seconds", str(LEASE))
+    yield running
+    running.stop()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def prompt(seed: int, blocks: int = 6) -> list[int]:
+    """``blocks`` full blocks and a 5-token tail, distinct per ``seed``."""
+    return [(i * 37 + seed * 101 + 11) % 997 for i in range(blocks * BLOCK + 5)]
+
+
+def daemon_counts(daemon: Daemon) -> tuple[int, int]:
+    """The daemon's (query tokens, hit tokens) so far."""
+    with daemon.client() as client:
+        stats = client.stats()
+    return stats.query_tokens, stats.hit_tokens
+
+
+def test_waiting_requests_are_looked_up_once(model_dir: str, daemon: Daemon,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """B's KV cache holds two requests at a time: a long miss runs first, four prompts A
+    stored and four misses wait behind it, and vLLM asks for the first waiting one at every
+    step. The daemon is asked (and counts) each request once: its query tokens stay within
+    vLLM's own connector queries, and its hit ratio is vLLM's external hit rate within 5
+    percentage points; the requests still load their hits."""
+    a = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    b = Engine.start(vllm_config(model_dir, daemon.socket_path), num_blocks=17)
+    stored = [prompt(seed) for seed in range(4)]
+    try:
+        a.run([make_request(f"a{i}", p) for i, p in enumerate(stored)])
+        lookups: list[int] = []
+        real_lookup = TierdClient.lookup
+
+        def counted(client: TierdClient, engine_id: str, hashes: list[bytes]) -> list[str]:
+            lookups.append(len(hashes))
+            return real_lookup(client, engine_id, hashes)
+
+        monkeypatch.setattr(TierdClient, "lookup", counted)
+        queries, hits = daemon_counts(daemon)
+        requests = [make_request("long", prompt(100, blocks=8), max_tokens=40)]
+        requests += [make_request(f"hit{i}", p) for i, p in enumerate(stored)]
+        requests += [make_request(f"miss{i}", prompt(200 + i)) for i in range(4)]
+        b.run(requests)
+        after = daemon_counts(daemon)
+        queried, hit = after[0] - queries, after[1] - hits
+        vllm_queries, vllm_hits = b.external
+        assert 0 < queried <= vllm_queries, (queried, hit, vllm_queries, vllm_hits)
+        assert abs(hit / queried - vllm_hits / vllm_queries) <= 0.05, (
+            queried, hit, vllm_queries, vllm_hits)
+        assert len(lookups) == len(requests)
+        assert b.worker.worker_counters.data["loaded_blocks"] == 4 * 6
+        assert daemon.pinned_blocks() == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_step_slower_than_the_write_lease_still_saves(model_dir: str,
+                                                        short_lease: Daemon) -> None:
+    """A's prefill step outlasts the write lease between its first layer's Reserve and
+    wait_for_save (a forward pass on an overloaded host): its 6 blocks are re-offered under a
+    fresh reservation and stored, none dropped, and B loads all 6."""
+    a = Engine.start(vllm_config(model_dir, short_lease.socket_path))
+    b = Engine.start(vllm_config(model_dir, short_lease.socket_path))
+    real_wait = a.worker.wait_for_save
+    slowed: list[bool] = []
+
+    def slow_step() -> None:
+        if not slowed:
+            slowed.append(True)
+            time.sleep(LEASE + 0.5)
+        real_wait()
+
+    a.worker.wait_for_save = slow_step
+    try:
+        a.run([make_request("a", prompt(1))])
+        counters = a.worker.worker_counters.data
+        assert (counters["saved_blocks"], counters["dropped_blocks"]) == (6, 0)
+        assert counters["reoffered_blocks"] == 6 and counters["lapsed_blocks"] == 0
+        b.run([make_request("b", prompt(1))])
+        assert b.worker.worker_counters.data["loaded_blocks"] == 6
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_commit_that_lands_after_its_lease_is_a_warning(
+        model_dir: str, short_lease: Daemon, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The committer thread is held up past the write lease (the step itself was fast): the
+    daemon refuses the Commit, and the 6 lost blocks are a WARNING and counted as dropped and
+    lapsed, never lost silently."""
+    import tierd.connector.vllm.commits as commits
+
+    real_commit = commits._commit
+
+    def late(*args: Any) -> Any:
+        time.sleep(LEASE + 0.5)
+        return real_commit(*args)
+
+    monkeypatch.setattr(commits, "_commit", late)
+    a = Engine.start(vllm_config(model_dir, short_lease.socket_path))
+    try:
+        with caplog.at_level(logging.WARNING, logger="tierd.connector.vllm.commits"):
+            a.run([make_request("a", prompt(2))])
+            counters = a.worker.worker_counters.data
+        assert counters["saved_blocks"] == 0
+        assert counters["dropped_blocks"] == counters["lapsed_blocks"] == 6
+        assert any("6 saved blocks were not stored" in r.getMessage() and "lease" in
+                   r.getMessage() for r in caplog.records)
+    finally:
+        a.close()
