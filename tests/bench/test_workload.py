@@ -1,6 +1,7 @@
 """`tierd bench workload`'s reading and reporting, without vLLM: `vllm bench serve`'s result
 JSON, vLLM's Prometheus counters and OpenMP log lines, the chat client's turn-taking, the
-medians and the per-repeat ratios the targets are judged on (structure, never a timing)."""
+medians and the per-repeat ratios the targets are judged on, py-spy's stacks summed by connector
+hook (structure, never a timing)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import threading
 import pytest
 
 from tierd.bench.workload_chat import ChatShape, _Users
+from tierd.bench.workload_profile import profile_line, summarize
 from tierd.bench.workload_report import (
     HitRates,
     Sample,
@@ -177,3 +179,24 @@ def test_chat_users_take_turns_one_at_a_time_until_every_turn_ran() -> None:
     assert users.turn == [3, 3, 3, 3, 1]
     assert len(users.history[0].split()) == 8 + 3 * (4 + 2)
     assert all(h.split()[:8] == users.history[0].split()[:8] for h in users.history)
+
+
+def test_profile_shares_are_of_the_main_loop_by_connector_hook() -> None:
+    """py-spy's collapsed stacks: samples outside the scheduler's busy loop (idle threads) are
+    left out; inside it, each TierdConnector hook's share (nested vLLM frames above it count);
+    the worker's loop is told apart by its own frame."""
+    loop = "run_busy_loop (vllm/v1/engine/core.py:900)"
+    collapsed = "\n".join([
+        f"<module> (x.py:1);{loop};step (core.py:1);schedule (s.py:2) 60",
+        f"<module> (x.py:1);{loop};schedule (s.py:2);TierdConnector.get_num_new_matched_tokens "
+        "(tierd/connector/vllm/connector.py:250);_blocking (grpc.py:3) 30",
+        f"<module> (x.py:1);{loop};TierdConnector.build_connector_meta (c.py:9) 10",
+        "_bootstrap (threading.py:1);wait (threading.py:2) 500",
+        "malformed line without a count",
+    ])
+    profile = summarize("scheduler", collapsed)
+    assert profile.samples == 100
+    assert profile.hooks == {"get_num_new_matched_tokens": 0.3, "build_connector_meta": 0.1}
+    assert summarize("worker", collapsed).samples == 0
+    line = profile_line("tierd-big", "prefix 1024 c16", [profile])
+    assert "get_num_new_matched_tokens 30.0%" in line and "connector in all: 40.0%" in line

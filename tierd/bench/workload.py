@@ -55,6 +55,7 @@ from tierd.bench.workload_report import (
 )
 
 if TYPE_CHECKING:
+    from tierd.bench.serve_stack import VllmServe
     from tierd.bench.tierd_serve import TierdServe
 
 HELP = ("Many users through real vllm serve: vLLM alone vs vLLM + tierd, a KV cache below the "
@@ -99,6 +100,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arms", type=lambda t: t.split(","), default=list(ARMS),
                         help="arms to run, comma-separated (all: " + ",".join(ARMS) + ")")
     parser.add_argument("--no-chat", action="store_true", help="skip the chat cases")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the repeats, run every case once more on each vLLM + tierd "
+                             "arm under py-spy and print the connector hooks' share of vLLM's "
+                             "scheduler and worker loops (needs py-spy: pip install py-spy)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs")
     parser.add_argument("--json", action="store_true", help="print every run as JSON too")
 
@@ -170,6 +175,11 @@ def run(args: argparse.Namespace) -> int:
     from tierd.bench.tiny_llama import build, prompt
 
     max_len = _check(args)
+    if args.profile:
+        from tierd.bench.workload_profile import py_spy
+
+        py_spy()  # fail before starting anything when it is missing
+    profiles: list[str] = []
     cpus = args.cpus or f"0-{len(os.sched_getaffinity(0)) - 1}"
     model = build(os.path.expanduser("~/.cache/tierd/test-models"), "tiny-llama-v2-seed0", seed=0)
     workdir = tempfile.mkdtemp(prefix="tierd-bw-")
@@ -217,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
                     print(f"  repeat {repeat + 1} {case.name:<16} {arm:<12} "
                           f"{timing.request_throughput:6.2f} req/s, TTFT p50 "
                           f"{timing.ttft_p50_ms:6.0f} ms, {timing.failed} failed", flush=True)
+        if args.profile:
+            profiles = _profile(cases, servers, workdir, args.repeats)
         failed = False
     finally:
         for server in servers.values():
@@ -227,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"tierd bench workload: logs kept in {workdir}", file=sys.stderr)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    return _report(args, samples, cases, cpus)
+    return _report(args, samples, cases, cpus, profiles)
 
 
 def _tierd_counts(daemon: TierdServe | None) -> tuple[int, int]:
@@ -238,8 +250,26 @@ def _tierd_counts(daemon: TierdServe | None) -> tuple[int, int]:
     return (stats.query_tokens, stats.hit_tokens)
 
 
+def _profile(cases: list[Case], servers: dict[str, VllmServe], workdir: str,
+             repeats: int) -> list[str]:
+    """One more run of every case on each vLLM + tierd arm, profiled: a line per run."""
+    from tierd.bench.serve_stack import wait_for
+    from tierd.bench.workload_profile import profile_line, profiled
+
+    lines = []
+    for index, case in enumerate(cases):
+        for arm in (a for a in case.arms if a.startswith("tierd")):
+            server = servers[arm]
+            wait_for("vLLM's prefix cache emptied", server.reset_prefix_cache, 60)
+            timing, found = profiled(server, workdir, lambda: case.drive(
+                server, SEED + 100 * repeats + index))
+            lines.append(profile_line(arm, case.name, found)
+                         + f"; {timing.request_throughput:.2f} req/s under the profiler")
+    return lines
+
+
 def _report(args: argparse.Namespace, samples: list[Sample], cases: list[Case],
-            cpus: str) -> int:
+            cpus: str, profiles: list[str]) -> int:
     found = verdicts(samples, [c.name for c in cases if c.judged])
     if args.json:
         print(json.dumps([asdict(s) for s in samples], indent=1))
@@ -252,6 +282,11 @@ def _report(args: argparse.Namespace, samples: list[Sample], cases: list[Case],
         print("ratios (each repeat's pair of runs; median, then every repeat):")
         for line in verdict_lines(found):
             print(line)
+        if profiles:
+            print("where vLLM + tierd spends its loops (py-spy, one more run each; shares of "
+                  "the scheduler's and the worker's busy loop inside TierdConnector hooks):")
+            for line in profiles:
+                print(line)
     failures = sum(s.timing.failed for s in samples)
     ok = failures == 0 and all(v.met is not False for v in found)
     print(f"failed requests: {failures}; every target {'met' if ok else 'NOT met'}")
