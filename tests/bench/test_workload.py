@@ -116,8 +116,9 @@ def _samples() -> list[Sample]:
 def test_targets_are_judged_on_the_median_of_each_repeats_ratio() -> None:
     """Ratios pair the two arms' runs of each repeat; the verdict is their median (1.0 >= 0.95:
     met; TTFT 1.0 <= 1.15: met); arms that did not run (tierd-big) give no verdict; a case
-    not judged shows its ratios without a limit."""
-    found = {(v.case, v.target.what): v for v in verdicts(_samples(), ["prefix 1024 c4"])}
+    not judged, or a target group not judged in a case, shows its ratios without a limit."""
+    both = {"prefix 1024 c4": {"pressure", "fits"}}
+    found = {(v.case, v.target.what): v for v in verdicts(_samples(), both)}
     tp = found[("prefix 1024 c4", "pressure: tierd small KV / vLLM KV fits, throughput")]
     assert tp.ratios == pytest.approx([0.9, 1.0, 1.2]) and tp.median == pytest.approx(1.0)
     assert tp.met is True
@@ -126,11 +127,13 @@ def test_targets_are_judged_on_the_median_of_each_repeats_ratio() -> None:
     gain = found[("prefix 1024 c4", "gain: tierd / vLLM alone, small KV, throughput")]
     assert gain.met is None and gain.median == pytest.approx(2.0)
     assert not any(what.startswith("fits") for _, what in found)
+    unjudged = verdicts(_samples(), {"prefix 1024 c4": {"fits"}})
+    assert all(v.met is None for v in unjudged)
     short = found[("prefix 256 c4", "gain: tierd / vLLM alone, small KV, TTFT p50")]
     assert short.met is None and short.ratios == [1.0, 1.0, 1.0]
     missed = verdicts([s if s.arm != "tierd-small" else
                        Sample(s.case, s.arm, s.repeat, _timing(9.0, 200.0), s.hits)
-                       for s in _samples()], ["prefix 1024 c4"])
+                       for s in _samples()], {"prefix 1024 c4": {"pressure"}})
     lines = verdict_lines(missed)
     assert any("throughput: 0.90" in x and "MISSED" in x for x in lines)
     assert any("TTFT p50: 2.00" in x and "(limit <= 1.15) -> MISSED" in x for x in lines)

@@ -112,15 +112,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
 class Case:
     name: str
     arms: tuple[str, ...]
-    judged: bool
-    """Whether the targets' limits apply (else the ratios are shown)."""
+    judged: frozenset[str]
+    """The target groups whose limits apply here ("pressure", "fits"; the others' ratios are
+    shown): pressure only where the small cache holds every running request (else its arms are
+    limited by the batch the cache holds, not by the prefixes it keeps)."""
     drive: Callable[..., Timing]
     """(server, seed) -> the client's figures."""
 
 
 def _cases(args: argparse.Namespace, model: str, workdir: str) -> list[Case]:
+    from tierd.bench.serve_stack import BLOCK
     from tierd.bench.workload_chat import run_chat
     from tierd.bench.workload_serve import prefix_repetition
+
+    def judge(request_tokens: int, clients: int) -> frozenset[str]:
+        running = clients * -(-request_tokens // BLOCK)
+        return frozenset({"fits", "pressure"} if running <= args.kv_small else {"fits"})
 
     cases = []
     small = ("vllm-small", "tierd-small")
@@ -135,9 +142,11 @@ def _cases(args: argparse.Namespace, model: str, workdir: str) -> list[Case]:
                                          output_len=args.output_len, prefixes=args.prefixes,
                                          prompts=args.prefixes * args.prompts_per_prefix)
             main = p == args.prefix_len
-            cases.append(Case(f"prefix {p} c{c}", ARMS if main else small, main, drive))
+            request = p + args.suffix_len + args.output_len
+            cases.append(Case(f"prefix {p} c{c}", ARMS if main else small,
+                              judge(request, c) if main else frozenset(), drive))
     for c in [] if args.no_chat else args.concurrency[:1]:
-        cases.append(Case(f"chat c{c}", ARMS, True,
+        cases.append(Case(f"chat c{c}", ARMS, judge(shape.longest_prompt() + args.output_len, c),
                           lambda server, seed, c=c: run_chat(server, shape, c, seed)))
     picked = [Case(c.name, tuple(a for a in c.arms if a in args.arms), c.judged, c.drive)
               for c in cases]
@@ -270,7 +279,7 @@ def _profile(cases: list[Case], servers: dict[str, VllmServe], workdir: str,
 
 def _report(args: argparse.Namespace, samples: list[Sample], cases: list[Case],
             cpus: str, profiles: list[str]) -> int:
-    found = verdicts(samples, [c.name for c in cases if c.judged])
+    found = verdicts(samples, {c.name: c.judged for c in cases})
     if args.json:
         print(json.dumps([asdict(s) for s in samples], indent=1))
     print(f"\nreal vllm serve (vLLM's CPU build, the small Llama, OpenMP on cores {cpus}), "

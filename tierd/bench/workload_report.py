@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tierd.bench.serve_stack import counter
@@ -201,10 +201,17 @@ class Verdict:
         return self.median <= self.target.limit
 
 
-def verdicts(samples: Sequence[Sample], judged: Sequence[str]) -> list[Verdict]:
+def group(target: Target) -> str:
+    """The scenario a target belongs to: "pressure", "fits" or "gain"."""
+    return target.what.partition(":")[0]
+
+
+def verdicts(samples: Sequence[Sample], judged: Mapping[str, Collection[str]]
+             ) -> list[Verdict]:
     """Every target on every case that ran both its arms: the ratio of the two arms' figures
-    in each repeat, judged on their median. Only cases in ``judged`` carry limits; the others
-    show their ratios (a case that exists to show how the gain varies)."""
+    in each repeat, judged on their median. A target keeps its limit only where ``judged``
+    names its ``group`` for that case; elsewhere its ratios are shown (a case that exists to
+    show how the gain varies, or one whose small cache cannot hold the running batch)."""
     runs = {(s.case, s.arm, s.repeat): s.timing for s in samples}
     cases = list(dict.fromkeys(s.case for s in samples))
     repeats = sorted({s.repeat for s in samples})
@@ -218,7 +225,7 @@ def verdicts(samples: Sequence[Sample], judged: Sequence[str]) -> list[Verdict]:
                 if top is not None and bottom is not None:
                     ratios.append(getattr(top, target.figure) / getattr(bottom, target.figure))
             if ratios:
-                if case not in judged and target.limit is not None:
+                if group(target) not in judged.get(case, ()) and target.limit is not None:
                     target = Target(target.what, target.numerator, target.denominator,
                                     target.figure, None, target.at_least)
                 out.append(Verdict(target, case, ratios))
