@@ -288,7 +288,9 @@ def _report(args: argparse.Namespace, samples: list[Sample], cases: list[Case],
     with contextlib.suppress(BrokenPipeError):
         for line in table(samples):
             print(line)
-        print("ratios (each repeat's pair of runs; median, then every repeat):")
+        print("ratios (each repeat's pair of runs; median, then every repeat); pressure is "
+              f"judged where the small cache ({args.kv_small} blocks) holds every running "
+              "request, fits everywhere:")
         for line in verdict_lines(found):
             print(line)
         if profiles:
