@@ -48,6 +48,7 @@ def test_chat_latencies_become_a_timing() -> None:
     t = from_latencies([0.1, 0.2, 0.3, 0.4], output_tokens=64, failed=1, duration_s=2.0)
     assert (t.completed, t.failed, t.request_throughput, t.output_throughput) == (4, 1, 2.0, 32.0)
     assert t.ttft_p50_ms == pytest.approx(250.0)
+    assert from_latencies([], 0, failed=3, duration_s=1.0).request_throughput == 0.0
     assert t.ttft_p90_ms == pytest.approx(370.0)
     assert percentile([5.0], 99) == 5.0
 
@@ -94,8 +95,8 @@ def test_the_bound_cores_are_read_from_vllms_log() -> None:
     assert bound_cores("INFO nothing about OpenMP\n") is None
 
 
-def _timing(throughput: float, ttft: float) -> Timing:
-    return Timing(10, 0, 1.0, throughput, throughput * 16, ttft, ttft * 2, ttft * 3)
+def _timing(throughput: float, ttft: float, cpu: float = 0.5) -> Timing:
+    return Timing(10, 0, 1.0, throughput, throughput * 16, ttft, ttft * 2, ttft * 3, cpu)
 
 
 def _samples() -> list[Sample]:
@@ -115,7 +116,7 @@ def _samples() -> list[Sample]:
 
 def test_targets_are_judged_on_the_median_of_each_repeats_ratio() -> None:
     """Ratios pair the two arms' runs of each repeat; the verdict is their median (1.0 >= 0.95:
-    met; TTFT 1.0 <= 1.15: met); arms that did not run (tierd-big) give no verdict; a case
+    met; TTFT 1.0 <= 1.15: met); CPU per request is shown, not judged; arms that did not run (tierd-big) give no verdict; a case
     not judged, or a target group not judged in a case, shows its ratios without a limit."""
     both = {"prefix 1024 c4": {"pressure", "fits"}}
     found = {(v.case, v.target.what): v for v in verdicts(_samples(), both)}
@@ -124,6 +125,8 @@ def test_targets_are_judged_on_the_median_of_each_repeats_ratio() -> None:
     assert tp.met is True
     ttft = found[("prefix 1024 c4", "pressure: tierd small KV / vLLM KV fits, TTFT p50")]
     assert ttft.median == pytest.approx(1.0) and ttft.met is True
+    cpu = found[("prefix 1024 c4", "pressure: tierd small KV / vLLM KV fits, CPU per request")]
+    assert cpu.ratios == [1.0, 1.0, 1.0] and cpu.met is None  # shown, never judged
     gain = found[("prefix 1024 c4", "gain: tierd / vLLM alone, small KV, throughput")]
     assert gain.met is None and gain.median == pytest.approx(2.0)
     assert not any(what.startswith("fits") for _, what in found)

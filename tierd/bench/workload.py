@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from tierd.bench.workload_chat import ChatShape
@@ -182,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
     from tierd.bench.serve_stack import VllmServe, wait_for
     from tierd.bench.tierd_serve import TierdServe
     from tierd.bench.tiny_llama import build, prompt
+    from tierd.bench.workload_profile import cpu_seconds
 
     max_len = _check(args)
     if args.profile:
@@ -227,7 +228,10 @@ def run(args: argparse.Namespace) -> int:
                     tierd = daemons.get(arm)
                     metrics = server.metrics_text()
                     asked = _tierd_counts(tierd)
+                    pid = tierd.process.pid if tierd is not None and tierd.process else None
+                    cpu = cpu_seconds(server, pid)
                     timing = case.drive(server, SEED + 100 * repeat + index)
+                    timing = replace(timing, cpu_seconds=cpu_seconds(server, pid) - cpu)
                     local, external = vllm_hit_rates(metrics, server.metrics_text())
                     if tierd is not None:
                         time.sleep(0.5)  # the last commits land off the request path

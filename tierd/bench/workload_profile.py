@@ -1,4 +1,5 @@
-"""Where a vLLM + tierd arm of `tierd bench workload` spends its time (``--profile``): py-spy
+"""Where an arm of `tierd bench workload` spends its time: the CPU time its processes use over
+a run (``cpu_seconds``, every run) and, with ``--profile``, py-spy
 samples vLLM's engine-core process (the scheduler) and its worker during one run, and the
 samples are summed by the TierdConnector hook they are in, as shares of the scheduler's busy
 loop and of the worker's (time the other side waits for it, on the critical path of every
@@ -48,8 +49,9 @@ def py_spy() -> str:
     return found
 
 
-def _children(server: VllmServe) -> dict[int, str]:
-    """pid -> kind of vLLM's engine-core and worker processes of ``server`` (its session)."""
+def _processes(server: VllmServe) -> dict[int, tuple[str, list[str]]]:
+    """pid -> (process title, the fields of /proc/pid/stat after the name) of every process in
+    ``server``'s session (the API server, vLLM's engine core and its workers)."""
     assert server.process is not None, "the server is not running"
     group = os.getpgid(server.process.pid)
     found = {}
@@ -63,9 +65,27 @@ def _children(server: VllmServe) -> dict[int, str]:
                 title = f.read().split(b"\0")[0].decode(errors="replace").strip()
         except OSError:  # exited while listed
             continue
-        if int(fields[2]) == group and title in PROCESSES:
-            found[int(name)] = PROCESSES[title]
+        if int(fields[2]) == group:
+            found[int(name)] = (title, fields)
     return found
+
+
+def _children(server: VllmServe) -> dict[int, str]:
+    """pid -> kind of vLLM's engine-core and worker processes of ``server``."""
+    return {pid: PROCESSES[title] for pid, (title, _) in _processes(server).items()
+            if title in PROCESSES}
+
+
+def cpu_seconds(server: VllmServe, daemon_pid: int | None) -> float:
+    """CPU time (user + system) used so far by ``server``'s processes and the daemon's."""
+    def used(fields: list[str]) -> float:
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    total = sum(used(fields) for _, fields in _processes(server).values())
+    if daemon_pid is not None:
+        with open(f"/proc/{daemon_pid}/stat") as f:
+            total += used(f.read().rpartition(")")[2].split())
+    return total
 
 
 def profiled(server: VllmServe, workdir: str, run: Callable[[], T]) -> tuple[T, list[Profile]]:

@@ -36,6 +36,13 @@ class Timing:
     ttft_p50_ms: float
     ttft_p90_ms: float
     ttft_p99_ms: float
+    cpu_seconds: float = 0.0
+    """CPU time the arm's processes used over the run (vLLM's and its daemon's): unlike the
+    wall-clock figures, other load on the host hardly moves it."""
+
+    @property
+    def cpu_ms_per_request(self) -> float:
+        return self.cpu_seconds * 1e3 / self.completed if self.completed else float("nan")
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,12 @@ TARGETS = (
            "request_throughput", 0.97, True),
     Target("fits: tierd / vLLM alone, TTFT p50", "tierd-big", "vllm-big", "ttft_p50_ms",
            1.05, False),
+    Target("pressure: tierd small KV / vLLM KV fits, CPU per request", "tierd-small",
+           "vllm-big", "cpu_ms_per_request", None, False),
+    Target("fits: tierd / vLLM alone, CPU per request", "tierd-big", "vllm-big",
+           "cpu_ms_per_request", None, False),
+    Target("gain: tierd / vLLM alone, small KV, CPU per request", "tierd-small", "vllm-small",
+           "cpu_ms_per_request", None, False),
     Target("gain: tierd / vLLM alone, small KV, throughput", "tierd-small", "vllm-small",
            "request_throughput", None, True),
     Target("gain: tierd / vLLM alone, small KV, TTFT p50", "tierd-small", "vllm-small",
@@ -222,8 +235,11 @@ def verdicts(samples: Sequence[Sample], judged: Mapping[str, Collection[str]]
             for r in repeats:
                 top = runs.get((case, target.numerator, r))
                 bottom = runs.get((case, target.denominator, r))
-                if top is not None and bottom is not None:
-                    ratios.append(getattr(top, target.figure) / getattr(bottom, target.figure))
+                if top is None or bottom is None:
+                    continue
+                below = getattr(bottom, target.figure)
+                if below > 0:  # not NaN nor 0: no request completed, or no CPU time read
+                    ratios.append(getattr(top, target.figure) / below)
             if ratios:
                 if group(target) not in judged.get(case, ()) and target.limit is not None:
                     target = Target(target.what, target.numerator, target.denominator,
@@ -239,8 +255,8 @@ def _pct(value: float | None) -> str:
 def table(samples: Sequence[Sample]) -> list[str]:
     """One line per (case, arm): medians over the repeats, hit rates of each repeat."""
     lines = [f"{'case':<24} {'arm':<22} {'req/s':>6} {'tok/s':>7} {'TTFT p50':>9} "
-             f"{'p90':>8} {'p99':>8} {'fail':>4}  hit rates per repeat: vLLM local / "
-             "vLLM external / tierd"]
+             f"{'p90':>8} {'p99':>8} {'CPU/req':>8} {'fail':>4}  hit rates per repeat: "
+             "vLLM local / vLLM external / tierd"]
     med = medians(samples)
     for (case, arm), t in med.items():
         hits = "  ".join(f"{_pct(s.hits.local)}/{_pct(s.hits.external)}/{_pct(s.hits.tierd)}"
@@ -248,7 +264,7 @@ def table(samples: Sequence[Sample]) -> list[str]:
         failed = sum(s.timing.failed for s in samples if (s.case, s.arm) == (case, arm))
         lines.append(f"{case:<24} {ARM_TITLES.get(arm, arm):<22} {t.request_throughput:6.2f} "
                      f"{t.output_throughput:7.1f} {t.ttft_p50_ms:7.0f}ms {t.ttft_p90_ms:6.0f}ms "
-                     f"{t.ttft_p99_ms:6.0f}ms {failed:4d}  {hits}")
+                     f"{t.ttft_p99_ms:6.0f}ms {t.cpu_ms_per_request:6.0f}ms {failed:4d}  {hits}")
     return lines
 
 
