@@ -116,8 +116,9 @@ def _samples() -> list[Sample]:
 
 def test_targets_are_judged_on_the_median_of_each_repeats_ratio() -> None:
     """Ratios pair the two arms' runs of each repeat; the verdict is their median (1.0 >= 0.95:
-    met; TTFT 1.0 <= 1.15: met); CPU per request is shown, not judged; arms that did not run (tierd-big) give no verdict; a case
-    not judged, or a target group not judged in a case, shows its ratios without a limit."""
+    met; TTFT 1.0 <= 1.15: met); CPU per request is shown, not judged; arms that did not run
+    (tierd-big) give no verdict; a case not judged, or a target group not judged in a case,
+    shows its ratios without a limit."""
     both = {"prefix 1024 c4": {"pressure", "fits"}}
     found = {(v.case, v.target.what): v for v in verdicts(_samples(), both)}
     tp = found[("prefix 1024 c4", "pressure: tierd small KV / vLLM KV fits, throughput")]
