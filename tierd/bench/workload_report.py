@@ -37,8 +37,9 @@ class Timing:
     ttft_p90_ms: float
     ttft_p99_ms: float
     cpu_seconds: float = 0.0
-    """CPU time the arm's processes used over the run (vLLM's and its daemon's): unlike the
-    wall-clock figures, other load on the host hardly moves it."""
+    """CPU time the arm's processes used over the run (vLLM's and its daemon's): other load on
+    the host moves it less than the wall-clock figures, though still (vLLM's OpenMP threads
+    spin at their barriers while a descheduled peer catches up)."""
 
     @property
     def cpu_ms_per_request(self) -> float:
