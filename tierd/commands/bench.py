@@ -30,7 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "sglang": "sglang",
 }
 NOT_IN_ALL = {"serve": "needs vLLM's CPU build and ~2 min of vllm serve starts: `make bench-serve`",
-              "workload": "needs vLLM's CPU build, ~15 min: `make bench-workload`",
+              "workload": "needs vLLM's CPU build, 10-20 min: `make bench-workload`",
               "vllm-tier": "needs real vLLM 0.33: `make bench-vllm-tier`",
               "sglang": "needs SGLang: `make bench-sglang`"}
 """Benchmarks ``all`` leaves out, and how to run each."""
