@@ -165,9 +165,11 @@ def _check(args: argparse.Namespace) -> int:
                                          args.chat_message, args.output_len).longest_prompt())
     # vLLM refuses a prompt of more than 5 characters a token before tokenizing it, and the
     # small Llama's words are about 6 characters with their space: room for twice the tokens.
+    from tierd.bench.serve_stack import BLOCK
+
     length = int(2 * (longest + args.output_len) + 64)
-    if args.kv_small * 32 < length:
-        raise ValueError(f"--kv-small {args.kv_small} blocks hold {args.kv_small * 32} tokens, "
+    if args.kv_small * BLOCK < length:
+        raise ValueError(f"--kv-small {args.kv_small} blocks hold {args.kv_small * BLOCK} tokens, "
                          f"less than vLLM's --max-model-len here ({length}, twice the longest "
                          "request): raise it or shorten the prompts")
     return length
@@ -190,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
 
         py_spy()  # fail before starting anything when it is missing
     profiles: list[str] = []
-    cpus = args.cpus or f"0-{len(os.sched_getaffinity(0)) - 1}"
+    cpus = args.cpus or ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
     model = build(os.path.expanduser("~/.cache/tierd/test-models"), "tiny-llama-v2-seed0", seed=0)
     workdir = tempfile.mkdtemp(prefix="tierd-bw-")
     daemons = {arm: TierdServe(workdir, ["--dram-bytes", "512MiB", "--no-prefault", "--ssd-dir",
@@ -211,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
             server.start()
         for server in servers.values():
             server.wait_ready()
-        binds = {arm: bound_cores(open(s.log_path).read()) for arm, s in servers.items()}
+        binds = {arm: bound_cores(_read(s.log_path)) for arm, s in servers.items()}
         print(f"OpenMP binding (reserve_cpu_num, core ids) per arm: {binds}")
         if len({str(b[1]) if b else None for b in binds.values()}) != 1 or None in binds.values():
             raise AssertionError(f"the arms bound different cores: {binds}; see {workdir}")
@@ -253,6 +255,11 @@ def run(args: argparse.Namespace) -> int:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     return _report(args, samples, cases, cpus, profiles)
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
 
 
 def _tierd_counts(daemon: TierdServe | None) -> tuple[int, int]:
