@@ -310,6 +310,9 @@ def _report(args: argparse.Namespace, samples: list[Sample], cases: list[Case],
             for line in profiles:
                 print(line)
     failures = sum(s.timing.failed for s in samples)
-    ok = failures == 0 and all(v.met is not False for v in found)
-    print(f"failed requests: {failures}; every target {'met' if ok else 'NOT met'}")
+    judged = [v for v in found if v.met is not None]
+    ok = failures == 0 and all(v.met for v in judged)
+    missed = sum(not v.met for v in judged)
+    print(f"failed requests: {failures}; targets judged: {len(judged)}, missed: {missed}"
+          f" -> {'met' if ok else 'NOT met'}")
     return 0 if ok else 1
