@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # download a multi-GB CUDA build to satisfy the range in pyproject.toml.
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: native demo demo-vllm test test-deploy deploy-venv test-vllm test-vllm-serve bench-vllm bench-vllm-tier bench-serve vllm-venv \
+.PHONY: native demo demo-vllm test test-deploy deploy-venv test-vllm test-vllm-serve bench-vllm bench-vllm-tier bench-serve bench-workload vllm-venv \
 	vllm-cpu-venv venv bench lint proto clean sglang-venv test-sglang bench-sglang
 
 venv: $(VENV)/.installed
@@ -113,6 +113,11 @@ demo-vllm: vllm-cpu-venv native | $(TIERD_PATH)/tierd
 # `tierd bench serve`: TTFT through real `vllm serve` (ARGS="--tokens 8192").
 bench-serve: vllm-cpu-venv native | $(TIERD_PATH)/tierd
 	PYTHONPATH=$(TIERD_PATH) $(VLLM_CPU_PY) -P -m tierd.cli bench serve $(ARGS)
+
+# `tierd bench workload`: many users through real `vllm serve`, vLLM alone vs vLLM + tierd, a KV
+# cache below the working set and one that holds it (10-20 min; ARGS="--repeats 5", ...).
+bench-workload: vllm-cpu-venv native | $(TIERD_PATH)/tierd
+	PYTHONPATH=$(TIERD_PATH) $(VLLM_CPU_PY) -P -m tierd.cli bench workload $(ARGS)
 
 # `tierd bench vllm` with vLLM's own KV views (ARGS="--model llama3-70b", ...).
 bench-vllm: vllm-venv native | $(TIERD_PATH)/tierd

@@ -39,6 +39,16 @@ def wait_for(what: str, check: Any, timeout: float, every: float = 0.25) -> Any:
         time.sleep(every)
 
 
+def counter(text: str, name: str) -> float:
+    """The sum of Prometheus counter ``name`` (without _total) over its label sets in the
+    exposition ``text``."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "_total{") or line.startswith(name + "_total "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def stack_daemon(workdir: str) -> TierdServe:
     """The stack's `tierd serve` (not started) on ``workdir/tierd.sock``: 256 MiB of DRAM and
     1 GiB of SSD in ``workdir/ssd``, kept across restarts (a SIGTERM writes DRAM blocks to SSD;
@@ -65,18 +75,21 @@ class Greedy:
 @dataclass
 class VllmServe:
     """One `vllm serve` process: ``model`` served as ``name`` with TierdConnector on
-    ``socket_path`` (engine name ``engine``), vLLM's own prefix cache on or off."""
+    ``socket_path`` (engine name ``engine``; no KV connector at all when ``socket_path`` is
+    None: vLLM alone), vLLM's own prefix cache on or off."""
 
     python: str
     workdir: str
     model: str
     name: str
     engine: str
-    socket_path: str
+    socket_path: str | None
     prefix_caching: bool = True
     max_model_len: int = 4096
     kv_blocks: int | None = None
     """Override vLLM's KV-cache size in blocks (a small cache forces preemptions)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of the server (``VLLM_CPU_OMP_THREADS_BIND``, ...)."""
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
 
@@ -92,18 +105,23 @@ class VllmServe:
                 "--served-model-name", self.name, "--host", "127.0.0.1",
                 "--port", str(self.port), "--prefix-caching-hash-algo", "sha256_cbor",
                 "--block-size", str(BLOCK), "--max-model-len", str(self.max_model_len),
-                "--enforce-eager",
-                "--kv-transfer-config", json.dumps(transfer)]
+                "--enforce-eager"]
+        if self.socket_path is not None:
+            argv += ["--kv-transfer-config", json.dumps(transfer)]
         if not self.prefix_caching:
             argv.append("--no-enable-prefix-caching")
         if self.kv_blocks is not None:
             argv += ["--num-gpu-blocks-override", str(self.kv_blocks)]
         env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "TIERD_CONFIG": ""}
-        log = open(os.path.join(self.workdir, f"vllm-{self.engine}.log"), "ab")
+               "TIERD_CONFIG": "", **self.env}
+        log = open(self.log_path, "ab")
         self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=log,
                                         start_new_session=True)
         log.close()
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.workdir, f"vllm-{self.engine}.log")
 
     def wait_ready(self, timeout: float = 600) -> None:
         def up() -> bool:
@@ -129,10 +147,12 @@ class VllmServe:
         """The greedy text of a streamed completion (every chunk read to ``[DONE]``)."""
         return self.timed(prompt, max_tokens)[1]
 
-    def timed(self, prompt: str, max_tokens: int = 8) -> tuple[float, str]:
-        """(seconds to the first streamed token, the greedy text) of a completion."""
+    def timed(self, prompt: str, max_tokens: int = 8, ignore_eos: bool = False
+              ) -> tuple[float, str]:
+        """(seconds to the first streamed token, the greedy text) of a completion
+        (``ignore_eos``: exactly ``max_tokens`` tokens)."""
         start = time.perf_counter()
-        conn, response = self._stream(prompt, max_tokens)
+        conn, response = self._stream(prompt, max_tokens, ignore_eos)
         first: float | None = None
         text = []
         try:
@@ -163,13 +183,26 @@ class VllmServe:
 
     def metric(self, name: str) -> float:
         """The sum of a Prometheus counter over its label sets (``name`` without _total)."""
+        return counter(self.metrics_text(), name)
+
+    def metrics_text(self) -> str:
+        """vLLM's Prometheus exposition (``/metrics``)."""
         status, body = self._get("/metrics")
         assert status == 200
-        total = 0.0
-        for line in body.decode().splitlines():
-            if line.startswith(name + "_total{") or line.startswith(name + "_total "):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return body.decode()
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty vLLM's own prefix cache (``/reset_prefix_cache``: the server must run with
+        ``VLLM_SERVER_DEV_MODE=1``); False while blocks are still held (the caller retries)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request("POST", "/reset_prefix_cache")
+            response = conn.getresponse()
+            body = response.read()
+        finally:
+            conn.close()
+        assert response.status == 200, f"reset_prefix_cache: {response.status} {body[:200]!r}"
+        return bool(json.loads(body).get("success", True))
 
     def external_hits(self) -> float:
         return self.metric("vllm:external_prefix_cache_hits")
@@ -200,10 +233,11 @@ class VllmServe:
         return Greedy(choice["prompt_token_ids"],
                       list(zip(logprobs["tokens"], logprobs["top_logprobs"])))
 
-    def _stream(self, prompt: str, max_tokens: int) -> tuple[http.client.HTTPConnection, Any]:
+    def _stream(self, prompt: str, max_tokens: int, ignore_eos: bool = False
+                ) -> tuple[http.client.HTTPConnection, Any]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
         body = json.dumps({"model": self.name, "prompt": prompt, "max_tokens": max_tokens,
-                           "temperature": 0, "stream": True})
+                           "temperature": 0, "stream": True, "ignore_eos": ignore_eos})
         conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         response = conn.getresponse()
         assert response.status == 200, response.read()[:500]

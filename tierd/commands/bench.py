@@ -10,7 +10,7 @@ import argparse
 import importlib
 
 HELP = ("Run a benchmark (hash, attention, daemon, e2e, cluster, soak, tenants, insight, vllm, "
-        "identity, serve, vllm-tier, sglang, or all).")
+        "identity, serve, workload, vllm-tier, sglang, or all).")
 
 # Benchmark name -> module under tierd.bench.
 BENCHMARKS: dict[str, str] = {
@@ -25,10 +25,12 @@ BENCHMARKS: dict[str, str] = {
     "vllm": "vllm",
     "identity": "identity",
     "serve": "serve",
+    "workload": "workload",
     "vllm-tier": "vllm_tier",
     "sglang": "sglang",
 }
 NOT_IN_ALL = {"serve": "needs vLLM's CPU build and ~2 min of vllm serve starts: `make bench-serve`",
+              "workload": "needs vLLM's CPU build, 10-20 min: `make bench-workload`",
               "vllm-tier": "needs real vLLM 0.33: `make bench-vllm-tier`",
               "sglang": "needs SGLang: `make bench-sglang`"}
 """Benchmarks ``all`` leaves out, and how to run each."""

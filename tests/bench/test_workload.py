@@ -1,0 +1,209 @@
+"""`tierd bench workload`'s reading and reporting, without vLLM: `vllm bench serve`'s result
+JSON, vLLM's Prometheus counters and OpenMP log lines, the chat client's turn-taking, the
+medians and the per-repeat ratios the targets are judged on, py-spy's stacks summed by connector
+hook (structure, never a timing)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tierd.bench.workload_chat import ChatShape, _Users
+from tierd.bench.workload_profile import profile_line, summarize
+from tierd.bench.workload_report import (
+    HitRates,
+    Sample,
+    Timing,
+    bound_cores,
+    from_bench_serve,
+    from_latencies,
+    medians,
+    percentile,
+    table,
+    tierd_hit_rate,
+    verdict_lines,
+    verdicts,
+    vllm_hit_rates,
+)
+
+RESULT = {"duration": 10.0, "completed": 95, "failed": 1, "num_prompts": 96,
+          "request_throughput": 9.5, "output_throughput": 152.0, "median_ttft_ms": 80.0,
+          "p50_ttft_ms": 80.0, "p90_ttft_ms": 200.0, "p99_ttft_ms": 400.0}
+
+
+def test_bench_serve_result_is_read_field_by_field() -> None:
+    """The saved JSON of `vllm bench serve` gives every figure; without the percentile flags
+    the error names them."""
+    assert from_bench_serve(RESULT) == Timing(95, 1, 10.0, 9.5, 152.0, 80.0, 200.0, 400.0)
+    old = {k: v for k, v in RESULT.items() if k != "failed"}
+    assert from_bench_serve(old).failed == 1  # an older vLLM: num_prompts - completed
+    with pytest.raises(ValueError, match="--metric-percentiles 50,90,99"):
+        from_bench_serve({k: v for k, v in RESULT.items() if k != "p99_ttft_ms"})
+
+
+def test_chat_latencies_become_a_timing() -> None:
+    """Four TTFTs over 2 s: 2 req/s, the tokens over the time, percentiles linear between
+    ranks as numpy's."""
+    t = from_latencies([0.1, 0.2, 0.3, 0.4], output_tokens=64, failed=1, duration_s=2.0)
+    assert (t.completed, t.failed, t.request_throughput, t.output_throughput) == (4, 1, 2.0, 32.0)
+    assert t.ttft_p50_ms == pytest.approx(250.0)
+    assert from_latencies([], 0, failed=3, duration_s=1.0).request_throughput == 0.0
+    assert t.ttft_p90_ms == pytest.approx(370.0)
+    assert percentile([5.0], 99) == 5.0
+
+
+def _exposition(local: tuple[int, int], external: tuple[int, int]) -> str:
+    """vLLM's /metrics text with (queries, hits) of its prefix cache and of its connector,
+    split over two label sets as a server with two engines would."""
+    lines = ["# HELP vllm:prefix_cache_queries Prefix cache queries",
+             "# TYPE vllm:prefix_cache_queries counter"]
+    for engine, share in (("0", 0.25), ("1", 0.75)):
+        labels = f'{{engine="{engine}",model_name="tiny"}}'
+        lines += [f"vllm:prefix_cache_queries_total{labels} {local[0] * share}",
+                  f"vllm:prefix_cache_hits_total{labels} {local[1] * share}",
+                  f"vllm:external_prefix_cache_queries_total{labels} {external[0] * share}",
+                  f"vllm:external_prefix_cache_hits_total{labels} {external[1] * share}",
+                  f"vllm:prefix_cache_queries_created{labels} 1.7e9"]
+    return "\n".join(lines) + "\n"
+
+
+def test_hit_rates_are_counter_deltas() -> None:
+    """Over a run that asked 1,000 tokens of vLLM's cache (hit 400) and 600 of the connector
+    (hit 300): 0.4 and 0.5, whatever the counters held before; no queries: None."""
+    before = _exposition((2_000, 1_000), (800, 100))
+    after = _exposition((3_000, 1_400), (1_400, 400))
+    assert vllm_hit_rates(before, after) == (pytest.approx(0.4), pytest.approx(0.5))
+    assert vllm_hit_rates(after, after) == (None, None)
+    assert tierd_hit_rate((100, 10), (700, 310)) == 0.5
+    assert tierd_hit_rate((0, 0), (0, 0)) is None
+
+
+def test_the_bound_cores_are_read_from_vllms_log() -> None:
+    """The OpenMP report of vLLM's CPU build: the reserve and the cores of rank 0 (the last
+    report if the engine restarted); a log without one gives None."""
+    head = "(EngineCore pid=1) INFO 12-03 22:51:30 [ompmultiprocessing.py:185] "
+    log = "".join(head + line + "\n" for line in (
+        "OpenMP thread binding info: ",
+        "\tVLLM_CPU_OMP_THREADS_BIND='auto', auto_setup=True, skip_setup=False",
+        "\tlocal_world_size=1, reserve_cpu_num=1",
+        "\tlocal_rank=0, core ids=[0]",
+        "\treserved_cpus=[1]"))
+    assert bound_cores(log) == (1, [0])
+    again = log.replace("reserve_cpu_num=1", "reserve_cpu_num=2").replace("[0]", "[0, 1]")
+    assert bound_cores(log + again) == (2, [0, 1])
+    assert bound_cores("INFO nothing about OpenMP\n") is None
+
+
+def _timing(throughput: float, ttft: float, cpu: float = 0.5) -> Timing:
+    return Timing(10, 0, 1.0, throughput, throughput * 16, ttft, ttft * 2, ttft * 3, cpu)
+
+
+def _samples() -> list[Sample]:
+    """Three repeats of one judged case on four arms: tierd with a small cache at 0.9, 1.0 and
+    1.2x vLLM's throughput with a cache that fits, TTFT 1.1, 1.0, 0.5x."""
+    hits = HitRates(0.5, 0.4, 0.41)
+    out = []
+    for r, (tp, ttft) in enumerate([(0.9, 1.1), (1.0, 1.0), (1.2, 0.5)]):
+        out += [Sample("prefix 1024 c4", "vllm-big", r, _timing(10.0, 100.0), hits),
+                Sample("prefix 1024 c4", "tierd-small", r, _timing(10.0 * tp, 100.0 * ttft),
+                       hits),
+                Sample("prefix 1024 c4", "vllm-small", r, _timing(5.0, 300.0), hits),
+                Sample("prefix 256 c4", "vllm-small", r, _timing(8.0, 50.0), hits),
+                Sample("prefix 256 c4", "tierd-small", r, _timing(8.0, 50.0), hits)]
+    return out
+
+
+def test_targets_are_judged_on_the_median_of_each_repeats_ratio() -> None:
+    """Ratios pair the two arms' runs of each repeat; the verdict is their median (1.0 >= 0.95:
+    met; TTFT 1.0 <= 1.15: met); CPU per request is shown, not judged; arms that did not run
+    (tierd-big) give no verdict; a case not judged, or a target group not judged in a case,
+    shows its ratios without a limit."""
+    both = {"prefix 1024 c4": {"pressure", "fits"}}
+    found = {(v.case, v.target.what): v for v in verdicts(_samples(), both)}
+    tp = found[("prefix 1024 c4", "pressure: tierd small KV / vLLM KV fits, throughput")]
+    assert tp.ratios == pytest.approx([0.9, 1.0, 1.2]) and tp.median == pytest.approx(1.0)
+    assert tp.met is True
+    ttft = found[("prefix 1024 c4", "pressure: tierd small KV / vLLM KV fits, TTFT p50")]
+    assert ttft.median == pytest.approx(1.0) and ttft.met is True
+    cpu = found[("prefix 1024 c4", "pressure: tierd small KV / vLLM KV fits, CPU per request")]
+    assert cpu.ratios == [1.0, 1.0, 1.0] and cpu.met is None  # shown, never judged
+    gain = found[("prefix 1024 c4", "gain: tierd / vLLM alone, small KV, throughput")]
+    assert gain.met is None and gain.median == pytest.approx(2.0)
+    assert not any(what.startswith("fits") for _, what in found)
+    unjudged = verdicts(_samples(), {"prefix 1024 c4": {"fits"}})
+    assert all(v.met is None for v in unjudged)
+    short = found[("prefix 256 c4", "gain: tierd / vLLM alone, small KV, TTFT p50")]
+    assert short.met is None and short.ratios == [1.0, 1.0, 1.0]
+    missed = verdicts([s if s.arm != "tierd-small" else
+                       Sample(s.case, s.arm, s.repeat, _timing(9.0, 200.0), s.hits)
+                       for s in _samples()], {"prefix 1024 c4": {"pressure"}})
+    lines = verdict_lines(missed)
+    assert any("throughput: 0.90" in x and "MISSED" in x for x in lines)
+    assert any("TTFT p50: 2.00" in x and "(limit <= 1.15) -> MISSED" in x for x in lines)
+
+
+def test_medians_and_the_table() -> None:
+    """The table has one line per (case, arm) with its median and every repeat's hit rates."""
+    med = medians(_samples())
+    assert med[("prefix 1024 c4", "tierd-small")].request_throughput == pytest.approx(10.0)
+    lines = table(_samples())
+    assert len(lines) == 1 + 5
+    row = next(x for x in lines if "vLLM+tierd, small KV" in x and x.startswith("prefix 1024"))
+    assert row.count(" 50%/ 40%/ 41%") == 3
+
+
+def test_chat_users_take_turns_one_at_a_time_until_every_turn_ran() -> None:
+    """Three workers over five users of three turns: no user ever has two turns running, each
+    history grows by every turn's message and reply, every conversation runs all its turns;
+    a failed turn ends only its own user's conversation."""
+    shape = ChatShape(users=5, turns=3, system_tokens=8, user_tokens=4, reply_tokens=2)
+    assert shape.longest_prompt() == 8 + 3 * 4 + 2 * 2
+    users = _Users(shape, seed=7)
+    running: set[int] = set()
+    turns: list[int] = []
+    guard = threading.Lock()
+
+    def worker() -> None:
+        while (user := users.take()) is not None:
+            with guard:
+                assert user not in running
+                running.add(user)
+                turns.append(user)
+            with users.lock:
+                text = users.history[user] + " " + users.message(user)
+            with guard:
+                running.discard(user)
+            users.give_back(user, None if (user, turns.count(user)) == (4, 2) else
+                            f"{text} w1 w2")
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(turns) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4]
+    assert users.turn == [3, 3, 3, 3, 1]
+    assert len(users.history[0].split()) == 8 + 3 * (4 + 2)
+    assert all(h.split()[:8] == users.history[0].split()[:8] for h in users.history)
+
+
+def test_profile_shares_are_of_the_main_loop_by_connector_hook() -> None:
+    """py-spy's collapsed stacks: samples outside the scheduler's busy loop (idle threads) are
+    left out; inside it, each TierdConnector hook's share (nested vLLM frames above it count);
+    the worker's loop is told apart by its own frame."""
+    loop = "run_busy_loop (vllm/v1/engine/core.py:900)"
+    collapsed = "\n".join([
+        f"<module> (x.py:1);{loop};step (core.py:1);schedule (s.py:2) 60",
+        f"<module> (x.py:1);{loop};schedule (s.py:2);TierdConnector.get_num_new_matched_tokens "
+        "(tierd/connector/vllm/connector.py:250);_blocking (grpc.py:3) 30",
+        f"<module> (x.py:1);{loop};TierdConnector.build_connector_meta (c.py:9) 10",
+        "_bootstrap (threading.py:1);wait (threading.py:2) 500",
+        "malformed line without a count",
+    ])
+    profile = summarize("scheduler", collapsed)
+    assert profile.samples == 100
+    assert profile.hooks == {"get_num_new_matched_tokens": 0.3, "build_connector_meta": 0.1}
+    assert summarize("worker", collapsed).samples == 0
+    line = profile_line("tierd-big", "prefix 1024 c16", [profile])
+    assert "get_num_new_matched_tokens 30.0%" in line and "connector in all: 40.0%" in line

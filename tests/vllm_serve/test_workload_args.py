@@ -1,0 +1,40 @@
+"""`tierd bench workload`'s command line for `vllm bench serve`, read by vLLM's own argument
+parser (the one the CLI uses): every flag exists in this vLLM and means what the bench needs.
+No server is started."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM's CPU build: run `make test-vllm-serve`")
+
+from tierd.bench.serve_stack import VllmServe  # noqa: E402
+from tierd.bench.workload_serve import bench_serve_argv  # noqa: E402
+
+pytestmark = [pytest.mark.vllm_serve]
+
+
+def test_vllms_parser_reads_the_prefix_repetition_run() -> None:
+    """The argv of one run parses with `vllm bench serve`'s parser into a prefix_repetition run
+    of the local model, at most 4 requests in flight, TTFT percentiles 50/90/99 saved to the
+    named file, no warm-up and no ready-check request."""
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    server = VllmServe("python", "/tmp", "/models/tiny", "tiny", "vllm-small", None, port=8123)
+    argv = bench_serve_argv(server, "/models/tiny", "/tmp/out/run.json", seed=1100,
+                            concurrency=4, prefix_len=1024, suffix_len=64, output_len=16,
+                            prefixes=24, prompts=96)
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(argv)
+    assert (args.dataset_name, args.num_prompts, args.seed) == ("prefix_repetition", 96, 1100)
+    assert (args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len) == (
+        1024, 64, 24, 16)
+    assert (args.base_url, args.model, args.tokenizer, args.served_model_name) == (
+        "http://127.0.0.1:8123", "/models/tiny", "/models/tiny", "tiny")
+    assert args.max_concurrency == 4 and args.ignore_eos and args.temperature == 0
+    assert (args.metric_percentiles, args.save_result) == ("50,90,99", True)
+    assert (args.result_dir, args.result_filename) == ("/tmp/out", "run.json")
+    assert args.num_warmups == 0 and args.ready_check_timeout_sec == 0

@@ -1,0 +1,318 @@
+"""`tierd bench workload`: many users, shared prefixes in random order, an engine KV cache
+smaller than the working set, through real `vllm serve` (vLLM's CPU build, the small Llama of
+``tierd.bench.tiny_llama``).
+
+Four `vllm serve` instances (``tierd.bench.workload_report.ARMS``): vLLM alone and vLLM +
+TierdConnector, each with a KV cache well below the working set (``--kv-small`` blocks: the
+pressure scenario) and with one that holds everything (``--kv-big``: the fits scenario); each
+tierd arm has its own `tierd serve` (DRAM only, above the working set). Every instance binds
+its OpenMP threads to the same cores (``VLLM_CPU_OMP_THREADS_BIND``, checked in its log: vLLM
+reserves one more core when a KV connector is configured, so left to itself the connector arm
+binds other cores than vLLM alone does).
+
+Cases, each run on its arms in turn, the arms' order rotated every repeat so the host's noise
+falls on all of them:
+
+- ``prefix P cC``: vLLM's own ``vllm bench serve --dataset-name prefix_repetition`` (``N``
+  prefixes of ``P`` tokens, each followed by its own suffix, in random order), ``C`` clients;
+  at ``--prefix-len`` and every ``--concurrency`` on all four arms, at every other
+  ``--gain-prefix-lens`` on the two small-cache arms (how the gain grows with prefix length);
+- ``chat cC``: the multi-turn chat client of ``tierd.bench.workload_chat``.
+
+A repeat uses new words (a new seed) in every case, the same for every arm, and empties vLLM's
+prefix cache first. Per run: request and output-token throughput, TTFT p50/p90/p99, failures,
+vLLM's local and external prefix-hit rates and tierd's hit ratio over the run (the last two
+should agree). Then the targets as ratios of the arms' runs in each repeat, judged on their
+median (``tierd.bench.workload_report.TARGETS``). Run it with ``make bench-workload``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
+
+from tierd.bench.workload_chat import ChatShape
+from tierd.bench.workload_report import (
+    ARMS,
+    HitRates,
+    Sample,
+    Timing,
+    bound_cores,
+    table,
+    tierd_hit_rate,
+    verdict_lines,
+    verdicts,
+    vllm_hit_rates,
+)
+
+if TYPE_CHECKING:
+    from tierd.bench.serve_stack import VllmServe
+    from tierd.bench.tierd_serve import TierdServe
+
+HELP = ("Many users through real vllm serve: vLLM alone vs vLLM + tierd, a KV cache below the "
+        "working set and one that holds it (prefix_repetition, multi-turn chat).")
+
+SEED = 1_000
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of every run (3)")
+    parser.add_argument("--concurrency", type=_ints, default=[4, 16],
+                        help="clients, comma-separated (4,16)")
+    parser.add_argument("--prefix-len", type=int, default=1024,
+                        help="prefix_repetition: tokens of each shared prefix (1024)")
+    parser.add_argument("--gain-prefix-lens", type=_ints, default=[256, 2048],
+                        help="other prefix lengths run on the small-cache arms only, at the "
+                             "first concurrency (256,2048)")
+    parser.add_argument("--suffix-len", type=int, default=64,
+                        help="prefix_repetition: tokens after the prefix (64)")
+    parser.add_argument("--output-len", type=int, default=16, help="tokens generated (16)")
+    parser.add_argument("--prefixes", type=int, default=24,
+                        help="prefix_repetition: distinct prefixes (24)")
+    parser.add_argument("--prompts-per-prefix", type=int, default=4,
+                        help="prefix_repetition: requests per prefix (4)")
+    parser.add_argument("--chat-users", type=int, default=24, help="chat: conversations (24)")
+    parser.add_argument("--chat-turns", type=int, default=4, help="chat: turns per user (4)")
+    parser.add_argument("--chat-system", type=int, default=512,
+                        help="chat: tokens of the shared system prompt (512)")
+    parser.add_argument("--chat-message", type=int, default=256,
+                        help="chat: tokens of each user message (256)")
+    parser.add_argument("--kv-small", type=int, default=256,
+                        help="KV blocks (32 tokens) of the pressure scenario (256)")
+    parser.add_argument("--kv-big", type=int, default=4096,
+                        help="KV blocks of the fits scenario (4096)")
+    parser.add_argument("--cpus", default=None,
+                        help="cores every vllm serve binds (VLLM_CPU_OMP_THREADS_BIND; all "
+                             "of this host's by default)")
+    parser.add_argument("--arms", type=lambda t: t.split(","), default=list(ARMS),
+                        help="arms to run, comma-separated (all: " + ",".join(ARMS) + ")")
+    parser.add_argument("--no-chat", action="store_true", help="skip the chat cases")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the repeats, run every case once more on each vLLM + tierd "
+                             "arm under py-spy and print the connector hooks' share of vLLM's "
+                             "scheduler and worker loops (needs py-spy: pip install py-spy)")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs")
+    parser.add_argument("--json", action="store_true", help="print every run as JSON too")
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    arms: tuple[str, ...]
+    judged: frozenset[str]
+    """The target groups whose limits apply here ("pressure", "fits"; the others' ratios are
+    shown): pressure only where the small cache holds every running request (else its arms are
+    limited by the batch the cache holds, not by the prefixes it keeps)."""
+    drive: Callable[..., Timing]
+    """(server, seed) -> the client's figures."""
+
+
+def _cases(args: argparse.Namespace, model: str, workdir: str) -> list[Case]:
+    from tierd.bench.serve_stack import BLOCK
+    from tierd.bench.workload_chat import run_chat
+    from tierd.bench.workload_serve import prefix_repetition
+
+    def judge(request_tokens: int, clients: int) -> frozenset[str]:
+        running = clients * -(-request_tokens // BLOCK)
+        return frozenset({"fits", "pressure"} if running <= args.kv_small else {"fits"})
+
+    cases = []
+    small = ("vllm-small", "tierd-small")
+    shape = ChatShape(args.chat_users, args.chat_turns, args.chat_system, args.chat_message,
+                      args.output_len)
+    lens = [args.prefix_len] + [p for p in args.gain_prefix_lens if p != args.prefix_len]
+    for c in args.concurrency:
+        for p in lens if c == args.concurrency[0] else lens[:1]:
+            def drive(server, seed, c=c, p=p):  # type: ignore[no-untyped-def]
+                return prefix_repetition(server, model, workdir, seed=seed, concurrency=c,
+                                         prefix_len=p, suffix_len=args.suffix_len,
+                                         output_len=args.output_len, prefixes=args.prefixes,
+                                         prompts=args.prefixes * args.prompts_per_prefix)
+            main = p == args.prefix_len
+            request = p + args.suffix_len + args.output_len
+            cases.append(Case(f"prefix {p} c{c}", ARMS if main else small,
+                              judge(request, c) if main else frozenset(), drive))
+    for c in [] if args.no_chat else args.concurrency[:1]:
+        cases.append(Case(f"chat c{c}", ARMS, judge(shape.longest_prompt() + args.output_len, c),
+                          lambda server, seed, c=c: run_chat(server, shape, c, seed)))
+    picked = [Case(c.name, tuple(a for a in c.arms if a in args.arms), c.judged, c.drive)
+              for c in cases]
+    return [c for c in picked if c.arms]
+
+
+def _check(args: argparse.Namespace) -> int:
+    """The longest prompt a case sends (ValueError naming the flag when a size cannot work)."""
+    if args.repeats < 1 or not args.concurrency or min(args.concurrency) < 1:
+        raise ValueError("need --repeats >= 1 and --concurrency of clients >= 1")
+    if not args.arms or set(args.arms) - set(ARMS):
+        raise ValueError(f"--arms takes some of {','.join(ARMS)}, not {','.join(args.arms)}")
+    longest = max([args.prefix_len, *args.gain_prefix_lens]) + args.suffix_len
+    if not args.no_chat:
+        longest = max(longest, ChatShape(args.chat_users, args.chat_turns, args.chat_system,
+                                         args.chat_message, args.output_len).longest_prompt())
+    # vLLM refuses a prompt of more than 5 characters a token before tokenizing it, and the
+    # small Llama's words are about 6 characters with their space: room for twice the tokens.
+    from tierd.bench.serve_stack import BLOCK
+
+    length = int(2 * (longest + args.output_len) + 64)
+    if args.kv_small * BLOCK < length:
+        raise ValueError(f"--kv-small {args.kv_small} blocks hold {args.kv_small * BLOCK} tokens, "
+                         f"less than vLLM's --max-model-len here ({length}, twice the longest "
+                         "request): raise it or shorten the prompts")
+    return length
+
+
+def run(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("tierd bench workload needs vLLM's CPU build in this Python: run it "
+                         "with `make bench-workload`")
+    from tierd.bench.serve_stack import VllmServe, wait_for
+    from tierd.bench.tierd_serve import TierdServe
+    from tierd.bench.tiny_llama import build, prompt
+    from tierd.bench.workload_profile import cpu_seconds
+
+    max_len = _check(args)
+    if args.profile:
+        from tierd.bench.workload_profile import py_spy
+
+        py_spy()  # fail before starting anything when it is missing
+    profiles: list[str] = []
+    cpus = args.cpus or ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    model = build(os.path.expanduser("~/.cache/tierd/test-models"), "tiny-llama-v2-seed0", seed=0)
+    workdir = tempfile.mkdtemp(prefix="tierd-bw-")
+    daemons = {arm: TierdServe(workdir, ["--dram-bytes", "512MiB", "--no-prefault", "--ssd-dir",
+                                         ""], socket_path=os.path.join(workdir, f"{arm}.sock"))
+               for arm in args.arms if arm.startswith("tierd")}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_SERVER_DEV_MODE": "1"}
+    servers = {arm: VllmServe(sys.executable, workdir, model, "tiny", arm,
+                              daemons[arm].socket_path if arm in daemons else None,
+                              max_model_len=max_len, env=env,
+                              kv_blocks=args.kv_small if arm.endswith("small") else args.kv_big)
+               for arm in args.arms}
+    samples: list[Sample] = []
+    failed = True
+    try:
+        for daemon in daemons.values():
+            daemon.start()
+        for server in servers.values():
+            server.start()
+        for server in servers.values():
+            server.wait_ready()
+        binds = {arm: bound_cores(_read(s.log_path)) for arm, s in servers.items()}
+        print(f"OpenMP binding (reserve_cpu_num, core ids) per arm: {binds}")
+        if len({str(b[1]) if b else None for b in binds.values()}) != 1 or None in binds.values():
+            raise AssertionError(f"the arms bound different cores: {binds}; see {workdir}")
+        for server in servers.values():  # first requests compile and fill allocator pools
+            for i in range(2):
+                server.complete(prompt(max_len // 2, seed=SEED - 1 - i), 4)
+        cases = _cases(args, model, workdir)
+        for repeat in range(args.repeats):
+            for index, case in enumerate(cases):
+                shift = (repeat + index) % len(case.arms)
+                for arm in case.arms[shift:] + case.arms[:shift]:
+                    server = servers[arm]
+                    wait_for("vLLM's prefix cache emptied", server.reset_prefix_cache, 60)
+                    tierd = daemons.get(arm)
+                    metrics = server.metrics_text()
+                    asked = _tierd_counts(tierd)
+                    pid = tierd.process.pid if tierd is not None and tierd.process else None
+                    cpu = cpu_seconds(server, pid)
+                    timing = case.drive(server, SEED + 100 * repeat + index)
+                    timing = replace(timing, cpu_seconds=cpu_seconds(server, pid) - cpu)
+                    local, external = vllm_hit_rates(metrics, server.metrics_text())
+                    if tierd is not None:
+                        time.sleep(0.5)  # the last commits land off the request path
+                    hits = HitRates(local, external, tierd_hit_rate(asked, _tierd_counts(tierd)))
+                    samples.append(Sample(case.name, arm, repeat, timing, hits))
+                    print(f"  repeat {repeat + 1} {case.name:<16} {arm:<12} "
+                          f"{timing.request_throughput:6.2f} req/s, TTFT p50 "
+                          f"{timing.ttft_p50_ms:6.0f} ms, {timing.failed} failed", flush=True)
+        if args.profile:
+            profiles = _profile(cases, servers, workdir, args.repeats)
+        failed = False
+    finally:
+        for server in servers.values():
+            server.stop()
+        for daemon in daemons.values():
+            daemon.stop()
+        if failed or args.keep_logs:
+            print(f"tierd bench workload: logs kept in {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return _report(args, samples, cases, cpus, profiles)
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _tierd_counts(daemon: TierdServe | None) -> tuple[int, int]:
+    """(query tokens, hit tokens) of a tierd arm's daemon; (0, 0) for vLLM alone."""
+    if daemon is None:
+        return (0, 0)
+    stats = daemon.stats()
+    return (stats.query_tokens, stats.hit_tokens)
+
+
+def _profile(cases: list[Case], servers: dict[str, VllmServe], workdir: str,
+             repeats: int) -> list[str]:
+    """One more run of every case on each vLLM + tierd arm, profiled: a line per run."""
+    from tierd.bench.serve_stack import wait_for
+    from tierd.bench.workload_profile import profile_line, profiled
+
+    lines = []
+    for index, case in enumerate(cases):
+        for arm in (a for a in case.arms if a.startswith("tierd")):
+            server = servers[arm]
+            wait_for("vLLM's prefix cache emptied", server.reset_prefix_cache, 60)
+            timing, found = profiled(server, workdir, lambda: case.drive(
+                server, SEED + 100 * repeats + index))
+            lines.append(profile_line(arm, case.name, found)
+                         + f"; {timing.request_throughput:.2f} req/s under the profiler")
+    return lines
+
+
+def _report(args: argparse.Namespace, samples: list[Sample], cases: list[Case],
+            cpus: str, profiles: list[str]) -> int:
+    found = verdicts(samples, {c.name: c.judged for c in cases})
+    if args.json:
+        print(json.dumps([asdict(s) for s in samples], indent=1))
+    print(f"\nreal vllm serve (vLLM's CPU build, the small Llama, OpenMP on cores {cpus}), "
+          f"medians of {args.repeats} interleaved repeats; KV blocks of 32 tokens: "
+          f"small {args.kv_small}, fits {args.kv_big}:")
+    with contextlib.suppress(BrokenPipeError):
+        for line in table(samples):
+            print(line)
+        print("ratios (each repeat's pair of runs; median, then every repeat); pressure is "
+              f"judged where the small cache ({args.kv_small} blocks) holds every running "
+              "request, fits everywhere:")
+        for line in verdict_lines(found):
+            print(line)
+        if profiles:
+            print("where vLLM + tierd spends its loops (py-spy, one more run each; shares of "
+                  "the scheduler's and the worker's busy loop inside TierdConnector hooks):")
+            for line in profiles:
+                print(line)
+    failures = sum(s.timing.failed for s in samples)
+    judged = [v for v in found if v.met is not None]
+    ok = failures == 0 and all(v.met for v in judged)
+    missed = sum(not v.met for v in judged)
+    print(f"failed requests: {failures}; targets judged: {len(judged)}, missed: {missed}"
+          f" -> {'met' if ok else 'NOT met'}")
+    return 0 if ok else 1

@@ -1,0 +1,283 @@
+"""The figures of `tierd bench workload`, apart from the servers that produce them: one run's
+numbers read from `vllm bench serve`'s result JSON or the chat client's latencies, vLLM's and
+tierd's hit rates from counter deltas, the cores vLLM's log says it bound, and the summary:
+medians over the repeats of every (case, arm), the ratios the targets name with their
+verdicts. Pure functions of their inputs (no vLLM, no servers): ``make test`` checks them.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from tierd.bench.serve_stack import counter
+
+ARMS = ("vllm-small", "tierd-small", "vllm-big", "tierd-big")
+"""vLLM alone and vLLM + tierd, each with a KV cache well below the working set ("small",
+the pressure scenario) and with one that holds it all ("big", the fits scenario)."""
+
+ARM_TITLES = {"vllm-small": "vLLM alone, small KV", "tierd-small": "vLLM+tierd, small KV",
+              "vllm-big": "vLLM alone, KV fits", "tierd-big": "vLLM+tierd, KV fits"}
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What the client saw in one run."""
+
+    completed: int
+    failed: int
+    duration_s: float
+    request_throughput: float
+    """Completed requests per second."""
+    output_throughput: float
+    """Generated tokens per second."""
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    cpu_seconds: float = 0.0
+    """CPU time the arm's processes used over the run (vLLM's and its daemon's): other load on
+    the host moves it less than the wall-clock figures, though still (vLLM's OpenMP threads
+    spin at their barriers while a descheduled peer catches up)."""
+
+    @property
+    def cpu_ms_per_request(self) -> float:
+        return self.cpu_seconds * 1e3 / self.completed if self.completed else float("nan")
+
+
+@dataclass(frozen=True)
+class HitRates:
+    """Hit rates over one run, from counter deltas; None where nothing was asked."""
+
+    local: float | None
+    """vLLM's own prefix cache: hit tokens / queried tokens."""
+    external: float | None
+    """vLLM's KV connector: external hit tokens / tokens it asked the connector for."""
+    tierd: float | None
+    """tierd's own count: hit tokens / queried tokens over the run (daemon stats)."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One run of one arm in one case and repeat."""
+
+    case: str
+    arm: str
+    repeat: int
+    timing: Timing
+    hits: HitRates
+
+
+@dataclass(frozen=True)
+class Target:
+    """A ratio (``numerator`` arm / ``denominator`` arm of one figure) and its limit."""
+
+    what: str
+    numerator: str
+    denominator: str
+    figure: str
+    """A ``Timing`` field."""
+    limit: float | None
+    """None: shown, not judged."""
+    at_least: bool
+    """True: the ratio must be >= limit; False: <= limit."""
+
+
+TARGETS = (
+    Target("pressure: tierd small KV / vLLM KV fits, throughput", "tierd-small", "vllm-big",
+           "request_throughput", 0.95, True),
+    Target("pressure: tierd small KV / vLLM KV fits, TTFT p50", "tierd-small", "vllm-big",
+           "ttft_p50_ms", 1.15, False),
+    Target("fits: tierd / vLLM alone, throughput", "tierd-big", "vllm-big",
+           "request_throughput", 0.97, True),
+    Target("fits: tierd / vLLM alone, TTFT p50", "tierd-big", "vllm-big", "ttft_p50_ms",
+           1.05, False),
+    Target("pressure: tierd small KV / vLLM KV fits, CPU per request", "tierd-small",
+           "vllm-big", "cpu_ms_per_request", None, False),
+    Target("fits: tierd / vLLM alone, CPU per request", "tierd-big", "vllm-big",
+           "cpu_ms_per_request", None, False),
+    Target("gain: tierd / vLLM alone, small KV, CPU per request", "tierd-small", "vllm-small",
+           "cpu_ms_per_request", None, False),
+    Target("gain: tierd / vLLM alone, small KV, throughput", "tierd-small", "vllm-small",
+           "request_throughput", None, True),
+    Target("gain: tierd / vLLM alone, small KV, TTFT p50", "tierd-small", "vllm-small",
+           "ttft_p50_ms", None, False),
+)
+
+
+def from_bench_serve(result: dict[str, object]) -> Timing:
+    """A ``Timing`` from `vllm bench serve --save-result`'s JSON (run with
+    ``--metric-percentiles 50,90,99``; ValueError naming the flag when a percentile is missing)."""
+    for key in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms"):
+        if key not in result:
+            raise ValueError(f"vllm bench serve's result has no {key}: run it with "
+                             "--percentile-metrics ttft --metric-percentiles 50,90,99")
+
+    def num(key: str) -> float:
+        value = result.get(key)
+        assert isinstance(value, int | float), f"{key} is {value!r} in the result"
+        return float(value)
+
+    completed = int(num("completed"))
+    failed = int(num("failed")) if "failed" in result else int(num("num_prompts")) - completed
+    return Timing(completed, failed, num("duration"), num("request_throughput"),
+                  num("output_throughput"), num("p50_ttft_ms"), num("p90_ttft_ms"),
+                  num("p99_ttft_ms"))
+
+
+def from_latencies(ttfts_s: Sequence[float], output_tokens: int, failed: int,
+                   duration_s: float) -> Timing:
+    """A ``Timing`` from the chat client: the TTFT of every completed request (seconds), the
+    tokens they generated, the requests that failed and the run's wall time."""
+    assert duration_s > 0, "a run takes time"
+    ms = [t * 1e3 for t in ttfts_s]
+    return Timing(len(ms), failed, duration_s, len(ms) / duration_s, output_tokens / duration_s,
+                  percentile(ms, 50), percentile(ms, 90), percentile(ms, 99))
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """The ``p``-th percentile, linear between the closest ranks (numpy's default); NaN for
+    no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * p / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def _rate(hits: float, queries: float) -> float | None:
+    return hits / queries if queries > 0 else None
+
+
+def vllm_hit_rates(before: str, after: str) -> tuple[float | None, float | None]:
+    """(local, external) hit rates between two of vLLM's ``/metrics`` expositions."""
+    def delta(name: str) -> float:
+        return counter(after, name) - counter(before, name)
+    return (_rate(delta("vllm:prefix_cache_hits"), delta("vllm:prefix_cache_queries")),
+            _rate(delta("vllm:external_prefix_cache_hits"),
+                  delta("vllm:external_prefix_cache_queries")))
+
+
+def tierd_hit_rate(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    """tierd's hit ratio between two (query tokens, hit tokens) readings of its stats."""
+    return _rate(after[1] - before[1], after[0] - before[0])
+
+
+_RESERVE = re.compile(r"reserve_cpu_num=(\d+)")
+_CORES = re.compile(r"local_rank=0, core ids=\[([\d, ]*)\]")
+
+
+def bound_cores(log: str) -> tuple[int, list[int]] | None:
+    """(reserve_cpu_num, core ids of rank 0) from the last OpenMP binding report in a
+    `vllm serve` log (vLLM's CPU build); None if the log has none."""
+    reserve, cores = _RESERVE.findall(log), _CORES.findall(log)
+    if not reserve or not cores:
+        return None
+    return int(reserve[-1]), [int(c) for c in cores[-1].split(",") if c.strip()]
+
+
+def medians(samples: Iterable[Sample]) -> dict[tuple[str, str], Timing]:
+    """The median of every ``Timing`` field over the repeats of each (case, arm)."""
+    groups: dict[tuple[str, str], list[Timing]] = {}
+    for s in samples:
+        groups.setdefault((s.case, s.arm), []).append(s.timing)
+    out = {}
+    for key, timings in groups.items():
+        fields = {name: statistics.median(getattr(t, name) for t in timings)
+                  for name in Timing.__dataclass_fields__}
+        fields["completed"] = int(fields["completed"])
+        fields["failed"] = int(fields["failed"])
+        out[key] = Timing(**fields)
+    return out
+
+
+@dataclass(frozen=True)
+class Verdict:
+    target: Target
+    case: str
+    ratios: list[float]
+    """One ratio per repeat (the two arms' runs of that repeat)."""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ratios)
+
+    @property
+    def met(self) -> bool | None:
+        """None when the target has no limit."""
+        if self.target.limit is None:
+            return None
+        if self.target.at_least:
+            return self.median >= self.target.limit
+        return self.median <= self.target.limit
+
+
+def group(target: Target) -> str:
+    """The scenario a target belongs to: "pressure", "fits" or "gain"."""
+    return target.what.partition(":")[0]
+
+
+def verdicts(samples: Sequence[Sample], judged: Mapping[str, Collection[str]]
+             ) -> list[Verdict]:
+    """Every target on every case that ran both its arms: the ratio of the two arms' figures
+    in each repeat, judged on their median. A target keeps its limit only where ``judged``
+    names its ``group`` for that case; elsewhere its ratios are shown (a case that exists to
+    show how the gain varies, or one whose small cache cannot hold the running batch)."""
+    runs = {(s.case, s.arm, s.repeat): s.timing for s in samples}
+    cases = list(dict.fromkeys(s.case for s in samples))
+    repeats = sorted({s.repeat for s in samples})
+    out = []
+    for case in cases:
+        for target in TARGETS:
+            ratios = []
+            for r in repeats:
+                top = runs.get((case, target.numerator, r))
+                bottom = runs.get((case, target.denominator, r))
+                if top is None or bottom is None:
+                    continue
+                below = getattr(bottom, target.figure)
+                if below > 0:  # not NaN nor 0: no request completed, or no CPU time read
+                    ratios.append(getattr(top, target.figure) / below)
+            if ratios:
+                if group(target) not in judged.get(case, ()) and target.limit is not None:
+                    target = Target(target.what, target.numerator, target.denominator,
+                                    target.figure, None, target.at_least)
+                out.append(Verdict(target, case, ratios))
+    return out
+
+
+def _pct(value: float | None) -> str:
+    return "   -" if value is None else f"{value * 100:3.0f}%"
+
+
+def table(samples: Sequence[Sample]) -> list[str]:
+    """One line per (case, arm): medians over the repeats, hit rates of each repeat."""
+    lines = [f"{'case':<24} {'arm':<22} {'req/s':>6} {'tok/s':>7} {'TTFT p50':>9} "
+             f"{'p90':>8} {'p99':>8} {'CPU/req':>8} {'fail':>4}  hit rates per repeat: "
+             "vLLM local / vLLM external / tierd"]
+    med = medians(samples)
+    for (case, arm), t in med.items():
+        hits = "  ".join(f"{_pct(s.hits.local)}/{_pct(s.hits.external)}/{_pct(s.hits.tierd)}"
+                         for s in samples if (s.case, s.arm) == (case, arm))
+        failed = sum(s.timing.failed for s in samples if (s.case, s.arm) == (case, arm))
+        lines.append(f"{case:<24} {ARM_TITLES.get(arm, arm):<22} {t.request_throughput:6.2f} "
+                     f"{t.output_throughput:7.1f} {t.ttft_p50_ms:7.0f}ms {t.ttft_p90_ms:6.0f}ms "
+                     f"{t.ttft_p99_ms:6.0f}ms {t.cpu_ms_per_request:6.0f}ms {failed:4d}  {hits}")
+    return lines
+
+
+def verdict_lines(found: Sequence[Verdict]) -> list[str]:
+    lines = []
+    for v in found:
+        t = v.target
+        spread = ", ".join(f"{r:.2f}" for r in v.ratios)
+        if v.met is None:
+            mark = ""
+        else:
+            sign = ">=" if t.at_least else "<="
+            mark = f" (limit {sign} {t.limit}) -> {'met' if v.met else 'MISSED'}"
+        lines.append(f"  {v.case:<24} {t.what}: {v.median:.2f} [{spread}]{mark}")
+    return lines
