@@ -43,20 +43,37 @@ class Lease:
         return len(self.slot_ids)
 
 
-def acquire(client: TierdClient, engine_id: str, hashes: Sequence[BlockHash], *, clock: Clock,
-            count_lookup: bool = False) -> Lease:
+def acquire(client: TierdClient, engine_id: str, hashes: Sequence[BlockHash], *,
+            clock: Clock) -> Lease:
     """One Acquire round trip: the leading blocks of ``hashes`` the daemon holds, pinned (SSD
-    blocks are staged into DRAM first, so this may wait for a disk). ``count_lookup``: the
-    daemon counts the call as a Lookup too. Raises ``grpc.RpcError`` (classify it with
-    ``DaemonLink.failed``)."""
+    blocks are staged into DRAM first, so this may wait for a disk). Raises ``grpc.RpcError``
+    (classify it with ``DaemonLink.failed``)."""
     asked = clock()
-    return Lease.of(engine_id, client.acquire(engine_id, hashes, count_lookup=count_lookup),
-                    asked)
+    return Lease.of(engine_id, client.acquire(engine_id, hashes), asked)
+
+
+def probe_acquire(client: TierdClient, engine_id: str, hashes: Sequence[BlockHash], *,
+                  clock: Clock) -> Lease:
+    """``acquire`` for a front end that does not Lookup first: a Probe (the daemon counts the
+    chain as a Lookup and pins its leading DRAM run); where held blocks follow that run (on SSD),
+    an Acquire of the whole held prefix, then a Release of the Probe's lease. One round trip
+    for a DRAM hit or a miss. Raises ``grpc.RpcError`` like ``acquire``."""
+    asked = clock()
+    probed = client.probe(engine_id, hashes)
+    lease = Lease.of(engine_id, probed, asked)
+    if not probed.held_after:
+        return lease
+    try:
+        return acquire(client, engine_id, hashes[:lease.num_blocks + len(probed.held_after)],
+                       clock=clock)
+    finally:
+        release(client, lease)
 
 
 @dataclass(frozen=True, slots=True)
 class PendingLease:
-    """An Acquire sent without waiting (``acquire_async``): ``wait`` for its ``Lease``."""
+    """An Acquire or a Probe sent without waiting (``acquire_async``, ``probe_async``): ``wait``
+    for its ``Lease``."""
 
     engine_id: str
     asked: float
@@ -68,14 +85,17 @@ class PendingLease:
 
 
 def acquire_async(client: TierdClient, engine_id: str, hashes: Sequence[BlockHash], *,
-                  clock: Clock, count_lookup: bool = False,
-                  dram_run_only: bool = False) -> PendingLease:
-    """Send an Acquire and return at once (the daemon stages SSD blocks meanwhile);
-    ``count_lookup`` as for ``acquire``; ``dram_run_only``: the leading DRAM run alone, the
-    tiers of the held rest in the reply's ``held_after`` (``TierdClient.acquire_async``)."""
-    return PendingLease(engine_id, clock(),
-                        client.acquire_async(engine_id, hashes, count_lookup=count_lookup,
-                                             dram_run_only=dram_run_only))
+                  clock: Clock) -> PendingLease:
+    """Send an Acquire and return at once (the daemon stages SSD blocks meanwhile)."""
+    return PendingLease(engine_id, clock(), client.acquire_async(engine_id, hashes))
+
+
+def probe_async(client: TierdClient, engine_id: str, hashes: Sequence[BlockHash], *,
+                clock: Clock) -> PendingLease:
+    """Send a Probe and return at once: its lease pins the leading DRAM run of ``hashes``, the
+    reply's ``held_after`` names the tiers of the held blocks after it, and the daemon counts
+    the chain as a Lookup (``TierdClient.probe``)."""
+    return PendingLease(engine_id, clock(), client.probe_async(engine_id, hashes))
 
 
 def release(client: TierdClient, lease: Lease, corrupt_from: int | None = None) -> int:

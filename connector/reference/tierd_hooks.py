@@ -31,7 +31,7 @@ from typing import Concatenate, ParamSpec, TypeVar
 import grpc
 
 from tierd.connector.core.errors import Failure, describe
-from tierd.connector.core.lease import Lease, Release, acquire
+from tierd.connector.core.lease import Lease, Release, acquire, probe_acquire
 from tierd.connector.core.link import DaemonLink, Session
 from tierd.connector.core.load import load_leased
 from tierd.connector.core.save import commit, reserve, write_rows
@@ -174,9 +174,9 @@ class TierdHooks:
 
     @_engine_thread
     def lookup(self, request: Request) -> int:
-        """Blocks of ``request`` past the hot hit now pinned for its ``load``: one Acquire
-        round trip, counted by the daemon as a Lookup. The lease is kept per request (a repeated
-        lookup of the same request releases the previous one first)."""
+        """Blocks of ``request`` past the hot hit now pinned for its ``load``: one Probe round
+        trip (``probe_acquire``: an Acquire follows where the hit reaches SSD). The lease is kept
+        per request (a repeated lookup of the same request releases the previous one first)."""
         self._release(self._held.pop(request.request_id, None))
         session = self._session
         start = request.num_computed_tokens // self._block_size
@@ -190,7 +190,7 @@ class TierdHooks:
             self.stats.filtered_lookups += 1
             self._filtered_tokens += len(hashes) * self._block_size
             return 0
-        lease = self._acquire(session, hashes, count_lookup=True)
+        lease = self._acquire(session, hashes, probe=True)
         if lease is None:
             return 0
         if lease.num_blocks:
@@ -221,7 +221,7 @@ class TierdHooks:
             return [False] * n
         self.stats.loads += 1
         if held is None:
-            lease = self._acquire(session, block_hashes, count_lookup=False)
+            lease = self._acquire(session, block_hashes, probe=False)
             if lease is None:
                 self.stats.failed_load_blocks += n
                 return [False] * n
@@ -300,12 +300,12 @@ class TierdHooks:
         return int(self._kv.spec.block_size)
 
     def _acquire(self, session: Session, hashes: Sequence[BlockHash], *,
-                 count_lookup: bool) -> Lease | None:
-        """Acquire on the engine thread; None (counted, the session dropped if lost) on a
-        failed call."""
+                 probe: bool) -> Lease | None:
+        """Acquire on the engine thread (``probe``: counted as a Lookup, ``probe_acquire``);
+        None (counted, the session dropped if lost) on a failed call."""
         try:
-            return acquire(session.client, session.engine_id, hashes, clock=time.monotonic,
-                           count_lookup=count_lookup)
+            get = probe_acquire if probe else acquire
+            return get(session.client, session.engine_id, hashes, clock=time.monotonic)
         except grpc.RpcError as exc:
             self._failed(session, exc)
             return None

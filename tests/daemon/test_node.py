@@ -425,20 +425,20 @@ async def test_an_ssd_prefix_longer_than_the_room_ends_where_room_ends(
     rig.node.check_integrity()
 
 
-async def test_acquire_with_count_lookup_counts_like_a_lookup(make_rig: MakeRig,
-                                                              tmp_path: Path) -> None:
+async def test_a_probe_counts_like_a_lookup_and_an_acquire_counts_nothing(
+        make_rig: MakeRig, tmp_path: Path) -> None:
     """Two identical rigs (8 blocks stored, 0-1 demoted to SSD, block 8 missing): a lookup of
-    9 blocks on one and an acquire with count_lookup on the other count the same 9 * 16 query
-    tokens and 2 * 16 SSD + 6 * 16 DRAM hit tokens; an acquire without it counts nothing."""
+    9 blocks on one and a probe on the other count the same 9 * 16 query tokens and 2 * 16 SSD +
+    6 * 16 DRAM hit tokens; an acquire counts nothing."""
     counted = []
-    for use_acquire in (False, True):
-        rig = make_rig(ssd_dir=str(tmp_path / f"ssd-{use_acquire}"))
+    for use_probe in (False, True):
+        rig = make_rig(ssd_dir=str(tmp_path / f"ssd-{use_probe}"))
         hashes = chain(9)
         rig.store(hashes[:8])
         await rig.node.maintain()                              # 0, 1 -> SSD
-        if use_acquire:
-            lease = await rig.node.acquire(rig.engine.engine_id, hashes, count_lookup=True)
-            assert len(lease.slot_ids) == 8
+        if use_probe:
+            lease = rig.node.probe(rig.engine.engine_id, hashes)
+            assert (lease.slot_ids, len(lease.held_after)) == ([], 8)
             rig.node.release(lease.lease_id)
             before = {t: (s.queries, s.hits) for t, s in rig.node.stats().tiers.items()}
             rig.node.release((await rig.node.acquire(rig.engine.engine_id, hashes)).lease_id)
@@ -451,9 +451,9 @@ async def test_acquire_with_count_lookup_counts_like_a_lookup(make_rig: MakeRig,
     assert (counted[0]["dram"], counted[0]["ssd"][1]) == ((9 * 16, 6 * 16), 2 * 16)
 
 
-async def test_acquire_of_the_dram_run_only_reads_nothing_and_says_where_the_rest_is(
+async def test_a_probe_pins_the_dram_run_reads_nothing_and_says_where_the_rest_is(
         make_rig: MakeRig, tmp_path: Path) -> None:
-    """Blocks 0-1 and 4-7 in DRAM, 2-3 on SSD, 8 missing: ``dram_run_only`` pins 0-1 alone,
+    """Blocks 0-1 and 4-7 in DRAM, 2-3 on SSD, 8 missing: a probe pins 0-1 alone,
     lists the rest of the held prefix by tier (as a lookup would, and counted as one), and
     reads nothing (2-3 stay on SSD); a chain starting on SSD pins nothing and lists it all."""
     rig = make_rig(ssd_dir=str(tmp_path / "ssd"))
@@ -462,7 +462,7 @@ async def test_acquire_of_the_dram_run_only_reads_nothing_and_says_where_the_res
     rig.store(hashes[:2])
     await rig.node.maintain()                                  # LRU 2, 3 -> SSD
     queries = rig.node.stats().tiers["dram"].queries
-    lease = await rig.node.acquire(rig.engine.engine_id, hashes, dram_run_only=True)
+    lease = rig.node.probe(rig.engine.engine_id, hashes)
     assert rig.node.stats().tiers["dram"].pinned_blocks == 2
     assert lease.checksums == [block_checksum(payload(h)) for h in hashes[:2]]
     assert lease.held_after == ["ssd", "ssd", "dram", "dram", "dram", "dram"]
@@ -470,7 +470,7 @@ async def test_acquire_of_the_dram_run_only_reads_nothing_and_says_where_the_res
     assert rig.tiers(hashes) == ["dram", "dram", "ssd", "ssd"] + ["dram"] * 4
     assert rig.copy_out(lease.slot_ids) == [payload(h) for h in hashes[:2]]
     rig.node.release(lease.lease_id)
-    cold = await rig.node.acquire(rig.engine.engine_id, hashes[2:4], dram_run_only=True)
+    cold = rig.node.probe(rig.engine.engine_id, hashes[2:4])
     assert (cold.lease_id, cold.slot_ids, cold.held_after) == (EMPTY_LEASE, [], ["ssd", "ssd"])
     assert rig.tiers(hashes[2:4]) == ["ssd", "ssd"]
     assert rig.node.stats().tiers["dram"].pinned_blocks == 0

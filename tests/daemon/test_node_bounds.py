@@ -26,9 +26,9 @@ async def test_abandoned_acquires_stop_at_max_leases_per_engine(make_rig: MakeRi
     hashes = chain(2)
     rig.store(hashes)
     for _ in range(3):
-        await rig.node.acquire(rig.engine.engine_id, hashes, dram_run_only=True)
+        rig.node.probe(rig.engine.engine_id, hashes)
     with pytest.raises(ResourceExhausted, match="max_leases_per_engine = 3"):
-        await rig.node.acquire(rig.engine.engine_id, hashes, dram_run_only=True)
+        rig.node.probe(rig.engine.engine_id, hashes)
     with pytest.raises(ResourceExhausted, match="TIERD_MAX_LEASES_PER_ENGINE"):
         rig.node.reserve(rig.engine.engine_id, chain(1, "new"))
     rig.node.check_integrity()                                   # 3 pins each, no more
@@ -37,7 +37,7 @@ async def test_abandoned_acquires_stop_at_max_leases_per_engine(make_rig: MakeRi
     rig.node.release(lease.lease_id)
     assert (await rig.node.acquire(rig.engine.engine_id, chain(1, "miss"))).lease_id == ""
     rig.clock.advance(31)                                        # all three expire
-    lease = await rig.node.acquire(rig.engine.engine_id, hashes, dram_run_only=True)
+    lease = rig.node.probe(rig.engine.engine_id, hashes)
     assert len(lease.slot_ids) == 2
     rig.node.release(lease.lease_id)
     rig.node.check_integrity()
@@ -246,9 +246,9 @@ async def test_default_caps_stop_abandoned_leases(rig_default: Rig) -> None:
     hashes = chain(1)
     rig.store(hashes)
     for _ in range(1024):
-        await rig.node.acquire(rig.engine.engine_id, hashes, dram_run_only=True)
+        rig.node.probe(rig.engine.engine_id, hashes)
     with pytest.raises(ResourceExhausted, match="max_leases_per_engine = 1024"):
-        await rig.node.acquire(rig.engine.engine_id, hashes, dram_run_only=True)
+        rig.node.probe(rig.engine.engine_id, hashes)
     rig.clock.advance(31)
     assert rig.node.stats().tiers["dram"].pinned_blocks == 0
     rig.node.check_integrity()

@@ -45,7 +45,7 @@ def test_store_lookup_acquire_copy_out_from_dram(daemon: Any, kit: Any) -> None:
             assert data == kit.block_bytes(key, 4096)
             assert block_checksum(data) == checksum
         client.release(engine.engine_id, got.lease_id)
-        run = client.acquire(engine.engine_id, hashes + kit.chain(2, seed=9), dram_run_only=True)
+        run = client.probe(engine.engine_id, hashes + kit.chain(2, seed=9))
         assert (run.slot_ids, run.checksums, run.held_after) == (got.slot_ids, got.checksums, [])
         client.release(engine.engine_id, run.lease_id)
         arena.close()

@@ -23,7 +23,7 @@ def status_of(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
 def test_abandoned_acquires_get_resource_exhausted_naming_the_cap(make_daemon: Any,
                                                                   kit: Any) -> None:
     """An engine that never releases gets RESOURCE_EXHAUSTED naming max_leases_per_engine at
-    its third Acquire(dram_run_only); another engine still loads."""
+    its third Probe; another engine still loads."""
     daemon = make_daemon(max_leases_per_engine=2)
     hashes = kit.chain(4)
     with daemon.client() as client:
@@ -31,9 +31,8 @@ def test_abandoned_acquires_get_resource_exhausted_naming_the_cap(make_daemon: A
         arena = kit.attach(engine)
         assert kit.store_blocks(client, engine, arena, hashes) == 4
         for _ in range(2):
-            client.acquire(engine.engine_id, hashes, dram_run_only=True)
-        code, details = status_of(lambda: client.acquire(engine.engine_id, hashes,
-                                                          dram_run_only=True))
+            client.probe(engine.engine_id, hashes)
+        code, details = status_of(lambda: client.probe(engine.engine_id, hashes))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_leases_per_engine = 2" in details and "TIERD_MAX_LEASES_PER_ENGINE" in details
         other = client.register_engine(kit.layout)

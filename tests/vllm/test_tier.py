@@ -106,7 +106,7 @@ def test_a_probe_asks_for_dram_at_once_and_ssd_in_pieces(engines: list[TierEngin
                                                           monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
     """A stores six chunks; they stay in DRAM, or (a daemon that demotes everything) move to
-    SSD. B's probe is one Acquire, which pins the DRAM run (all six, or none) and says where
+    SSD. B's probe is one Probe, which pins the DRAM run (all six, or none) and says where
     the rest lies, then one Acquire per SSD piece (here a chunk each), and no Lookup; B loads
     all six byte for byte and leaves nothing pinned."""
     import tierd.connector.vllm.tier.tier as tier_module
@@ -118,21 +118,26 @@ def test_a_probe_asks_for_dram_at_once_and_ssd_in_pieces(engines: list[TierEngin
     on_ssd = daemon.demote_all
     if on_ssd:
         wait_on_ssd(b.tier._layout, daemon.socket_path, keys)
-    asked: list[tuple[int, bool]] = []
-    real_acquire = tier_module.acquire_async
+    asked: list[tuple[int, str]] = []
+    real_acquire, real_probe = tier_module.acquire_async, tier_module.probe_async
 
     def counted(client: Any, engine_id: str, hashes: list[bytes], **kw: Any) -> Any:
-        asked.append((len(hashes), kw.get("dram_run_only", False)))
+        asked.append((len(hashes), "acquire"))
         return real_acquire(client, engine_id, hashes, **kw)
+
+    def probed(client: Any, engine_id: str, hashes: list[bytes], **kw: Any) -> Any:
+        asked.append((len(hashes), "probe"))
+        return real_probe(client, engine_id, hashes, **kw)
 
     def no_lookup(*args: Any) -> None:
         raise AssertionError("a probe makes no Lookup")
 
     monkeypatch.setattr(tier_module, "acquire_async", counted)
+    monkeypatch.setattr(tier_module, "probe_async", probed)
     monkeypatch.setattr(type(b.tier._session().client), "lookup", no_lookup)
     monkeypatch.setattr(tier_module, "_SSD_PIECE_BYTES", 1)  # one chunk per SSD piece
     assert b.load(keys) == data
-    assert asked == [(6, True)] + ([(1, False)] * 6 if on_ssd else [])
+    assert asked == [(6, "probe")] + ([(1, "acquire")] * 6 if on_ssd else [])
     assert not b.tier.has_pending_work() and tier_pins(b) == 0
     assert daemon.pinned_blocks() == 0
 

@@ -9,8 +9,8 @@
    daemon's measured hit ratio is compared with the curve the base-size daemon predicted from
    its sample, bounded to ``--sample-blocks`` tracked blocks (1024: the sampling rate falls to
    about 0.25 on the default trace). Target: every point within 5 percentage points.
-2. **Sampling overhead.** Acquire (with ``count_lookup``, as engines call it: the sampled
-   path) + Release, and Reserve + Commit, of 32-block chains, p50 with the insight hooks on
+2. **Sampling overhead.** Probe (a Lookup and an Acquire in one, as engines call it: the
+   sampled path) + Release, and Reserve + Commit, of 32-block chains, p50 with the insight hooks on
    against the same store with them off, interleaved in rounds. Target: on/off <= 1.02.
 3. **`tierd why`** on a 32k-token prompt stored in a real `tierd serve` (2048 blocks, hashed
    9 other ways for the namespace search): the command's whole run (hashing, the RPC, the
@@ -191,7 +191,7 @@ async def _overhead(rounds: int) -> dict[str, float]:
                 tiers.served = served if on else None
                 for chain in held:
                     t = time.perf_counter()
-                    lease = await store.acquire(engine.engine_id, chain, count_lookup=True)
+                    lease = store.probe(engine.engine_id, chain)
                     store.release(lease.lease_id, engine_id=engine.engine_id)
                     on_off["acquire"][on].append(time.perf_counter() - t)
                 for _ in range(16):

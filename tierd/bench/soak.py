@@ -2,15 +2,15 @@
 working set of 3x its DRAM arena: are there errors, wrong bytes, leaked pins, or growth?
 
 The daemon is a child process on a Unix socket in a temporary directory (loopback only: nothing
-listens on TCP), with its own SSD directory and the default policy (watermarks, write-behind,
-a pre-faulted arena, so the arena's pages are resident from the start and RSS growth is the
-daemon's own memory); only the sizes and the lease are set. Each client process registers an
-engine of the shared layout (one tenant, so clients hit each other's blocks) and, until the
-deadline, picks a random chain of the working set and does what an engine does: ``Acquire``
-with ``count_lookup``, verifies every acquired block where it lies in the arena (its checksum
-against the one the daemon returned and against the content the chain's hash determines: a
-mismatch is a wrong byte), ``Release``, then ``Reserve`` + copy + ``Commit`` of the blocks that
-missed. Every RPC is timed; any RPC error is counted.
+listens on TCP), with its own SSD directory and the default policy (watermarks, write-behind, a
+pre-faulted arena, so the arena's pages are resident from the start and RSS growth is the daemon's
+own memory); only the sizes and the lease are set. Each client process registers an engine of the
+shared layout (one tenant, so clients hit each other's blocks) and, until the deadline, picks a
+random chain of the working set and does what an engine does: ``Probe`` (then ``Acquire`` where the
+chain reaches SSD: ``core.lease.probe_acquire``), verifies every acquired block where it lies in the
+arena (its checksum against the one the daemon returned and against the content the chain's hash
+determines: a mismatch is a wrong byte), ``Release``, then ``Reserve`` + copy + ``Commit`` of the
+blocks that missed. Every RPC is timed; any RPC error is counted.
 
 Figures, each judged against a limit measured in the same run:
 
@@ -288,6 +288,7 @@ def _client(args: argparse.Namespace) -> int:
     import grpc
 
     from tierd.checksum import block_checksum
+    from tierd.connector.core.lease import probe_acquire
     from tierd.types import BlockHash
     from tierd.wire.arena import ShmArena
     from tierd.wire.client import TierdClient
@@ -326,7 +327,8 @@ def _client(args: argparse.Namespace) -> int:
     while time.time() < args.until:
         hashes = rng.choice(chains)
         try:
-            got = timed(lambda: client.acquire(engine.engine_id, hashes, count_lookup=True))
+            got = timed(lambda: probe_acquire(client, engine.engine_id, hashes,
+                                              clock=time.monotonic))
             counts["loads"] += 1
             for h, slot, checksum in zip(hashes, got.slot_ids, got.checksums):
                 view = arena.view(geometry.offset(slot), size)

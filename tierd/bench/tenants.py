@@ -334,7 +334,7 @@ def _client(args: argparse.Namespace) -> int:
         n += 1
         hashes = rng.choice(chains)
         t0 = time.perf_counter()
-        got = guarded(lambda: client.acquire(engine.engine_id, hashes, count_lookup=True))
+        got = guarded(lambda: client.acquire(engine.engine_id, hashes))
         if args.role == "benign":
             if got is not None and got.num_blocks:
                 guarded(lambda: client.release(engine.engine_id, got.lease_id))

@@ -207,19 +207,15 @@ class ClusterLink:
                 self.stats.remote_puts_failed += 1
         return stored
 
-    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
-                      count_lookup: bool = False, dram_run_only: bool = False) -> Lease:
+    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash]) -> Lease:
         """``NodeStore.acquire``, extended by the remote tier's leading run of hits when that
-        is predicted to beat recomputing (see the module doc); not with ``dram_run_only``.
-        Same errors as the store's; ``count_lookup`` counts the chain once, on the first local
-        acquire."""
+        is predicted to beat recomputing (see the module doc). Same errors as the store's."""
         store = self._store
         assert store is not None and self._arena is not None, "bind the link before serving"
-        lease = await store.acquire(engine_id, hashes, count_lookup=count_lookup,
-                                    dram_run_only=dram_run_only)
+        lease = await store.acquire(engine_id, hashes)
         hit = len(lease.slot_ids)
         info = self._engines.get(engine_id)
-        if self.remote is None or hit == len(hashes) or info is None or dram_run_only:
+        if self.remote is None or hit == len(hashes) or info is None:
             return lease
         rest = hashes[hit:]
         slot_bytes = info.geometry.slot_bytes

@@ -215,8 +215,29 @@ class NodeStore:
         self.insight.shards.accessed(info.namespace, keys)
         return tiers
 
-    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
-                      count_lookup: bool = False, dram_run_only: bool = False) -> Lease:
+    def probe(self, engine_id: str, hashes: Sequence[BlockHash]) -> Lease:
+        """``lookup`` and a pin of the leading DRAM run in one: counts the chain as ``lookup``
+        does, pins the blocks DRAM holds at its head (reading nothing), and lists in the lease's
+        ``held_after`` the tiers of the held blocks after them. ResourceExhausted as ``acquire``."""
+        info = self._engine(engine_id)
+        keys = self._keys(info, hashes)
+        blocks = self._tiers.dram.prefix(keys)
+        tiers = self._query(info, hashes, keys, len(blocks))
+        keys, blocks, now = self._pinnable(info, keys, blocks)
+        lease = self._lease(info, keys[:len(blocks)], blocks, now, pin=True)
+        return dataclasses.replace(lease, held_after=tiers[len(blocks):])
+
+    def _pinnable(self, info: EngineInfo, keys: list[NamespacedKey], blocks: list[DramBlock]
+                  ) -> tuple[list[NamespacedKey], list[DramBlock], float]:
+        """``keys`` and the DRAM run ``blocks`` leading them, cut to what the tenant may still
+        pin (expired leases ended first), and the time a lease issued now starts at."""
+        now = self._clock()
+        self._expire(now)
+        keys, blocks = self._gate.pin_limit(info, keys, blocks, lambda: keys[0] in self._promoting
+                                            or (self._tiers.ssd_up and keys[0] in self._tiers.disk))
+        return keys, blocks, now
+
+    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash]) -> Lease:
         """Pin the longest consecutive prefix held in DRAM or SSD and return its slots.
 
         SSD hits are read into fresh DRAM slots, all at once (a block another acquire is
@@ -225,24 +246,11 @@ class NodeStore:
         stays pinned until ``release`` or the deadline; each counts a hit and its reuse gap.
         Awaits SSD reads only; a cancelled caller's lease still completes and simply expires.
         ResourceExhausted (pinning nothing) if the lease would pass a cap of the lease table.
-        ``count_lookup``: first count the chain exactly as ``lookup`` would (queried tokens, hit
-        tokens per tier as held now), for callers that acquire without looking up first.
-        ``dram_run_only``: pin the leading DRAM run alone, read nothing, and list the tiers of
-        the held blocks after it in the lease's ``held_after`` (counted as ``count_lookup``).
         """
         info = self._engine(engine_id)
         keys = self._keys(info, hashes)
-        blocks = self._tiers.dram.prefix(keys)
+        keys, blocks, now = self._pinnable(info, keys, self._tiers.dram.prefix(keys))
         hit = len(blocks)
-        tiers = self._query(info, hashes, keys, hit) if count_lookup or dram_run_only else []
-        now = self._clock()
-        self._expire(now)
-        keys, blocks = self._gate.pin_limit(info, keys, blocks, lambda: keys[0] in self._promoting
-                                            or (self._tiers.ssd_up and keys[0] in self._tiers.disk))
-        hit = len(blocks)
-        if dram_run_only:
-            lease = self._lease(info, keys[:hit], blocks, now, pin=True)
-            return dataclasses.replace(lease, held_after=tiers[hit:])
         if hit == len(keys) or not (keys[hit] in self._promoting or (
                 self._tiers.ssd_up and keys[hit] in self._tiers.disk)):
             return self._lease(info, keys[:hit], blocks, now, pin=True)  # nothing to read

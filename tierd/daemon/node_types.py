@@ -126,7 +126,7 @@ class Lease:
     slot_ids: list[int]
     checksums: list[int]
     ttl_seconds: float = 0.0
-    held_after: list[Tier] = field(default_factory=list)  # dram_run_only: the held rest's tiers
+    held_after: list[Tier] = field(default_factory=list)  # probe: the held rest's tiers
 
 
 @dataclass(frozen=True, slots=True)

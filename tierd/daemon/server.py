@@ -201,13 +201,18 @@ class TierdServicer(pb_grpc.TierdServicer):
     async def Acquire(self, request: pb.AcquireRequest,
                       context: grpc.aio.ServicerContext) -> pb.AcquireResponse:
         engine_id = self._engine(context, request.engine_id)
-        lease = await self._acquire(engine_id, convert.hashes_from_pb(request.block_hashes),
-                                    count_lookup=request.count_lookup,
-                                    dram_run_only=request.dram_run_only)
+        lease = await self._acquire(engine_id, convert.hashes_from_pb(request.block_hashes))
         return pb.AcquireResponse(lease_id=lease.lease_id,
                                   seconds_left=lease.ttl_seconds,
-                                  slot_ids=lease.slot_ids, checksums=lease.checksums,
-                                  held_after=convert.tiers_to_pb(lease.held_after))
+                                  slot_ids=lease.slot_ids, checksums=lease.checksums)
+
+    async def Probe(self, request: pb.ProbeRequest,
+                    context: grpc.aio.ServicerContext) -> pb.ProbeResponse:
+        engine_id = self._engine(context, request.engine_id)
+        lease = self._store.probe(engine_id, convert.hashes_from_pb(request.block_hashes))
+        return pb.ProbeResponse(lease_id=lease.lease_id, seconds_left=lease.ttl_seconds,
+                                slot_ids=lease.slot_ids, checksums=lease.checksums,
+                                held_after=convert.tiers_to_pb(lease.held_after))
 
     async def Release(self, request: pb.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:

@@ -107,18 +107,34 @@ class LookupResponse(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("engine_id", "block_hashes", "count_lookup", "dram_run_only")
+    __slots__ = ("engine_id", "block_hashes")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
-    COUNT_LOOKUP_FIELD_NUMBER: _ClassVar[int]
-    DRAM_RUN_ONLY_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    count_lookup: bool
-    dram_run_only: bool
-    def __init__(self, engine_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., count_lookup: _Optional[bool] = ..., dram_run_only: _Optional[bool] = ...) -> None: ...
+    def __init__(self, engine_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
+    __slots__ = ("lease_id", "seconds_left", "slot_ids", "checksums")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    seconds_left: float
+    slot_ids: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[str] = ..., seconds_left: _Optional[float] = ..., slot_ids: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("engine_id", "block_hashes")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, engine_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ProbeResponse(_message.Message):
     __slots__ = ("lease_id", "seconds_left", "slot_ids", "checksums", "held_after")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]

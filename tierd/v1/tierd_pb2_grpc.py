@@ -55,6 +55,11 @@ class TierdStub:
                 request_serializer=tierd_dot_v1_dot_tierd__pb2.AcquireRequest.SerializeToString,
                 response_deserializer=tierd_dot_v1_dot_tierd__pb2.AcquireResponse.FromString,
                 _registered_method=True)
+        self.Probe = channel.unary_unary(
+                '/tierd.v1.Tierd/Probe',
+                request_serializer=tierd_dot_v1_dot_tierd__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=tierd_dot_v1_dot_tierd__pb2.ProbeResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/tierd.v1.Tierd/Release',
                 request_serializer=tierd_dot_v1_dot_tierd__pb2.ReleaseRequest.SerializeToString,
@@ -131,8 +136,17 @@ class TierdServicer:
     def Acquire(self, request, context):
         """Pins the longest held prefix in DRAM (staging SSD hits into DRAM first) under a lease and
         returns the slot of each block and its checksum. Blocks stay pinned until Release or until
-        the lease deadline passes.
-        With count_lookup it also counts as a Lookup of the chain (one round trip for a load).
+        the lease deadline passes. Counts no lookup (a Lookup or a Probe of the chain does).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Probe(self, request, context):
+        """A Lookup and an Acquire of the leading DRAM run in one round trip: counts the chain as a
+        Lookup does, pins the blocks DRAM holds at its head under a lease (reading nothing from SSD
+        and fetching nothing from the cluster), and says in which tier each held block after them
+        lies, so the engine can Acquire those in pieces while it loads the pinned ones.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -230,6 +244,11 @@ def add_TierdServicer_to_server(servicer, server):
                     servicer.Acquire,
                     request_deserializer=tierd_dot_v1_dot_tierd__pb2.AcquireRequest.FromString,
                     response_serializer=tierd_dot_v1_dot_tierd__pb2.AcquireResponse.SerializeToString,
+            ),
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=tierd_dot_v1_dot_tierd__pb2.ProbeRequest.FromString,
+                    response_serializer=tierd_dot_v1_dot_tierd__pb2.ProbeResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -381,6 +400,33 @@ class Tierd:
             '/tierd.v1.Tierd/Acquire',
             tierd_dot_v1_dot_tierd__pb2.AcquireRequest.SerializeToString,
             tierd_dot_v1_dot_tierd__pb2.AcquireResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierd.v1.Tierd/Probe',
+            tierd_dot_v1_dot_tierd__pb2.ProbeRequest.SerializeToString,
+            tierd_dot_v1_dot_tierd__pb2.ProbeResponse.FromString,
             options,
             channel_credentials,
             insecure,

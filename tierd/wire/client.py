@@ -84,12 +84,6 @@ class _Requests:
                                  filtered_query_tokens=filtered_query_tokens)
 
     @staticmethod
-    def acquire(engine_id: str, hashes: Sequence[BlockHash], count_lookup: bool,
-                dram_run_only: bool) -> pb.AcquireRequest:
-        return pb.AcquireRequest(engine_id=engine_id, block_hashes=hashes,
-                                 count_lookup=count_lookup, dram_run_only=dram_run_only)
-
-    @staticmethod
     def reserve_blank(engine_id: str, count: int) -> pb.ReserveRequest:
         return pb.ReserveRequest(engine_id=engine_id, blank_slots=count)
 
@@ -167,27 +161,31 @@ class TierdClient:
         reply = self._call("Lookup", _Requests.chain(pb.LookupRequest, engine_id, hashes))
         return convert.tiers_from_pb(reply.tiers)
 
-    def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
-                count_lookup: bool = False, dram_run_only: bool = False) -> AcquiredBlocks:
+    def acquire(self, engine_id: str, hashes: Sequence[BlockHash]) -> AcquiredBlocks:
         """Pin the longest held prefix in DRAM (SSD hits staged first) until ``release`` or the
-        lease deadline; returns slot ids and checksums to copy and verify. ``count_lookup``:
-        the daemon also counts the chain as a Lookup would (hit ratio), for a load made without
-        a Lookup first. ``dram_run_only``: pin the leading DRAM run alone and read nothing;
-        ``held_after`` lists the tiers of the held blocks after it (counted as a Lookup)."""
-        reply = self._call("Acquire", _Requests.acquire(engine_id, hashes, count_lookup,
-                                                        dram_run_only))
+        lease deadline; returns slot ids and checksums to copy and verify. Counts no lookup."""
+        reply = self._call("Acquire", _Requests.chain(pb.AcquireRequest, engine_id, hashes))
         return convert.acquired_from_pb(reply)
 
-    def acquire_async(self, engine_id: str, hashes: Sequence[BlockHash], *,
-                      count_lookup: bool = False, dram_run_only: bool = False
+    def acquire_async(self, engine_id: str, hashes: Sequence[BlockHash]
                       ) -> Future[AcquiredBlocks]:
         """``acquire`` without blocking: a future of its result (or of its ``grpc.RpcError``).
         The daemon stages SSD hits into DRAM meanwhile; the pin starts when the reply is
-        made, so a caller that drops the future must still release a lease it resolves to.
-        ``dram_run_only`` as for ``acquire`` (a Lookup and an Acquire of the DRAM run in one
-        round trip)."""
-        return self._future("Acquire", _Requests.acquire(engine_id, hashes, count_lookup,
-                                                         dram_run_only),
+        made, so a caller that drops the future must still release a lease it resolves to."""
+        return self._future("Acquire", _Requests.chain(pb.AcquireRequest, engine_id, hashes),
+                            convert.acquired_from_pb)
+
+    def probe(self, engine_id: str, hashes: Sequence[BlockHash]) -> AcquiredBlocks:
+        """A Lookup and an Acquire of the leading DRAM run in one round trip: the chain is
+        counted as a Lookup, the blocks DRAM holds at its head are pinned (nothing is read),
+        and ``held_after`` names the tier of each held block after them (``acquire`` those)."""
+        reply = self._call("Probe", _Requests.chain(pb.ProbeRequest, engine_id, hashes))
+        return convert.acquired_from_pb(reply)
+
+    def probe_async(self, engine_id: str, hashes: Sequence[BlockHash]
+                    ) -> Future[AcquiredBlocks]:
+        """``probe`` without blocking; release the lease it resolves to as ``acquire_async``'s."""
+        return self._future("Probe", _Requests.chain(pb.ProbeRequest, engine_id, hashes),
                             convert.acquired_from_pb)
 
     def _future(self, method: str, request: Any, result: Callable[[Any], T]) -> Future[T]:
@@ -338,11 +336,15 @@ class AsyncTierdClient:
         reply = await self._call("Lookup", _Requests.chain(pb.LookupRequest, engine_id, hashes))
         return convert.tiers_from_pb(reply.tiers)
 
-    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
-                      count_lookup: bool = False, dram_run_only: bool = False) -> AcquiredBlocks:
+    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash]) -> AcquiredBlocks:
         """See ``TierdClient.acquire``."""
-        reply = await self._call("Acquire", _Requests.acquire(engine_id, hashes, count_lookup,
-                                                              dram_run_only))
+        reply = await self._call("Acquire",
+                                 _Requests.chain(pb.AcquireRequest, engine_id, hashes))
+        return convert.acquired_from_pb(reply)
+
+    async def probe(self, engine_id: str, hashes: Sequence[BlockHash]) -> AcquiredBlocks:
+        """See ``TierdClient.probe``."""
+        reply = await self._call("Probe", _Requests.chain(pb.ProbeRequest, engine_id, hashes))
         return convert.acquired_from_pb(reply)
 
     async def release(self, engine_id: str, lease_id: str, *,

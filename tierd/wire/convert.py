@@ -179,10 +179,11 @@ def engine_handle_from_pb(msg: pb.RegisterEngineResponse) -> EngineHandle:
                         presence_name=msg.presence_name, namespace=msg.namespace)
 
 
-def acquired_from_pb(msg: pb.AcquireResponse) -> AcquiredBlocks:
+def acquired_from_pb(msg: pb.AcquireResponse | pb.ProbeResponse) -> AcquiredBlocks:
     return AcquiredBlocks(lease_id=msg.lease_id, seconds_left=msg.seconds_left,
                           slot_ids=msg.slot_ids[:], checksums=msg.checksums[:],  # new lists
-                          held_after=tiers_from_pb(msg.held_after))
+                          held_after=(tiers_from_pb(msg.held_after)
+                                      if isinstance(msg, pb.ProbeResponse) else []))
 
 
 def reserved_from_pb(msg: pb.ReserveResponse) -> ReservedSlots:

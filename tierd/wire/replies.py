@@ -46,7 +46,7 @@ class AcquiredBlocks:
     seconds_left: float
     slot_ids: list[int]         # DRAM slot of each block of the prefix, chain order
     checksums: list[int]        # block_checksum of each block
-    held_after: list[Tier] = field(default_factory=list)  # dram_run_only: the rest held
+    held_after: list[Tier] = field(default_factory=list)  # Probe: the held rest's tiers
 
     @property
     def num_blocks(self) -> int:

@@ -15,7 +15,7 @@ What vLLM's manager sees (every method runs on its scheduler thread, under its l
 returns at once; copies and daemon calls run on ``workers`` threads, ``jobs``):
 
 * ``lookup``: RETRY for a key not seen yet; at the end of the step the keys a request looked up
-  go to the daemon: one Acquire pins the leading DRAM run and says where the rest of the held
+  go to the daemon: one Probe pins the leading DRAM run and says where the rest of the held
   prefix lies, then Acquires of the rest in 32 MiB pieces pin it in DRAM (SSD hits are read in
   meanwhile) under leases; later lookups answer HIT for pinned keys, MISS for the rest.
   A key whose load failed answers MISS until it is stored again (else vLLM retries it forever).
@@ -62,7 +62,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from tierd.connector.core.lease import Lease, PendingLease, acquire_async, release
+from tierd.connector.core.lease import Lease, PendingLease, acquire_async, probe_async, release
 from tierd.connector.core.link import DaemonLink, Session
 from tierd.connector.core.load import load_leased
 from tierd.connector.core.save import abort, commit, reserve
@@ -106,9 +106,9 @@ class _Probe:
 
 @dataclass(frozen=True, slots=True)
 class _Probed:
-    """Pool -> scheduler thread: the daemon's answer for ``keys``, one part of ``probe``: an
-    Acquire's lease, or none (``session`` None: no daemon; ``error``: a call failed; keys the
-    Lookup found not held); no lease means MISS."""
+    """Pool -> scheduler thread: the daemon's answer for ``keys``, one part of ``probe``: a
+    Probe's or an Acquire's lease, or none (``session`` None: no daemon; ``error``: a call failed;
+    keys the Lookup found not held); no lease means MISS."""
 
     keys: list[OffloadKey]
     session: Session | None
@@ -240,11 +240,11 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
             self._pool.submit("probe", functools.partial(self._probe, keys, _Probe()))
 
     def _probe(self, keys: list[OffloadKey], probe: _Probe) -> None:
-        """Pool thread: one Acquire pins the leading DRAM run of ``keys``' longest held prefix
-        and says where the rest lies (``dram_run_only``: a Lookup and an Acquire in one round
-        trip); the rest is then asked for at once in pieces of ``_SSD_PIECE_BYTES``, so the
-        first pieces answer (and vLLM starts loading them) while the daemon still reads later
-        ones. Each answer goes to the inbox."""
+        """Pool thread: one Probe pins the leading DRAM run of ``keys``' longest held prefix
+        and says where the rest lies (a Lookup and an Acquire in one round trip); the rest is then
+        asked for at once in pieces of ``_SSD_PIECE_BYTES``, so the first pieces answer (and vLLM
+        starts loading them) while the daemon still reads later ones. Each answer goes to the
+        inbox."""
         session = self._session()
         if session is None:
             probe.parts = 1
@@ -252,8 +252,7 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
             return
         hashes = [daemon_hash(k) for k in keys[:session.engine.max_blocks_per_request]]
         try:
-            first = acquire_async(session.client, session.engine_id, hashes,
-                                  clock=time.monotonic, count_lookup=True, dram_run_only=True)
+            first = probe_async(session.client, session.engine_id, hashes, clock=time.monotonic)
             dram, rest = first.wait(), first.reply.result().held_after
         except grpc.RpcError as exc:
             probe.parts = 1
@@ -507,7 +506,7 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
     def check_integrity(self) -> None:
         """``Lookups.check_integrity``, and the in-flight counters are sane."""
         self._lookups.check_integrity()
-        assert self._probes >= 0, "more Acquire answers than Acquires"
+        assert self._probes >= 0, "more answers than Probes and Acquires"
 
     def _count(self, name: str, value: int = 1) -> None:
         with self._counts_lock:  # pool threads count daemon errors too
