@@ -90,9 +90,8 @@ _RESULTS: dict[Answer, LookupResult] = {"hit": LookupResult.HIT, "miss": LookupR
 _SSD_PIECE_BYTES = 32 << 20
 """Bytes of chunks one Acquire asks for where a request's held prefix lies on SSD (an Acquire
 answers once all of its blocks are read, so the first piece is copied while later ones are
-read); its DRAM run goes as one Acquire. Measured with a 256 MiB prefix on 2 cores, medians of
-4: from SSD (page cache dropped) pieces of 32 MiB take 142-146 ms, of 128 MiB 157-170 ms; from
-DRAM, Acquires of 32 MiB ~31 ms, of 128 MiB ~27 ms (fewer round trips and load jobs)."""
+read); its DRAM run goes as one Probe. Smaller pieces start the copies sooner; larger ones
+make fewer round trips and load jobs (docs/bench-history.md has the runs behind the choice)."""
 
 
 @dataclass(slots=True)
