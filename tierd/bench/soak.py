@@ -7,10 +7,10 @@ pre-faulted arena, so the arena's pages are resident from the start and RSS grow
 own memory); only the sizes and the lease are set. Each client process registers an engine of the
 shared layout (one tenant, so clients hit each other's blocks) and, until the deadline, picks a
 random chain of the working set and does what an engine does: ``Probe`` (then ``Acquire`` where the
-chain reaches SSD: ``core.lease.probe_acquire``), verifies every acquired block where it lies in the
-arena (its checksum against the one the daemon returned and against the content the chain's hash
-determines: a mismatch is a wrong byte), ``Release``, then ``Reserve`` + copy + ``Commit`` of the
-blocks that missed. Every RPC is timed; any RPC error is counted.
+chain reaches SSD, as ``core.lease.probe_acquire`` does), verifies every acquired block where it
+lies in the arena (its checksum against the one the daemon returned and against the content the
+chain's hash determines: a mismatch is a wrong byte), ``Release``, then ``Reserve`` + copy +
+``Commit`` of the blocks that missed. Every RPC is timed; any RPC error is counted.
 
 Figures, each judged against a limit measured in the same run:
 
@@ -288,10 +288,10 @@ def _client(args: argparse.Namespace) -> int:
     import grpc
 
     from tierd.checksum import block_checksum
-    from tierd.connector.core.lease import probe_acquire
     from tierd.types import BlockHash
     from tierd.wire.arena import ShmArena
     from tierd.wire.client import TierdClient
+    from tierd.wire.replies import AcquiredBlocks
 
     layout = _layout(args.block_kib << 10)
     rng = random.Random(args.client)
@@ -324,11 +324,18 @@ def _client(args: argparse.Namespace) -> int:
         finally:
             latencies.append(time.perf_counter() - t0)
 
+    def load(hashes: list[BlockHash]) -> AcquiredBlocks:
+        """A Probe; where the held prefix reaches SSD, an Acquire of all of it instead."""
+        got = client.probe(engine.engine_id, hashes)
+        if not got.held_after:
+            return got
+        client.release(engine.engine_id, got.lease_id)
+        return client.acquire(engine.engine_id, hashes[:got.num_blocks + len(got.held_after)])
+
     while time.time() < args.until:
         hashes = rng.choice(chains)
         try:
-            got = timed(lambda: probe_acquire(client, engine.engine_id, hashes,
-                                              clock=time.monotonic))
+            got = timed(lambda: load(hashes))
             counts["loads"] += 1
             for h, slot, checksum in zip(hashes, got.slot_ids, got.checksums):
                 view = arena.view(geometry.offset(slot), size)
