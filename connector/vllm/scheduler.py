@@ -280,11 +280,12 @@ class SchedulerSide:
         futures while the daemon stages the SSD blocks into DRAM. ``end``: the end of the range
         asked for."""
         asked = self._clock()
+        # A hold: the workers' Acquires load the blocks and count them as served.
         if block:
-            futures = [_now(link.client.acquire, link.engine.engine_id, hits)
+            futures = [_now(link.client.acquire, link.engine.engine_id, hits, hold=True)
                        for link in self._links]
         else:
-            futures = [link.client.acquire_async(link.engine.engine_id, hits)
+            futures = [link.client.acquire_async(link.engine.engine_id, hits, hold=True)
                        for link in self._links]
         return _Staging(start, hits, list(tiers), futures,
                         asked + self._links[0].timeout_seconds, self._clock, end, asked)
@@ -519,11 +520,13 @@ class SchedulerSide:
         return hashes
 
 
-def _now(acquire: Callable[..., AcquiredBlocks], *args: Any) -> Future[AcquiredBlocks]:
-    """``acquire(*args)`` called now, as a resolved future (or one holding its RpcError)."""
+def _now(acquire: Callable[..., AcquiredBlocks], *args: Any,
+         **kwargs: Any) -> Future[AcquiredBlocks]:
+    """``acquire(*args, **kwargs)`` called now, as a resolved future (or one holding its
+    RpcError)."""
     out: Future[AcquiredBlocks] = Future()
     try:
-        out.set_result(acquire(*args))
+        out.set_result(acquire(*args, **kwargs))
     except grpc.RpcError as exc:
         out.set_exception(exc)
     return out
