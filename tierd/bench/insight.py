@@ -16,7 +16,8 @@
    daemons without hooks) is within 0.98-1.02; otherwise the host is too noisy and the check
    is missed. Context: the same Acquire in one in-process store, hooks on / off, no gRPC.
 3. **`tierd why`** on a 32k-token prompt stored in a real `tierd serve` (2048 blocks): held
-   (one Why call) and missing at block 0 (then hashed 9 other ways for the namespace search):
+   (one Why call) and missing at block 0 (then a second Why probing 9 other hashings of the
+   first block for the namespace search):
    the command's whole run (hashing, the RPC, the report), median of 5. Target: < 100 ms
    each.
 """
@@ -279,7 +280,7 @@ async def _store_overhead(rounds: int) -> dict[str, float]:
 def _why_timing(workdir: str) -> dict[str, float]:
     """Median ms of `tierd why` through a real `tierd serve` on a stored 32k-token prompt
     ("held") and on the same prompt with its first token changed ("miss": a miss at block 0,
-    so the prompt is also hashed 9 other ways for the namespace search)."""
+    so a second Why probes 9 other hashings of the first block for the namespace search)."""
     from tierd import hashing
     from tierd.bench.tierd_serve import TierdServe
     from tierd.commands import why as why_cmd
