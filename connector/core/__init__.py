@@ -12,6 +12,9 @@ SGLang backend): one way to reach the daemon, one load, one save.
 ``inflight``   ``InFlight``: calls sent without waiting, settled later on the front end's threads.
 =============  =================================================================================
 
+``prefill_speed`` (``PrefillSpeed``): the engine's prefill tokens per second from its timed
+forward steps, which the front ends report so the daemon counts the cache's savings at it.
+
 A front end, per engine process::
 
     link = DaemonLink(settings, layout, attach=True)
