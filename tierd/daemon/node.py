@@ -509,6 +509,7 @@ class NodeStore:
         Call once, with no maintain or write-behind pass running."""
         for promotion in list(self._promoting.values()):
             await promotion.done
+        self.insight.tally()  # the queued lookup counts reach models.json
         flushed = Flushed(0, 0, 0.0)
         if self._ssd is not None:
             async with self._maintaining:
@@ -543,7 +544,9 @@ class NodeStore:
         return self.quotas.usage(None if tenant is None else [tenant])
 
     def models_of(self, tenant: str) -> list[ModelUsage]:
-        """Occupancy and hits per model of ``tenant`` (``ModelTable.usage_of``)."""
+        """Occupancy and hits per model of ``tenant`` (``ModelTable.usage_of``), the queued
+        lookups counted first (``Insight.tally``)."""
+        self.insight.tally()
         return self.models.usage_of(tenant, [e.namespace for e in self.engines_of(tenant)])
 
     def check_integrity(self) -> None:
