@@ -243,8 +243,11 @@ class ClusterLink:
         if not fetched:
             return lease
         store.release(lease.lease_id)        # no await between commit and the new acquire:
-        return await store.acquire(engine_id, hashes,   # nothing can evict the fetched blocks
-                                   hold=hold)
+        again = await store.acquire(engine_id, hashes,  # nothing can evict the fetched blocks
+                                    hold=True)          # the first lease counted its own
+        if not hold and store.insight_hooks and len(again.slot_ids) > hit:
+            store.insight.served(info.namespace, len(again.slot_ids) - hit, 0)  # fetched
+        return again
 
     async def _fetch_run(self, namespace: Namespace, hashes: Sequence[BlockHash],
                          slot_bytes: int) -> list[bytes]:

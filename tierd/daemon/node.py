@@ -106,6 +106,11 @@ class NodeStore:
         self._maintaining = asyncio.Lock()
         self.metrics.ssd_healthy.set(0.0)
 
+    @property
+    def insight_hooks(self) -> bool:
+        """Whether the insight hooks are called (``set_insight_hooks``)."""
+        return self._looked_up is not None
+
     def set_insight_hooks(self, on: bool) -> None:
         """Call the insight hooks (``Insight.looked_up`` on each counted lookup, ``served`` on
         each acquire) from now on, or none at all (``NodeConfig.insight_hooks`` at start)."""
