@@ -25,33 +25,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 
 from tierd.types import Namespace, Tier
+from tierd.wire.replies import Saved, SpeedSource
 
 if TYPE_CHECKING:
     from tierd.daemon.engines import EngineTable
     from tierd.daemon.node_types import NodeConfig
-
-SpeedSource = Literal["reported", "planner"]
-"""Where a prefill speed comes from: an engine's report, or ``recompute_tokens_per_second``."""
-
-
-@dataclass(frozen=True, slots=True)
-class Saved:
-    """One (tenant, model, tier) row: prefill tokens served from the tier, seconds saved, and
-    the prefill speed (tokens per second) its latest tokens were counted at, with its source."""
-
-    tenant: str
-    model_id: str
-    tier: Tier
-    tokens: int
-    seconds: float
-    tokens_per_second: float = 0.0
-    speed_source: SpeedSource = "planner"
 
 
 @dataclass(slots=True)
