@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator
 from typing import Any, TypeVar
 
@@ -50,8 +50,8 @@ class LoopShare:
         self._recent: dict[str, float] = {}  # tenant -> loop seconds, decayed to _stamp
         self._stamp = clock()
         self._inflight: Counter[str] = Counter()  # tenant -> calls admitted, not yet finished
-        self.loop_seconds: Counter[str] = Counter()       # totals, for the metrics
-        self.throttled_seconds: Counter[str] = Counter()
+        self.loop_seconds: defaultdict[str, float] = defaultdict(float)  # totals, for metrics
+        self.throttled_seconds: defaultdict[str, float] = defaultdict(float)
 
     def over_share(self, tenant: str) -> bool:
         """Whether ``tenant`` used more than an equal split of the loop seconds of the tenants

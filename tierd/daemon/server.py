@@ -40,6 +40,7 @@ from tierd.daemon.arena import ShmArena, check_room, free_bytes
 from tierd.daemon.arena_owner import new_arena_name, remove_stale_arenas
 from tierd.daemon.auth import Authenticator, TokenTable
 from tierd.daemon.build import Node, build_node
+from tierd.daemon.chunks import run_steps
 from tierd.daemon.cluster_link import ClusterLink
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.engine_access import group_id, share
@@ -244,8 +245,9 @@ class TierdServicer(pb_grpc.TierdServicer):
                                  "of blank_slots: report them at the next named Reserve")
             res = self._store.reserve_blank(engine_id, request.blank_slots)
         else:
-            res = self._store.reserve(engine_id, convert.hashes_from_pb(request.block_hashes),
-                                      filtered_query_tokens=request.filtered_query_tokens)
+            res = await run_steps(self._store.reserve_steps(
+                engine_id, convert.hashes_from_pb(request.block_hashes),
+                filtered_query_tokens=request.filtered_query_tokens))
         return pb.ReserveResponse(lease_id=res.lease_id,
                                   seconds_left=res.ttl_seconds,
                                   slots=convert.reserved_to_pb(res.slot_ids, res.already_stored))
@@ -261,8 +263,8 @@ class TierdServicer(pb_grpc.TierdServicer):
         spans = self._store.written_spans(request.lease_id, list(request.written),
                                           engine_id=engine_id, names=names)
         checksums = await self._checksums(spans)
-        stored = self._store.commit(request.lease_id, checksums, engine_id=engine_id,
-                                    names=names)
+        stored = await run_steps(self._store.commit_steps(request.lease_id, checksums,
+                                                          engine_id=engine_id, names=names))
         return pb.CommitResponse(stored=stored)
 
     async def Abort(self, request: pb.AbortRequest,
