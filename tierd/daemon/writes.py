@@ -170,14 +170,13 @@ class Reservations:
                 raise ValueError(f"checksum #{i} must be an unsigned 64-bit int, got {c!r}")
         hashes = _named(lease, names, written)
         self._stepping.add(lease_id)
-        run = _Run()
         count = 0
         for start in step_starts(len(lease.slots)):
             if start:
                 yield
                 if lease_id not in self._stepping:
                     break  # the lease ended meanwhile: ``free`` took the slots left
-            count += self._publish(lease, hashes, checksums, start, now, run)
+            count += self._publish(lease, hashes, checksums, start, now)
         else:
             self._stepping.discard(lease_id)
             self._leases.finish(lease_id, "committed")
@@ -185,11 +184,12 @@ class Reservations:
         return count
 
     def _publish(self, lease: WriteLease, hashes: Sequence[BlockHash | None],
-                 checksums: Sequence[int | None], start: int, now: float, run: _Run) -> int:
+                 checksums: Sequence[int | None], start: int, now: float) -> int:
         """One step of a commit: publish or free the lease's slots from ``start`` (at most
-        ``STEP_BLOCKS``), taking each out of the lease. Returns the blocks stored."""
+        ``STEP_BLOCKS``), taking each out of the lease; one ``BlockStored`` per consecutive run
+        (listeners count each step's before the next). Returns the blocks stored."""
         t, blank, ns = self._tiers, lease.blank, lease.namespace
-        count = 0
+        run, count = _Run(), 0
         taken: list[int | None] = []
         for i in range(start, min(len(lease.slots), start + STEP_BLOCKS)):
             block_hash, slot, checksum = hashes[i], lease.slots[i], checksums[i]
@@ -214,12 +214,13 @@ class Reservations:
                     count += 1
                     continue
             run.emit(t, lease)
-        run.emit(t, lease)  # listeners count what each step published before the next one
+        run.emit(t, lease)
         if taken:  # handed over: no longer held by the lease, nor counted against its tenant
             handed = dataclasses.replace(lease, slots=taken)
             self._unblank(handed)
             self._ended(handed)
         return count
+
     def written_spans(self, lease_id: str, written: Sequence[bool], engine_id: str | None,
                       names: Sequence[BlockHash] = ()) -> list[tuple[int, int] | None]:
         """``NodeStore.written_spans``: (address, length) in the arena of each written slot."""
