@@ -5,7 +5,10 @@ metrics name tenants only."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
+import threading
+import time
 from typing import Any
 
 from prometheus_client import generate_latest
@@ -108,6 +111,46 @@ async def test_no_wait_without_max_wait() -> None:
     await share.admit("team-b")
     await asyncio.wait_for(share.admit("team-a"), 5)
     assert share.throttled_seconds == {} and share.loop_seconds["team-a"] == 9.0
+
+
+def test_the_daemon_throttles_the_tenant_using_the_loop(make_daemon: Any, kit: Any,
+                                                        workdir: str) -> None:
+    """Over TCP, team A stores and commits 2,048-block chains in a loop while team B looks up
+    8 blocks now and then: A is over its share and its calls waited; B's never did."""
+    tokens = os.path.join(workdir, "tokens.toml")
+    with open(tokens, "w") as f:
+        f.write('"token-a" = "team-a"\n"token-b" = "team-b"\n')
+    daemon = make_daemon(tcp_port=0, token_file=tokens, loop_share_wait_seconds=0.002)
+    address = f"127.0.0.1:{daemon.daemon.tcp_port}"
+    share = daemon.daemon.loop_share
+    assert share is not None
+    with TierdClient(address=address, token="token-a") as a, \
+            TierdClient(address=address, token="token-b") as b:
+        hog = a.register_engine(kit.layout, engine_name="a0")
+        light = b.register_engine(kit.layout, engine_name="b0")
+        done = threading.Event()
+
+        def store_again_and_again() -> None:
+            for seed in itertools.count():
+                if done.is_set():
+                    return
+                res = a.reserve(hog.engine_id, kit.chain(2048, seed=seed % 256))
+                a.commit(hog.engine_id, res.lease_id, [s is not None for s in res.slot_ids])
+
+        thread = threading.Thread(target=store_again_and_again)
+        thread.start()
+        try:
+            for _ in range(40):
+                b.lookup(light.engine_id, kit.chain(8, seed=99))
+                time.sleep(0.005)
+                if share.throttled_seconds.get("team-a", 0.0) > 0:
+                    break
+        finally:
+            done.set()
+            thread.join()
+    assert share.throttled_seconds.get("team-a", 0.0) > 0
+    assert share.throttled_seconds.get("team-b", 0.0) == 0
+    assert share.loop_seconds["team-a"] > share.loop_seconds["team-b"] > 0
 
 
 def test_the_metrics_name_tenants_never_engine_ids(make_daemon: Any, kit: Any,
