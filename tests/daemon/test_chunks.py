@@ -4,6 +4,7 @@ socket)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from typing import Any
@@ -119,3 +120,39 @@ def test_a_commit_in_progress_cannot_be_committed_or_aborted_again(make_daemon: 
     with pytest.raises(grpc.RpcError) as info, daemon.client() as client:
         client.commit(engine.engine_id, res.lease_id, [True] * (STEP_BLOCKS * 2))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_lease_that_ends_between_steps_stops_them(make_daemon: Any, kit: Any) -> None:
+    """A reserve whose engine is unregistered between two steps is NOT_FOUND and leaves no slot
+    behind; a commit whose lease expires between two steps keeps the blocks its first step
+    published and frees the rest. Every table is consistent after each."""
+    daemon = make_daemon(lease_seconds=0.5)
+    store = daemon.daemon.store
+    with daemon.client() as client:
+        gone = client.register_engine(kit.layout)
+        engine = client.register_engine(kit.layout)
+        res = client.reserve(engine.engine_id, kit.chain(STEP_BLOCKS * 2, seed=9))
+
+        async def interleaved() -> tuple[str, int, list[str]]:
+            steps = store.reserve_steps(gone.engine_id, kit.chain(STEP_BLOCKS * 2, seed=8))
+            next(steps)
+            store.unregister_engine(gone.engine_id)
+            try:
+                next(steps)
+                ended = "went on"
+            except Exception as exc:  # noqa: BLE001  (the test names the kind below)
+                ended = type(exc).__name__
+            store.check_integrity()
+            commit = store.commit_steps(res.lease_id, [1] * (STEP_BLOCKS * 2),
+                                        engine_id=engine.engine_id)
+            next(commit)
+            await asyncio.sleep(0.6)
+            store.stats()  # expires the lease: its second half is freed
+            stored = run_now(commit)
+            store.check_integrity()
+            return ended, stored, store.lookup(engine.engine_id, kit.chain(STEP_BLOCKS * 2,
+                                                                           seed=9)).tiers
+
+        ended, stored, tiers = daemon.call(interleaved())
+    assert ended == "NotFound"
+    assert stored == STEP_BLOCKS and tiers == ["dram"] * STEP_BLOCKS
