@@ -73,7 +73,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slice", type=float, default=0.5,
                         help="length of one arm's turn, seconds (0.5; 0: the arms at once)")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds, each of the four arms at once (3)")
+                        help="rounds, each of the four arms in turns (3)")
     parser.add_argument("--dram-bytes", default="64MiB", help="the daemon's arena (64MiB)")
     parser.add_argument("--block-kib", type=int, default=64, help="block size in KiB (64)")
     parser.add_argument("--rate", type=float, default=50.0,
