@@ -13,8 +13,8 @@ from typing import Any
 
 from prometheus_client import generate_latest
 
-from tierd.daemon.client import TierdClient
 from tierd.daemon.loop_share import LoopShare, LoopShareCollector
+from tierd.wire.client import TierdClient
 
 
 class Clock:
