@@ -207,12 +207,14 @@ class ClusterLink:
                 self.stats.remote_puts_failed += 1
         return stored
 
-    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash]) -> Lease:
+    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                      hold: bool = False) -> Lease:
         """``NodeStore.acquire``, extended by the remote tier's leading run of hits when that
-        is predicted to beat recomputing (see the module doc). Same errors as the store's."""
+        is predicted to beat recomputing (see the module doc). Same errors and ``hold`` as the
+        store's."""
         store = self._store
         assert store is not None and self._arena is not None, "bind the link before serving"
-        lease = await store.acquire(engine_id, hashes)
+        lease = await store.acquire(engine_id, hashes, hold=hold)
         hit = len(lease.slot_ids)
         info = self._engines.get(engine_id)
         if self.remote is None or hit == len(hashes) or info is None:
@@ -238,7 +240,11 @@ class ClusterLink:
         if not fetched:
             return lease
         store.release(lease.lease_id)        # no await between commit and the new acquire:
-        return await store.acquire(engine_id, hashes)   # nothing can evict the fetched blocks
+        again = await store.acquire(engine_id, hashes,  # nothing can evict the fetched blocks
+                                    hold=True)          # the first lease counted its own
+        if not hold and store.insight_hooks and len(again.slot_ids) > hit:
+            store.insight.served(info.namespace, len(again.slot_ids) - hit, 0)  # fetched
+        return again
 
     async def _fetch_run(self, namespace: Namespace, hashes: Sequence[BlockHash],
                          slot_bytes: int) -> list[bytes]:

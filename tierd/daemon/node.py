@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from tierd.checksum import block_checksum
+from tierd.daemon.chunks import Steps, run_now
 from tierd.daemon.engines import EngineTable
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
 from tierd.daemon.hbm import HbmIndex
@@ -94,7 +95,8 @@ class NodeStore:
         self._reservations = Reservations(self._tiers, self._leases, config.lease_seconds,
                                           self._expire, clock,
                                           int(config.blank_fraction * arena.size),
-                                          self._gate.write_ended)
+                                          self._gate.write_ended,
+                                          lambda i, n: self._gate.hold(i, "reserved", n))
         self._writing = self._reservations.writing  # reserved key -> its write lease id
         self._inflight_pins: Counter[NamespacedKey] = Counter()  # pins of acquires in progress
         self._promoter = Promoter(self._tiers, arena, ssd, self._writing.__contains__,
@@ -103,8 +105,21 @@ class NodeStore:
         self._hbm = HbmIndex(config.hbm_max_blocks_per_engine, TierListeners(outside))
         self.insight = Insight.over(self._tiers, self._hbm, self._engines, self.models, clock,
                                     config)
+        self._looked_up: Callable[[Namespace, Sequence[NamespacedKey], int, int], None] | None
+        self.set_insight_hooks(config.insight_hooks)
         self._maintaining = asyncio.Lock()
         self.metrics.ssd_healthy.set(0.0)
+
+    @property
+    def insight_hooks(self) -> bool:
+        """Whether the insight hooks are called (``set_insight_hooks``)."""
+        return self._looked_up is not None
+
+    def set_insight_hooks(self, on: bool) -> None:
+        """Call the insight hooks (``Insight.looked_up`` on each counted lookup, ``served`` on
+        each acquire) from now on, or none at all (``NodeConfig.insight_hooks`` at start)."""
+        self._looked_up = self.insight.looked_up if on else None
+        self._tiers.served = self.insight.served if on else None
 
     # -- engines -------------------------------------------------------------------------------
 
@@ -211,8 +226,8 @@ class NodeStore:
         for tier in set(tiers):
             count = tiers.count(tier)
             self._counts.hits[tier] += count * tokens
-        self.models.queried(info.namespace, len(hashes) * tokens, len(tiers) * tokens)
-        self.insight.shards.accessed(info.namespace, keys)
+        if self._looked_up is not None:  # per-model counts, what-if sample: queued (insight)
+            self._looked_up(info.namespace, keys, tokens, len(tiers))
         return tiers
 
     def probe(self, engine_id: str, hashes: Sequence[BlockHash]) -> Lease:
@@ -224,7 +239,7 @@ class NodeStore:
         blocks = self._tiers.dram.prefix(keys)
         tiers = self._query(info, hashes, keys, len(blocks))
         keys, blocks, now = self._pinnable(info, keys, blocks)
-        lease = self._lease(info, keys[:len(blocks)], blocks, now, pin=True)
+        lease = self._lease(info, keys[:len(blocks)], blocks, now, pin=True, served=True)
         return dataclasses.replace(lease, held_after=tiers[len(blocks):])
 
     def _pinnable(self, info: EngineInfo, keys: list[NamespacedKey], blocks: list[DramBlock]
@@ -237,7 +252,8 @@ class NodeStore:
                                             or (self._tiers.ssd_up and keys[0] in self._tiers.disk))
         return keys, blocks, now
 
-    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash]) -> Lease:
+    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                      hold: bool = False) -> Lease:
         """Pin the longest consecutive prefix held in DRAM or SSD and return its slots.
 
         SSD hits are read into fresh DRAM slots, all at once (a block another acquire is
@@ -246,6 +262,8 @@ class NodeStore:
         stays pinned until ``release`` or the deadline; each counts a hit and its reuse gap.
         Awaits SSD reads only; a cancelled caller's lease still completes and simply expires.
         ResourceExhausted (pinning nothing) if the lease would pass a cap of the lease table.
+        ``hold``: the blocks are held for a later acquire that loads them: not counted as
+        prefill served (``Savings``).
         """
         info = self._engine(engine_id)
         keys = self._keys(info, hashes)
@@ -253,7 +271,8 @@ class NodeStore:
         hit = len(blocks)
         if hit == len(keys) or not (keys[hit] in self._promoting or (
                 self._tiers.ssd_up and keys[hit] in self._tiers.disk)):
-            return self._lease(info, keys[:hit], blocks, now, pin=True)  # nothing to read
+            return self._lease(info, keys[:hit], blocks, now, pin=True,  # nothing to read
+                               served=not hold)
         self._leases.check_room(info.engine_id, hit + 1)  # before any read (again at the end)
         # The plan: the prefix held in DRAM, in flight from SSD, or on SSD. Promotions may
         # evict unpinned DRAM blocks, so the plan's DRAM hits take in-flight pins first; then
@@ -291,10 +310,10 @@ class NodeStore:
             promotion.waiters += 1
             plan[i] = (plan[i][0], promotion)
         self._promoter.start(reads)
-        return await asyncio.shield(asyncio.ensure_future(self._promoted(info, plan, now)))
+        return await asyncio.shield(asyncio.ensure_future(self._promoted(info, plan, now, hold)))
 
     async def _promoted(self, info: EngineInfo, plan: list[tuple[NamespacedKey,
-                        Promotion | None]], start: float) -> Lease:
+                        Promotion | None]], start: float, hold: bool) -> Lease:
         """With the plan's promotions done: the prefix that made it, under a new lease. The
         plan's DRAM hits and landed promotions carry in-flight pins: kept for the prefix,
         dropped past its end."""
@@ -323,13 +342,14 @@ class NodeStore:
         if info.engine_id not in self._engines:
             self._tiers.unpin(keys)
             raise NotFound(f"engine {info.engine_id} was unregistered during acquire")
-        return self._lease(info, keys, blocks, start, pin=False)
+        return self._lease(info, keys, blocks, start, pin=False, served=not hold)
 
     def _lease(self, info: EngineInfo, keys: list[NamespacedKey], blocks: list[DramBlock],
-               start: float, *, pin: bool) -> Lease:
+               start: float, *, pin: bool, served: bool) -> Lease:
         """Put a prefix (``blocks[i]`` under ``keys[i]``; ``pin``: not pinned yet) under a new
         lease, counting each block's hit and reuse gap as of ``start``. A miss gets the empty
-        lease. ResourceExhausted past a cap of the lease table (unpinning what was pinned)."""
+        lease. ResourceExhausted past a cap of the lease table (unpinning what was pinned).
+        ``served``: the blocks count as prefill served (not for a hold)."""
         deadline = self._clock() + self._config.lease_seconds
         if not keys:  # a miss pins nothing: no lease to track (release("") is a no-op)
             return Lease(EMPTY_LEASE, deadline, [], [], self._config.lease_seconds)
@@ -338,7 +358,7 @@ class NodeStore:
             if not pin:
                 self._tiers.unpin(keys)
             raise ResourceExhausted(refused)
-        self._tiers.count_hits(keys, blocks, start, pin=pin)
+        self._tiers.count_hits(keys, blocks, start, pin=pin, served=served)
         lease = ReadLease(new_lease_id(), info.engine_id, deadline, keys)
         self._gate.read_began(lease)
         self._leases.add(lease)
@@ -397,13 +417,21 @@ class NodeStore:
         the request, or one past the point where no room could be made gets no slot either.
         With no free slot, LRU unpinned DRAM blocks are evicted synchronously. Never blocks.
         """
+        return run_now(self.reserve_steps(engine_id, hashes,
+                                          filtered_query_tokens=filtered_query_tokens))
+
+    def reserve_steps(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                      filtered_query_tokens: int = 0) -> Steps[Reservation]:
+        """``reserve`` in steps of ``chunks.STEP_BLOCKS`` hashes (NotFound if the engine is
+        unregistered between two)."""
         info = self._engine(engine_id)
         self.models.queried(info.namespace, filtered_query_tokens, 0)
         keys = self._keys(info, hashes)
         self._expire(self._clock())
         limit = self._gate.hold_limit(info, len(keys), "reserved")
-        return self._gate.reserved(info, self._reservations.reserve(
-            info, hashes, keys, filtered_query_tokens, limit), "reserved", limit)
+        res = yield from self._reservations.reserve_steps(info, hashes, keys,
+                                                          filtered_query_tokens, limit)
+        return self._gate.reserved(info, res, "reserved", limit, held=True)
 
     def reserve_blank(self, engine_id: str, count: int) -> Reservation:
         """Allocate ``count`` slots not yet named, under a write lease (evicting as ``reserve``
@@ -431,7 +459,13 @@ class NodeStore:
         that another reservation is writing, frees its slot. Returns the blocks stored.
         NotFound if unknown (or, with ``engine_id``, another engine's); FailedPrecondition after
         expiry, commit or abort; ValueError for bad checksums or names."""
-        return self._reservations.commit(lease_id, checksums, engine_id, names)
+        return run_now(self.commit_steps(lease_id, checksums, engine_id=engine_id, names=names))
+
+    def commit_steps(self, lease_id: str, checksums: Sequence[int | None], *,
+                     engine_id: str | None = None, names: Sequence[BlockHash] = ()) -> Steps[int]:
+        """``commit`` in steps of ``chunks.STEP_BLOCKS`` slots (another Commit or Abort of the
+        lease meanwhile is FailedPrecondition)."""
+        return self._reservations.commit_steps(lease_id, checksums, engine_id, names)
 
     def written_spans(self, lease_id: str, written: Sequence[bool], *,
                       engine_id: str | None = None, names: Sequence[BlockHash] = ()
@@ -506,6 +540,7 @@ class NodeStore:
         Call once, with no maintain or write-behind pass running."""
         for promotion in list(self._promoting.values()):
             await promotion.done
+        self.insight.tally()  # the queued lookup counts reach models.json
         flushed = Flushed(0, 0, 0.0)
         if self._ssd is not None:
             async with self._maintaining:
@@ -540,7 +575,9 @@ class NodeStore:
         return self.quotas.usage(None if tenant is None else [tenant])
 
     def models_of(self, tenant: str) -> list[ModelUsage]:
-        """Occupancy and hits per model of ``tenant`` (``ModelTable.usage_of``)."""
+        """Occupancy and hits per model of ``tenant`` (``ModelTable.usage_of``), the queued
+        lookups counted first (``Insight.tally``)."""
+        self.insight.tally()
         return self.models.usage_of(tenant, [e.namespace for e in self.engines_of(tenant)])
 
     def check_integrity(self) -> None:

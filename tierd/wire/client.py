@@ -84,6 +84,10 @@ class _Requests:
                                  filtered_query_tokens=filtered_query_tokens)
 
     @staticmethod
+    def acquire(engine_id: str, hashes: Sequence[BlockHash], hold: bool) -> pb.AcquireRequest:
+        return pb.AcquireRequest(engine_id=engine_id, block_hashes=hashes, hold=hold)
+
+    @staticmethod
     def reserve_blank(engine_id: str, count: int) -> pb.ReserveRequest:
         return pb.ReserveRequest(engine_id=engine_id, blank_slots=count)
 
@@ -161,18 +165,21 @@ class TierdClient:
         reply = self._call("Lookup", _Requests.chain(pb.LookupRequest, engine_id, hashes))
         return convert.tiers_from_pb(reply.tiers)
 
-    def acquire(self, engine_id: str, hashes: Sequence[BlockHash]) -> AcquiredBlocks:
+    def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                hold: bool = False) -> AcquiredBlocks:
         """Pin the longest held prefix in DRAM (SSD hits staged first) until ``release`` or the
-        lease deadline; returns slot ids and checksums to copy and verify. Counts no lookup."""
-        reply = self._call("Acquire", _Requests.chain(pb.AcquireRequest, engine_id, hashes))
+        lease deadline; returns slot ids and checksums to copy and verify. Counts no lookup.
+        ``hold``: a pin for a later Acquire that loads the blocks (not counted as served)."""
+        reply = self._call("Acquire", _Requests.acquire(engine_id, hashes, hold))
         return convert.acquired_from_pb(reply)
 
-    def acquire_async(self, engine_id: str, hashes: Sequence[BlockHash]
-                      ) -> Future[AcquiredBlocks]:
+    def acquire_async(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                      hold: bool = False) -> Future[AcquiredBlocks]:
         """``acquire`` without blocking: a future of its result (or of its ``grpc.RpcError``).
         The daemon stages SSD hits into DRAM meanwhile; the pin starts when the reply is
-        made, so a caller that drops the future must still release a lease it resolves to."""
-        return self._future("Acquire", _Requests.chain(pb.AcquireRequest, engine_id, hashes),
+        made, so a caller that drops the future must still release a lease it resolves to.
+        ``hold`` as for ``acquire``."""
+        return self._future("Acquire", _Requests.acquire(engine_id, hashes, hold),
                             convert.acquired_from_pb)
 
     def probe(self, engine_id: str, hashes: Sequence[BlockHash]) -> AcquiredBlocks:
@@ -336,10 +343,10 @@ class AsyncTierdClient:
         reply = await self._call("Lookup", _Requests.chain(pb.LookupRequest, engine_id, hashes))
         return convert.tiers_from_pb(reply.tiers)
 
-    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash]) -> AcquiredBlocks:
+    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                      hold: bool = False) -> AcquiredBlocks:
         """See ``TierdClient.acquire``."""
-        reply = await self._call("Acquire",
-                                 _Requests.chain(pb.AcquireRequest, engine_id, hashes))
+        reply = await self._call("Acquire", _Requests.acquire(engine_id, hashes, hold))
         return convert.acquired_from_pb(reply)
 
     async def probe(self, engine_id: str, hashes: Sequence[BlockHash]) -> AcquiredBlocks:

@@ -280,11 +280,12 @@ class SchedulerSide:
         futures while the daemon stages the SSD blocks into DRAM. ``end``: the end of the range
         asked for."""
         asked = self._clock()
+        # A hold: the workers' Acquires load the blocks and count them as served.
         if block:
-            futures = [_now(link.client.acquire, link.engine.engine_id, hits)
+            futures = [_now(link.client.acquire, link.engine.engine_id, hits, hold=True)
                        for link in self._links]
         else:
-            futures = [link.client.acquire_async(link.engine.engine_id, hits)
+            futures = [link.client.acquire_async(link.engine.engine_id, hits, hold=True)
                        for link in self._links]
         return _Staging(start, hits, list(tiers), futures,
                         asked + self._links[0].timeout_seconds, self._clock, end, asked)
@@ -407,10 +408,14 @@ class SchedulerSide:
         saves: list[SaveSpec] = []
         bs = self._block_size
         self._step += 1
+        prefill = 0
         for req_id, new_ids, resumed in _scheduled(scheduler_output):
             tracked = self._tracked.get(req_id)
             if tracked is None:
                 continue
+            prefill += max(0, min(int(scheduler_output.num_scheduled_tokens[req_id]),
+                                  tracked.request.num_prompt_tokens
+                                  - tracked.request.num_computed_tokens))
             if resumed:
                 tracked.block_ids = list(new_ids or ())
             else:
@@ -432,7 +437,8 @@ class SchedulerSide:
         seen, self._failures_seen = sorted(self._failures_seen), set()
         verdict = self._verdict() if len(self._links) > 1 else None
         return TierdConnectorMetadata(loads=loads, saves=saves, recomputing=recomputing,
-                                      failures_seen=seen, step=self._step, verdict=verdict)
+                                      failures_seen=seen, step=self._step, verdict=verdict,
+                                      prefill_tokens=prefill)
 
     def _verdict(self) -> tuple[int, dict[str, int]]:
         """TP > 1: (every step up to this one has all ranks' report, request -> last step whose
@@ -519,11 +525,13 @@ class SchedulerSide:
         return hashes
 
 
-def _now(acquire: Callable[..., AcquiredBlocks], *args: Any) -> Future[AcquiredBlocks]:
-    """``acquire(*args)`` called now, as a resolved future (or one holding its RpcError)."""
+def _now(acquire: Callable[..., AcquiredBlocks], *args: Any,
+         **kwargs: Any) -> Future[AcquiredBlocks]:
+    """``acquire(*args, **kwargs)`` called now, as a resolved future (or one holding its
+    RpcError)."""
     out: Future[AcquiredBlocks] = Future()
     try:
-        out.set_result(acquire(*args))
+        out.set_result(acquire(*args, **kwargs))
     except grpc.RpcError as exc:
         out.set_exception(exc)
     return out
