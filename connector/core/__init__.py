@@ -1,9 +1,8 @@
-"""The engine-side core every front end uses (reference hooks, vLLM connector, vLLM tier, SGLang
-backend): client ``settings``, the daemon ``link``, one classification of failed calls
-(``errors``), ``lease`` and ``load`` through a sink (``sinks``), ``save`` and its blank-slot
-``stock``, batched verified copies between arena slots and pool rows (``arena_slots``), calls
-sent without waiting (``inflight``), and the engine's measured prefill speed that the front ends
-report for the daemon's savings (``prefill_speed``).
+"""The engine-side core every front end uses: client ``settings``, the daemon ``link``, one
+classification of failed calls (``errors``), ``lease`` and ``load`` through a sink (``sinks``),
+``save`` and its blank-slot ``stock``, verified copies between arena slots and pool rows
+(``arena_slots``), calls sent without waiting (``inflight``), and the engine's measured prefill
+speed the front ends report for the daemon's savings (``prefill_speed``).
 """
 
 from tierd.connector.core.arena_slots import ArenaSlots
