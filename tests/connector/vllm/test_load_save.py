@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from fake_vllm import FakeRequest, prompt, usage
+from fake_vllm import FakeRequest, ask, prompt, usage
 
 from tierd.connector.vllm import TierdConnectorMetadata
 from tierd.connector.vllm.metadata import LoadSpec
@@ -47,7 +47,7 @@ def test_matches_stop_before_last_token_and_after_local_hit(sock: str, engines: 
     asks = [(req, 0), (req, 32), (req, 80), (FakeRequest("c", prompt(97)), 0),
             (FakeRequest("d", prompt(96, salt=1)), 0),
             (FakeRequest("e", prompt(40) + prompt(56, salt=2)), 0)]
-    assert [b.scheduler.get_num_new_matched_tokens(r, n) for r, n in asks] == [
+    assert [ask(b.scheduler, r, n) for r, n in asks] == [
         (80, False), (48, False), (0, False), (96, False), (0, False), (32, False)]
     assert usage(sock) == (6, 6)  # c pins blocks 0-5, e 0-1; b's last lookup dropped its pin
     for r, _ in asks:
@@ -69,7 +69,7 @@ def test_decode_blocks_are_saved_once_as_they_fill(sock: str, engines: Any) -> N
     assert a.counters() == (0, 0, 3, 0, 0) and usage(sock) == (3, 0)
     probe = FakeRequest("b", list(req.all_token_ids) + [1])
     b = engines(20)
-    assert b.scheduler.get_num_new_matched_tokens(probe, 0) == (48, False)
+    assert ask(b.scheduler, probe, 0) == (48, False)
     assert b.scheduler.request_finished(probe, []) == (False, None)
 
 
