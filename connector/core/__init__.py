@@ -9,7 +9,8 @@ SGLang backend): one way to reach the daemon, one load, one save.
 ``load``       ``load_leased`` (``start_load`` + ``finish_load``) through a ``Sink``.
 ``sinks``      ``PoolRows``: the sink of a ``[blocks, bytes]`` pool (vLLM's are in its package).
 ``save``       ``reserve``, ``write_rows``, ``commit(_async)`` (written flags), ``abort``.
-``inflight``   ``InFlight``: calls sent without waiting, settled later on the front end's threads.
+``runner``     ``Runner``: the one executor of daemon calls and copies off the engine's threads.
+``jobs``       ``EngineJobs``: the job model every front end adapts (lookup, load, store, events).
 =============  =================================================================================
 
 A front end, per engine process::
@@ -28,7 +29,6 @@ A front end, per engine process::
 """
 
 from tierd.connector.core.errors import DROPS, Failure, classify, describe
-from tierd.connector.core.inflight import InFlight
 from tierd.connector.core.lease import (
                                         Lease,
                                         PendingLease,
@@ -48,13 +48,14 @@ from tierd.connector.core.load import (
                                         load_leased,
                                         start_load,
 )
+from tierd.connector.core.runner import Runner
 from tierd.connector.core.save import Reservation, abort, commit, commit_async, reserve, write_rows
 from tierd.connector.core.settings import ClientSettings
 from tierd.connector.core.sinks import PoolRows
 from tierd.connector.transfer import ArenaSlots
 
-__all__ = ["DROPS", "ArenaSlots", "ClientSettings", "DaemonLink", "Failure", "InFlight", "Lease",
+__all__ = ["DROPS", "ArenaSlots", "ClientSettings", "DaemonLink", "Failure", "Lease",
            "LoadResult", "OpenLoad", "PendingLease", "PoolRows", "Release", "Reservation",
-           "Session", "Sink", "abort", "acquire", "acquire_async", "classify", "commit",
+           "Runner", "Session", "Sink", "abort", "acquire", "acquire_async", "classify", "commit",
            "commit_async", "describe", "finish_load", "load_leased", "release",
            "release_async", "releaser", "reserve", "start_load", "write_rows"]

@@ -78,12 +78,12 @@ class Runner:
         with self._cond:
             return self._busy(kinds or self._order)
 
-    def drain(self, timeout: float, kinds: Sequence[str] | None = None) -> bool:
-        """Wait until no job of ``kinds`` (default: every kind) is queued or running; False if
-        ``timeout`` s passed first."""
+    def drain(self, timeout: float, kinds: Sequence[str] | None = None, keep: int = 0) -> bool:
+        """Wait until at most ``keep`` jobs of ``kinds`` (default: every kind) are queued or
+        running; False if ``timeout`` s passed first."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._busy(kinds or self._order):
+            while self._count(kinds or self._order) > keep:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -102,7 +102,10 @@ class Runner:
         return not any(thread.is_alive() for thread in self._threads)
 
     def _busy(self, kinds: Sequence[str]) -> bool:
-        return any(self._queues[k] or self._running[k] for k in kinds)
+        return self._count(kinds) > 0
+
+    def _count(self, kinds: Sequence[str]) -> int:
+        return sum(len(self._queues[k]) + self._running[k] for k in kinds)
 
     def _finished(self, future: Future[Any]) -> None:
         with self._cond:

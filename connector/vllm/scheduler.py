@@ -276,7 +276,8 @@ class SchedulerSide:
         except grpc.RpcError as exc:
             first.failed(exc, session)
             return _Reply(asked, None, [], False)
-        tiers: list[Tier] = ["dram"] * got.num_blocks + list(got.held_after)
+        dram: list[Tier] = ["dram"] * got.num_blocks
+        tiers = dram + list(got.held_after)
         if not got.held_after:
             rest = self._acquire(wanted[:got.num_blocks], self._links[1:]) if tiers else []
             return _Reply(asked, tiers, [got, *rest], True)

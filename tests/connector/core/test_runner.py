@@ -90,3 +90,15 @@ def test_stop_runs_the_queued_jobs_then_ends_the_threads() -> None:
     assert runner.stop(5.0) and ran == [0, 1, 2]
     with pytest.raises(AssertionError):
         runner.submit("a", lambda: None)
+
+
+def test_drain_down_to_keep_jobs() -> None:
+    """drain(keep=1) returns with one job still running, drain() only once it ends."""
+    runner = Runner(2, "t", ("a",))
+    gate = threading.Event()
+    runner.submit("a", gate.wait)
+    runner.submit("a", lambda: time.sleep(0.05))
+    assert runner.drain(5.0, keep=1) and runner.busy()
+    assert not runner.drain(0.05)
+    gate.set()
+    assert runner.drain(5.0) and runner.stop(5.0)
