@@ -223,6 +223,24 @@ class Engine:
     def connector(self) -> Any:
         return self.scheduler.connector
 
+    def settle_scheduler(self) -> None:
+        """Wait for the scheduler-side connector's daemon calls in flight (its lookups and
+        releases run on a runner; a lease released is then no longer pinned)."""
+        side = getattr(self.connector, "_scheduler", None)
+        if side is not None:
+            assert side.drain(30.0), "a scheduler-side daemon call never finished"
+
+    def schedule_until_loads(self, steps: int = 500) -> Any:
+        """``scheduler.schedule()`` until a step plans a load (the connector's lookup answers
+        None until its job is done, and vLLM asks again at each step); that step's output."""
+        for _ in range(steps):
+            out = self.scheduler.schedule()
+            if out.kv_connector_metadata.loads:
+                return out
+            self.scheduler.update_from_output(out, self._forward(out))
+            time.sleep(0.002)
+        raise AssertionError("no step planned a load")
+
     # -- the stand-in forward pass -----------------------------------------------------------
 
     def _bytes(self, rank: int, layer: int) -> torch.Tensor:
@@ -344,6 +362,7 @@ class Engine:
             raise AssertionError("requests did not finish")
         for worker in self.workers:  # wait for the write-through to land
             assert worker.worker_counters is not None
+        self.settle_scheduler()
         return {r.request_id: self.tokens.get(r.request_id, []) for r in requests}
 
 
