@@ -90,15 +90,15 @@ class Runner:
                 self._cond.wait(left)
             return True
 
-    def stop(self, timeout: float) -> bool:
+    def stop(self, timeout: float | None) -> bool:
         """Run the queued jobs, then end the threads; False if one still runs after
-        ``timeout`` s. ``submit`` after this is a bug."""
+        ``timeout`` s (None: wait as long as they run). ``submit`` after this is a bug."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        deadline = time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not any(thread.is_alive() for thread in self._threads)
 
     def _busy(self, kinds: Sequence[str]) -> bool:
