@@ -5,10 +5,10 @@ allocates the request's blocks, parks it (``WAITING_FOR_REMOTE_KVS``) and goes o
 other requests. Here, at ``start_load_kv``, the worker sends one Acquire per chunk of the hit
 (``CHUNK_BYTES``, about 32 MiB), all at once, so the daemon reads every chunk's SSD blocks into
 DRAM in parallel (its I/O threads) and answers each Acquire as soon as its chunk is staged. One
-runner thread (``core.runner.Runner``) takes the chunks in order: it waits for a chunk's Acquire, checks and copies
-its slots into vLLM's blocks (``core.load``: through the worker's ``LayerViews`` sink, one
-pass with ``verified_copy``), releases its lease, and goes on, so the engine's copy of a chunk
-overlaps the disk reads of the chunks
+runner thread (``core.runner.Runner``) takes the chunks in order: it waits for a chunk's
+Acquire, checks and copies its slots into vLLM's blocks (``core.load``: through the worker's
+``LayerViews`` sink, one pass with ``verified_copy``), releases its lease, and goes on, so the
+engine's copy of a chunk overlaps the disk reads of the chunks
 after it; the load ends a copy of one chunk after the last read.
 
 A load ends at the first block that did not arrive or did not verify: the rest of its chunks are
