@@ -68,6 +68,11 @@ class Runner:
             out, self._done = list(self._done), deque()
         return out
 
+    @property
+    def native_ids(self) -> list[int | None]:
+        """The kernel's id of each runner thread (to set its priority, say)."""
+        return [thread.native_id for thread in self._threads]
+
     def queued(self, kind: str) -> int:
         """Jobs of ``kind`` waiting for a thread."""
         with self._cond:
