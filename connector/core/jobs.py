@@ -12,8 +12,12 @@ How each front end maps onto it:
 ``vllm.tier`` (``TierdTier``) vLLM's ``lookup`` / ``submit_load`` / ``submit_store`` /
                               ``get_finished_jobs`` / ``take_events``, probes, loads, stores on the
                               runner.
+``vllm.worker``               the planned loads and saves; Commits and streamed copies on runners.
 ``sglang``                    ``batch_exists`` / ``batch_get_v1`` / ``batch_set_v1``; Commits and
                               Releases on the runner.
+``tierd_hooks`` (reference)   ``lookup`` / ``load`` / ``save`` / ``step_end`` (the reference
+                              engine's hooks are synchronous: its lookup is one Acquire);
+                              Releases, gathered saves, reports, reconnects on the runner.
 ============================  =====================================================================
 """
 
