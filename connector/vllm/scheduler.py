@@ -120,6 +120,7 @@ class _Asking:
     end: int
     hashes: list[BlockHash]        # the blocks asked for, from ``start``
     job: Future[_Reply]
+    counting: bool                 # the job's Acquire is the request's counted lookup
 
 
 LOOKUP_THREADS = 4
@@ -217,7 +218,10 @@ class SchedulerSide:
         job = self._runner.submit("lookup", functools.partial(self._ask, wanted, known_tiers))
         if job is None:
             return 0
-        self._asking[req_id] = _Asking(start, end, wanted, job)
+        counting = known_tiers is None
+        if counting:  # a later job for this request (its local hit moved meanwhile) counts none
+            self._counted.add(req_id)
+        self._asking[req_id] = _Asking(start, end, wanted, job, counting)
         return None
 
     def _end(self, request: Any, start: int) -> int:
@@ -315,8 +319,8 @@ class SchedulerSide:
         wins), fresh until half the shortest lease has gone, and remember the answer unless a
         call failed; the blocks held (0 if some rank holds none or failed: leases released)."""
         reply = _reply(asking.job)
-        if reply.counted:
-            self._counted.add(req_id)
+        if asking.counting and not reply.counted:  # it failed: the next ask counts
+            self._counted.discard(req_id)
         if reply.tiers is None:
             self._release_got(reply)
             return 0
