@@ -353,7 +353,7 @@ class TierdHooks:
         """Queue ``job`` on the runner: a Release at once, a save or report for the next
         gathering (``_write``); False (counted) if too many wait."""
         runner = self._runner
-        if runner is None or self._full():
+        if runner is None or self._closing.is_set() or self._full():
             self.stats.dropped_jobs += 1
             return False
         if isinstance(job, GATHERED):
