@@ -13,8 +13,9 @@ and the slot byte order), ``metadata`` (what the two sides tell each other per s
 (counters as vLLM's ``KVConnectorStats``), ``link`` (the daemon registration), ``config`` (the
 ``kv_connector_extra_config`` keys), ``base`` (vLLM's base classes, or stand-ins without vLLM).
 
-Semantics: a best-effort cache with synchronous loads. ``get_num_new_matched_tokens`` returns
-``(tokens, False)`` for a hit it has pinned; loads complete inside ``start_load_kv`` (on CUDA
+Semantics: a best-effort cache with synchronous loads. ``get_num_new_matched_tokens`` answers
+``(None, False)`` until its lookup job is done (vLLM asks again next step), then ``(tokens,
+False)`` for a hit it has pinned; loads complete inside ``start_load_kv`` (on CUDA
 they are queued there, and ``wait_for_layer_load`` waits per layer); blocks that
 could not be loaded are returned by ``get_block_ids_with_load_errors`` in the same step (vLLM
 recomputes them with ``kv_load_failure_policy: recompute``), and nothing computed on top of them

@@ -1,22 +1,21 @@
 """The scheduler half of the vLLM adapter: which blocks to load and which to save, per step.
 
 Metadata only (no KV bytes), and never waiting for the daemon: every daemon call runs as a job
-on a ``core.runner.Runner`` and the lookup answers None ("asked, not answered yet", vLLM's
-asynchronous lookup) until its job is done. Per request scheduled from the waiting queue, one
-lookup job: an ``Acquire`` of the leading DRAM run that the daemon also counts as the request's
-lookup (once per request, as vLLM counts its own prefix-cache queries; it names the tiers of the
-held blocks after the run, for vLLM's hit-source stats), and the same run acquired on the other
-TP ranks: **the hit it reports is pinned** under a lease, so between this answer and the
-workers' load only a dead daemon can make the load fail. vLLM asks again at every step a
-request waits; those asks are answered from the first answer without a round trip while its pin
-is fresh. A hit with SSD blocks is not waited for by the scheduler. With host KV it is an
-asynchronous load (vLLM's ``load_async``), not pinned here: the workers acquire and copy it
-chunk by chunk as the daemon reads it (``streaming``) and report it through ``get_finished``.
-With CUDA KV the job stages it into DRAM on every rank. A pin is released (a runner job) on
-every path: when every worker has reported the load done (``TierdWorkerMetadata.loaded``), when
-vLLM allocates no external tokens, when the request is looked up afresh, finishes or is aborted
-(an abandoned lookup's leases are released once it finishes), and at the latest when its lease
-expires.
+(``lookup_jobs``) on a ``core.runner.Runner`` and the lookup answers None ("asked, not answered
+yet", vLLM's asynchronous lookup) until its job is done. Per request scheduled from the waiting
+queue, one lookup job: an ``Acquire`` of the leading DRAM run that the daemon also counts as the
+request's lookup (once per request, as vLLM counts its own prefix-cache queries; it names the tiers
+of the held blocks after the run, for vLLM's hit-source stats), and the same run acquired on the
+other TP ranks: **the hit it reports is pinned** under a lease, so between this answer and the
+workers' load only a dead daemon can make the load fail. vLLM asks again at every step a request
+waits; those asks are answered from the first answer without a round trip while its pin is fresh. A
+hit with SSD blocks is not waited for by the scheduler. With host KV it is an asynchronous load
+(vLLM's ``load_async``), not pinned here: the workers acquire and copy it chunk by chunk as the
+daemon reads it (``streaming``) and report it through ``get_finished``. With CUDA KV the job stages
+it into DRAM on every rank. A pin is released (a runner job) on every path: when every worker has
+reported the load done (``TierdWorkerMetadata.loaded``), when vLLM allocates no external tokens,
+when the request is looked up afresh, finishes or is aborted (an abandoned lookup's leases are
+released once it finishes), and at the latest when its lease expires.
 
 The plan for each step goes to the workers as a ``TierdConnectorMetadata``:
 
@@ -48,13 +47,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
-from tierd.connector.core.link import DaemonLink, Session
+from tierd.connector.core.link import DaemonLink
 from tierd.connector.core.runner import Runner
-from tierd.daemon.convert import AcquiredBlocks
 from tierd.types import BlockHash, Tier
 
+from .lookup_jobs import Reply, ask, end_leases, reply_of
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 
 _log = logging.getLogger(__name__)
@@ -102,24 +99,13 @@ what it would serve)."""
 
 
 @dataclass(frozen=True, slots=True)
-class _Reply:
-    """What a lookup job learned (on a runner thread) for the scheduler thread to settle."""
-
-    asked: float                   # clock time the job began (leases run from here)
-    tiers: list[Tier] | None       # rank 0's held run, chain order; None: the daemon failed
-    got: list[AcquiredBlocks | None]  # per rank from 0: its Acquire (None: that call failed)
-    counted: bool                  # the daemon counted this job as the request's lookup
-    stream: bool = False           # a hit with SSD blocks handed to the workers, nothing pinned
-
-
-@dataclass(frozen=True, slots=True)
 class _Asking:
     """A lookup job in flight for a waiting request's blocks ``[start, end)``."""
 
     start: int
     end: int
     hashes: list[BlockHash]        # the blocks asked for, from ``start``
-    job: Future[_Reply]
+    job: Future[Reply]
     counting: bool                 # the job's Acquire is the request's counted lookup
 
 
@@ -149,7 +135,7 @@ class SchedulerSide:
         self._runner = Runner(LOOKUP_THREADS, "tierd-scheduler", ("lookup", "release"),
                               limits={"lookup": MAX_QUEUED_LOOKUPS})
         self._asking: dict[str, _Asking] = {}
-        self._abandoned: list[Future[_Reply]] = []
+        self._abandoned: list[Future[Reply]] = []
         self._load, self._save = load, save
         self._block_size = links[0].layout.block_size
         self._tracked: dict[str, _Tracked] = {}
@@ -215,7 +201,8 @@ class SchedulerSide:
         if req_id in self._counted:  # asked before: Acquires alone, counted nothing
             seen = {before.start + i: t for i, t in enumerate(before.tiers)} if before else {}
             known_tiers = [seen.get(start + i, "dram") for i in range(len(wanted))]
-        job = self._runner.submit("lookup", functools.partial(self._ask, wanted, known_tiers))
+        job = self._runner.submit("lookup", functools.partial(
+            ask, self._links, wanted, known_tiers, stream=self._stream, clock=self._clock))
         if job is None:
             return 0
         counting = known_tiers is None
@@ -261,64 +248,11 @@ class SchedulerSide:
         pin = self._pins.get(req_id)
         return pin is not None and pin.stream
 
-    def _ask(self, wanted: list[BlockHash], known_tiers: list[Tier] | None) -> _Reply:
-        """The lookup job (a runner thread): with ``known_tiers`` None, rank 0's counted
-        Acquire of the leading DRAM run, then the same run on every other rank, or (SSD blocks
-        held after it, not streamed) the whole held run staged on every rank; else an
-        uncounted Acquire of ``wanted`` on every rank. Touches no scheduler state."""
-        asked = self._clock()
-        if not all(link.connect() for link in self._links):
-            return _Reply(asked, None, [], False)
-        if known_tiers is not None:
-            return _Reply(asked, known_tiers, self._acquire(wanted, self._links), False)
-        first, session = self._links[0], self._links[0].session
-        if session is None:
-            return _Reply(asked, None, [], False)
-        try:
-            got = session.client.acquire(session.engine_id, wanted, count_lookup=True,
-                                         dram_run_only=True)
-        except grpc.RpcError as exc:
-            first.failed(exc, session)
-            return _Reply(asked, None, [], False)
-        dram: list[Tier] = ["dram"] * got.num_blocks
-        tiers = dram + list(got.held_after)
-        if not got.held_after:
-            rest = self._acquire(wanted[:got.num_blocks], self._links[1:]) if tiers else []
-            return _Reply(asked, tiers, [got, *rest], True)
-        if got.num_blocks:  # the run is acquired again below, or streamed by the workers
-            self._end_leases([(0, got.lease_id)], None)
-        if self._stream:
-            return _Reply(asked, tiers, [], True, stream=True)
-        return _Reply(asked, tiers, self._acquire(wanted[:len(tiers)], self._links), True)
-
-    @staticmethod
-    def _acquire(hashes: list[BlockHash], links: Sequence[DaemonLink]
-                 ) -> list[AcquiredBlocks | None]:
-        """Acquire ``hashes`` on every link at once (SSD blocks staged into DRAM) and wait;
-        None for a link that is down or whose call failed."""
-        sent: list[tuple[DaemonLink, Session, Future[AcquiredBlocks]] | None] = []
-        for link in links:
-            session = link.session
-            sent.append(None if session is None else
-                        (link, session, session.client.acquire_async(session.engine_id, hashes)))
-        out: list[AcquiredBlocks | None] = []
-        for entry in sent:
-            if entry is None:
-                out.append(None)
-                continue
-            link, session, reply = entry
-            try:
-                out.append(reply.result())
-            except grpc.RpcError as exc:
-                link.failed(exc, session)
-                out.append(None)
-        return out
-
     def _settle(self, req_id: str, asking: _Asking) -> int:
         """Take a finished lookup job's reply: pin the prefix every rank holds (the shortest
         wins), fresh until half the shortest lease has gone, and remember the answer unless a
         call failed; the blocks held (0 if some rank holds none or failed: leases released)."""
-        reply = _reply(asking.job)
+        reply = reply_of(asking.job)
         if asking.counting and not reply.counted:  # it failed: the next ask counts
             self._counted.discard(req_id)
         if reply.tiers is None:
@@ -358,19 +292,19 @@ class SchedulerSide:
 
     def _sweep(self) -> None:
         """Release the leases of abandoned lookups that have finished."""
-        keep: list[Future[_Reply]] = []
+        keep: list[Future[Reply]] = []
         for job in self._abandoned:
             if job.done():
-                self._release_got(_reply(job))
+                self._release_got(reply_of(job))
             else:
                 keep.append(job)
         self._abandoned = keep
 
-    def _release_got(self, reply: _Reply) -> None:
+    def _release_got(self, reply: Reply) -> None:
         leases = [(rank, got.lease_id) for rank, got in enumerate(reply.got)
                   if got is not None and got.num_blocks]
         if leases:
-            self._runner.submit("release", functools.partial(self._end_leases, leases, None))
+            self._runner.submit("release", functools.partial(end_leases, self._links, leases, None))
 
     def _unpin(self, req_id: str) -> None:
         pin = self._pins.pop(req_id, None)
@@ -384,21 +318,9 @@ class SchedulerSide:
         if not pin.leases:
             return
         corrupt_from = None if pin.failed_from is None else pin.skipped + pin.failed_from
-        self._runner.submit("release", functools.partial(self._end_leases, list(pin.leases),
+        self._runner.submit("release", functools.partial(end_leases, self._links, list(pin.leases),
                                                          corrupt_from))
         pin.leases.clear()
-
-    def _end_leases(self, leases: list[tuple[int, str]], corrupt_from: int | None) -> None:
-        """Release ``leases`` ((rank, lease id)); a runner thread."""
-        for rank, lease_id in leases:
-            link = self._links[rank]
-            session = link.session
-            if session is None:
-                continue  # the daemon forgot the lease with the engine
-            try:
-                session.client.release(session.engine_id, lease_id, corrupt_from=corrupt_from)
-            except grpc.RpcError as exc:  # the lease ended (nothing held any more), or the
-                link.failed(exc, session, names_lease=True)  # daemon is gone
 
     def drain(self, timeout: float) -> bool:
         """Wait until no lookup or release is queued or running (tests, shutdown); False if
@@ -573,13 +495,6 @@ class SchedulerSide:
                          "KV connector is set; tierd speaks vLLM 0.33): it is neither loaded "
                          "nor saved", request.request_id)
         return hashes
-
-
-def _reply(job: Future[_Reply]) -> _Reply:
-    """A finished lookup job's reply; a job that raised (a bug, logged by the runner) counts as
-    a daemon that did not answer."""
-    error = job.exception()
-    return _Reply(0.0, None, [], False) if error is not None else job.result()
 
 
 def _scheduled(scheduler_output: Any) -> Iterator[tuple[str, list[int] | None, bool]]:
