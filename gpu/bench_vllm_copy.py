@@ -25,14 +25,20 @@ from typing import Any
 
 import torch
 
-from tierd.connector.vllm.cuda_copy import (
+from tierd.connector.vllm.connector.cuda_copy import (
     DeviceTransfer,
     Layerwise,
     register_host_memory,
     unregister_host_memory,
 )
-from tierd.connector.vllm.kv_tensors import Run, byte_view, runs, save_layer, slot_format
-from tierd.daemon.arena import ShmArena
+from tierd.connector.vllm.connector.kv_tensors import (
+    Run,
+    byte_view,
+    runs,
+    save_layer,
+    slot_format,
+)
+from tierd.daemon.arena import OwnedArena
 
 
 def kv_caches(order: str, layers: int, blocks: int, heads: int, block: int, head: int,
@@ -73,7 +79,7 @@ def main() -> int:
     kv_bytes = [byte_view(t) for t in kv.values()]
     nbytes = n * fmt.slot_bytes
     directory = tempfile.mkdtemp(prefix="tierd-bench", dir="/dev/shm")
-    shm = ShmArena.create("arena", 2 * n * fmt.slot_bytes, directory=directory)
+    shm = OwnedArena.create("arena", 2 * n * fmt.slot_bytes, directory=directory)
     arena = shm.as_tensor()
     pinned_arena = register_host_memory(arena) if not args.dry_run else False
     transfer = DeviceTransfer(arena, fmt, kv_bytes, pinned=pinned_arena,

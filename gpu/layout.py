@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierd.daemon.layout import Dtype
+from tierd.wire.layout import Dtype
 
 from .fp8 import KVCacheDtype, is_fp8, resolve_cache_dtype
 

@@ -25,7 +25,7 @@ print(json.dumps({
 
 _VLLM_IMPORTS = """
 import json, sys
-import tierd.connector.vllm
+import tierd.connector.vllm.connector
 print(json.dumps(sorted(sys.modules)))
 """
 
@@ -72,13 +72,14 @@ def layout_imports() -> set[str]:
 
 def test_readme_layout_lists_every_package() -> None:
     """README.md's Layout table names each package under tierd/, and no package that is gone."""
-    assert packages() >= {"tierd", "tierd.daemon", "tierd.gpu", "tierd.connector.vllm"}
+    assert packages() >= {"tierd", "tierd.daemon", "tierd.gpu", "tierd.connector.vllm.connector"}
     assert layout_imports() == packages()
 
 
 def test_vllm_connector_imports_no_server_side(tmp_path: Path) -> None:
-    """import tierd.connector.vllm loads neither the daemon's config, the cluster code nor redis."""
+    """import tierd.connector.vllm.connector loads neither the daemon's config, the cluster
+    code nor redis."""
     loaded = run_fresh(_VLLM_IMPORTS, tmp_path)
-    assert isinstance(loaded, list) and "tierd.connector.vllm.worker" in loaded
+    assert isinstance(loaded, list) and "tierd.connector.vllm.connector.worker" in loaded
     assert [m for m in loaded if m == "redis" or m.startswith(
         ("tierd.daemon.config", "tierd.cluster", "redis."))] == []

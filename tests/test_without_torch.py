@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tierd.daemon.client import TierdClient
+from tierd.wire.client import TierdClient
 
 ROOT = Path(__file__).resolve().parents[1]
 

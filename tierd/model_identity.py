@@ -1,7 +1,7 @@
 """Model identity: which weights computed a block, as a short string in every namespace.
 
 Hash chains say nothing about the model (a base model and its fine-tune hash a prompt alike),
-so every namespace (``tierd.daemon.layout.Layout.model_id``) carries a *model id*, built only
+so every namespace (``tierd.wire.layout.Layout.model_id``) carries a *model id*, built only
 here, by every front end: ``"<label>@<digest>"``, e.g. ``"Llama-3-8B-Instruct@3f2a9c1b7d6e5f40"``.
 
 - ``label``: readable (the served model name or the checkpoint folder), for ``tierd stats``.

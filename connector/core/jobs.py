@@ -6,19 +6,19 @@ drains what changed (``take_events``). No call waits for the daemon: the daemon 
 jobs on a ``core.runner.Runner``, so the engine's scheduler thread never makes a round trip.
 How each front end maps onto it:
 
-============================  =====================================================================
-``vllm.scheduler``            ``lookup`` is ``SchedulerSide.num_new_matched_tokens`` (None until its
-                              job is done); the loads and saves it plans are the workers' jobs.
-``vllm.tier`` (``TierdTier``) vLLM's ``lookup`` / ``submit_load`` / ``submit_store`` /
-                              ``get_finished_jobs`` / ``take_events``, probes, loads, stores on the
-                              runner.
-``vllm.worker``               the planned loads and saves; Commits and streamed copies on runners.
-``sglang``                    ``batch_exists`` / ``batch_get_v1`` / ``batch_set_v1``; Commits and
-                              Releases on the runner.
-``tierd_hooks`` (reference)   ``lookup`` / ``load`` / ``save`` / ``step_end`` (the reference
-                              engine's hooks are synchronous: its lookup is one Acquire);
-                              Releases, gathered saves, reports, reconnects on the runner.
-============================  =====================================================================
+=============================  ====================================================================
+``vllm.connector.scheduler``   ``lookup`` is ``SchedulerSide.num_new_matched_tokens`` (None until
+                               its job is done); the loads and saves it plans are the workers'.
+``vllm.connector.worker``      the planned loads and saves; Commits and streamed copies on runners.
+``vllm.tier`` (``TierdTier``)  vLLM's ``lookup`` / ``submit_load`` / ``submit_store`` /
+                               ``get_finished_jobs`` / ``take_events``; probes, loads, stores on
+                               the runner.
+``sglang``                     ``batch_exists`` / ``batch_get_v1`` / ``batch_set_v1``; Commits and
+                               Releases on the runner.
+``reference.tierd_hooks``      ``lookup`` / ``load`` / ``save`` / ``step_end`` (the reference
+                               engine's hooks are synchronous: its lookup is one Acquire);
+                               Releases, gathered saves, reports, reconnects on the runner.
+=============================  ====================================================================
 """
 
 from __future__ import annotations

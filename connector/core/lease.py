@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from tierd.daemon.client import AcquiredBlocks, TierdClient
 from tierd.types import BlockHash
+from tierd.wire.client import AcquiredBlocks, TierdClient
 
 Clock = Callable[[], float]
 

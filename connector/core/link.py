@@ -30,15 +30,15 @@ from typing import Any
 
 import grpc
 
+from tierd.connector.core.arena_slots import ArenaSlots
 from tierd.connector.core.errors import DROPS, Failure, classify, describe
 from tierd.connector.core.settings import ClientSettings
-from tierd.connector.transfer import ArenaSlots
-from tierd.daemon.arena import ShmArena
-from tierd.daemon.client import ChannelClosed, EngineHandle, TierdClient
-from tierd.daemon.engine_access import denied
-from tierd.daemon.layout import Layout
-from tierd.daemon.presence import PresenceView
 from tierd.paths import default_socket_path
+from tierd.wire.access import denied
+from tierd.wire.arena import ShmArena
+from tierd.wire.client import ChannelClosed, EngineHandle, TierdClient
+from tierd.wire.layout import Layout
+from tierd.wire.presence import PresenceView
 
 _log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from tierd.connector.core.arena_slots import ArenaSlots
 from tierd.connector.core.lease import Clock, Lease, Release
-from tierd.connector.transfer import ArenaSlots
 
 _log = logging.getLogger(__name__)
 

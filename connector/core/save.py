@@ -2,7 +2,7 @@
 
 ``reserve`` asks the daemon for a DRAM slot per block it does not hold yet. The front end
 copies each block's bytes into its slot (``write_rows`` for rows staged on the host; vLLM copies
-layer by layer, ``tierd.connector.vllm``), then ``commit`` names the slots it wrote (``written``
+layer by layer, ``vllm.connector``), then ``commit`` names the slots it wrote (``written``
 flags) and the daemon checksums those bytes itself, in its own process, off the engine's path;
 the blocks become visible to other engines only whole, when the Commit lands. A save that cannot
 finish (a layer never arrived, a load it depends on failed) calls ``abort`` instead, or commits
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tierd.connector.transfer import ArenaSlots
-from tierd.daemon.client import TierdClient
+from tierd.connector.core.arena_slots import ArenaSlots
 from tierd.types import BlockHash
+from tierd.wire.client import TierdClient
 
 
 @dataclass(frozen=True, slots=True)

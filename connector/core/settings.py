@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tierd.daemon.client import TierdClient
+from tierd.wire.client import TierdClient
 
 
 @dataclass(frozen=True, slots=True)

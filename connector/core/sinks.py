@@ -3,7 +3,7 @@
 A pool is a 2-D uint8 tensor ``[num_blocks, block_bytes]`` whose row ``b`` is block ``b`` of
 every layer (the reference engine's ``KVCache.pool``; any engine can pass such a view), on the
 host or a GPU. The sinks of vLLM's per-layer views and of device transfers are in
-``tierd.connector.vllm.sinks``.
+``tierd.connector.vllm.connector.sinks``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from tierd.connector.core.arena_slots import ArenaSlots, allocate_staging, load_blocks
 from tierd.connector.native import verified_copy
-from tierd.connector.transfer import ArenaSlots, allocate_staging, load_blocks
 
 
 class PoolRows:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from tierd.daemon.convert import ReservedSlots
+from tierd.wire.replies import ReservedSlots
 
 from .link import Session
 from .save import Reservation

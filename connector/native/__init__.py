@@ -1,9 +1,5 @@
-"""Native code of the connector: C helpers built when tierd is installed, with Python fallbacks.
-
-- ``library.shared_library``: the helpers' library (``setup.py`` builds ``verified_copy.c``
-  and ``xxh3.c``, xxHash vendored in ``xxhash/``), loaded with ctypes; None (one WARNING) where
-  it was not built.
-- ``verified_copy``: a DRAM load in one pass (each slot hashed as it is copied), the engine side
-  of both connectors; ``load_verified`` answers None when the library is unavailable, and the
-  caller verifies, then copies, in two passes.
+"""Native code of the connector: C helpers built when tierd is installed (``setup.py``: the one-pass
+verified copy, xxh3 from the vendored xxHash), loaded with ctypes by ``library``, with Python
+fallbacks and one WARNING where the library was not built; ``verified_copy`` is the DRAM load
+both connectors use.
 """

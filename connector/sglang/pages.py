@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from tierd.connector.native.verified_copy import BlockRows, store_rows
-from tierd.daemon.layout import Layout
 from tierd.gpu.layout import DTYPE_NAMES
+from tierd.wire.layout import Layout
 
 MIN_PAGE_SIZE = 16
 """Smaller pages make a daemon entry, a checksum and a lease slot per few tokens."""

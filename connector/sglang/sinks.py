@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tierd.connector.transfer import ArenaSlots
+from tierd.connector.core.arena_slots import ArenaSlots
 
 from .pages import PageFormat
 

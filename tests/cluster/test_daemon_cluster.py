@@ -23,14 +23,14 @@ from prometheus_client import generate_latest
 from tierd import hashing
 from tierd.checksum import block_checksum
 from tierd.commands import why as why_cmd
-from tierd.daemon.arena import ShmArena
-from tierd.daemon.client import EngineHandle, Located, TierdClient
 from tierd.daemon.cluster_link import ClusterLink
 from tierd.daemon.config import TierdConfig
-from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.server import Daemon
 from tierd.daemon.ssd.record import HEADER_BYTES
 from tierd.types import BlockHash, make_key
+from tierd.wire.arena import ShmArena
+from tierd.wire.client import EngineHandle, Located, TierdClient
+from tierd.wire.layout import Layout, namespace_for
 
 T = TypeVar("T")
 

@@ -13,8 +13,8 @@ from tierd import hashing
 from tierd.cluster.directory import Directory, DirectoryConfig, NodeRecord
 from tierd.cluster.publisher import Publisher, PublisherConfig
 from tierd.commands import route
-from tierd.daemon.layout import Layout, namespace_for
 from tierd.types import make_key
+from tierd.wire.layout import Layout, namespace_for
 
 if TYPE_CHECKING:
     from conftest import RedisServer

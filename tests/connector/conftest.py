@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tierd.commands.demo import EmbeddedDaemon
-from tierd.connector.model import LlamaModel, ModelConfig
+from tierd.connector.reference.model import LlamaModel, ModelConfig
 from tierd.daemon.config import TierdConfig
 
 TINY_E2E = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,

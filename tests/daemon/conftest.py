@@ -20,16 +20,17 @@ from typing import Any, TypeVar
 import pytest
 
 from tierd.bench.tierd_serve import TierdServe
-from tierd.daemon.arena import ShmArena
-from tierd.daemon.client import EngineHandle, TierdClient
+from tierd.daemon.arena import OwnedArena
 from tierd.daemon.config import TierdConfig
-from tierd.daemon.layout import Layout
 from tierd.daemon.listeners import TierListener
 from tierd.daemon.node import NodeConfig, NodeStore
 from tierd.daemon.server import Daemon
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd import SsdStore
 from tierd.types import BlockHash
+from tierd.wire.arena import ShmArena
+from tierd.wire.client import EngineHandle, TierdClient
+from tierd.wire.layout import Layout
 
 sys.path.insert(0, os.path.dirname(__file__))  # the tests of this folder import node_rig
 
@@ -191,7 +192,7 @@ async def make_rig(tmp_path: Path) -> AsyncIterator[MakeRig]:
 
     def make(ssd_dir: str | None = None, ssd_bytes: int = SSD,
              listener: TierListener | None = None, **config: Any) -> Rig:
-        arena = ShmArena.create(f"tierd-test-{os.getpid()}-{secrets.token_hex(4)}", ARENA,
+        arena = OwnedArena.create(f"tierd-test-{os.getpid()}-{secrets.token_hex(4)}", ARENA,
                                 prefault=False)
         ssd = SsdStore(ssd_dir or tmp_path / "ssd", ssd_bytes, io_threads=2)
         clock = FakeClock()

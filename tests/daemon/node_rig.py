@@ -9,12 +9,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tierd.checksum import block_checksum
-from tierd.daemon.arena import ShmArena
-from tierd.daemon.layout import Layout
 from tierd.daemon.node import EngineInfo, NodeStore, Reservation
 from tierd.daemon.ssd import SsdStore
 from tierd.daemon.ssd.record import HEADER_BYTES
 from tierd.types import BlockHash
+from tierd.wire.arena import ShmArena
+from tierd.wire.layout import Layout
 
 LAYOUT = Layout(num_layers=1, num_kv_heads=1, head_size=16, dtype="float16", block_size=16,
                 model_id="test-model@0")

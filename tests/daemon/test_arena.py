@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierd.daemon.arena import ShmArena
+from tierd.daemon.arena import OwnedArena
+from tierd.wire.arena import ShmArena
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
@@ -29,7 +30,7 @@ def name() -> Iterator[str]:
 
 def test_create_view_tensor_round_trip(name: str) -> None:
     """Bytes written through a view are seen by the tensor and the file, and vice versa."""
-    arena = ShmArena.create(name, 4 * MiB)
+    arena = OwnedArena.create(name, 4 * MiB)
     assert (arena.name, arena.path, arena.size) == (name, f"/dev/shm/{name}", 4 * MiB)
     assert os.stat(arena.path).st_size == 4 * MiB
     assert oct(os.stat(arena.path).st_mode & 0o777) == "0o600"
@@ -51,11 +52,11 @@ def test_create_view_tensor_round_trip(name: str) -> None:
 def test_attach_from_another_process(name: str) -> None:
     """A real engine process attaches by name, reads the daemon's bytes, writes its own back,
     exits without any resource-tracker complaint, and the segment survives it."""
-    arena = ShmArena.create(name, 2 * MiB)
+    arena = OwnedArena.create(name, 2 * MiB)
     arena.view(0, 5)[:] = b"hello"
     engine = textwrap.dedent(f"""
         import torch
-        from tierd.daemon.arena import ShmArena
+        from tierd.wire.arena import ShmArena
         a = ShmArena.attach({name!r}, prefault=True)
         assert a.size == {2 * MiB}, a.size
         assert bytes(a.view(0, 5)) == b"hello"
@@ -78,14 +79,14 @@ def test_bad_input_and_lifecycle(name: str) -> None:
     """Bad sizes, names and ranges raise ValueError naming the fix; close is idempotent and
     leaves live views valid; unlink is idempotent."""
     with pytest.raises(ValueError, match="must be > 0"):
-        ShmArena.create(name, 0)
+        OwnedArena.create(name, 0)
     with pytest.raises(ValueError, match="plain file name"):
-        ShmArena.create("a/b", MiB)
+        OwnedArena.create("a/b", MiB)
     with pytest.raises(FileNotFoundError):
         ShmArena.attach(name)
-    arena = ShmArena.create(name, MiB, prefault=False)
+    arena = OwnedArena.create(name, MiB, prefault=False)
     with pytest.raises(ValueError, match="already exists"):
-        ShmArena.create(name, MiB)
+        OwnedArena.create(name, MiB)
     for offset, length in [(-1, 4), (MiB - 2, 4), (0, 0)]:
         with pytest.raises(ValueError, match="outside arena"):
             arena.view(offset, length)
@@ -103,7 +104,7 @@ def test_bad_input_and_lifecycle(name: str) -> None:
 
 def test_create_in_another_directory(tmp_path: Path) -> None:
     """An arena can live in any directory; pre-fault zero-fills and keeps the size exact."""
-    arena = ShmArena.create("arena", 3 * MiB + 4096, directory=str(tmp_path))
+    arena = OwnedArena.create("arena", 3 * MiB + 4096, directory=str(tmp_path))
     assert arena.path == str(tmp_path / "arena")
     assert bytes(arena.view(3 * MiB, 4096)) == bytes(4096)
     other = ShmArena.attach("arena", directory=str(tmp_path))
@@ -117,7 +118,7 @@ def test_create_in_another_directory(tmp_path: Path) -> None:
 def test_tensor_outlives_close_and_unlink(name: str) -> None:
     """A tensor from as_tensor() stays valid after the arena is closed and unlinked (no dangling
     pointer: the tensor's storage owns its own mapping), and shares bytes with the arena."""
-    arena = ShmArena.create(name, 1 << 20, prefault=False)
+    arena = OwnedArena.create(name, 1 << 20, prefault=False)
     tensor = arena.as_tensor()
     tensor[10:14] = 9
     assert bytes(arena.view(10, 4)) == b"\x09" * 4
@@ -131,7 +132,7 @@ def test_tensor_outlives_close_and_unlink(name: str) -> None:
 
 def test_as_tensor_prefault_keeps_contents(name: str) -> None:
     """as_tensor() pre-faults its own mapping (the default) without changing a byte."""
-    arena = ShmArena.create(name, 1 << 20, prefault=False)
+    arena = OwnedArena.create(name, 1 << 20, prefault=False)
     arena.view(0, 4)[:] = b"kv!!"
     for prefault in (True, False):
         tensor = arena.as_tensor(prefault=prefault)

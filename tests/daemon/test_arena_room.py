@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tierd.daemon.arena import ShmArena, check_room, free_bytes
+from tierd.daemon.arena import OwnedArena, check_room, free_bytes
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def test_create_larger_than_free_shm_makes_nothing() -> None:
     size = free_bytes("/dev/shm") + 1024 * MiB
     try:
         with pytest.raises(ValueError, match=r"--shm-size=.*TIERD_DRAM_BYTES / --dram-bytes"):
-            ShmArena.create(name, size, prefault=False)
+            OwnedArena.create(name, size, prefault=False)
         assert not os.path.exists(f"/dev/shm/{name}")
     finally:
         Path("/dev/shm", name).unlink(missing_ok=True)
@@ -81,7 +81,7 @@ def test_allocation_running_short_is_an_error_not_sigbus() -> None:
         import tierd.daemon.arena as arena
         arena.free_bytes = lambda directory: 1 << 40   # the check passes; the tmpfs is 8 MiB
         try:
-            arena.ShmArena.create("tierd-1-ab", 16 << 20, directory=os.environ["SMALL"])
+            arena.OwnedArena.create("tierd-1-ab", 16 << 20, directory=os.environ["SMALL"])
         except ValueError as exc:
             print("ValueError:", exc)
         print("left:", os.listdir(os.environ["SMALL"]))

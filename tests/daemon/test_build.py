@@ -10,7 +10,7 @@ from pathlib import Path
 from node_rig import LAYOUT, payload  # noqa: E402
 
 from tierd.checksum import block_checksum
-from tierd.daemon.arena import ShmArena
+from tierd.daemon.arena import OwnedArena
 from tierd.daemon.build import build_node
 from tierd.daemon.config import TierdConfig
 from tierd.types import BlockHash, make_key
@@ -22,7 +22,7 @@ def test_build_node_opens_the_store_with_the_filter_as_its_listener(tmp_path: Pa
     config = TierdConfig(socket_path="", tcp_port=0, token_file="t", dram_bytes=1 << 20,
                          slab_bytes=64 << 10, prefault=False, ssd_dir=str(tmp_path / "ssd"),
                          ssd_bytes=1 << 20, presence_cells=1024)
-    arena = ShmArena.create(f"tierd-test-{os.getpid()}-{secrets.token_hex(4)}", 1 << 20,
+    arena = OwnedArena.create(f"tierd-test-{os.getpid()}-{secrets.token_hex(4)}", 1 << 20,
                             prefault=False)
     node = build_node(config, arena)
     try:

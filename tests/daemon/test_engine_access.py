@@ -38,8 +38,8 @@ def _engine(socket_path: str, groups: list[int]) -> subprocess.CompletedProcess[
         import grpc
         from tierd.connector.core.link import DaemonLink
         from tierd.connector.core.settings import ClientSettings
-        from tierd.daemon.layout import Layout
-        import tierd.daemon.presence, tierd.connector.transfer
+        from tierd.wire.layout import Layout
+        import tierd.wire.presence, tierd.connector.core.arena_slots
         layout = Layout(num_layers=2, num_kv_heads=2, head_size=16, dtype="float16",
                         block_size=16, model_id="test-model@0")
         settings = ClientSettings(socket_path={socket_path!r})
@@ -113,7 +113,7 @@ def test_arena_refused_names_owner_mode_and_fix(make_daemon: Any, workdir: str) 
     path = running.daemon.arena.path
     script = textwrap.dedent(f"""
         import os
-        from tierd.daemon.arena import ShmArena
+        from tierd.wire.arena import ShmArena
         os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
         try:
             ShmArena.attach({running.daemon.arena.name!r})
@@ -138,13 +138,15 @@ def test_stats_of_another_user_is_told_the_fix(make_daemon: Any, workdir: str) -
     os.chmod(workdir, 0o755)
     running = make_daemon(socket_path=os.path.join(sockdir, "t.sock"))
     path = running.config.socket_path
+    warm_path = path + ".warm"  # another address: the warm-up's connection is not shared
+    os.symlink(path, warm_path)
     script = textwrap.dedent(f"""
         import json, os, sys
         import grpc, rich.console, rich.table
         from tierd.cli import build_parser
-        import tierd.daemon.client, tierd.daemon.engine_access
+        import tierd.wire.client, tierd.wire.access
         args = build_parser().parse_args(["stats", "--socket-path", {path!r}])
-        with tierd.daemon.client.TierdClient(socket_path={path!r}) as warm:  # lazy imports
+        with tierd.wire.client.TierdClient(socket_path={warm_path!r}) as warm:  # lazy imports
             warm.stats()
         os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
         sys.exit(args._run(args))

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from node_rig import BLOCK, LAYOUT, MakeRig, Rig, chain  # noqa: E402
 
-from tierd.daemon.layout import namespace_for
 from tierd.daemon.models import FILE_NAME
+from tierd.wire.layout import namespace_for
 
 TUNED = dataclasses.replace(LAYOUT, model_id="tuned@1")
 

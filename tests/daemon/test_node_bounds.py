@@ -9,8 +9,8 @@ from node_rig import BLOCK, LAYOUT, MakeRig, Rig, chain, payload  # noqa: E402
 
 from tierd.checksum import block_checksum
 from tierd.daemon.errors import ResourceExhausted
-from tierd.daemon.layout import Layout
 from tierd.daemon.node import EMPTY_LEASE, EngineInfo
+from tierd.wire.layout import Layout
 
 WIDE = Layout(num_layers=1, num_kv_heads=2, head_size=16, dtype="float16", block_size=16,
               model_id="test-model@0")   # 2048-byte blocks: 2 per slab

@@ -15,14 +15,15 @@ from pathlib import Path
 import pytest
 
 from tierd.checksum import block_checksum
-from tierd.daemon.arena import ShmArena
+from tierd.daemon.arena import OwnedArena
 from tierd.daemon.errors import FailedPrecondition, NotFound
-from tierd.daemon.layout import Layout
 from tierd.daemon.node import EMPTY_LEASE, EngineInfo, Lease, NodeConfig, NodeStore, Reservation
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd import SsdStore
 from tierd.daemon.ssd.record import HEADER_BYTES
 from tierd.types import BlockHash
+from tierd.wire.arena import ShmArena
+from tierd.wire.layout import Layout
 
 SMALL = Layout(num_layers=1, num_kv_heads=1, head_size=16, dtype="float16", block_size=16,
                model_id="test-model@0")
@@ -149,7 +150,7 @@ async def test_random_operations_keep_every_invariant(seed: int, tmp_path: Path)
     expiry, maintain, HBM reports, corrupted records, SSD errors): integrity after each step,
     every hit bit-exact."""
     rng = random.Random(seed)
-    arena = ShmArena.create(f"tierd-rand-{os.getpid()}-{secrets.token_hex(4)}", ARENA,
+    arena = OwnedArena.create(f"tierd-rand-{os.getpid()}-{secrets.token_hex(4)}", ARENA,
                             prefault=False)
     ssd = SsdStore(tmp_path / "ssd", SSD, io_threads=2)
     clock = FakeClock()

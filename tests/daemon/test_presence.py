@@ -11,12 +11,13 @@ from typing import Any
 
 import pytest
 
-from tierd.daemon.arena import ShmArena
+from tierd.daemon.arena import OwnedArena
 from tierd.daemon.arena_owner import new_arena_name, remove_stale_arenas
-from tierd.daemon.client import TierdClient
-from tierd.daemon.layout import namespace_for
-from tierd.daemon.presence import PresenceFilter, PresenceView
+from tierd.daemon.presence import PresenceFilter
 from tierd.types import NamespacedKey
+from tierd.wire.client import TierdClient
+from tierd.wire.layout import namespace_for
+from tierd.wire.presence import PresenceView
 
 CELLS = 1024
 
@@ -24,7 +25,7 @@ CELLS = 1024
 @pytest.fixture
 def pair(tmp_path: Path) -> Iterator[tuple[PresenceFilter, PresenceView]]:
     """A filter beside a small arena in ``tmp_path``, and an engine's view of it."""
-    arena = ShmArena.create(f"tierd-{os.getpid()}-{secrets.token_hex(4)}", 4096,
+    arena = OwnedArena.create(f"tierd-{os.getpid()}-{secrets.token_hex(4)}", 4096,
                             directory=str(tmp_path), prefault=False)
     presence = PresenceFilter.create(arena, CELLS)
     yield presence, PresenceView(presence.name, str(tmp_path))
@@ -90,7 +91,7 @@ def test_a_cleared_tier_is_recounted_from_what_is_held(
 
 
 def test_bad_cell_counts_are_refused(tmp_path: Path) -> None:
-    arena = ShmArena.create(f"tierd-{os.getpid()}-{secrets.token_hex(4)}", 4096,
+    arena = OwnedArena.create(f"tierd-{os.getpid()}-{secrets.token_hex(4)}", 4096,
                             directory=str(tmp_path), prefault=False)
     try:
         for cells in (0, 1000, 512):

@@ -14,7 +14,8 @@ from node_rig import BLOCK, LAYOUT, Rig, chain
 
 from tierd.daemon.config import load_config
 from tierd.daemon.errors import ResourceExhausted
-from tierd.daemon.quotas import Share, TenantQuotas, TenantUsage
+from tierd.daemon.quotas import Share, TenantQuotas
+from tierd.wire.replies import TenantUsage
 
 KIB = 1024
 

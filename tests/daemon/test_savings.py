@@ -14,7 +14,7 @@ from node_rig import LAYOUT, MakeRig, chain
 from prometheus_client import generate_latest
 
 from tierd.commands import stats as stats_cmd
-from tierd.daemon.savings import Saved
+from tierd.wire.replies import Saved
 
 
 async def test_dram_and_ssd_hits_counted_at_the_engine_speed(make_rig: MakeRig) -> None:

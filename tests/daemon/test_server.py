@@ -12,8 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tierd.checksum import block_checksum
-from tierd.daemon.client import AsyncTierdClient
 from tierd.v1 import tierd_pb2 as pb
+from tierd.wire.client import AsyncTierdClient
 
 
 def test_register_returns_arena_and_geometry(daemon: Any, kit: Any) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 import grpc
 import pytest
 
-from tierd.daemon.layout import Layout
 from tierd.v1 import tierd_pb2 as pb
+from tierd.wire.layout import Layout
 
 
 def status_of(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:

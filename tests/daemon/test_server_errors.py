@@ -11,9 +11,9 @@ from typing import Any
 import grpc
 import pytest
 
-from tierd.daemon.layout import Layout
 from tierd.daemon.server import ErrorInterceptor
 from tierd.types import BlockHash
+from tierd.wire.layout import Layout
 
 
 def code_of(call: Callable[[], object]) -> grpc.StatusCode:

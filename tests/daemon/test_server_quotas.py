@@ -13,10 +13,10 @@ import pytest
 from prometheus_client import generate_latest
 
 from tierd.commands import stats as stats_cmd
-from tierd.daemon.client import TierdClient
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.quotas import TenantQuotas
 from tierd.daemon.server import Daemon
+from tierd.wire.client import TierdClient
 
 QUOTAS = TenantQuotas.parse({"team-a": {"dram": "64KiB", "ssd": "1MiB"}, "*": {"dram": "25%"}})
 

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tierd.checksum import block_checksum
-from tierd.daemon.client import EngineHandle, TierdClient
 from tierd.types import BlockHash
+from tierd.wire.client import EngineHandle, TierdClient
 
 OPS = st.lists(st.tuples(st.sampled_from(["store", "lookup", "acquire", "abort", "maintain",
                                           "hot"]),

@@ -8,8 +8,8 @@ from typing import Any
 import grpc
 import pytest
 
-from tierd.daemon.client import TierdClient
 from tierd.daemon.config import TierdConfig
+from tierd.wire.client import TierdClient
 
 
 def test_tcp_call_needs_the_token(make_daemon: Any, kit: Any) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
-from tierd.daemon.client import TierdClient
+from tierd.wire.client import TierdClient
 
 
 def test_two_tenants_over_tcp_are_isolated(make_daemon: Any, kit: Any, workdir: str) -> None:

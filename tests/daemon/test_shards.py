@@ -15,8 +15,9 @@ import pytest
 from prometheus_client import generate_latest
 
 from tierd.commands import stats as stats_cmd
-from tierd.daemon.shards import SCALES, Shards
+from tierd.daemon.shards import Shards
 from tierd.types import NamespacedKey
+from tierd.wire.replies import SCALES
 
 NS = bytes(16)
 

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from tierd.daemon.slots import SlabAllocator, SlotGeometry
+from tierd.daemon.slots import SlabAllocator
+from tierd.wire.geometry import SlotGeometry
 
 
 def test_geometry_offsets() -> None:

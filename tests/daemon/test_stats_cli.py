@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 from tierd.commands import stats as stats_cmd
-from tierd.daemon.convert import DaemonStats, TierUsage
+from tierd.wire.replies import DaemonStats, TierUsage
 
 
 def run_stats(*argv: str) -> int:

@@ -13,7 +13,7 @@ import pytest
 
 from tierd import hashing
 from tierd.commands import why as why_cmd
-from tierd.daemon.client import TierdClient
+from tierd.wire.client import TierdClient
 
 LAYOUT_FLAGS = ("--model", "test-model@0", "--num-layers", "2", "--num-kv-heads", "2",
                 "--head-size", "16", "--dtype", "float16")

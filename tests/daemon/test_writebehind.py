@@ -16,10 +16,10 @@ from typing import Any
 from node_rig import Rig, chain  # noqa: E402
 
 from tierd.checksum import block_checksum
-from tierd.daemon.client import TierdClient
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.server import Daemon
 from tierd.events import BlockStored
+from tierd.wire.client import TierdClient
 
 
 async def test_write_behind_gives_committed_blocks_an_ssd_copy(make_rig: Callable[..., Rig]

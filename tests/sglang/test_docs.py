@@ -55,7 +55,7 @@ def test_quick_start_as_written_connects(tmp_path: Path, monkeypatch: pytest.Mon
 
     from tierd.bench.tierd_serve import documented_daemon
     from tierd.connector.core.link import DaemonLink
-    from tierd.daemon.layout import Layout
+    from tierd.wire.layout import Layout
 
     block = re.search(r"```bash\n(.*?)```", DOC.read_text(), re.S)
     assert block is not None

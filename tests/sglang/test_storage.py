@@ -16,8 +16,8 @@ from harness import host_pool as harness_host  # noqa: E402
 from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
 
 from tierd.bench.tierd_serve import TierdServe  # noqa: E402
-from tierd.daemon.layout import Layout  # noqa: E402
 from tierd.types import BlockHash  # noqa: E402
+from tierd.wire.layout import Layout  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -395,7 +395,7 @@ def test_python_copies_without_the_native_helpers(daemon: TierdServe, models: tu
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the C helper is unavailable (no compiler, TIERD_NATIVE=0) the load verifies, then
     copies: still byte-exact."""
-    from tierd.connector.transfer import ArenaSlots
+    from tierd.connector.core.arena_slots import ArenaSlots
 
     monkeypatch.setattr(ArenaSlots, "load_verified", lambda *a, **k: None)
     extra = tierd_extra(daemon.socket_path, models[0])

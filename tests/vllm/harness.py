@@ -93,7 +93,7 @@ def write_weights(model_dir: str, seed: int) -> None:
 def engine_layout(config: VllmConfig) -> Any:
     """The tierd ``Layout`` TierdConnector registers for rank 0 of ``config`` (its model id
     derived as the connector derives it)."""
-    from tierd.connector.vllm import layout_from_vllm_config
+    from tierd.connector.vllm.connector import layout_from_vllm_config
     from tierd.connector.vllm.identity import model_identity_from_vllm
 
     extra = config.kv_transfer_config.kv_connector_extra_config
@@ -113,7 +113,7 @@ def vllm_config(model_dir: str, socket_path: str, *, policy: str = "recompute",
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True, cache_dtype=cache_dtype,
                         prefix_caching_hash_algo="sha256_cbor")
     transfer = KVTransferConfig(
-        kv_connector="TierdConnector", kv_connector_module_path="tierd.connector.vllm",
+        kv_connector="TierdConnector", kv_connector_module_path="tierd.connector.vllm.connector",
         kv_role="kv_both", kv_load_failure_policy=policy,
         kv_connector_extra_config={"socket_path": socket_path, "retry_seconds": 0.0,
                                    **(extra or {})})

@@ -21,7 +21,7 @@ from vllm.v1.core import block_pool as vllm_block_pool  # noqa: E402
 from vllm.v1.core import kv_cache_utils as kcu  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from tierd.block_pool import BlockPool, KVCacheBlock  # noqa: E402
+from tierd.connector.reference.block_pool import BlockPool, KVCacheBlock  # noqa: E402
 from tierd.events import BlockRemoved, BlockStored  # noqa: E402
 from tierd.types import BlockHash  # noqa: E402
 

@@ -458,8 +458,8 @@ def test_request_aborted_while_its_hit_streams(model_dir: str, daemon: Daemon) -
 def overwrite_slot(daemon: Daemon, engine: Engine, block_hash: bytes, offset: int) -> None:
     """Flip byte ``offset`` of the DRAM slot holding ``block_hash`` (a writer gone wrong after
     the block was committed), through a probe registration of ``engine``'s layout."""
-    from tierd.daemon.arena import ShmArena
     from tierd.types import BlockHash
+    from tierd.wire.arena import ShmArena
 
     with daemon.client() as client:
         probe = client.register_engine(engine_layout(engine.config), "corrupter")

@@ -16,7 +16,7 @@ pytest.importorskip("vllm", reason="needs real vLLM: run `make test-vllm`")
 
 from harness import BLOCK, Daemon, Engine, make_request, vllm_config  # noqa: E402
 
-from tierd.daemon.client import TierdClient  # noqa: E402
+from tierd.wire.client import TierdClient  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -130,7 +130,7 @@ def test_a_commit_that_lands_after_its_lease_is_a_warning(
     """The committer thread is held up past the write lease (the step itself was fast): the
     daemon refuses the Commit, and the 6 lost blocks are a WARNING and counted as dropped and
     lapsed, never lost silently."""
-    import tierd.connector.vllm.commits as commits
+    import tierd.connector.vllm.connector.commits as commits
 
     real_commit = commits._commit
 
@@ -141,7 +141,7 @@ def test_a_commit_that_lands_after_its_lease_is_a_warning(
     monkeypatch.setattr(commits, "_commit", late)
     a = Engine.start(vllm_config(model_dir, short_lease.socket_path))
     try:
-        with caplog.at_level(logging.WARNING, logger="tierd.connector.vllm.commits"):
+        with caplog.at_level(logging.WARNING, logger="tierd.connector.vllm.connector.commits"):
             a.run([make_request("a", prompt(2))])
             counters = a.worker.worker_counters.data
         assert counters["saved_blocks"] == 0

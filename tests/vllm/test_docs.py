@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs real vLLM: run `make test-vllm`")
 
-from tierd.connector.vllm import VLLM_VERSIONS_TESTED, TierdVllmConfig  # noqa: E402
+from tierd.connector.vllm.connector import VLLM_VERSIONS_TESTED, TierdVllmConfig  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -49,7 +49,7 @@ def test_documented_flags_parse_with_vllms_own_parser(which: int, block_size: in
     assert args.prefix_caching_hash_algo == "sha256_cbor" and args.block_size == block_size
     transfer = args.kv_transfer_config
     assert transfer.kv_connector == "TierdConnector"
-    assert transfer.kv_connector_module_path == "tierd.connector.vllm"
+    assert transfer.kv_connector_module_path == "tierd.connector.vllm.connector"
     assert transfer.kv_role == "kv_both" and transfer.kv_load_failure_policy == "recompute"
     TierdVllmConfig.from_extra_config(transfer.kv_connector_extra_config)
 
@@ -88,7 +88,7 @@ def test_quick_start_as_written_connects(which: str, tmp_path: Path,
 
     from tierd.bench.tierd_serve import documented_daemon
     from tierd.connector.core.link import DaemonLink
-    from tierd.daemon.layout import Layout
+    from tierd.wire.layout import Layout
 
     blocks = re.findall(r"```bash\n(.*?)```", open(DOC).read(), re.S)
     block = next(b for b in blocks if which in b)

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _NAMES = """
 import importlib.util, json
-import tierd.connector.vllm, tierd.gpu
+import tierd.connector.vllm.connector, tierd.gpu
 print(json.dumps({
     "second": [n for n in ("tierd.tierd", "connector", "gpu", "tests")
                if importlib.util.find_spec(n) is not None],

@@ -16,7 +16,7 @@ from tier_harness import SLOT, TierEngine, new_keys
 from vllm.v1.kv_offload.base import LookupResult
 
 from tierd.connector.core.lease import Lease
-from tierd.connector.vllm.tier_lookups import Pin
+from tierd.connector.vllm.tier.lookups import Pin
 
 pytestmark = pytest.mark.vllm
 
@@ -109,7 +109,7 @@ def test_a_probe_asks_for_dram_at_once_and_ssd_in_pieces(engines: list[TierEngin
     SSD. B's probe is one Acquire, which pins the DRAM run (all six, or none) and says where
     the rest lies, then one Acquire per SSD piece (here a chunk each), and no Lookup; B loads
     all six byte for byte and leaves nothing pinned."""
-    import tierd.connector.vllm.tier as tier_module
+    import tierd.connector.vllm.tier.tier as tier_module
     from tierd.bench.vllm_tier import wait_on_ssd
 
     a, b = engines
@@ -144,7 +144,7 @@ def test_stores_after_the_first_copy_into_blank_slots_reserved_ahead(
     daemon counts them used); the next, smaller store makes no Reserve: it copies into the
     stock (its spare slots freed at the Commit) and a new stock follows; a stock older than
     half its lease is aborted and the store Reserves. B loads every chunk with A's bytes."""
-    import tierd.connector.vllm.tier as tier_module
+    import tierd.connector.vllm.tier.tier as tier_module
 
     a, b = engines
     keys, data = new_keys(16), payloads(16)
@@ -182,7 +182,7 @@ def test_stores_after_the_first_copy_into_blank_slots_reserved_ahead(
 def test_probe_pieces() -> None:
     """After the DRAM run (pinned by the first Acquire), pieces of ``ssd_piece`` up to the end
     of the held prefix; nothing after the run, nothing asked."""
-    from tierd.connector.vllm.tier import probe_pieces
+    from tierd.connector.vllm.tier.tier import probe_pieces
 
     assert probe_pieces(3, 8, 3) == [range(3, 6), range(6, 8)]
     assert probe_pieces(0, 3, 2) == [range(0, 2), range(2, 3)]
@@ -278,8 +278,8 @@ def test_a_job_that_raises_still_ends(engines: list[TierEngine], daemon: Daemon,
     """A bug in a store's copy or a load's copy (an exception, not a daemon error): the job
     still ends, failed (vLLM never waits on it), nothing stays pinned, and once the copies work
     again the same chunks store and load."""
-    import tierd.connector.vllm.tier as tier_module
-    from tierd.connector.vllm.tier_jobs import PrimaryRows
+    import tierd.connector.vllm.tier.tier as tier_module
+    from tierd.connector.vllm.tier.jobs import PrimaryRows
 
     a, b = engines
     keys, data = new_keys(4), payloads(4)

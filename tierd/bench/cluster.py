@@ -167,8 +167,8 @@ def _bench_rpc(url: str, args: argparse.Namespace) -> None:
     from tierd.cluster.directory import Directory, DirectoryConfig, NodeRecord
     from tierd.cluster.publisher import Publisher, PublisherConfig
     from tierd.commands.demo import EmbeddedDaemon, embedded_config
-    from tierd.daemon.client import TierdClient
-    from tierd.daemon.layout import Layout, namespace_for
+    from tierd.wire.client import TierdClient
+    from tierd.wire.layout import Layout, namespace_for
 
     layout = Layout(num_layers=2, num_kv_heads=2, head_size=64, dtype="float16", block_size=16,
                     model_id="bench-cluster@synthetic")

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _layout(layers: int) -> Any:
-    from tierd.daemon.layout import Layout
+    from tierd.wire.layout import Layout
 
     return Layout(num_layers=layers, num_kv_heads=8, head_size=128, dtype="float16",
                   block_size=16, model_id="bench-daemon@synthetic")
@@ -117,15 +117,15 @@ async def _serve_with_echo(sock: str, arena_bytes: int) -> None:
 def _measure(args: argparse.Namespace, layout: Any, sock: str, workdir: str) -> dict[str, Any]:
     import grpc
 
-    from tierd.daemon.client import TierdClient
     from tierd.types import BlockHash
     from tierd.v1 import tierd_pb2 as pb
+    from tierd.wire.client import TierdClient
 
     hashes = [BlockHash(os.urandom(32)) for _ in range(args.blocks)]
     with TierdClient(socket_path=sock) as client:
         client.wait_ready(timeout=120)
         engine = client.register_engine(layout, engine_name="bench")
-        from tierd.daemon.arena import ShmArena
+        from tierd.wire.arena import ShmArena
 
         arena = ShmArena.attach(engine.arena_name, directory=engine.arena_directory,
                                 prefault=True)

@@ -53,9 +53,9 @@ from tierd.bench.tierd_serve import TierdServe
 from tierd.types import BlockHash
 
 if TYPE_CHECKING:
-    from tierd.connector.engine import LLMEngine
-    from tierd.connector.model import LlamaModel
-    from tierd.connector.tierd_hooks import TierdHooks
+    from tierd.connector.reference.engine import LLMEngine
+    from tierd.connector.reference.model import LlamaModel
+    from tierd.connector.reference.tierd_hooks import TierdHooks
 
 HELP = "TTFT cold vs DRAM vs SSD hit on the reference engine, hit cost vs memcpy/disk, miss cost."
 
@@ -90,7 +90,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from tierd.connector.model import LlamaModel, ModelConfig
+    from tierd.connector.reference.model import LlamaModel, ModelConfig
 
     for name in ("prefix_tokens", "layers", "repeat", "dram_pairs", "miss_pairs", "miss_prompts",
                  "miss_tokens", "threads"):
@@ -142,8 +142,8 @@ def _tokens(model: LlamaModel, n: int, seed: int) -> list[int]:
 
 def _engine(model: LlamaModel, socket_path: str | None, num_blocks: int
             ) -> tuple[LLMEngine, TierdHooks | None]:
-    from tierd.connector.engine import EngineConfig, LLMEngine
-    from tierd.connector.tierd_hooks import TierdHooks, TierdHooksConfig
+    from tierd.connector.reference.engine import EngineConfig, LLMEngine
+    from tierd.connector.reference.tierd_hooks import TierdHooks, TierdHooksConfig
 
     hooks = None
     if socket_path is not None:
@@ -166,7 +166,7 @@ def _done(hooks: TierdHooks | None) -> None:
 
 
 def _ttft(engine: LLMEngine, prompt: list[int], want_loaded: int, what: str) -> float:
-    from tierd.connector.engine import measure_ttft
+    from tierd.connector.reference.engine import measure_ttft
 
     result = measure_ttft(engine, prompt)
     assert result.num_loaded_tokens == want_loaded, (
@@ -192,9 +192,9 @@ def _ttfts(args: argparse.Namespace, model: LlamaModel, workdir: str, dram_sock:
     import torch
 
     from tierd.checksum import block_checksum
-    from tierd.connector.model import model_identity
-    from tierd.daemon.client import TierdClient
-    from tierd.daemon.layout import Layout
+    from tierd.connector.reference.model import model_identity
+    from tierd.wire.client import TierdClient
+    from tierd.wire.layout import Layout
 
     prefix_tokens = args.prefix_tokens // BLOCK * BLOCK
     prefix_blocks = prefix_tokens // BLOCK
@@ -275,7 +275,7 @@ def _ttfts(args: argparse.Namespace, model: LlamaModel, workdir: str, dram_sock:
 def _wait_demoted(sock: str, blocks: int, timeout: float = 60.0) -> None:
     """Block until the daemon at ``sock`` holds nothing in DRAM and at least ``blocks`` blocks
     on SSD (its maintain pass demoted everything); AssertionError after ``timeout`` s."""
-    from tierd.daemon.client import TierdClient
+    from tierd.wire.client import TierdClient
 
     deadline = time.monotonic() + timeout
     with TierdClient(socket_path=sock) as client:

@@ -121,14 +121,14 @@ def _load(path: str) -> list[list[BlockHash]]:
 def _store(blocks: int, **config: Any) -> Iterator[Any]:
     """The daemon's store over a real arena of ``blocks`` 1 KiB slots (no SSD tier), and one
     registered engine."""
-    from tierd.daemon.arena import ShmArena
-    from tierd.daemon.layout import Layout
+    from tierd.daemon.arena import OwnedArena
     from tierd.daemon.node import NodeConfig, NodeStore
     from tierd.daemon.slots import SlabAllocator
+    from tierd.wire.layout import Layout
 
     slab = 64 * BLOCK_BYTES
     size = max(slab, -(-blocks * BLOCK_BYTES // slab) * slab)
-    arena = ShmArena.create(f"tierd-bench-{os.getpid()}-{secrets.token_hex(4)}", size,
+    arena = OwnedArena.create(f"tierd-bench-{os.getpid()}-{secrets.token_hex(4)}", size,
                             prefault=False)
     try:
         store = NodeStore(arena, SlabAllocator(size, slab, 0), None,
@@ -220,7 +220,7 @@ def _why_timing(workdir: str) -> dict[str, float]:
     from tierd import hashing
     from tierd.bench.tierd_serve import TierdServe
     from tierd.commands import why as why_cmd
-    from tierd.daemon.layout import Layout
+    from tierd.wire.layout import Layout
 
     server = TierdServe(workdir, ["--dram-bytes", "8MiB", "--slab-bytes", "64KiB",
                                   "--no-prefault", "--ssd-dir", ""])

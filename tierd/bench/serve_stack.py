@@ -95,7 +95,8 @@ class VllmServe:
 
     def start(self) -> None:
         transfer = {"kv_connector": "TierdConnector",
-                    "kv_connector_module_path": "tierd.connector.vllm", "kv_role": "kv_both",
+                    "kv_connector_module_path": "tierd.connector.vllm.connector",
+                    "kv_role": "kv_both",
                     "kv_load_failure_policy": "recompute",
                     "kv_connector_extra_config": {"socket_path": self.socket_path,
                                                   "engine_name": self.engine,

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from tierd.bench.tierd_serve import TierdServe
 
 if TYPE_CHECKING:
-    from tierd.daemon.layout import Layout
+    from tierd.wire.layout import Layout
 
 HELP = ("Soak a real daemon: N clients, working set 3x DRAM; errors, wrong bytes, leaked pins, "
         "RSS and fd slope.")
@@ -119,7 +119,7 @@ class Sample:
 
 def _soak(args: argparse.Namespace, daemon: subprocess.Popen[bytes], sock: str, workdir: str,
           seconds: float, dram: int, block: int, chains: int) -> dict[str, Any]:
-    from tierd.daemon.client import TierdClient
+    from tierd.wire.client import TierdClient
 
     with TierdClient(socket_path=sock, timeout=30.0) as probe:
         probe.wait_ready(timeout=60)
@@ -288,9 +288,9 @@ def _client(args: argparse.Namespace) -> int:
     import grpc
 
     from tierd.checksum import block_checksum
-    from tierd.daemon.arena import ShmArena
-    from tierd.daemon.client import TierdClient
     from tierd.types import BlockHash
+    from tierd.wire.arena import ShmArena
+    from tierd.wire.client import TierdClient
 
     layout = _layout(args.block_kib << 10)
     rng = random.Random(args.client)
@@ -358,7 +358,7 @@ def _client(args: argparse.Namespace) -> int:
 def _layout(block_bytes: int) -> Layout:
     """A float16 layout of 16 tokens, 2 KV heads of 64, with as many layers as make
     ``block_bytes`` (a multiple of 8 KiB)."""
-    from tierd.daemon.layout import Layout
+    from tierd.wire.layout import Layout
 
     per_layer = 2 * 2 * 64 * 16 * 2
     if block_bytes % per_layer:

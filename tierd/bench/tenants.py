@@ -273,9 +273,9 @@ def _client(args: argparse.Namespace) -> int:
     ``--until`` (wall clock); results to ``--out`` as JSON."""
     import grpc
 
-    from tierd.daemon.arena import ShmArena
-    from tierd.daemon.client import TierdClient
     from tierd.types import BlockHash
+    from tierd.wire.arena import ShmArena
+    from tierd.wire.client import TierdClient
 
     layout = _layout(args.block_kib << 10)
     size = layout.block_bytes

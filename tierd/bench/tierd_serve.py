@@ -16,9 +16,9 @@ from contextlib import contextmanager
 
 import grpc
 
-from tierd.daemon.client import TierdClient
-from tierd.daemon.convert import DaemonStats
 from tierd.paths import client_socket_path
+from tierd.wire.client import TierdClient
+from tierd.wire.replies import DaemonStats
 
 LOG_NAME = "tierd-serve.log"
 

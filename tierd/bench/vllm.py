@@ -163,8 +163,8 @@ class _Side:
     def __init__(self, sock: str, kv: dict[str, Any]) -> None:
         from tierd.connector.core.link import DaemonLink
         from tierd.connector.vllm.config import TierdVllmConfig
-        from tierd.connector.vllm.scheduler import SchedulerSide
-        from tierd.connector.vllm.worker import WorkerSide
+        from tierd.connector.vllm.connector.scheduler import SchedulerSide
+        from tierd.connector.vllm.connector.worker import WorkerSide
 
         config = TierdVllmConfig(socket_path=sock, timeout_seconds=60.0, retry_seconds=0.0,
                                  model_id="bench-vllm@synthetic")
@@ -177,7 +177,7 @@ class _Side:
     def store(self, hashes: list[bytes], block_ids: list[int]) -> tuple[float, float]:
         """Save ``block_ids`` under ``hashes`` as vLLM's save_kv_layer x L + wait_for_save
         would; (seconds until the engine may go on, seconds until the blocks are visible)."""
-        from tierd.connector.vllm.metadata import SaveSpec
+        from tierd.connector.vllm.connector.metadata import SaveSpec
 
         saves = [SaveSpec("bench", block_ids, hashes)]
         start = time.perf_counter()
@@ -193,7 +193,7 @@ class _Side:
     def load(self, hashes: list[bytes], block_ids: list[int]) -> float:
         """Lookup (+ pin for a DRAM hit), then the worker's load into ``block_ids`` (streamed
         for an SSD hit), report, unpin; seconds."""
-        from tierd.connector.vllm.metadata import LoadSpec, TierdConnectorMetadata
+        from tierd.connector.vllm.connector.metadata import LoadSpec, TierdConnectorMetadata
 
         request = SimpleNamespace(request_id="bench", num_tokens=len(hashes) * BLOCK + 1,
                                   block_hashes=hashes, num_computed_tokens=0)
@@ -218,8 +218,8 @@ class _Side:
 
 
 def _wait_on_ssd(sock: str, side: _Side, hashes: list[bytes]) -> None:
-    from tierd.daemon.client import TierdClient
     from tierd.types import BlockHash
+    from tierd.wire.client import TierdClient
 
     with TierdClient(socket_path=sock, timeout=30) as client:
         engine = side.worker.link.engine.engine_id

@@ -251,8 +251,8 @@ def _keys(n: int) -> list[bytes]:
 def wait_on_ssd(layout: Any, sock: str, keys: list[bytes]) -> None:
     """Until the daemon on ``sock`` holds every one of a tier's ``keys`` (its ``layout``) on
     SSD and no longer in DRAM (a daemon that demotes everything)."""
-    from tierd.connector.vllm.tier_layout import daemon_hash
-    from tierd.daemon.client import TierdClient
+    from tierd.connector.vllm.tier.layout import daemon_hash
+    from tierd.wire.client import TierdClient
 
     with TierdClient(socket_path=sock, timeout=30) as client:
         probe = client.register_engine(layout, "bench-probe").engine_id
@@ -265,8 +265,8 @@ def wait_on_ssd(layout: Any, sock: str, keys: list[bytes]) -> None:
 
 
 def _wait_visible(engine: _Engine, sock: str, keys: list[bytes], start: float) -> float:
-    from tierd.connector.vllm.tier_layout import daemon_hash
-    from tierd.daemon.client import TierdClient
+    from tierd.connector.vllm.tier.layout import daemon_hash
+    from tierd.wire.client import TierdClient
 
     with TierdClient(socket_path=sock, timeout=30) as client:
         probe = client.register_engine(engine.tier._layout, "bench-probe").engine_id
@@ -350,7 +350,7 @@ def _measure(args: argparse.Namespace, daemons: dict[str, TierdServe], work: str
 
 def _footprint(daemon: TierdServe, ssd_dir: str, fs_root: str) -> dict[str, Any]:
     """Write 3x the bound daemon's DRAM + SSD bytes through each tier; bytes each then holds."""
-    from tierd.daemon.client import TierdClient
+    from tierd.wire.client import TierdClient
 
     with TierdClient(socket_path=daemon.socket_path, timeout=30) as client:
         bound = sum(t.capacity_bytes for t in client.stats().tiers if t.tier in ("dram", "ssd"))

@@ -34,8 +34,8 @@ from tierd.commands.flags import add_socket_path
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from tierd.connector.engine import LLMEngine, Request
-    from tierd.connector.tierd_hooks import TierdHooks
+    from tierd.connector.reference.engine import LLMEngine, Request
+    from tierd.connector.reference.tierd_hooks import TierdHooks
     from tierd.daemon.config import TierdConfig
     from tierd.daemon.server import Daemon
 
@@ -204,7 +204,7 @@ class _Demo:
                  daemon: EmbeddedDaemon | None) -> None:
         import torch
 
-        from tierd.connector.model import LlamaModel, ModelConfig
+        from tierd.connector.reference.model import LlamaModel, ModelConfig
 
         torch.set_num_threads(args.threads)
         self.args, self.console, self.socket_path, self.daemon = args, console, socket_path, daemon
@@ -222,8 +222,8 @@ class _Demo:
         self.hooks: list[TierdHooks] = []
 
     def engine(self, name: str) -> LLMEngine:
-        from tierd.connector.engine import EngineConfig, LLMEngine
-        from tierd.connector.tierd_hooks import TierdHooks, TierdHooksConfig
+        from tierd.connector.reference.engine import EngineConfig, LLMEngine
+        from tierd.connector.reference.tierd_hooks import TierdHooks, TierdHooksConfig
 
         hooks = TierdHooks(TierdHooksConfig(socket_path=self.socket_path, engine_name=name))
         engine = LLMEngine(self.model, EngineConfig(num_blocks=self.num_blocks), hooks)
@@ -290,10 +290,10 @@ class _Demo:
             hooks.close()
 
     def _tiers(self, engine: LLMEngine, prompt: list[int]) -> dict[str, int]:
-        from tierd.connector.model import model_identity
-        from tierd.connector.tierd_hooks import layout_for
-        from tierd.daemon.client import TierdClient
+        from tierd.connector.reference.model import model_identity
+        from tierd.connector.reference.tierd_hooks import layout_for
         from tierd.hashing import BlockHasher
+        from tierd.wire.client import TierdClient
 
         hashes = BlockHasher(16).append(prompt)
         with TierdClient(socket_path=self.socket_path) as client:
@@ -309,7 +309,7 @@ class _Demo:
         from rich.table import Table
 
         from tierd.commands.stats import render
-        from tierd.daemon.client import TierdClient
+        from tierd.wire.client import TierdClient
 
         cold = rows[0]
         table = Table(title=f"TTFT of one {len(self.system) + self.args.turn_tokens}-token "

@@ -33,7 +33,7 @@ from tierd.commands.flags import add_socket_path
 from tierd.types import BlockHash, Namespace
 
 if TYPE_CHECKING:
-    from tierd.daemon.layout import Layout
+    from tierd.wire.layout import Layout
 
 HELP = "Rank cluster nodes by the prefix of a prompt they hold (asks Redis, or a daemon)."
 
@@ -100,8 +100,8 @@ def parse_hashes(text: str) -> list[BlockHash]:
 
 def resolve_layout(args: argparse.Namespace) -> Layout:
     """The engine layout from the layout flags (``ValueError`` naming the missing ones)."""
-    from tierd.daemon.layout import Layout
     from tierd.model_identity import identity_of_argument
+    from tierd.wire.layout import Layout
 
     missing = [f"--{n.replace('_', '-')}" for n in ("model", "num_layers", "num_kv_heads",
                                                      "head_size") if getattr(args, n) is None]
@@ -115,7 +115,7 @@ def resolve_layout(args: argparse.Namespace) -> Layout:
 
 def resolve_namespace(args: argparse.Namespace) -> Namespace:
     """The namespace from ``--namespace`` hex, or from the tenant and the layout fields."""
-    from tierd.daemon.layout import NAMESPACE_LEN, namespace_for
+    from tierd.wire.layout import NAMESPACE_LEN, namespace_for
 
     if args.namespace is not None:
         try:
@@ -158,7 +158,7 @@ def _via_daemon(args: argparse.Namespace, chain: list[BlockHash]) -> tuple[int, 
     """Ask a daemon's Locate: (exit status, placements); errors printed with their fix."""
     import grpc
 
-    from tierd.daemon.client import TierdClient
+    from tierd.wire.client import TierdClient
 
     if args.namespace is not None:
         raise ValueError("--namespace cannot be used with a daemon (it takes the tenant from "

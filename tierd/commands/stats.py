@@ -21,7 +21,7 @@ from tierd.commands.flags import add_socket_path
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from tierd.daemon.convert import DaemonStats
+    from tierd.wire.replies import DaemonStats
 
 HELP = ("Show tier occupancy, per-model occupancy and hits, hit ratio and per-engine HBM "
         "use of a running daemon.")
@@ -47,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
     import grpc
     from rich.console import Console
 
-    from tierd.daemon.client import TierdClient
-    from tierd.daemon.engine_access import denied
+    from tierd.wire.access import denied
+    from tierd.wire.client import TierdClient
 
     if args.watch is not None and args.watch <= 0:
         raise ValueError(f"--watch needs a positive number of seconds, got {args.watch}")
@@ -183,7 +183,7 @@ def render_what_if(stats: DaemonStats, console: Console) -> None:
     from rich import box
     from rich.table import Table
 
-    from tierd.daemon.shards import SCALES
+    from tierd.wire.replies import SCALES
 
     if not stats.what_if:
         console.print("what-if: no lookups sampled yet", highlight=False)

@@ -39,8 +39,8 @@ from tierd import hashing
 from tierd.commands.flags import add_socket_path
 
 if TYPE_CHECKING:
-    from tierd.daemon.layout import Layout
     from tierd.daemon.why import Variant, WhyAnswer
+    from tierd.wire.layout import Layout
 
 HELP = "Explain where a prompt's blocks live on this node and why the first missing one misses."
 
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tierd.commands.hash import check_lora, parse_tokens
     from tierd.commands.route import resolve_layout
-    from tierd.daemon.client import TierdClient
+    from tierd.wire.client import TierdClient
 
     tokens = parse_tokens(sys.stdin.read() if args.tokens == "-" else args.tokens)
     check_lora(args.lora_name, args.lora_path)

@@ -12,15 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tierd.cluster.directory import NodeRecord
-from tierd.daemon.arena import ShmArena
 from tierd.daemon.cluster_link import ClusterLink, LinkConfig
 from tierd.daemon.config import TierdConfig
-from tierd.daemon.layout import NAMESPACE_LEN
 from tierd.daemon.listeners import TierListener, TierListeners
 from tierd.daemon.node import NodeStore
 from tierd.daemon.presence import PresenceFilter
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd import SsdStore
+from tierd.wire.arena import ShmArena
+from tierd.wire.layout import NAMESPACE_LEN
 
 
 @dataclass(frozen=True, slots=True)

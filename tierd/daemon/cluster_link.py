@@ -41,9 +41,9 @@ from tierd.cluster.remote import RemoteConfig, RemoteTier
 from tierd.types import BlockHash, Namespace, NamespacedKey, Placement, Tier
 
 if TYPE_CHECKING:
-    from tierd.daemon.arena import ShmArena
     from tierd.daemon.listeners import Payload
     from tierd.daemon.node import EngineInfo, Lease, NodeStore
+    from tierd.wire.arena import ShmArena
 
 _log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from typing import Any, Literal, get_args
 
 from tierd.daemon.engine_access import group_id
 from tierd.daemon.node_types import EngineCaps, NodeConfig
-from tierd.daemon.presence import check_cells
 from tierd.daemon.quotas import TenantQuotas
 from tierd.paths import cache_dir, client_socket_path, default_socket_path
+from tierd.wire.presence import check_cells
 
 __all__ = ["TierdConfig", "cache_dir", "client_socket_path", "default_socket_path", "field_help",
            "keys", "load_config", "parse_bytes"]

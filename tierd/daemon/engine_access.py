@@ -8,15 +8,14 @@ gives both to that group with mode 0660: engines in other containers or pods the
 user that has the group (Kubernetes ``supplementalGroups``, ``docker run --group-add``). The
 SSD tier stays the daemon's alone.
 
-Engine side, ``denied(path)`` turns a refused open into a message naming the file, its owner
-and mode, and both fixes, instead of a misleading "no daemon answers".
+Engine side, ``tierd.wire.access.denied(path)`` turns a refused open into a message naming the
+file, its owner and mode, and both fixes, instead of a misleading "no daemon answers".
 """
 
 from __future__ import annotations
 
 import grp
 import os
-import stat
 
 SHARED_MODE = 0o660
 """Mode of the socket and arena files with an engine group."""
@@ -44,24 +43,3 @@ def share(path: str | int, gid: int) -> None:
         raise ValueError(f"cannot give {where} to group {gid} (engine_group): run the daemon "
                          "with that group among its groups (Kubernetes supplementalGroups or "
                          "runAsGroup, docker run --group-add), or unset engine_group") from None
-
-
-def denied(path: str, what: str) -> str | None:
-    """Why this process may not open ``path`` (``what``: "socket" or "arena") for reading and
-    writing, naming its owner and mode and the fixes; None if it may, or if ``path`` does not
-    exist (the daemon is not there: another message applies)."""
-    me = f"uid {os.geteuid()}, groups {sorted({os.getegid(), *os.getgroups()})}"
-    fix = ("run the engine as the daemon's user, or start the daemon with engine_group "
-           "(TIERD_ENGINE_GROUP) set to a group this engine has (docs/daemon.md, 'Engines in "
-           "other containers')")
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    except PermissionError:
-        return (f"this engine ({me}) may not reach the daemon's {what} {path}: its directory "
-                f"{os.path.dirname(path)} is not searchable for it; {fix}")
-    if os.access(path, os.R_OK | os.W_OK):
-        return None
-    return (f"the daemon's {what} {path} is owned by uid {st.st_uid}, gid {st.st_gid} with mode "
-            f"{stat.S_IMODE(st.st_mode):04o}, so this engine ({me}) may not open it; {fix}")

@@ -16,8 +16,9 @@ from __future__ import annotations
 import secrets
 from collections import Counter, OrderedDict
 
-from tierd.daemon.errors import NotFound, ResourceExhausted, clip
+from tierd.daemon.errors import NotFound, ResourceExhausted
 from tierd.daemon.node_types import EngineCaps, EngineInfo
+from tierd.wire.clip import clip
 
 
 class EngineTable:

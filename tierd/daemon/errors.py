@@ -27,16 +27,3 @@ class ResourceExhausted(TierdError):
 
 class Unauthenticated(TierdError):
     """-> UNAUTHENTICATED: a missing or unknown bearer token where one is required."""
-
-
-CLIP_CHARS = 64
-"""Most characters of a caller's input an error message repeats (ids are 16-32 characters)."""
-
-
-def clip(value: str | bytes, limit: int = CLIP_CHARS) -> str:
-    """``repr(value)``, cut to ``limit`` characters with its full length said: an error message
-    never echoes unbounded input (a 16 KiB id must not become a 16 KiB status trailer)."""
-    if len(value) <= limit:
-        return repr(value)
-    unit = "bytes" if isinstance(value, bytes) else "chars"
-    return f"{value[:limit]!r}... ({len(value)} {unit})"

@@ -26,10 +26,11 @@ from tierd.daemon.metrics import NodeStats
 from tierd.daemon.models import ModelTable
 from tierd.daemon.node_types import NodeConfig
 from tierd.daemon.savings import Savings
-from tierd.daemon.shards import SCALES, Curve, Label, Shards
+from tierd.daemon.shards import Label, Shards
 from tierd.daemon.tier_index import TierIndex
 from tierd.daemon.why import Explainer
 from tierd.types import Namespace, Tier
+from tierd.wire.replies import SCALES, Curve
 
 WHAT_IF_TIERS: tuple[Tier, ...] = ("dram", "ssd")
 DRAIN_ON_READ = 4096

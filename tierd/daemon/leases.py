@@ -24,8 +24,9 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
-from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, clip
+from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
 from tierd.types import BlockHash, Namespace, NamespacedKey
+from tierd.wire.clip import clip
 
 Ending = Literal["released", "committed", "aborted", "expired", "unregistered"]
 

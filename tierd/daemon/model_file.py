@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-from tierd.daemon.layout import NAMESPACE_LEN
 from tierd.model_identity import validate_model_id
 from tierd.types import Namespace
+from tierd.wire.layout import NAMESPACE_LEN
 
 FILE_NAME = "models.json"
 ENTRY_BYTES = 4096

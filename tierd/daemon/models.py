@@ -25,11 +25,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tierd.daemon.layout import NAMESPACE_LEN
 from tierd.daemon.model_file import ENTRY_BYTES, FILE_NAME, parse, render
 from tierd.daemon.model_file import NamespaceModel as NamespaceModel
 from tierd.daemon.ssd.statefile import StateWriter, read_state
 from tierd.types import Namespace, NamespacedKey, Tier
+from tierd.wire.layout import NAMESPACE_LEN
+from tierd.wire.replies import ModelUsage
 
 if TYPE_CHECKING:
     from tierd.daemon.listeners import Payload
@@ -37,20 +38,6 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 _COUNTED: tuple[Tier, ...] = ("hbm", "dram", "ssd")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelUsage:
-    """One model's share of the node (its tenant's namespaces of that model id, summed)."""
-
-    model_id: str
-    blocks: dict[Tier, int]
-    """Blocks per tier ("hbm": summed over the engines that report them)."""
-    bytes: dict[Tier, int]
-    query_tokens: int
-    hit_tokens: int
-    engines: int
-    """Engines of this model registered now."""
 
 
 @dataclass(slots=True)

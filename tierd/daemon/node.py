@@ -23,31 +23,33 @@ from typing import TYPE_CHECKING
 
 from tierd.checksum import block_checksum
 from tierd.daemon.engines import EngineTable
-from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, clip
+from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
 from tierd.daemon.hbm import HbmIndex
 from tierd.daemon.insight import Insight
-from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.leases import EMPTY_LEASE, LeaseTable, ReadLease, WriteLease, new_lease_id
 from tierd.daemon.listeners import TierListener, TierListeners
 from tierd.daemon.lru import DramBlock
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
-from tierd.daemon.models import ModelTable, ModelUsage, NamespaceModel
+from tierd.daemon.models import ModelTable, NamespaceModel
 from tierd.daemon.node_integrity import check_slots_and_pins
 from tierd.daemon.node_types import EngineInfo, Lease, LookupResult, NodeConfig, Reservation
 from tierd.daemon.promotion import Promoter, Promotion
 from tierd.daemon.quota_eviction import QuotaEviction
 from tierd.daemon.quota_gate import QuotaGate
-from tierd.daemon.quotas import QuotaCollector, QuotaLedger, TenantUsage
+from tierd.daemon.quotas import QuotaCollector, QuotaLedger
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.tier_index import TierIndex
 from tierd.daemon.writebehind import Flushed, WriteBehind
 from tierd.daemon.writes import Reservations
 from tierd.events import EventLog, KVEvent
 from tierd.types import BlockHash, Namespace, NamespacedKey, Tier, make_keys
+from tierd.wire.clip import clip
+from tierd.wire.layout import Layout, namespace_for
+from tierd.wire.replies import ModelUsage, TenantUsage
 
 if TYPE_CHECKING:
-    from tierd.daemon.arena import ShmArena
     from tierd.daemon.ssd import SsdStore
+    from tierd.wire.arena import ShmArena
 
 __all__ = ["EMPTY_LEASE", "EngineInfo", "Flushed", "Lease", "LookupResult", "NodeConfig",
            "NodeStore", "Reservation"]

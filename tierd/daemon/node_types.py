@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tierd.daemon.layout import Layout
 from tierd.daemon.quotas import TenantQuotas
-from tierd.daemon.slots import SlotGeometry
 from tierd.types import Namespace, Tier
+from tierd.wire.geometry import SlotGeometry
+from tierd.wire.layout import Layout
 
 
 @dataclass(frozen=True, slots=True)

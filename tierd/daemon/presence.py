@@ -36,9 +36,11 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from tierd.daemon.arena import ShmArena
-from tierd.daemon.layout import NAMESPACE_LEN
+from tierd.daemon.arena import OwnedArena
 from tierd.types import Namespace, NamespacedKey, Tier
+from tierd.wire.arena import ShmArena
+from tierd.wire.layout import NAMESPACE_LEN
+from tierd.wire.presence import cell_of, check_cells
 
 if TYPE_CHECKING:
     from tierd.daemon.listeners import Payload
@@ -53,21 +55,10 @@ _COUNTED: frozenset[Tier] = frozenset(("dram", "ssd"))  # HBM blocks are not acq
 _PREFIXES_KEPT = 4096  # namespaces whose prefix is cached (tenants x layouts: a handful)
 
 
-def cell_of(filter_key: bytes, cells: int) -> int:
-    """The counter of a filter key (``prefix || block hash``) among ``cells`` (a power of two)."""
-    return xxhash.xxh3_64_intdigest(filter_key) & (cells - 1)
-
-
-def check_cells(cells: int) -> None:
-    """ValueError unless ``cells`` is a power of two of at least 1024."""
-    if cells < 1024 or cells & (cells - 1):
-        raise ValueError(f"presence filter cells={cells} must be a power of two >= 1024")
-
-
 class PresenceFilter:
     """Daemon side: the counters, kept by the tier index's listener calls."""
 
-    def __init__(self, shm: ShmArena) -> None:
+    def __init__(self, shm: OwnedArena) -> None:
         """Internal: use ``create``."""
         self.shm = shm
         self.cells = shm.size
@@ -81,8 +72,8 @@ class PresenceFilter:
         """Create the zeroed file beside ``arena`` (ValueError if it exists or ``cells`` is
         not a power of two >= 1024)."""
         check_cells(cells)
-        shm = ShmArena.create(arena.name + SUFFIX, cells, directory=os.path.dirname(arena.path),
-                              prefault=False)
+        shm = OwnedArena.create(arena.name + SUFFIX, cells, directory=os.path.dirname(arena.path),
+                                prefault=False)
         return cls(shm)
 
     def bind(self, held: Callable[[], Iterable[NamespacedKey]]) -> None:
@@ -152,21 +143,3 @@ class PresenceFilter:
         self._counts.release()
         self.shm.close()
         self.shm.unlink()
-
-
-class PresenceView:
-    """Engine side: a read-only look at a daemon's filter (``EngineHandle.presence_name``)."""
-
-    def __init__(self, name: str, directory: str) -> None:
-        """Map the filter file; OSError if it is gone, ValueError if it is not a filter."""
-        self._shm = ShmArena.attach(name, directory=directory)
-        check_cells(self._shm.size)
-        self.cells = self._shm.size
-        self._counts = self._shm.view(0, self._shm.size)
-
-    def may_hold(self, filter_key: bytes) -> bool:
-        """False only if the node held no DRAM or SSD copy of the block when last counted.
-        ``filter_key``: the engine's ``namespace`` from RegisterEngine (its filter prefix)
-        followed by the block hash."""
-        return self._counts[xxhash.xxh3_64_intdigest(filter_key) & (self.cells - 1)] != 0
-

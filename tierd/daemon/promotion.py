@@ -17,16 +17,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tierd.daemon.lru import SsdBlock
-from tierd.daemon.slots import SlotGeometry
 from tierd.daemon.ssd.index import READ_BATCH_BYTES
 from tierd.daemon.tier_index import TierIndex
 from tierd.types import NamespacedKey
+from tierd.wire.geometry import SlotGeometry
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from tierd.daemon.arena import ShmArena
     from tierd.daemon.ssd import SsdStore
+    from tierd.wire.arena import ShmArena
 
 
 @dataclass(slots=True)

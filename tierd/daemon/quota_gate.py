@@ -13,12 +13,13 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from tierd.daemon.errors import ResourceExhausted, clip
-from tierd.daemon.layout import NAMESPACE_LEN
+from tierd.daemon.errors import ResourceExhausted
 from tierd.daemon.leases import Lease, ReadLease, WriteLease
 from tierd.daemon.node_types import EngineInfo, Reservation
 from tierd.daemon.quotas import HoldKind, QuotaLedger, QuotaTier
 from tierd.types import Namespace, NamespacedKey
+from tierd.wire.clip import clip
+from tierd.wire.layout import NAMESPACE_LEN
 
 if TYPE_CHECKING:
     from tierd.daemon.lru import DramBlock, LruIndex

@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tierd.daemon.layout import NAMESPACE_LEN
 from tierd.types import Namespace, NamespacedKey, Tier
+from tierd.wire.layout import NAMESPACE_LEN
+from tierd.wire.replies import TenantUsage
 
 if TYPE_CHECKING:
     from tierd.daemon.listeners import Payload
@@ -165,26 +166,6 @@ class Quota:
     dram: int | None
     ssd: int | None
 
-
-@dataclass(frozen=True, slots=True)
-class TenantUsage:
-    """One tenant's row of ``tierd stats``: what it uses and holds against its quota. Bytes;
-    ``*_quota`` None where it has no bound."""
-
-    tenant: str
-    dram_bytes: int
-    dram_quota: int | None
-    ssd_bytes: int
-    ssd_quota: int | None
-    pinned_bytes: int
-    reserved_bytes: int
-    """Slots of its write leases, blank ones included (counted in ``dram_bytes`` too)."""
-    blank_bytes: int
-    limited: int
-    """Requests the quota cut short or refused since start-up."""
-
-
-# -- the ledger -----------------------------------------------------------------------------------
 
 @dataclass(slots=True)
 class _Space:

@@ -23,22 +23,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 
 from tierd.types import Namespace, Tier
+from tierd.wire.replies import Saved
 
 if TYPE_CHECKING:
     from tierd.daemon.engines import EngineTable
     from tierd.daemon.node_types import NodeConfig
     from tierd.daemon.tier_index import TierIndex
-
-
-@dataclass(frozen=True, slots=True)
-class Saved:
-    """One (tenant, model, tier) row: prefill tokens served from the tier, seconds saved."""
-
-    tenant: str
-    model_id: str
-    tier: Tier
-    tokens: int
-    seconds: float
 
 
 @dataclass(slots=True)

@@ -35,8 +35,8 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from tierd.checksum import checksums_at
-from tierd.daemon import convert, why_convert
-from tierd.daemon.arena import ShmArena, check_room, free_bytes
+from tierd.daemon import why_convert
+from tierd.daemon.arena import OwnedArena, check_room, free_bytes
 from tierd.daemon.arena_owner import new_arena_name, remove_stale_arenas
 from tierd.daemon.auth import Authenticator, TokenTable
 from tierd.daemon.build import Node, build_node
@@ -44,13 +44,15 @@ from tierd.daemon.cluster_link import ClusterLink
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.engine_access import group_id, share
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, Unauthenticated
-from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.node import NodeConfig, NodeStore
 from tierd.daemon.presence import PresenceFilter
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd import SsdStore
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
+from tierd.wire import convert
+from tierd.wire.arena import ShmArena
+from tierd.wire.layout import Layout, namespace_for
 
 _log = logging.getLogger(__name__)
 
@@ -340,7 +342,7 @@ class Daemon:
     Build with ``await Daemon.start(config)``; stop with ``await daemon.stop()`` (idempotent).
     """
 
-    def __init__(self, config: TierdConfig, arena: ShmArena, store: NodeStore,
+    def __init__(self, config: TierdConfig, arena: OwnedArena, store: NodeStore,
                  server: grpc.aio.Server, health: HealthServicer, tcp_port: int | None,
                  cluster: ClusterLink | None = None,
                  presence: PresenceFilter | None = None) -> None:
@@ -371,8 +373,8 @@ class Daemon:
         presence = config.presence_cells if config.presence_cells and not config.remote_tier else 0
         check_room(config.arena_directory, config.dram_bytes + presence,
                    free_bytes(config.arena_directory))
-        arena = ShmArena.create(new_arena_name(), config.dram_bytes,
-                                directory=config.arena_directory, prefault=config.prefault)
+        arena = OwnedArena.create(new_arena_name(), config.dram_bytes,
+                                  directory=config.arena_directory, prefault=config.prefault)
         try:
             return await cls._start_with(config, arena, extra_handlers)
         except BaseException:
@@ -381,7 +383,7 @@ class Daemon:
             raise
 
     @classmethod
-    async def _start_with(cls, config: TierdConfig, arena: ShmArena,
+    async def _start_with(cls, config: TierdConfig, arena: OwnedArena,
                           extra_handlers: Sequence[grpc.GenericRpcHandler]) -> Daemon:
         node = build_node(config, arena)
         try:
@@ -392,7 +394,7 @@ class Daemon:
             raise
 
     @classmethod
-    async def _serve(cls, config: TierdConfig, arena: ShmArena, node: Node,
+    async def _serve(cls, config: TierdConfig, arena: OwnedArena, node: Node,
                      extra_handlers: Sequence[grpc.GenericRpcHandler]) -> Daemon:
         store, allocator, ssd = node.store, node.allocator, node.ssd
         cluster, presence = node.cluster, node.presence

@@ -29,12 +29,9 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from tierd.types import Namespace, NamespacedKey, Tier
-
-SCALES: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
-"""Sizes the curves are given at, as multiples of each tier's current size."""
+from tierd.wire.replies import SCALES, Curve
 
 _P = 1 << 24                 # hash space of the sampling decision (3 bytes of the block hash)
 _STEPS = 16                  # histogram buckets per doubling of the distance (~4.4% wide)
@@ -54,22 +51,6 @@ def _bucket_range(bucket: int) -> tuple[float, float]:
     if bucket == 0:
         return 0.0, 1.0
     return 2 ** ((bucket - 1) / _STEPS), 2 ** (bucket / _STEPS)
-
-
-@dataclass(frozen=True, slots=True)
-class Curve:
-    """One tier's (and label's) what-if curve: ``hit_ratios[i]`` at ``SCALES[i]`` times the
-    tier's ``capacity_blocks``; ``flattens_at``: the smallest of the scales under 8x past
-    which the curve gains less than one percentage point up to 8x (None: it still climbs
-    between 4x and 8x)."""
-
-    tier: Tier
-    tenant: str
-    model_id: str
-    capacity_blocks: int
-    hit_ratios: tuple[float, ...]
-    flattens_at: float | None
-    references: float           # estimated block references behind it (sampled / rate)
 
 
 class _Fenwick:

@@ -25,8 +25,8 @@ from tierd.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog, 
 from tierd.types import BlockHash, Namespace, NamespacedKey, Tier, make_key
 
 if TYPE_CHECKING:
-    from tierd.daemon.arena import ShmArena
     from tierd.daemon.ssd import SsdEntry, SsdStore
+    from tierd.wire.arena import ShmArena
 
 log = logging.getLogger(__name__)
 

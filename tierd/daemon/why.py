@@ -26,11 +26,11 @@ from dataclasses import dataclass, field, fields
 from tierd.daemon.engines import EngineTable
 from tierd.daemon.ghosts import PRESSURES, Pressure
 from tierd.daemon.hbm import HbmIndex
-from tierd.daemon.layout import Layout, namespace_for
 from tierd.daemon.models import ModelTable
 from tierd.daemon.node_types import EngineInfo, NodeConfig
 from tierd.daemon.tier_index import TierIndex
 from tierd.types import BlockHash, Namespace, NamespacedKey, Placement, Tier, make_key, make_keys
+from tierd.wire.layout import Layout, namespace_for
 
 MAX_VARIANTS = 16
 """Most variant chains one question may carry."""

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tierd.daemon.convert import (
+from tierd.daemon.ghosts import PRESSURES
+from tierd.daemon.why import BlockWhere, Elsewhere, Evicted, Variant, WhyAnswer
+from tierd.types import BlockHash
+from tierd.v1 import tierd_pb2 as pb
+from tierd.wire.convert import (
     TIER_TO_PB,
     hashes_from_pb,
     layout_from_pb,
@@ -17,11 +21,7 @@ from tierd.daemon.convert import (
     located_from_pb,
     tiers_from_pb,
 )
-from tierd.daemon.ghosts import PRESSURES
-from tierd.daemon.layout import Layout
-from tierd.daemon.why import BlockWhere, Elsewhere, Evicted, Variant, WhyAnswer
-from tierd.types import BlockHash
-from tierd.v1 import tierd_pb2 as pb
+from tierd.wire.layout import Layout
 
 
 def request_to_pb(layout: Layout, hashes: Sequence[BlockHash],

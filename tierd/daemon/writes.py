@@ -27,13 +27,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tierd.daemon.errors import FailedPrecondition, clip
+from tierd.daemon.errors import FailedPrecondition
 from tierd.daemon.leases import EMPTY_LEASE, LeaseTable, WriteLease, new_lease_id
 from tierd.daemon.lru import DramBlock
 from tierd.daemon.node_types import EngineInfo, Reservation
 from tierd.daemon.tier_index import TierIndex
 from tierd.events import BlockStored
 from tierd.types import BlockHash, NamespacedKey, make_key
+from tierd.wire.clip import clip
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

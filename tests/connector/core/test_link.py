@@ -16,9 +16,9 @@ import pytest
 from tierd.connector.core.errors import classify
 from tierd.connector.core.link import DaemonLink, Session
 from tierd.connector.core.settings import ClientSettings
-from tierd.daemon.layout import Layout
 from tierd.paths import default_socket_path
 from tierd.types import BlockHash
+from tierd.wire.layout import Layout
 
 LAYOUT = Layout(num_layers=2, num_kv_heads=2, head_size=64, dtype="float16", block_size=16,
                 model_id="core-test@0")
@@ -144,7 +144,7 @@ def test_settings_name_the_fix() -> None:
 def test_front_end_configs_share_the_client_knobs() -> None:
     """Both front ends' configs are ClientSettings with the same knob names; the hooks' earlier
     names are refused with a ValueError naming the new one."""
-    from tierd.connector.tierd_config import TierdHooksConfig
+    from tierd.connector.reference.tierd_config import TierdHooksConfig
     from tierd.connector.vllm.config import TierdVllmConfig
 
     vllm = TierdVllmConfig.from_extra_config({"timeout_seconds": 2.0, "retry_max_seconds": 40})

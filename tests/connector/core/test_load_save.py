@@ -22,8 +22,8 @@ from tierd.connector.core.load import load_leased
 from tierd.connector.core.save import abort, commit, reserve, write_rows
 from tierd.connector.core.settings import ClientSettings
 from tierd.connector.core.sinks import PoolRows
-from tierd.daemon.layout import Layout
 from tierd.types import BlockHash
+from tierd.wire.layout import Layout
 
 LAYOUT = Layout(num_layers=2, num_kv_heads=2, head_size=64, dtype="float16", block_size=16,
                 model_id="core-test@0")

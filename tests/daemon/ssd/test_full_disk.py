@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 from tierd.checksum import block_checksum
-from tierd.daemon.arena import ShmArena
-from tierd.daemon.layout import Layout
+from tierd.daemon.arena import OwnedArena
 from tierd.daemon.node import NodeConfig, NodeStore
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd import SsdStore
 from tierd.daemon.ssd.record import HEADER_BYTES
 from tierd.events import AllBlocksCleared
 from tierd.types import BlockHash, Namespace
+from tierd.wire.layout import Layout
 
 NS = Namespace(b"N" * 16)
 BLOCK = 64 << 10
@@ -170,7 +170,7 @@ async def test_node_keeps_serving_ssd_blocks_when_the_disk_fills(
     tier never goes unhealthy, never hides its blocks (no AllBlocksCleared), the newest demoted
     blocks look up as "ssd"; the metrics show the lowered bound and the no-space errors, and
     one warning was logged."""
-    arena = ShmArena.create(f"tierd-test-{os.getpid()}-{secrets.token_hex(4)}", 8 * BLOCK,
+    arena = OwnedArena.create(f"tierd-test-{os.getpid()}-{secrets.token_hex(4)}", 8 * BLOCK,
                             prefault=False)
     ssd = SsdStore(small_fs / "ssd", footprint_bytes=16 << 20, io_threads=2)
     node = NodeStore(arena, SlabAllocator(8 * BLOCK, 4 * BLOCK), ssd,

@@ -21,8 +21,8 @@ from typing import Literal
 import lz4.block
 import xxhash
 
-from tierd.daemon.layout import NAMESPACE_LEN
 from tierd.types import BlockHash, Namespace
+from tierd.wire.layout import NAMESPACE_LEN
 
 MAGIC = b"TKVB"
 VERSION = 2  # 1: one file per block, 128-byte headers

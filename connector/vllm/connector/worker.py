@@ -1,0 +1,438 @@
+"""The worker half of the vLLM adapter: loads before the forward pass, saves during and after it.
+
+Per step, with the metadata the scheduler half built:
+
+* ``load`` (vLLM's ``start_load_kv``): per request, one Acquire (the scheduler's pin keeps the
+  blocks in DRAM since its lookup), then ``core.load.load_leased`` through the ``LayerViews``
+  sink: the leased slots are checked where they lie in the arena and copied straight into
+  vLLM's KV tensors in one pass (``native.verified_copy``: each 16 KiB of a slot is hashed,
+  then copied while still in cache, blocks split over the torch threads), and the lease is
+  released. Without the native helper (no C compiler), or with layers not in
+  one buffer: verify every slot, then one strided copy per run of verified blocks, all layers
+  at once. Synchronous: the forward pass that reads them starts after it returns.
+  Every block that did not verify or arrive (a miss since the lookup, a checksum mismatch, the
+  daemon gone) and every block after it in that request, or all of them if the lease expired
+  during the copy, is reported by ``take_load_errors`` in the same step, so vLLM recomputes
+  from there (whatever bytes those blocks hold); ``outcomes.Outcomes`` keeps the books.
+* ``load`` of a streamed spec (an SSD hit vLLM loads asynchronously, host KV): handed to
+  ``streaming.Streams``, which acquires and copies it chunk by chunk on its own thread while the
+  daemon reads it; ``finished_loads`` (vLLM's ``get_finished``) reports each ended stream as
+  received and its failed blocks as load errors of that same step.
+* ``save_layer`` (vLLM's ``save_kv_layer``): on the first layer, one Reserve for the blocks the
+  step completes; each layer's K/V is copied into the reserved slots as vLLM hands it over.
+  Saves of a request whose load failed, or that sit on a block whose load failed
+  (``SaveSpec.depends_on``; failed blocks are kept until the scheduler has seen them), are
+  dropped, and that request's saves stay dropped until the scheduler names it in
+  ``recomputing``: nothing computed on wrong KV is stored.
+* ``finish_save`` (``wait_for_save``): hands the step's Commit to the committer thread
+  (``commits.Committer``) and returns: vLLM may reuse its blocks at once (the bytes are already in
+  the arena). The Commit
+  names the written slots and the daemon checksums them itself (in its own process, so the
+  engine's part of a store is the copy out of its KV), and the blocks become visible to other
+  engines only whole, when it lands. If some layer never arrived, Abort instead. A step that
+  outlasted half of its write lease (a slow forward pass) is *re-offered* first: a fresh
+  Reserve, every layer copied again from vLLM's blocks (they hold the step's KV until it ends),
+  the old reservation aborted, so a slow step does not lose its saves to a lapsed lease
+  (``reoffered_blocks``); a Commit that still finds its lease ended is a WARNING and
+  ``lapsed_blocks`` (``commits``).
+
+On CUDA (vLLM's KV tensors on a GPU) the copies go through ``cuda_copy.DeviceTransfer`` over
+the arena, registered as pinned memory at attach (``device_path.DevicePath``): a load is queued on
+a side stream after the
+checksums and ``start_load_kv`` returns; ``wait_layer`` (``wait_for_layer_load``) makes the
+forward pass's stream wait for each layer; the leases are released at ``finish_save`` (or
+``take_load_errors``, whichever vLLM calls first) once the DMAs have read the slots, and a
+lease found expired then makes its blocks load errors and drops the step's saves. A save
+gathers each layer on the device; ``finish_save`` queues the D2H copies and the Commit waits
+for them on the committer thread, so neither the host nor the next step waits for the
+write-through.
+
+Best effort: a save that fails is a future miss, never an error to vLLM; nothing holds vLLM's
+blocks past the step (``get_finished`` has nothing to report: on CUDA a save's gathers are
+ordered before the next step's work on vLLM's stream, so the blocks are free at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from tierd.connector.core.lease import Lease, Release, acquire, releaser
+from tierd.connector.core.link import DaemonLink, Session
+from tierd.connector.core.load import Sink, load_leased, start_load
+from tierd.connector.core.save import Reservation, abort, reserve
+from tierd.types import BlockHash
+
+from ..config import TierdVllmConfig
+from .commits import Committer
+from .device_path import DevicePath
+from .kv_tensors import Run, SlotFormat, byte_view, runs, save_layer, slot_format
+from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
+from .outcomes import Outcomes
+from .sinks import DeviceLoads, LayerViews
+from .stats import Counters, TierdConnectorStats
+from .streaming import StreamedLoad, Streams
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _PendingSave:
+    """One step's reservation while the layers are being copied into it."""
+
+    reservation: Reservation
+    targets: list[tuple[int, int]]      # (index in the reservation, slot byte offset)
+    block_runs: list[Run]
+    owners: list[str]                   # per target, the request it belongs to
+    renew_at: float                     # half its lease gone: re-offered at ``finish_save``
+    counts: list[tuple[str, int]]       # what reserving it counted (undone if re-offered)
+    layers_done: set[int] = field(default_factory=set)
+    device: DeviceLoads | None = None   # CUDA: its transfer holds the open save
+
+    def written(self) -> list[bool]:
+        """The Commit's written flags: True where a slot was reserved (and every layer copied
+        into it); the daemon checksums those slots itself."""
+        out = [False] * len(self.reservation.slot_ids)
+        for index, _ in self.targets:
+            out[index] = True
+        return out
+
+    def owner_of_each(self) -> list[str]:
+        """Per reserved block, the request it belongs to ("" for one without a slot)."""
+        out = [""] * len(self.reservation.slot_ids)
+        for (index, _), req_id in zip(self.targets, self.owners):
+            out[index] = req_id
+        return out
+
+
+@dataclass(slots=True)
+class _StepSave:
+    """This step's save: ``tried`` once the first layer asked for a reservation (it may have
+    failed: ``pending`` None); ``lease_lost``: the step's saves are dropped."""
+
+    tried: bool = False
+    pending: _PendingSave | None = None
+    lease_lost: bool = False            # a lease of this step's (CUDA) loads ran out
+    saves: list[SaveSpec] = field(default_factory=list)  # the step's accepted saves
+
+
+@dataclass(slots=True)
+class _Streaming:
+    """Streamed loads (host KV): ``streams`` built at the first one, ``sink`` the one-core copy
+    they use, ``ended_now`` loads that ended at their start (handed over at the next
+    ``finished_loads``)."""
+
+    sink: Sink
+    streams: Streams | None = None
+    ended_now: list[StreamedLoad] = field(default_factory=list)
+
+
+class WorkerSide:
+    """State of one worker's connector. Called from the worker's model-runner thread only."""
+
+    def __init__(self, config: TierdVllmConfig, kv_caches: Mapping[str, torch.Tensor],
+                 block_size: int, cache_dtype: str, tp_rank: int, tp_size: int,
+                 clock: Callable[[], float] = time.monotonic,
+                 device_path: bool | None = None) -> None:
+        """Take vLLM's per-layer caches (``ValueError`` naming the fix for ones tierd cannot
+        store) of the model ``config.model_id`` (resolved: never None), derive the slot format
+        and try to reach the daemon (down is fine: see ``DaemonLink.connect``).
+        ``device_path``: copy through ``DeviceTransfer`` (default: when the caches are CUDA
+        tensors; True on CPU tensors runs its logic with no-op streams, which is how the CPU
+        suite covers it)."""
+        assert config.model_id is not None, "the connector resolves the model id first"
+        self._clock = clock
+        self.format: SlotFormat
+        self.format, layout = slot_format(kv_caches, block_size, cache_dtype, tp_rank, tp_size,
+                                          config.model_id)
+        self._layers = {name: i for i, name in enumerate(self.format.layer_names)}
+        kv_bytes = [byte_view(t) for t in kv_caches.values()]
+        self._host = LayerViews(self.format, kv_bytes)  # one pass where the layers share a buffer
+        self.link = DaemonLink(config, layout, f"{config.engine_name}-tp{tp_rank}", attach=True,
+                               clock=clock)
+        self.link.connect()
+        self._counters = Counters()
+        self._outcomes = Outcomes(self._counters, self.format.slot_bytes, tp_size)
+        self._save = _StepSave()
+        self._commits = Committer(self.link, self._counters, self.format.slot_bytes, tp_size,
+                                  clock)
+        self._device = DevicePath(self.format, kv_bytes,
+                                  kv_bytes[0].is_cuda if device_path is None else device_path)
+        self._streaming = _Streaming(self._host.with_threads(1))  # the forward pass keeps the rest
+        self._device.sink(self.link)  # register the arena now, not on a copy
+
+    @property
+    def totals(self) -> TierdConnectorStats:
+        """Counters since start (logs, tests)."""
+        return self._counters.totals
+
+    # -- loads -------------------------------------------------------------------------------
+
+    def load(self, meta: TierdConnectorMetadata) -> None:
+        """Take the step's metadata: accept saves of requests vLLM is recomputing, then fill
+        every planned block or report it (see the module doc). Blocks until done."""
+        self._outcomes.begin_step(meta)
+        if meta.verdict is not None:
+            self._commits.verdict(*meta.verdict)
+        for spec in meta.loads:
+            if spec.stream:
+                self._start_stream(spec)
+            else:
+                self._outcomes.loaded(spec.req_id, spec.block_ids, self._load_one(spec))
+
+    def _start_stream(self, spec: LoadSpec) -> None:
+        """Begin a streamed load (``streaming``). With the daemon down it fails now, and with
+        CUDA KV too (the scheduler streams only to host KV; CUDA loads are staged instead); it is
+        handed over at the next ``finished_loads`` either way."""
+        link, streaming = self.link, self._streaming
+        if self._device.enabled or not spec.block_ids or not link.connect():
+            if self._device.enabled:
+                _log.warning("tierd: a streamed load reached a CUDA worker; vLLM recomputes %s",
+                             spec.req_id)
+            streaming.ended_now.append(StreamedLoad(spec, ""))
+            return
+        if streaming.streams is None:
+            streaming.streams = Streams(link.new_client(), streaming.sink,
+                                        self.format.slot_bytes, self._clock)
+        streaming.streams.start(spec, link.engine.engine_id, link.slots)
+
+    def finished_loads(self, finished_req_ids: Iterable[str]) -> set[str]:
+        """vLLM's ``get_finished``: stop the streamed loads of requests vLLM finished, and
+        hand over (report, count, failed blocks as load errors this step) the streamed loads
+        that ended; their request ids (finished receiving)."""
+        finished = set(finished_req_ids)
+        streaming = self._streaming
+        ended, streaming.ended_now = streaming.ended_now, []
+        if streaming.streams is not None:
+            streaming.streams.cancel(finished)
+            ended += streaming.streams.take_finished()
+        for load in ended:
+            spec = load.spec
+            self._outcomes.loaded(spec.req_id, spec.block_ids, load.placed,
+                                  load.cancelled or spec.req_id in finished)
+        self.finished(finished)
+        return {load.spec.req_id for load in ended}
+
+    def _load_one(self, spec: LoadSpec) -> int:
+        """Load ``spec``'s leading blocks; returns how many were written and are valid (on
+        CUDA: verified and queued; ``_finish_loads`` takes them back if the lease ran out)."""
+        if not spec.block_ids or not self.link.connect():
+            return 0
+        session = self.link.session
+        assert session is not None and session.slots is not None
+        try:
+            lease = acquire(session.client, session.engine_id,
+                            [BlockHash(h) for h in spec.block_hashes], clock=self._clock)
+        except grpc.RpcError as exc:
+            self.link.failed(exc, session)
+            return 0
+        device = self._device.sink(self.link)
+        if device is not None:  # queued: the lease is released once the DMAs have read it
+            opened = start_load(lease, spec.block_ids, session.slots, device)
+            self._device.opened(spec.req_id, session, opened, device)
+            if opened.corrupt_from is not None:
+                _log.warning("tierd: block %d of %s failed its checksum; vLLM recomputes from "
+                             "there", opened.verified, spec.req_id)
+            return opened.verified
+        done = load_leased(lease, spec.block_ids, session.slots, self._host,
+                           self._release_for(session), self._clock)
+        if done.lease_lost:
+            _log.warning("tierd: lease on %d blocks of %s expired before the copy finished; "
+                         "vLLM recomputes them", done.acquired, spec.req_id)
+        elif done.corrupt:
+            _log.warning("tierd: block %d of %s failed its checksum; vLLM recomputes from there",
+                         done.verified, spec.req_id)
+        return done.placed
+
+    def _release_for(self, session: Session) -> Release:
+        """Release leases of ``session`` now; one of a session the link has dropped is gone."""
+        now = releaser(session.client,
+                       lambda exc: self.link.failed(exc, session, names_lease=True))
+
+        def release(lease: Lease, corrupt_from: int | None) -> bool | None:
+            return now(lease, corrupt_from) if self.link.session is session else False
+        return release
+
+    def wait_layer(self, layer_name: str) -> None:
+        """CUDA: make the current stream (the forward pass) wait until this step's loads of
+        layer ``layer_name`` are in vLLM's blocks; the host does not wait. Nothing on CPU,
+        where ``load`` is synchronous."""
+        layer = self._layers.get(layer_name)
+        if layer is not None:
+            self._device.wait_layer(layer)
+
+    def _finish_loads(self) -> bool:
+        """CUDA: once this step's queued loads have read their slots, release their leases. A
+        lease that ran out first (or a daemon gone) makes its blocks load errors and its request
+        poisoned; True if one did (the step's saves are then dropped)."""
+        lost = False
+        for load, done in self._device.finish(self._release_for, self._clock):
+            verified = load.load.block_ids[:done.verified]
+            if not done.lease_lost or not verified:
+                continue
+            _log.warning("tierd: lease on %d blocks of %s expired before the copy finished; "
+                         "vLLM recomputes them", len(verified), load.req_id)
+            lost = True
+            self._outcomes.taken_back(load.req_id, verified)
+        return lost
+
+    def take_load_errors(self) -> set[int]:
+        """vLLM block ids whose planned load failed since the last call (then forgotten)."""
+        self._save.lease_lost |= self._finish_loads()
+        return self._outcomes.take_errors()
+
+    # -- saves -------------------------------------------------------------------------------
+
+    def save_layer(self, layer_name: str, saves: list[SaveSpec]) -> None:
+        """Copy ``layer_name``'s part of this step's saved blocks into their reserved slots
+        (reserving them on the first layer of the step). Blocks until copied."""
+        if not saves:
+            return
+        step = self._save
+        if not step.tried:
+            step.tried = True
+            step.saves = self._outcomes.accepted(saves)
+            step.pending = self._reserve(step.saves)
+        pending, layer = step.pending, self._layers.get(layer_name)
+        if pending is None or layer is None or not pending.targets:
+            return
+        self._copy_layer(pending, layer)
+
+    def _copy_layer(self, pending: _PendingSave, layer: int) -> None:
+        """Copy ``layer``'s part of ``pending``'s blocks into its slots (on CUDA: queue it)."""
+        if pending.device is not None:
+            pending.device.transfer.save_layer(layer)
+        else:
+            save_layer(self.link.arena_tensor, self.format, layer, self._host.kv_bytes[layer],
+                       pending.block_runs)
+        pending.layers_done.add(layer)
+
+    def _reserve(self, saves: list[SaveSpec]) -> _PendingSave | None:
+        """Reserve slots for the accepted ``saves`` (``core.save.reserve``); on CUDA open the
+        device save. None if nothing is to be written."""
+        block_ids = [b for spec in saves for b in spec.block_ids]
+        if not block_ids:
+            return None
+        counts: list[tuple[str, int]] = []
+
+        def count(name: str, amount: int) -> None:
+            self._counters.count(name, amount)
+            counts.append((name, amount))
+
+        if not self.link.connect():
+            count("dropped_blocks", len(block_ids))
+            return None
+        session = self.link.session
+        assert session is not None
+        limit = session.engine.max_blocks_per_request
+        hashes = [BlockHash(h) for spec in saves for h in spec.block_hashes][:limit]
+        owners = [spec.req_id for spec in saves for _ in spec.block_hashes][:limit]
+        count("dropped_blocks", len(block_ids) - len(hashes))
+        asked = self._clock()
+        try:
+            reservation = reserve(session.client, session.engine_id, hashes)
+        except grpc.RpcError as exc:
+            self.link.failed(exc, session)
+            count("dropped_blocks", len(hashes))
+            return None
+        geometry = session.engine.geometry
+        targets = [(i, geometry.offset(slot))
+                   for i, slot in enumerate(reservation.slot_ids) if slot is not None]
+        count("skipped_blocks", len(hashes) - len(targets))
+        block_runs = runs([block_ids[i] for i, _ in targets], [o for _, o in targets],
+                          self.format.slot_bytes)
+        device = self._device.sink(self.link) if targets else None
+        if device is not None:  # blocks beyond the device staging bound are not written
+            kept = device.transfer.open_save(block_runs)
+            count("dropped_blocks", len(targets) - kept)
+            targets = targets[:kept]
+        return _PendingSave(reservation, targets, block_runs, [owners[i] for i, _ in targets],
+                            asked + reservation.seconds_left / 2, counts, device=device)
+
+    def _reoffer(self, old: _PendingSave, saves: list[SaveSpec]) -> _PendingSave | None:
+        """The step outlasted half of its write lease, so its Commit might land after the lease
+        ended and store nothing: abort that reservation, reserve anew and copy every layer again
+        from vLLM's blocks (they hold this step's KV until the step ends). The old reservation's
+        counts are undone; the new one counts its own. None if nothing was reserved (its blocks
+        counted as dropped)."""
+        if old.device is not None:
+            old.device.transfer.drop_save()
+        for name, amount in old.counts:
+            self._counters.count(name, -amount)
+        session = self.link.session
+        if session is not None:
+            try:
+                abort(session.client, old.reservation)
+            except grpc.RpcError as exc:
+                self.link.failed(exc, session, names_lease=True)
+        new = self._reserve(saves)
+        if new is None:
+            return None
+        for layer in range(len(self.format.layer_names)):
+            if new.targets:
+                self._copy_layer(new, layer)
+            new.layers_done.add(layer)
+        self._counters.count("reoffered_blocks", len(new.targets))
+        return new
+
+    def finish_save(self) -> None:
+        """Hand this step's Commit to the committer thread, or Abort the reservation if a layer
+        is missing. A step that outlasted half of its write lease is re-offered first
+        (``_reoffer``). Returns without waiting for the daemon; never raises for a daemon
+        failure (outcomes are counted when they arrive)."""
+        lease_lost = self._finish_loads() or self._save.lease_lost
+        self._commits.harvest()
+        step, self._save = self._save, _StepSave()
+        pending = step.pending
+        if (pending is not None and not lease_lost and self._clock() >= pending.renew_at
+                and len(pending.layers_done) == len(self.format.layer_names)):
+            pending = self._reoffer(pending, step.saves)
+        # CUDA: close the device save (D2H queued, or nothing written if a layer is missing)
+        ticket = pending.device.transfer.finish_save() if pending and pending.device else None
+        if pending is None or not self.link.up:
+            return
+        session = self.link.session
+        assert session is not None
+        if lease_lost or len(pending.layers_done) < len(self.format.layer_names):
+            self._counters.count("dropped_blocks", len(pending.targets))
+            try:
+                abort(session.client, pending.reservation)
+            except grpc.RpcError as exc:
+                self.link.failed(exc, session, names_lease=True)
+            return
+        self._commits.commit(self._outcomes.step, pending.reservation, pending.written(),
+                             pending.owner_of_each(), ticket)
+
+    def flush(self) -> None:
+        """Wait until every handed-off Commit has landed and is counted."""
+        self._commits.harvest(wait=True)
+
+    # -- reports -----------------------------------------------------------------------------
+
+    def finished(self, req_ids: Iterable[str]) -> None:
+        """Forget requests vLLM finished (their poison, if any)."""
+        self._outcomes.finished(req_ids)
+
+    def take_report(self) -> TierdWorkerMetadata | None:
+        """This step's ``TierdWorkerMetadata`` (None if there is nothing to report)."""
+        return self._outcomes.take_report()
+
+    def take_stats(self) -> TierdConnectorStats | None:
+        """Counters since the last call (None if all are 0)."""
+        self._commits.harvest()
+        return self._counters.take()
+
+    def close(self) -> None:
+        """Land the pending Commits, stop the helper threads, unregister. Commits still waiting
+        for a verdict are dropped (their reservations lapse on the daemon)."""
+        self._finish_loads()
+        if self._streaming.streams is not None:
+            self._streaming.streams.close()
+        self._commits.close()
+        self._device.close()
+        self.link.close()

@@ -1,0 +1,179 @@
+"""Loads and saves through the fake vLLM: a prefix saved in one KV order loads bit-exact in another,
+matches stop before the last token, decode blocks saved as they fill, a preempted request resumes
+from tierd, and what is never loaded or saved twice."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from fake_vllm import FakeRequest, ask, prompt, usage
+
+from tierd.connector.vllm.connector import TierdConnectorMetadata
+from tierd.connector.vllm.connector.metadata import LoadSpec
+
+
+@pytest.mark.parametrize("saver, loader", [("LBHNC", "LBNHC"), ("LBNHC", "BLNHC"),
+                                           ("BLNHC", "LBHNC"), ("LBNHC", "separate")])
+def test_prefix_saved_in_one_order_loads_bit_exact_in_another(sock: str, engines: Any,
+                                                              saver: str, loader: str) -> None:
+    """A (KV buffer in ``saver`` order) saves 6 blocks; B (``loader``) loads them bit-exact."""
+    a, b = engines(0, order=saver), engines(20, order=loader)
+    assert a.kv[0]["model.layers.1.self_attn.attn"].stride() != \
+        b.kv[0]["model.layers.1.self_attn.attn"].stride()
+    req_a, req_b = FakeRequest("a", prompt(100)), FakeRequest("b", prompt(100))
+    assert a.prefill(req_a) == (0, set())
+    assert a.counters() == (0, 0, 6, 0, 0) and usage(sock) == (6, 0)
+    assert b.prefill(req_b) == (96, set())
+    assert b.counters() == (6, 0, 0, 0, 0) and b.computed_tokens == 4
+    ids_a, ids_b = a.tables["a"], b.tables["b"]
+    assert ids_a == list(range(0, 7)) and ids_b == list(range(20, 27))
+    for block_a, block_b in zip(ids_a, ids_b):
+        assert torch.equal(a.block(block_a), b.block(block_b))
+    assert b.block(ids_b[0]).abs().sum() > 0
+    a.finish(req_a)
+    b.finish(req_b)
+    assert usage(sock) == (6, 0)
+
+
+def test_matches_stop_before_last_token_and_after_local_hit(sock: str, engines: Any) -> None:
+    """6 blocks stored: a 96-token prompt matches 5, beyond a 2-block local hit 3, beyond 5 none."""
+    a, b = engines(0), engines(20)
+    a.prefill(FakeRequest("a", prompt(96)))
+    assert a.counters() == (0, 0, 6, 0, 0)
+    req = FakeRequest("b", prompt(96))
+    asks = [(req, 0), (req, 32), (req, 80), (FakeRequest("c", prompt(97)), 0),
+            (FakeRequest("d", prompt(96, salt=1)), 0),
+            (FakeRequest("e", prompt(40) + prompt(56, salt=2)), 0)]
+    assert [ask(b.scheduler, r, n) for r, n in asks] == [
+        (80, False), (48, False), (0, False), (96, False), (0, False), (32, False)]
+    assert usage(sock) == (6, 6)  # c pins blocks 0-5, e 0-1; b's last lookup dropped its pin
+    for r, _ in asks:
+        assert b.scheduler.request_finished(r, []) == (False, None)
+    assert usage(sock) == (6, 0)
+
+
+def test_decode_blocks_are_saved_once_as_they_fill(sock: str, engines: Any) -> None:
+    """A 30-token prefill saves block 0; decoding saves block 1 at token 32, block 2 at 48."""
+    a = engines(0)
+    req = FakeRequest("a", prompt(30))
+    a.prefill(req)
+    assert a.counters() == (0, 0, 1, 0, 0)
+    saved = []
+    for token in range(18):  # positions 30..47
+        a.decode(req, 7 + token)
+        saved.append(a.counters()[2])
+    assert saved == [1, 2] + [2] * 15 + [3]
+    assert a.counters() == (0, 0, 3, 0, 0) and usage(sock) == (3, 0)
+    probe = FakeRequest("b", list(req.all_token_ids) + [1])
+    b = engines(20)
+    assert ask(b.scheduler, probe, 0) == (48, False)
+    assert b.scheduler.request_finished(probe, []) == (False, None)
+
+
+def test_preempted_request_resumes_from_tierd(sock: str, engines: Any) -> None:
+    """Preempted after 50 tokens, a request resumes into other blocks loading 3 of its 4."""
+    a = engines(0)
+    req = FakeRequest("a", prompt(40))
+    a.prefill(req)
+    for token in range(10):
+        a.decode(req, 100 + token)
+    assert a.counters() == (0, 0, 3, 0, 0)
+    before = [a.block(b).clone() for b in a.tables["a"][:3]]
+    computed = a.computed_tokens
+    a.preempt(req)
+    assert a.admit(req) == 48
+    assert a.step([req]).invalid_block_ids == set()
+    ids = a.tables["a"]
+    assert ids == [4, 5, 6, 7] and a.computed_tokens - computed == 2
+    assert a.metas[-1].saves == [] and a.metas[-1].loads == [
+        LoadSpec("a", [4, 5, 6], [bytes(h) for h in req.block_hashes[:3]])]
+    assert all(torch.equal(a.block(ids[i]), before[i]) for i in range(3))
+    assert a.counters() == (3, 0, 3, 0, 0) and usage(sock) == (3, 0)
+    for token in range(14):  # positions 50..63: block 3 fills at the last one
+        a.decode(req, 200 + token)
+    assert a.counters() == (3, 0, 4, 0, 0)
+
+
+def test_already_stored_blocks_are_skipped(engines: Any) -> None:
+    """B (loading off) computes A's prompt cold: its 6 saves are skipped as already stored."""
+    a, b = engines(0), engines(20, load=False)
+    a.prefill(FakeRequest("a", prompt(100)))
+    assert b.prefill(FakeRequest("b", prompt(100))) == (0, set())
+    assert b.counters() == (0, 0, 0, 6, 0)
+
+
+def test_request_without_block_hashes_is_neither_loaded_nor_saved(engines: Any) -> None:
+    """A request carrying no block hashes gets 0 matches and plans no save."""
+    a, b = engines(0), engines(20)
+    a.prefill(FakeRequest("a", prompt(100)))
+    assert b.prefill(FakeRequest("b", prompt(100), hashed=False)) == (0, set())
+    assert b.metas[-1] == TierdConnectorMetadata(step=len(b.metas))
+    assert b.counters() == (0, 0, 0, 0, 0)
+
+
+def test_local_prefix_cache_hit_is_not_saved_again(engines: Any) -> None:
+    """A request with a 2-block local hit (no tierd hit beyond it) saves its blocks 2-5 only."""
+    a = engines(0)
+    a.prefill(FakeRequest("a", prompt(100)))
+    req = FakeRequest("b", prompt(32) + prompt(68, salt=1))
+    assert a.admit(req, local_hit=32, shared=a.tables["a"][:2]) == 0
+    a.step([req])
+    assert [s.block_ids for s in a.metas[-1].saves] == [a.tables["b"][2:6]]
+    assert a.counters() == (0, 0, 10, 0, 0)
+
+
+
+def test_a_step_slower_than_half_its_write_lease_reoffers_its_saves(sock: str,
+                                                                    engines: Any) -> None:
+    """A's worker clock jumps 1,000 s on every reading, so its prefill step outlasts half its
+    write lease between the Reserve and wait_for_save: the 6 blocks are reserved and copied
+    again, stored once, the old reservation freed; B loads them bit-exact."""
+    a, b = engines(0), engines(20)
+    worker = a.workers[0]._worker
+    now = [time.monotonic()]
+
+    def jumping() -> float:
+        now[0] += 1000.0
+        return now[0]
+
+    worker._clock = jumping
+    req_a, req_b = FakeRequest("a", prompt(100)), FakeRequest("b", prompt(100))
+    assert a.prefill(req_a) == (0, set())
+    assert a.counters() == (0, 0, 6, 0, 0) and usage(sock) == (6, 0)
+    assert a.workers[0].worker_counters.data["reoffered_blocks"] == 6
+    assert b.prefill(req_b) == (96, set())
+    for block_a, block_b in zip(a.tables["a"][:6], b.tables["b"][:6]):
+        assert torch.equal(a.block(block_a), b.block(block_b))
+
+
+def test_a_slow_daemon_answers_none_at_once_then_the_hit(sock: str, engines: Any,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every Acquire takes 0.5 s: the lookup answers None within 0.1 s at each ask while its job
+    waits, then the 6-block hit; the daemon saw one counted Acquire for the request."""
+    from tierd.wire.client import TierdClient
+
+    a, b = engines(0), engines(20)
+    a.prefill(FakeRequest("a", prompt(100)))
+    real_acquire, counted = TierdClient.acquire, []
+
+    def slow(client: TierdClient, engine_id: str, hashes: Any, **flags: Any) -> Any:
+        counted.append(bool(flags.get("count_lookup")))
+        time.sleep(0.5)
+        return real_acquire(client, engine_id, hashes, **flags)
+
+    monkeypatch.setattr(TierdClient, "acquire", slow)
+    req = FakeRequest("b", prompt(100))
+    answers, longest = [], 0.0
+    for _ in range(400):
+        start = time.perf_counter()
+        answers.append(b.scheduler.get_num_new_matched_tokens(req, 0))
+        longest = max(longest, time.perf_counter() - start)
+        if answers[-1][0] is not None:
+            break
+        time.sleep(0.01)
+    assert answers[-1] == (96, False) and set(answers[:-1]) == {(None, False)}
+    assert len(answers) > 10 and longest < 0.1 and counted == [True]
+    assert b.scheduler.request_finished(req, []) == (False, None)

@@ -1,0 +1,400 @@
+"""Clients of the node daemon: ``TierdClient`` (blocking) and ``AsyncTierdClient`` (asyncio).
+
+Each holds one gRPC channel and makes exactly one round trip per method call, whatever the
+number of blocks. Inputs and outputs are plain Python values (``Layout``, ``BlockHash`` lists,
+the frozen results of ``tierd.wire.convert``); no protobuf type reaches the caller.
+
+Errors are ``grpc.RpcError`` (sync) / ``grpc.aio.AioRpcError`` (async) carrying the precise status
+code (``.code()``) and message (``.details()``) the daemon chose: INVALID_ARGUMENT, NOT_FOUND,
+FAILED_PRECONDITION, RESOURCE_EXHAUSTED, UNAUTHENTICATED; UNAVAILABLE when no daemon listens.
+
+The engine-side data path, for reference::
+
+    client = TierdClient(socket_path="/run/user/1000/tierd.sock")
+    engine = client.register_engine(layout, engine_name="llama-tp0")
+    arena = ShmArena.attach(engine.arena_name, directory=engine.arena_directory)
+    got = client.acquire(engine.engine_id, hashes)           # pins got.num_blocks blocks
+    for slot, checksum in zip(got.slot_ids, got.checksums):  # copy out, then verify
+        off = engine.geometry.offset(slot)
+        ... arena.view(off, engine.geometry.slot_bytes) ...
+    client.release(engine.engine_id, got.lease_id)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+
+from tierd.paths import client_socket_path
+from tierd.types import BlockHash, Tier
+from tierd.v1 import tierd_pb2 as pb
+from tierd.v1 import tierd_pb2_grpc as pb_grpc
+from tierd.wire import convert
+from tierd.wire.layout import Layout
+from tierd.wire.replies import AcquiredBlocks, DaemonStats, EngineHandle, Located, ReservedSlots
+
+if TYPE_CHECKING:
+    from tierd.daemon.why import Variant, WhyAnswer
+
+T = TypeVar("T")
+
+__all__ = ["AcquiredBlocks", "AsyncTierdClient", "DaemonStats", "EngineHandle", "Located",
+           "ReservedSlots", "TierdClient", "target_for"]
+
+DEFAULT_TIMEOUT = 30.0
+"""Seconds before a call fails with DEADLINE_EXCEEDED (an Acquire may read from SSD)."""
+
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
+                    ("grpc.max_send_message_length", 64 << 20)]
+
+
+def target_for(socket_path: str | None = None, address: str | None = None) -> str:
+    """The gRPC target: ``address`` ("host:port") if given, else ``unix:`` + ``socket_path``
+    (default: ``client_socket_path()``)."""
+    if address:
+        return address
+    return f"unix:{socket_path or client_socket_path()}"
+
+
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class _Requests:
+    """Request builders shared by both clients (one place that touches protobuf)."""
+
+    @staticmethod
+    def register(layout: Layout, engine_name: str) -> pb.RegisterEngineRequest:
+        return pb.RegisterEngineRequest(layout=convert.layout_to_pb(layout),
+                                        engine_name=engine_name)
+
+    @staticmethod
+    def chain(kind: Any, engine_id: str, hashes: Sequence[BlockHash]) -> Any:
+        return kind(engine_id=engine_id, block_hashes=hashes)
+
+    @staticmethod
+    def reserve(engine_id: str, hashes: Sequence[BlockHash],
+                filtered_query_tokens: int) -> pb.ReserveRequest:
+        return pb.ReserveRequest(engine_id=engine_id, block_hashes=hashes,
+                                 filtered_query_tokens=filtered_query_tokens)
+
+    @staticmethod
+    def acquire(engine_id: str, hashes: Sequence[BlockHash], count_lookup: bool,
+                dram_run_only: bool) -> pb.AcquireRequest:
+        return pb.AcquireRequest(engine_id=engine_id, block_hashes=hashes,
+                                 count_lookup=count_lookup, dram_run_only=dram_run_only)
+
+    @staticmethod
+    def reserve_blank(engine_id: str, count: int) -> pb.ReserveRequest:
+        return pb.ReserveRequest(engine_id=engine_id, blank_slots=count)
+
+    @staticmethod
+    def commit(engine_id: str, lease_id: str, written: Sequence[bool],
+               names: Sequence[BlockHash]) -> pb.CommitRequest:
+        return pb.CommitRequest(engine_id=engine_id, lease_id=lease_id, written=list(written),
+                                block_hashes=names)
+
+    @staticmethod
+    def locate(engine_id: str | None, hashes: Sequence[BlockHash],
+               layout: Layout | None) -> pb.LocateRequest:
+        if (engine_id is None) == (layout is None):
+            raise ValueError("locate needs exactly one of engine_id and layout")
+        if layout is not None:
+            return pb.LocateRequest(block_hashes=hashes, layout=convert.layout_to_pb(layout))
+        return pb.LocateRequest(engine_id=engine_id, block_hashes=hashes)
+
+    @staticmethod
+    def release(engine_id: str, lease_id: str, corrupt_from: int | None) -> pb.ReleaseRequest:
+        return pb.ReleaseRequest(engine_id=engine_id, lease_id=lease_id, corrupt_from=corrupt_from)
+
+    @staticmethod
+    def hot(engine_id: str, stored: Sequence[BlockHash], removed: Sequence[BlockHash],
+            cleared: bool, speed: float = 0.0) -> pb.ReportHotBlocksRequest:
+        return pb.ReportHotBlocksRequest(engine_id=engine_id, stored=stored, removed=removed,
+                                         cleared=cleared, prefill_tokens_per_second=speed)
+
+
+class ChannelClosed(grpc.RpcError):  # type: ignore[misc]  # grpc has no type stubs
+    """A call on a client already closed (another thread dropped the session it belonged to):
+    a ``grpc.RpcError`` like any other failed call (``core.errors`` classifies it "down"), not
+    gRPC's ``ValueError``, so no caller needs a second ``except``."""
+
+    @classmethod
+    def of(cls, exc: ValueError, target: str) -> ChannelClosed:
+        if "closed" not in str(exc).lower():
+            raise exc
+        return cls(f"the channel to {target} was closed")
+
+
+class TierdClient:
+    """Blocking client over one channel. Thread-safe (gRPC channels are). Use as a context
+    manager or call ``close``."""
+
+    def __init__(self, *, socket_path: str | None = None, address: str | None = None,
+                 token: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Connect lazily to ``address`` ("host:port", needs ``token``) or the Unix socket
+        ``socket_path`` (default socket if neither is given). Nothing is sent until a call."""
+        self.target = target_for(socket_path, address)
+        self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.TierdStub(self._channel)  # type: ignore[no-untyped-call]
+        self._md = _metadata(token)
+        self._timeout = timeout
+
+    def _call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self._stub, method)(request, metadata=self._md,
+                                               timeout=self._timeout)
+        except ValueError as exc:
+            raise ChannelClosed.of(exc, self.target) from exc
+
+    def register_engine(self, layout: Layout, engine_name: str = "") -> EngineHandle:
+        """Register ``layout``; returns the engine id, arena and slot geometry to use."""
+        return convert.engine_handle_from_pb(
+            self._call("RegisterEngine", _Requests.register(layout, engine_name)))
+
+    def unregister_engine(self, engine_id: str) -> None:
+        """Forget the engine; its leases and reservations are released."""
+        self._call("UnregisterEngine", pb.UnregisterEngineRequest(engine_id=engine_id))
+
+    def lookup(self, engine_id: str, hashes: Sequence[BlockHash]) -> list[Tier]:
+        """Tier of each block of the longest held prefix of ``hashes`` (len = hit blocks).
+        Pins nothing."""
+        reply = self._call("Lookup", _Requests.chain(pb.LookupRequest, engine_id, hashes))
+        return convert.tiers_from_pb(reply.tiers)
+
+    def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                count_lookup: bool = False, dram_run_only: bool = False) -> AcquiredBlocks:
+        """Pin the longest held prefix in DRAM (SSD hits staged first) until ``release`` or the
+        lease deadline; returns slot ids and checksums to copy and verify. ``count_lookup``:
+        the daemon also counts the chain as a Lookup would (hit ratio), for a load made without
+        a Lookup first. ``dram_run_only``: pin the leading DRAM run alone and read nothing;
+        ``held_after`` lists the tiers of the held blocks after it (counted as a Lookup)."""
+        reply = self._call("Acquire", _Requests.acquire(engine_id, hashes, count_lookup,
+                                                        dram_run_only))
+        return convert.acquired_from_pb(reply)
+
+    def acquire_async(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                      count_lookup: bool = False, dram_run_only: bool = False
+                      ) -> Future[AcquiredBlocks]:
+        """``acquire`` without blocking: a future of its result (or of its ``grpc.RpcError``).
+        The daemon stages SSD hits into DRAM meanwhile; the pin starts when the reply is
+        made, so a caller that drops the future must still release a lease it resolves to.
+        ``dram_run_only`` as for ``acquire`` (a Lookup and an Acquire of the DRAM run in one
+        round trip)."""
+        return self._future("Acquire", _Requests.acquire(engine_id, hashes, count_lookup,
+                                                         dram_run_only),
+                            convert.acquired_from_pb)
+
+    def _future(self, method: str, request: Any, result: Callable[[Any], T]) -> Future[T]:
+        """Send ``request`` without waiting: a future of ``result(reply)`` or of the call's
+        ``grpc.RpcError`` (set on gRPC's thread, which does nothing else for it)."""
+        out: Future[T] = Future()
+        try:
+            call = getattr(self._stub, method).future(request, metadata=self._md,
+                                                      timeout=self._timeout)
+        except ValueError as exc:
+            raise ChannelClosed.of(exc, self.target) from exc
+
+        def done(call: Any) -> None:
+            try:
+                out.set_result(result(call.result()))
+            except Exception as exc:  # an RpcError, or a cancelled call: the future still ends
+                out.set_exception(exc)
+
+        call.add_done_callback(done)
+        return out
+
+    def release(self, engine_id: str, lease_id: str, *, corrupt_from: int | None = None) -> bool:
+        """Unpin an acquired prefix. ``corrupt_from``: index of the first block whose checksum
+        failed after the copy; the daemon re-checks it and drops it if it is corrupt (returns
+        True then)."""
+        return bool(self._call("Release", _Requests.release(engine_id, lease_id, corrupt_from))
+                    .dropped)
+
+    def release_async(self, engine_id: str, lease_id: str, *,
+                      corrupt_from: int | None = None) -> Future[bool]:
+        """``release`` without waiting: a future of its result (or of its ``grpc.RpcError``)."""
+        return self._future("Release", _Requests.release(engine_id, lease_id, corrupt_from),
+                            lambda reply: bool(reply.dropped))
+
+    def reserve(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                filtered_query_tokens: int = 0) -> ReservedSlots:
+        """Reserve a slot per block not stored yet; write each, then ``commit`` or ``abort``.
+        ``filtered_query_tokens``: lookups answered from the presence filter since the last
+        Reserve, for the node's hit ratio."""
+        reply = self._call("Reserve", _Requests.reserve(engine_id, hashes, filtered_query_tokens))
+        return convert.reserved_from_pb(reply)
+
+    def reserve_blank_async(self, engine_id: str, count: int) -> Future[ReservedSlots]:
+        """Reserve ``count`` blank slots (fewer where no room could be made), to be named at
+        ``commit`` (``names``), without waiting: a future of them (or of the call's
+        ``grpc.RpcError``)."""
+        return self._future("Reserve", _Requests.reserve_blank(engine_id, count),
+                            convert.reserved_from_pb)
+
+    def commit(self, engine_id: str, lease_id: str, written: Sequence[bool],
+               names: Sequence[BlockHash] = ()) -> int:
+        """Publish the written blocks: ``written[i]`` is True if the i-th reserved slot was
+        written (False for a hash without a slot); the daemon checksums those bytes itself.
+        ``names``: the hash of each blank slot's block, in slot order (blank reservations only).
+        Returns blocks now stored."""
+        reply = self._call("Commit", _Requests.commit(engine_id, lease_id, written, names))
+        return int(reply.stored)
+
+    def commit_async(self, engine_id: str, lease_id: str, written: Sequence[bool],
+                     names: Sequence[BlockHash] = ()) -> Future[int]:
+        """``commit`` without blocking (the daemon checksums the slots meanwhile): a future of
+        the blocks stored, or of the call's ``grpc.RpcError``."""
+        return self._future("Commit", _Requests.commit(engine_id, lease_id, written, names),
+                            lambda reply: int(reply.stored))
+
+    def abort(self, engine_id: str, lease_id: str) -> None:
+        """Free a reservation's slots, storing nothing."""
+        self._call("Abort", pb.AbortRequest(engine_id=engine_id, lease_id=lease_id))
+
+    def abort_async(self, engine_id: str, lease_id: str) -> Future[None]:
+        """``abort`` without waiting: a future of its end (or of its ``grpc.RpcError``)."""
+        return self._future("Abort", pb.AbortRequest(engine_id=engine_id, lease_id=lease_id),
+                            lambda reply: None)
+
+    def report_hot_blocks(self, engine_id: str, stored: Sequence[BlockHash] = (),
+                          removed: Sequence[BlockHash] = (), cleared: bool = False, *,
+                          prefill_tokens_per_second: float = 0.0) -> None:
+        """Tell the daemon which blocks entered / left the engine's GPU pool (``cleared``
+        first empties the engine's HBM set) and, if measured (> 0), the engine's prefill speed
+        (the cache's savings are counted at it)."""
+        self._call("ReportHotBlocks", _Requests.hot(engine_id, stored, removed, cleared,
+                                                    prefill_tokens_per_second))
+
+    def locate(self, engine_id: str | None, hashes: Sequence[BlockHash], *,
+               layout: Layout | None = None) -> Located:
+        """Rank the cluster's nodes by the prefix of ``hashes`` they hold, in the namespace of
+        ``engine_id`` or (``engine_id`` None) of ``layout`` under the caller's tenant. One Redis
+        round trip on the daemon's side; ``stale`` when Redis could not be asked.
+        FAILED_PRECONDITION if the daemon has no cluster (no redis_url)."""
+        return convert.located_from_pb(
+            self._call("Locate", _Requests.locate(engine_id, hashes, layout)))
+
+    def stats(self) -> DaemonStats:
+        """Occupancy and counters of every tier, and the caller's engines."""
+        return convert.stats_from_pb(self._call("Stats", pb.StatsRequest()))
+
+    def why(self, layout: Layout, hashes: Sequence[BlockHash],
+            variants: Sequence[Variant] = ()) -> WhyAnswer:
+        """Where the caller's tenant's chain ``hashes`` in ``layout`` lives on the node and
+        why its first missing block misses (``tierd.daemon.why``). Read-only."""
+        from tierd.daemon import why_convert
+
+        return why_convert.answer_from_pb(
+            self._call("Why", why_convert.request_to_pb(layout, hashes, variants)))
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until the channel connects; ``grpc.FutureTimeoutError`` after ``timeout`` s."""
+        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> TierdClient:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+class AsyncTierdClient:
+    """The same calls as ``TierdClient``, as coroutines on one ``grpc.aio`` channel. Create and
+    use it inside one running event loop; ``await close()`` (or ``async with``) when done."""
+
+    def __init__(self, *, socket_path: str | None = None, address: str | None = None,
+                 token: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.target = target_for(socket_path, address)
+        self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.TierdStub(self._channel)  # type: ignore[no-untyped-call]
+        self._md = _metadata(token)
+        self._timeout = timeout
+
+    async def _call(self, method: str, request: Any) -> Any:
+        return await getattr(self._stub, method)(request, metadata=self._md,
+                                                 timeout=self._timeout)
+
+    async def register_engine(self, layout: Layout, engine_name: str = "") -> EngineHandle:
+        """See ``TierdClient.register_engine``."""
+        return convert.engine_handle_from_pb(
+            await self._call("RegisterEngine", _Requests.register(layout, engine_name)))
+
+    async def unregister_engine(self, engine_id: str) -> None:
+        """See ``TierdClient.unregister_engine``."""
+        await self._call("UnregisterEngine", pb.UnregisterEngineRequest(engine_id=engine_id))
+
+    async def lookup(self, engine_id: str, hashes: Sequence[BlockHash]) -> list[Tier]:
+        """See ``TierdClient.lookup``."""
+        reply = await self._call("Lookup", _Requests.chain(pb.LookupRequest, engine_id, hashes))
+        return convert.tiers_from_pb(reply.tiers)
+
+    async def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                      count_lookup: bool = False, dram_run_only: bool = False) -> AcquiredBlocks:
+        """See ``TierdClient.acquire``."""
+        reply = await self._call("Acquire", _Requests.acquire(engine_id, hashes, count_lookup,
+                                                              dram_run_only))
+        return convert.acquired_from_pb(reply)
+
+    async def release(self, engine_id: str, lease_id: str, *,
+                      corrupt_from: int | None = None) -> bool:
+        """See ``TierdClient.release``."""
+        reply = await self._call("Release", _Requests.release(engine_id, lease_id, corrupt_from))
+        return bool(reply.dropped)
+
+    async def reserve(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                      filtered_query_tokens: int = 0) -> ReservedSlots:
+        """See ``TierdClient.reserve``."""
+        reply = await self._call("Reserve", _Requests.reserve(engine_id, hashes,
+                                                              filtered_query_tokens))
+        return convert.reserved_from_pb(reply)
+
+    async def commit(self, engine_id: str, lease_id: str, written: Sequence[bool],
+                     names: Sequence[BlockHash] = ()) -> int:
+        """See ``TierdClient.commit``."""
+        reply = await self._call("Commit", _Requests.commit(engine_id, lease_id, written, names))
+        return int(reply.stored)
+
+    async def abort(self, engine_id: str, lease_id: str) -> None:
+        """See ``TierdClient.abort``."""
+        await self._call("Abort", pb.AbortRequest(engine_id=engine_id, lease_id=lease_id))
+
+    async def report_hot_blocks(self, engine_id: str, stored: Sequence[BlockHash] = (),
+                                removed: Sequence[BlockHash] = (), cleared: bool = False, *,
+                                prefill_tokens_per_second: float = 0.0) -> None:
+        """See ``TierdClient.report_hot_blocks``."""
+        await self._call("ReportHotBlocks", _Requests.hot(engine_id, stored, removed, cleared,
+                                                          prefill_tokens_per_second))
+
+    async def locate(self, engine_id: str | None, hashes: Sequence[BlockHash], *,
+                     layout: Layout | None = None) -> Located:
+        """See ``TierdClient.locate``."""
+        return convert.located_from_pb(
+            await self._call("Locate", _Requests.locate(engine_id, hashes, layout)))
+
+    async def stats(self) -> DaemonStats:
+        """See ``TierdClient.stats``."""
+        return convert.stats_from_pb(await self._call("Stats", pb.StatsRequest()))
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Wait until the channel connects; ``asyncio.TimeoutError`` after ``timeout`` s."""
+        await asyncio.wait_for(self._channel.channel_ready(), timeout)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncTierdClient:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
