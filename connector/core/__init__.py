@@ -2,7 +2,9 @@
 backend): client ``settings``, the daemon ``link``, one classification of failed calls
 (``errors``), ``lease`` and ``load`` through a sink (``sinks``), ``save`` and its blank-slot
 ``stock``, batched verified copies between arena slots and pool rows (``arena_slots``), the job
-model every front end adapts (``jobs``) and the one executor of their daemon calls (``runner``).
+model every front end adapts (``jobs``), the one executor of their daemon calls (``runner``), and
+the engine's measured prefill speed that the front ends report for the daemon's savings
+(``prefill_speed``).
 """
 
 from tierd.connector.core.arena_slots import ArenaSlots

@@ -184,7 +184,18 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_preemptions = 0
         """Times a running request lost its blocks for lack of space (it is recomputed)."""
+        self._step_timings: deque[tuple[int, float]] = deque(maxlen=1024)
         self.hooks.register_kv_caches(self.kv_cache, model_identity(model).model_id)
+        attach = getattr(self.hooks, "attach_step_timings", None)  # optional (hooks module doc)
+        if attach is not None:
+            attach(self.take_step_timings)
+
+    def take_step_timings(self) -> list[tuple[int, float]]:
+        """(prompt tokens computed, seconds) of each forward pass since the last call (the
+        last 1,024 at most), oldest first: the engine's prefill speed, measured."""
+        out = list(self._step_timings)
+        self._step_timings.clear()
+        return out
 
     @property
     def prefix_stats(self) -> PrefixCacheStats:
@@ -360,6 +371,9 @@ class LLMEngine:
             seq_lens=[s.request.num_computed_tokens + s.num_new_tokens for s in batch],
             query_lens=[s.num_new_tokens for s in batch],
         )
+        prefill = sum(max(0, min(s.num_new_tokens, len(s.request.prompt_token_ids)
+                                 - s.request.num_computed_tokens)) for s in batch)
+        began = time.perf_counter()
         with torch.inference_mode():
             dev = self.device
             hidden = self.model(torch.tensor(tokens, device=dev),
@@ -371,10 +385,12 @@ class LLMEngine:
             if sampling:
                 rows = torch.tensor([ends[i] - 1 for i in sampling], device=dev)
                 next_tokens = self.model.compute_logits(hidden[rows]).argmax(dim=-1)
+        sampled = next_tokens.tolist() if next_tokens is not None else []  # waits for a GPU
         now = time.perf_counter()
+        self._step_timings.append((prefill, now - began))
         for s in batch:
             s.request.num_computed_tokens += s.num_new_tokens
-        for i, token in zip(sampling, (next_tokens.tolist() if next_tokens is not None else [])):
+        for i, token in zip(sampling, sampled):
             request = batch[i].request
             request.append_token(int(token))
             if request.first_token_time is None:

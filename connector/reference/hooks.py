@@ -17,6 +17,10 @@ Order of calls, per engine::
         request_finished(request)                 # for each request that finished this step
         step_end()
 
+Optional: hooks with an ``attach_step_timings(take)`` method get the engine's
+``take_step_timings`` at construction ((prompt tokens computed, seconds) of each forward pass:
+its measured prefill speed; ``TierdHooks`` reports it to the daemon for the savings counters).
+
 All calls come from the engine's thread, one at a time. Block ids index rows of the engine's
 ``tierd.gpu.layout.KVCache`` pool (and dimension 0 of its per-layer views). A block hash is the
 ``tierd.hashing`` chain hash of that block (the engine's ``hash_algo`` and seed, the request's

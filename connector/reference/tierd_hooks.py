@@ -8,7 +8,9 @@ Per engine step (the call order is ``tierd.connector.reference.hooks``'s):
   checked as it is copied). The Release is queued at ``step_end``, after the forward pass.
 - ``save``: pool -> staging ring on the engine thread; the runner gathers saves for up to
   ``save_batch_s``, then one Reserve, memcpys into the slots and one Commit (``core.save``).
-- ``step_end``: the engine's hot-tier events are queued for ReportHotBlocks.
+- ``step_end``: the engine's hot-tier events are queued for ReportHotBlocks, with the engine's
+  measured prefill speed when one is due (``core.prefill_speed`` over the engine's step
+  timings, ``attach_step_timings``): the daemon counts the cache's savings at it.
 
 Failure is never an exception out of the engine: a failed load returns False for that block and
 all after it (recomputed); a save that cannot be queued is dropped and counted; a lost daemon
@@ -36,6 +38,7 @@ from tierd.connector.core.errors import Failure, describe
 from tierd.connector.core.lease import Lease, Release, acquire
 from tierd.connector.core.link import DaemonLink, Session
 from tierd.connector.core.load import load_leased
+from tierd.connector.core.prefill_speed import PrefillSpeed
 from tierd.connector.core.runner import Runner
 from tierd.connector.core.save import commit, reserve, write_rows
 from tierd.connector.core.sinks import PoolRows
@@ -100,6 +103,8 @@ class TierdHooks:
         self._filtered_tokens = 0  # lookups answered from the presence filter, not yet sent
         self._lock = threading.Lock()
         self._events: Callable[[], list[KVEvent]] | None = None
+        self._timings: Callable[[], list[tuple[int, float]]] | None = None
+        self._speed = PrefillSpeed(time.monotonic)
         self._hot_cleared = False
         self._closing = threading.Event()
         self._flushing = threading.Event()
@@ -129,6 +134,11 @@ class TierdHooks:
         daemon, batched once per step, so ``tierd stats`` and routers see the HBM tier."""
         self._events = take_events
         self._hot_cleared = True  # the first report starts the daemon's view afresh
+
+    def attach_step_timings(self, take: Callable[[], list[tuple[int, float]]]) -> None:
+        """Measure the engine's prefill speed from ``take`` ((prompt tokens, seconds) per
+        forward pass; the engine attaches its ``take_step_timings`` itself) and report it."""
+        self._timings = take
 
     @property
     def _session(self) -> Session | None:
@@ -272,7 +282,10 @@ class TierdHooks:
         self._queue_loaded()
         self._release_all()
         session, take = self._session, self._events
+        speed = self._measured_speed()
         if take is None:
+            if speed and session is not None:
+                self._put(HotJob(session, [], [], False, time.monotonic(), speed))
             return
         events = take()
         if session is None:
@@ -290,11 +303,19 @@ class TierdHooks:
                 removed += event.block_hashes
             elif isinstance(event, AllBlocksCleared):
                 cleared, stored, removed = True, [], []
-        if stored or removed or cleared:
+        if stored or removed or cleared or speed:
             self._hot_cleared = not self._put(HotJob(session, stored, removed, cleared,
-                                                      time.monotonic()))
+                                                      time.monotonic(), speed))
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _measured_speed(self) -> float:
+        """The engine's prefill speed to report now (0.0: none due)."""
+        if self._timings is None:
+            return 0.0
+        for tokens, seconds in self._timings():
+            self._speed.observe(tokens, seconds)
+        return self._speed.take() or 0.0
 
     @property
     def _block_size(self) -> int:
@@ -477,7 +498,8 @@ class TierdHooks:
                 self.stats.corrupt_dropped += dropped
             else:
                 job.session.client.report_hot_blocks(job.session.engine.engine_id, job.stored,
-                                                     job.removed, job.cleared)
+                                                     job.removed, job.cleared,
+                                                     prefill_tokens_per_second=job.speed)
                 self.stats.hot_reports += 1
         except grpc.RpcError as exc:
             release = isinstance(job, ReleaseJob)

@@ -49,6 +49,7 @@ class HotJob:
     removed: list[BlockHash]
     cleared: bool
     queued: float  # time.monotonic() at step_end
+    speed: float = 0.0  # measured prefill tokens per second to report (0: none)
 
 
 def merged_reports(reports: list[HotJob]) -> HotJob:
@@ -64,8 +65,9 @@ def merged_reports(reports: list[HotJob]) -> HotJob:
             cleared = True
         held.update(dict.fromkeys(report.stored, True))
         held.update(dict.fromkeys(report.removed, False))
+    speed = next((r.speed for r in reversed(reports) if r.speed), 0.0)  # the latest
     return HotJob(reports[0].session, [h for h, v in held.items() if v],
-                   [h for h, v in held.items() if not v], cleared, reports[0].queued)
+                   [h for h, v in held.items() if not v], cleared, reports[0].queued, speed)
 
 
 Job = SaveJob | ReleaseJob | HotJob

@@ -225,6 +225,28 @@ def test_remote_tier_serves_a_block_evicted_on_another_node(cluster: Callable[..
         assert cb.lookup(eb.engine_id, prefix) == ["dram"] * 4
         assert b.link.remote is not None
         assert (b.link.stats.fetched_blocks, b.link.remote.stats.fetch_decisions) == (4, 1)
+        assert [(r.tier, r.tokens) for r in cb.stats().savings] == [("dram", 64)]
+
+
+def test_remote_fetch_past_a_local_hit_counts_each_block_once(
+        cluster: Callable[..., Node]) -> None:
+    """B holds the first 2 blocks of a 4-block prefix A put remote: an acquire serves the 2
+    local blocks and fetches the other 2 (then acquires all 4 again): 64 tokens served, not 96."""
+    a = cluster("node-a", ssd_dir="", dram_bytes=128 << 10, remote_tier=True,
+                block_overhead_bytes=0)
+    b = cluster("node-b", remote_tier=True)
+    prefix = chain(4, seed=6)
+    with a.client() as ca, b.client() as cb:
+        ea = ca.register_engine(LAYOUT, "a")
+        assert store(ca, ea, prefix) == 4
+        assert store(ca, ea, chain(32, seed=7)) == 32
+        a.maintain()
+        eb = cb.register_engine(LAYOUT, "b")
+        assert store(cb, eb, prefix[:2]) == 2
+        got = cb.acquire(eb.engine_id, prefix + chain(1, seed=8))
+        assert got.num_blocks == 4 and b.link.stats.fetched_blocks == 2
+        cb.release(eb.engine_id, got.lease_id)
+        assert [(r.tier, r.tokens) for r in cb.stats().savings] == [("dram", 64)]
 
 
 def test_redis_outage_keeps_nodes_serving(cluster: Callable[..., Node], redis_server: Any) -> None:

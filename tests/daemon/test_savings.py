@@ -38,10 +38,12 @@ async def test_dram_and_ssd_hits_counted_at_the_engine_speed(make_rig: MakeRig) 
     rig.store(chain(1, "c"), engine=other)
     lease = await rig.node.acquire(other.engine_id, chain(1, "c"))
     rig.node.release(lease.lease_id)
+    assert [r.tokens for r in rig.node.insight.savings.rows()] == [64]  # queued since maintain
+    rig.node.insight.tally()
     assert rig.node.insight.savings.rows() == [
-        Saved("b", "b-model@1", "dram", 16, 16 / 10_000),
-        Saved("default", "test-model@0", "dram", 64, 64 / 10_000),
-        Saved("default", "test-model@0", "ssd", 64, 64 / 1000)]
+        Saved("b", "b-model@1", "dram", 16, 16 / 10_000, 10_000, "planner"),
+        Saved("default", "test-model@0", "dram", 64, 64 / 10_000, 10_000, "planner"),
+        Saved("default", "test-model@0", "ssd", 64, 64 / 1000, 1000, "reported")]
     assert [r.tenant for r in rig.node.insight.savings.rows("b")] == ["b"]
     text = generate_latest(rig.node.metrics.registry).decode()
     assert ('tierd_prefill_tokens_served_total{model="test-model@0",tenant="default",'
@@ -71,6 +73,49 @@ def test_stats_shows_the_callers_savings(daemon: Any, kit: Any,
                                             "--json"])) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["savings"] == [{"tenant": "default", "model_id": kit.layout.model_id,
-                                "tier": "dram", "tokens": 48, "seconds": 0.024}]
+                                "tier": "dram", "tokens": 48, "seconds": 0.024,
+                                "tokens_per_second": 2000.0, "speed_source": "reported"}]
     assert stats_cmd.run(parser.parse_args(["--socket-path", daemon.config.socket_path])) == 0
-    assert "prefill saved" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "prefill saved" in text and "2,000" in text and "reported" in text
+
+
+def test_holds_and_other_tensor_parallel_ranks_are_not_counted(daemon: Any, kit: Any) -> None:
+    """Rank 0 of a TP-2 engine stores 2 blocks; a hold of them serves nothing; rank 1 (its own
+    layout) acquiring its copy of them serves nothing; rank 0's load counts 32 tokens once."""
+    layouts = [replace(kit.layout, tp_rank=r, tp_size=2) for r in (0, 1)]
+    hashes = kit.chain(2)
+    with daemon.client() as client:
+        engines = [client.register_engine(layout) for layout in layouts]
+        for engine in engines:
+            arena = kit.attach(engine)
+            kit.store_blocks(client, engine, arena, hashes)
+            arena.close()
+        held = client.acquire(engines[0].engine_id, hashes, hold=True)
+        assert held.num_blocks == 2
+        assert client.stats().savings == []
+        for engine in reversed(engines):
+            got = client.acquire(engine.engine_id, hashes)
+            client.release(engine.engine_id, got.lease_id)
+        client.release(engines[0].engine_id, held.lease_id)
+        rows = client.stats().savings
+    assert [(r.tier, r.tokens, r.speed_source) for r in rows] == [("dram", 32, "planner")]
+
+
+def test_no_insight_hooks_keeps_no_savings_curves_or_model_counts(
+        serve: Any, tmp_path: Any, kit: Any) -> None:
+    """`tierd serve --no-insight-hooks`: a looked-up, acquired chain is counted in the node's
+    hit ratio but in no savings row, what-if curve or per-model lookup count."""
+    _, client = serve(str(tmp_path), "--no-insight-hooks")
+    hashes = kit.chain(3)
+    with client:
+        engine = client.register_engine(kit.layout)
+        arena = kit.attach(engine)
+        kit.store_blocks(client, engine, arena, hashes)
+        arena.close()
+        got = client.acquire(engine.engine_id, hashes, count_lookup=True)
+        client.release(engine.engine_id, got.lease_id)
+        stats = client.stats()
+    assert stats.hit_tokens == 48
+    assert stats.savings == [] and all(c.references == 0 for c in stats.what_if)
+    assert [(m.query_tokens, m.hit_tokens) for m in stats.models] == [(0, 0)]

@@ -101,3 +101,25 @@ def test_no_daemon(workdir: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert run_why("1,2,3", *LAYOUT_FLAGS, "--socket-path",
                    os.path.join(workdir, "none.sock")) == 1
     assert "`tierd serve`" in capsys.readouterr().err
+
+
+def test_a_variant_holding_more_than_a_partial_hit(daemon: Any, kit: Any,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Under seed "s" 2 blocks of an 8-block prompt are held, under seed 0 all 8: asked with
+    --seed s, the miss at block 2 is explained by seed 0 holding 128 tokens (probed past the
+    32 held, then hashed whole), and a variant holding no more than the 32 is not named."""
+    tokens = list(range(500, 628))
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+        arena = kit.attach(engine)
+        assert kit.store_blocks(client, engine, arena,
+                                hashing.block_hashes(tokens, 16, seed="s")[:2]) == 2
+        assert kit.store_blocks(client, engine, arena,
+                                hashing.block_hashes(tokens, 16, seed="0")) == 8
+        assert kit.store_blocks(client, engine, arena,
+                                hashing.block_hashes(tokens, 16)[:2]) == 2
+        arena.close()
+    answer = ask(daemon, capsys, tokens, "--seed", "s")
+    assert (answer["verdict"], answer["first_miss"]) == ("other_namespace", 2)
+    assert answer["elsewhere"] == [{"model_id": "test-model@0", "differs": ["seed 0"],
+                                    "tokens": 128}]

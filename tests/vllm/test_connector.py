@@ -557,3 +557,24 @@ def test_tp2_failed_load_on_one_rank_is_stored_on_no_rank(model_dir: str, daemon
         first.close()
         second.close()
         third.close()
+
+
+def test_savings_count_a_load_once_at_the_workers_measured_speed(model_dir: str,
+                                                                 daemon: Daemon) -> None:
+    """A 300-token prompt (a 256-token prefill step, timed by the worker) saves 18 blocks; a
+    fresh engine loads them: the daemon's savings count their 288 tokens once (the scheduler's
+    pin is a hold), at the speed the first engine's worker reported."""
+    prompt = [(i * 53 + 7) % 997 for i in range(300)]
+    first = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    try:
+        first.run([make_request("a", prompt)])
+        second.run([make_request("b", prompt)])
+        assert second.worker.worker_counters.data["loaded_blocks"] == 18
+        with daemon.client() as client:
+            rows = client.stats().savings
+        assert [(r.tier, r.tokens, r.speed_source) for r in rows] == [("dram", 288, "reported")]
+        assert rows[0].tokens_per_second > 0
+    finally:
+        first.close()
+        second.close()

@@ -9,12 +9,17 @@
    daemon's measured hit ratio is compared with the curve the base-size daemon predicted from
    its sample, bounded to ``--sample-blocks`` tracked blocks (1024: the sampling rate falls to
    about 0.25 on the default trace). Target: every point within 5 percentage points.
-2. **Sampling overhead.** Acquire (with ``count_lookup``, as engines call it: the sampled
-   path) + Release, and Reserve + Commit, of 32-block chains, p50 with the insight hooks on
-   against the same store with them off, interleaved in rounds. Target: on/off <= 1.02.
-3. **`tierd why`** on a 32k-token prompt stored in a real `tierd serve` (2048 blocks, hashed
-   9 other ways for the namespace search): the command's whole run (hashing, the RPC, the
-   report), median of 5. Target: < 100 ms.
+2. **Hook overhead.** The Acquire (with ``count_lookup``, as engines call it: both hooks run)
+   + Release, and the Reserve + Commit round trips of 32-block chains, p50, to four real
+   `tierd serve` daemons taking turns: two with the insight hooks on, two with
+   ``--no-insight-hooks``. Target: on/off <= 1.02, read only when the control (the two
+   daemons without hooks) is within 0.98-1.02; otherwise the host is too noisy and the check
+   is missed. Context: the same Acquire in one in-process store, hooks on / off, no gRPC.
+3. **`tierd why`** on a 32k-token prompt stored in a real `tierd serve` (2048 blocks): held
+   (one Why call) and missing at block 0 (then a second Why probing 9 other hashings of the
+   first block for the namespace search):
+   the command's whole run (hashing, the RPC, the report), median of 5. Target: < 100 ms
+   each.
 """
 
 from __future__ import annotations
@@ -64,20 +69,24 @@ def run(args: argparse.Namespace) -> int:
             _record(trace_path, args.lookups)
         trace = _load(trace_path)
         points, rate = asyncio.run(_prediction(trace, args.base_blocks, args.sample_blocks))
-        overhead = asyncio.run(_overhead(args.rounds))
+        overhead = _overhead(workdir, args.rounds) | asyncio.run(_store_overhead(args.rounds))
         why = _why_timing(workdir)
-    why_ms = why["held"]
     worst = max(abs(p["predicted"] - p["measured"]) for p in points)
-    checks = [("max |predicted - measured| hit ratio", round(worst, 4), "<= 0.05", worst <= 0.05),
-              ("Acquire p50 on/off", round(overhead["acquire"], 3), "<= 1.02",
-               overhead["acquire"] <= 1.02),
-              ("Commit p50 on/off", round(overhead["commit"], 3), "<= 1.02",
-               overhead["commit"] <= 1.02),
-              ("tierd why, 32k tokens held, ms", round(why_ms, 1), "< 100", why_ms < 100)]
+    checks = [("max |predicted - measured| hit ratio", round(worst, 4), "<= 0.05", worst <= 0.05)]
+    for kind in ("acquire", "commit"):
+        ratio, control = overhead[kind], overhead[f"{kind}_control"]
+        name = f"{kind.title()} p50 hooks on/off" + ("" if _valid(control) else
+                                                     " (control INVALID)")
+        checks.append((name, round(ratio, 4), "<= 1.02", ratio <= 1.02 and _valid(control)))
+    checks += [("tierd why, 32k tokens held, ms", round(why["held"], 1), "< 100",
+                why["held"] < 100),
+               ("tierd why, 32k tokens missed, ms", round(why["miss"], 1), "< 100",
+                why["miss"] < 100)]
+    valid = all(_valid(overhead[f"{k}_control"]) for k in ("acquire", "commit"))
     ok = all(c[3] for c in checks)
     if args.json:
         print(json.dumps({"points": points, "sample_rate": rate, "overhead": overhead,
-                          "why_ms": why,
+                          "overhead_valid": valid, "why_ms": why,
                           "checks": [list(c) for c in checks], "pass": ok}, indent=2))
         return 0 if ok else 1
     print(f"tierd bench insight: {len(trace)} lookups, predicted at {args.base_blocks} blocks "
@@ -86,16 +95,28 @@ def run(args: argparse.Namespace) -> int:
     for p in points:
         print(f"  {p['scale']:>6g} {p['blocks']:>7} {p['predicted']:>10.3f} "
               f"{p['measured']:>9.3f} {p['predicted'] - p['measured']:>+7.3f}")
-    print(f"  overhead   Acquire p50 {overhead['acquire_on_us']:.1f} us on, "
-          f"{overhead['acquire_off_us']:.1f} us off; Commit p50 {overhead['commit_on_us']:.1f} "
-          f"us on, {overhead['commit_off_us']:.1f} us off")
-    print(f"  context    tierd why, 32k tokens missing at block 0 (9 more hashings): "
-          f"{why['miss']:.1f} ms")
+    for kind in ("acquire", "commit"):
+        o = {k[len(kind) + 1:]: v for k, v in overhead.items() if k.startswith(kind + "_")}
+        print(f"  overhead   {kind.title()} p50 {o['on_us']:.1f} us hooks on, {o['off_us']:.1f} "
+              f"us off (two daemons each): on/off {overhead[kind]:.3f}; control: the two "
+              f"without hooks {o['control']:.3f} "
+              f"({'valid' if _valid(o['control']) else 'INVALID'}: needs 0.98-1.02)")
+    print(f"  context    Acquire p50 in the store alone (no gRPC): "
+          f"{overhead['store_acquire_on_us']:.1f} us hooks on, "
+          f"{overhead['store_acquire_off_us']:.1f} us off: {overhead['store_acquire']:.3f}")
+    if not valid:
+        print("  overhead   the control pair differs by more than 2%: the host is too noisy for "
+              "the on/off ratio; rerun on a quiet host")
     for name, value, target, passed in checks:
         print(f"  verdict    {name:<40} {value!s:>8}  target {target:<8} "
               f"{'ok' if passed else 'MISSED'}")
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
+
+
+def _valid(control: float) -> bool:
+    """Two identical stores measured alike: the host is quiet enough to read a 2% ratio."""
+    return 0.98 <= control <= 1.02
 
 
 def _record(path: str, lookups: int, seed: int = 7) -> None:
@@ -173,50 +194,98 @@ async def _prediction(trace: list[list[BlockHash]], base: int,
              "measured": measured[s][1]} for i, s in enumerate(SCALES)], rate
 
 
-async def _overhead(rounds: int) -> dict[str, float]:
-    """p50 of Acquire+Release and of Reserve+Commit with the insight hooks on and off."""
-    on_off: dict[str, dict[bool, list[float]]] = {"acquire": {True: [], False: []},
-                                                  "commit": {True: [], False: []}}
+def _overhead(workdir: str, rounds: int) -> dict[str, float]:
+    """p50 of the Acquire (+ Release) and Reserve + Commit round trips to four real `tierd
+    serve` daemons taking turns (each round 64 held chains, then 16 new ones, per daemon, in
+    rotating order): two with the insight hooks on, two with ``--no-insight-hooks``. Ratios:
+    both with hooks / both without (the verdict: a daemon's own bias is halved), the second
+    without / the first without (the control: what two identical daemons differ by on this
+    host; the verdict holds only when it is within 2%)."""
+    from tierd.bench.tierd_serve import TierdServe
+    from tierd.wire.layout import Layout
+
+    arms = ("on", "off", "on-b", "control")
+    times: dict[str, dict[str, list[float]]] = {k: {a: [] for a in arms}
+                                                 for k in ("acquire", "commit")}
+    layout = Layout(1, 1, 16, "float16", 16, model_id="bench@1")
+    held = [[BlockHash(hashlib.sha256(f"{c}/{i}".encode()).digest()) for i in range(32)]
+            for c in range(64)]
+    with contextlib.ExitStack() as stack:
+        clients = {}
+        for arm in arms:
+            server = TierdServe(os.path.join(workdir, arm), [
+                "--dram-bytes", "16MiB", "--slab-bytes", "64KiB", "--no-prefault", "--ssd-dir",
+                "", *([] if arm.startswith("on") else ["--no-insight-hooks"])])
+            os.makedirs(server.workdir, exist_ok=True)
+            server.start()
+            stack.callback(server.stop)
+            client = stack.enter_context(server.client())
+            engine = client.register_engine(layout)
+            for chain in held:
+                res = client.reserve(engine.engine_id, chain)
+                client.commit(engine.engine_id, res.lease_id,
+                              [s is not None for s in res.slot_ids])
+            clients[arm] = (client, engine.engine_id)
+        fresh = 0
+        for r in range(rounds):
+            for arm in arms[r % 4:] + arms[:r % 4]:
+                client, engine_id = clients[arm]
+                for chain in held:
+                    t = time.perf_counter()
+                    got = client.acquire(engine_id, chain, count_lookup=True)
+                    client.release(engine_id, got.lease_id)
+                    times["acquire"][arm].append(time.perf_counter() - t)
+                for _ in range(16):
+                    fresh += 1
+                    new = [BlockHash(hashlib.sha256(f"new{fresh}/{i}".encode()).digest())
+                           for i in range(32)]
+                    t = time.perf_counter()
+                    res = client.reserve(engine_id, new)
+                    client.commit(engine_id, res.lease_id, [s is not None for s in res.slot_ids])
+                    times["commit"][arm].append(time.perf_counter() - t)
+    out: dict[str, float] = {}
+    for kind, runs in times.items():
+        p50 = {arm: statistics.median(runs[arm]) for arm in arms}
+        p50["on"] = statistics.median(runs["on"] + runs["on-b"])
+        p50["off"] = statistics.median(runs["off"] + runs["control"])
+        control = statistics.median(runs["control"]) / statistics.median(runs["off"])
+        out |= {kind: p50["on"] / p50["off"], f"{kind}_control": control,
+                f"{kind}_on_us": p50["on"] * 1e6, f"{kind}_off_us": p50["off"] * 1e6,
+                f"{kind}_control_us": p50["control"] * 1e6}
+    return out
+
+
+async def _store_overhead(rounds: int) -> dict[str, float]:
+    """Context for ``_overhead``: the hooks' cost against the store's own work, without gRPC.
+    Acquire (+ Release) p50 on one in-process store, the hooks on and off
+    (``NodeStore.set_insight_hooks``) taking turns by round; on / off."""
+    times: dict[bool, list[float]] = {True: [], False: []}
     with _store(8192) as (store, engine):
-        shards, tiers = store.insight.shards, store._tiers
-        accessed, served = shards.accessed, tiers.served
         held = [[BlockHash(hashlib.sha256(f"{c}/{i}".encode()).digest()) for i in range(32)]
                 for c in range(64)]
         for chain in held:
             await _request(store, engine.engine_id, chain)
-        fresh = 0
         for r in range(rounds):
-            for on in ((True, False) if r % 2 else (False, True)):
-                shards.accessed = accessed if on else (lambda namespace, keys: None)
-                tiers.served = served if on else None
+            for on in (True, False) if r % 2 else (False, True):
+                store.set_insight_hooks(on)
                 for chain in held:
                     t = time.perf_counter()
                     lease = await store.acquire(engine.engine_id, chain, count_lookup=True)
                     store.release(lease.lease_id, engine_id=engine.engine_id)
-                    on_off["acquire"][on].append(time.perf_counter() - t)
-                for _ in range(16):
-                    fresh += 1
-                    chain = [BlockHash(hashlib.sha256(f"new{fresh}/{i}".encode()).digest())
-                             for i in range(32)]
-                    t = time.perf_counter()
-                    res = store.reserve(engine.engine_id, chain)
-                    store.commit(res.lease_id, [0 if s is not None else None
-                                                for s in res.slot_ids])
-                    on_off["commit"][on].append(time.perf_counter() - t)
-                shards.drain()
-        shards.accessed, tiers.served = accessed, served
-    out: dict[str, float] = {}
-    for kind, runs in on_off.items():
-        with_hooks, without = statistics.median(runs[True]), statistics.median(runs[False])
-        out |= {kind: with_hooks / without, f"{kind}_on_us": with_hooks * 1e6,
-                f"{kind}_off_us": without * 1e6}
-    return out
+                    times[on].append(time.perf_counter() - t)
+            store.insight.tally()  # what the maintenance pass does between requests
+            store.insight.shards.drain()
+        store.set_insight_hooks(True)
+        store.check_integrity()
+    with_hooks, without = statistics.median(times[True]), statistics.median(times[False])
+    return {"store_acquire": with_hooks / without, "store_acquire_on_us": with_hooks * 1e6,
+            "store_acquire_off_us": without * 1e6}
 
 
 def _why_timing(workdir: str) -> dict[str, float]:
     """Median ms of `tierd why` through a real `tierd serve` on a stored 32k-token prompt
     ("held") and on the same prompt with its first token changed ("miss": a miss at block 0,
-    so the prompt is also hashed 9 other ways for the namespace search)."""
+    so a second Why probes 9 other hashings of the first block for the namespace search)."""
     from tierd import hashing
     from tierd.bench.tierd_serve import TierdServe
     from tierd.commands import why as why_cmd

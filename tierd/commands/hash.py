@@ -13,6 +13,7 @@ they are hashed and untagged as vLLM's KV events publish them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -76,6 +77,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def parse_tokens(text: str) -> list[int]:
     """Token ids from a JSON array (``[1, 2]``) or a comma/space separated list (``1,2``)."""
     text = text.strip()
+    if text.isascii() and text.replace(",", "").isdigit():  # "1,2,3": the C JSON decoder
+        with contextlib.suppress(json.JSONDecodeError):  # "01" or "1,,2": the checks below
+            return list(json.loads(f"[{text}]"))
     if not text:
         raise ValueError("no token ids given; pass e.g. '1,2,3' or '[1, 2, 3]' or pipe them in")
     if text[0] in "[{\"":  # JSON; anything else is a comma or space list

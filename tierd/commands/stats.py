@@ -149,13 +149,16 @@ def render(stats: DaemonStats, console: Console) -> None:
                             _size(u.reserved_bytes), str(u.limited))
         console.print(tenants)
     if stats.savings:
-        saved = Table(title="prefill saved (tokens served, engine seconds saved)",
+        saved = Table(title="prefill saved (tokens served, engine seconds saved at the "
+                            "prefill speed: the engine's reported or the planner's)",
                       box=box.SIMPLE_HEAD)
-        for column in ("tenant", "model", "tier", "tokens", "seconds"):
-            saved.add_column(column, justify="right" if column in ("tokens", "seconds")
-                             else "left", overflow="fold")
+        for column in ("tenant", "model", "tier", "tokens", "seconds", "tokens/s", "speed"):
+            saved.add_column(column, justify="right" if column in ("tokens", "seconds",
+                                                                     "tokens/s") else "left",
+                             overflow="fold")
         for r in stats.savings:
-            saved.add_row(r.tenant, r.model_id, r.tier, str(r.tokens), f"{r.seconds:.1f}")
+            saved.add_row(r.tenant, r.model_id, r.tier, str(r.tokens), f"{r.seconds:.1f}",
+                          f"{r.tokens_per_second:,.0f}", r.speed_source)
         console.print(saved)
     if stats.engines:
         engines = Table(title="engines (HBM, as reported)", box=box.SIMPLE_HEAD)

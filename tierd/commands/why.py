@@ -33,6 +33,7 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from tierd import hashing
@@ -40,6 +41,8 @@ from tierd.commands.flags import add_socket_path
 
 if TYPE_CHECKING:
     from tierd.daemon.why import Variant, WhyAnswer
+    from tierd.types import BlockHash
+    from tierd.wire.client import TierdClient
     from tierd.wire.layout import Layout
 
 HELP = "Explain where a prompt's blocks live on this node and why the first missing one misses."
@@ -85,10 +88,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
 
 
-def variants_of(tokens: list[int], args: argparse.Namespace) -> list[Variant]:
+def variants_of(tokens: list[int], args: argparse.Namespace, *, covering: int | None = None,
+                only: Collection[str] | None = None) -> list[Variant]:
     """The prompt hashed with each setting changed that an engine commonly gets different:
     the other hash algorithm, the default seed and seed 0, no cache salt, no LoRA, every
-    other block size (one setting at a time, each chain at most ``MAX_BLOCKS`` blocks)."""
+    other block size (one setting at a time, each chain at most ``MAX_BLOCKS`` blocks).
+    ``covering``: each chain only as many blocks as cover that many leading tokens (a probe);
+    ``only``: just the variants whose ``differs`` is in it."""
     from tierd.daemon.why import Variant
 
     base: dict[str, Any] = dict(block_size=args.block_size, algo=args.algo, seed=args.seed,
@@ -111,9 +117,13 @@ def variants_of(tokens: list[int], args: argparse.Namespace) -> list[Variant]:
     try:
         out = []
         for differs, change in changes:
+            if only is not None and differs not in only:
+                continue
             settings = base | change
             size = settings.pop("block_size")
-            chain = hashing.block_hashes(tokens[:MAX_BLOCKS * size], size, **settings)
+            end = MAX_BLOCKS * size if covering is None else min(
+                MAX_BLOCKS * size, -(-covering // size) * size)
+            chain = hashing.block_hashes(tokens[:end], size, **settings)
             out.append(Variant(differs, size, chain))
         return out
     finally:
@@ -142,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
                          timeout=10.0) as client:
             answer = client.why(layout, chain)
             if answer.first_miss < len(chain):  # search the tenant's other namespaces too
-                answer = client.why(layout, chain, variants_of(tokens, args))
+                answer = _with_variants(client, layout, chain, tokens, args, answer)
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
             print("tierd why: no daemon answers: start one with `tierd serve`, or point at it "
@@ -157,6 +167,23 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_report(report)
     return 0
+
+
+def _with_variants(client: TierdClient, layout: Layout, chain: list[BlockHash],
+                   tokens: list[int], args: argparse.Namespace, answer: WhyAnswer) -> WhyAnswer:
+    """``answer`` (a miss at ``first_miss``) with the prompt's other hashings searched too. A
+    variant explains the miss only if it holds more tokens than the chain did, so each is
+    first hashed just past them (a probe, with the chain cut there alike: one cheap Why);
+    only the variants that hold that much are hashed whole and asked about with the whole
+    chain, for their exact extent."""
+    covering = answer.first_miss * layout.block_size + 1
+    probes = variants_of(tokens, args, covering=covering)
+    probed = client.why(layout, chain[:answer.first_miss + 1], probes)
+    names = {v.differs for v in probes}
+    found = {e.differs[0] for e in probed.elsewhere if e.differs and e.differs[0] in names}
+    if not found:
+        return answer
+    return client.why(layout, chain, variants_of(tokens, args, only=found))
 
 
 def explain(answer: WhyAnswer, layout: Layout, num_tokens: int) -> dict[str, Any]:

@@ -208,15 +208,16 @@ class ClusterLink:
         return stored
 
     async def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
-                      count_lookup: bool = False, dram_run_only: bool = False) -> Lease:
+                      count_lookup: bool = False, dram_run_only: bool = False,
+                      hold: bool = False) -> Lease:
         """``NodeStore.acquire``, extended by the remote tier's leading run of hits when that
         is predicted to beat recomputing (see the module doc); not with ``dram_run_only``.
         Same errors as the store's; ``count_lookup`` counts the chain once, on the first local
-        acquire."""
+        acquire; ``hold`` as the store's."""
         store = self._store
         assert store is not None and self._arena is not None, "bind the link before serving"
         lease = await store.acquire(engine_id, hashes, count_lookup=count_lookup,
-                                    dram_run_only=dram_run_only)
+                                    dram_run_only=dram_run_only, hold=hold)
         hit = len(lease.slot_ids)
         info = self._engines.get(engine_id)
         if self.remote is None or hit == len(hashes) or info is None or dram_run_only:
@@ -242,7 +243,11 @@ class ClusterLink:
         if not fetched:
             return lease
         store.release(lease.lease_id)        # no await between commit and the new acquire:
-        return await store.acquire(engine_id, hashes)   # nothing can evict the fetched blocks
+        again = await store.acquire(engine_id, hashes,  # nothing can evict the fetched blocks
+                                    hold=True)          # the first lease counted its own
+        if not hold and store.insight_hooks and len(again.slot_ids) > hit:
+            store.insight.served(info.namespace, len(again.slot_ids) - hit, 0)  # fetched
+        return again
 
     async def _fetch_run(self, namespace: Namespace, hashes: Sequence[BlockHash],
                          slot_bytes: int) -> list[bytes]:

@@ -165,6 +165,10 @@ class TierdConfig:
     recompute_tokens_per_second: float = dataclasses.field(default=10_000.0, metadata={
         "help": "Prefill speed of the engines, to judge a remote fetch against recomputing "
                 "(a 7-8B model on one H100 prefills ~10-20k tokens/s)."})
+    insight_hooks: bool = dataclasses.field(default=True, metadata={
+        "help": "Queue each lookup and acquire for the what-if curves, the savings counters and "
+                "the per-model hit ratios (tierd stats); --no-insight-hooks keeps none of "
+                "them (tierd why still answers)."})
     log_level: str = dataclasses.field(default="INFO", metadata={
         "help": "Logging level: DEBUG, INFO, WARNING, ERROR."})
 

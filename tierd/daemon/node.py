@@ -103,8 +103,21 @@ class NodeStore:
         self._hbm = HbmIndex(config.hbm_max_blocks_per_engine, TierListeners(outside))
         self.insight = Insight.over(self._tiers, self._hbm, self._engines, self.models, clock,
                                     config)
+        self._looked_up: Callable[[Namespace, Sequence[NamespacedKey], int, int], None] | None
+        self.set_insight_hooks(config.insight_hooks)
         self._maintaining = asyncio.Lock()
         self.metrics.ssd_healthy.set(0.0)
+
+    @property
+    def insight_hooks(self) -> bool:
+        """Whether the insight hooks are called (``set_insight_hooks``)."""
+        return self._looked_up is not None
+
+    def set_insight_hooks(self, on: bool) -> None:
+        """Call the insight hooks (``Insight.looked_up`` on each counted lookup, ``served`` on
+        each acquire) from now on, or none at all (``NodeConfig.insight_hooks`` at start)."""
+        self._looked_up = self.insight.looked_up if on else None
+        self._tiers.served = self.insight.served if on else None
 
     # -- engines -------------------------------------------------------------------------------
 
@@ -211,12 +224,13 @@ class NodeStore:
         for tier in set(tiers):
             count = tiers.count(tier)
             self._counts.hits[tier] += count * tokens
-        self.models.queried(info.namespace, len(hashes) * tokens, len(tiers) * tokens)
-        self.insight.shards.accessed(info.namespace, keys)
+        if self._looked_up is not None:  # per-model counts, what-if sample: queued (insight)
+            self._looked_up(info.namespace, keys, tokens, len(tiers))
         return tiers
 
     async def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
-                      count_lookup: bool = False, dram_run_only: bool = False) -> Lease:
+                      count_lookup: bool = False, dram_run_only: bool = False,
+                      hold: bool = False) -> Lease:
         """Pin the longest consecutive prefix held in DRAM or SSD and return its slots.
 
         SSD hits are read into fresh DRAM slots, all at once (a block another acquire is
@@ -229,6 +243,8 @@ class NodeStore:
         tokens per tier as held now), for callers that acquire without looking up first.
         ``dram_run_only``: pin the leading DRAM run alone, read nothing, and list the tiers of
         the held blocks after it in the lease's ``held_after`` (counted as ``count_lookup``).
+        ``hold``: the blocks are held for a later acquire that loads them: not counted as
+        prefill served (``Savings``).
         """
         info = self._engine(engine_id)
         keys = self._keys(info, hashes)
@@ -241,11 +257,12 @@ class NodeStore:
                                             or (self._tiers.ssd_up and keys[0] in self._tiers.disk))
         hit = len(blocks)
         if dram_run_only:
-            lease = self._lease(info, keys[:hit], blocks, now, pin=True)
+            lease = self._lease(info, keys[:hit], blocks, now, pin=True, served=not hold)
             return dataclasses.replace(lease, held_after=tiers[hit:])
         if hit == len(keys) or not (keys[hit] in self._promoting or (
                 self._tiers.ssd_up and keys[hit] in self._tiers.disk)):
-            return self._lease(info, keys[:hit], blocks, now, pin=True)  # nothing to read
+            return self._lease(info, keys[:hit], blocks, now, pin=True,  # nothing to read
+                               served=not hold)
         self._leases.check_room(info.engine_id, hit + 1)  # before any read (again at the end)
         # The plan: the prefix held in DRAM, in flight from SSD, or on SSD. Promotions may
         # evict unpinned DRAM blocks, so the plan's DRAM hits take in-flight pins first; then
@@ -283,10 +300,10 @@ class NodeStore:
             promotion.waiters += 1
             plan[i] = (plan[i][0], promotion)
         self._promoter.start(reads)
-        return await asyncio.shield(asyncio.ensure_future(self._promoted(info, plan, now)))
+        return await asyncio.shield(asyncio.ensure_future(self._promoted(info, plan, now, hold)))
 
     async def _promoted(self, info: EngineInfo, plan: list[tuple[NamespacedKey,
-                        Promotion | None]], start: float) -> Lease:
+                        Promotion | None]], start: float, hold: bool) -> Lease:
         """With the plan's promotions done: the prefix that made it, under a new lease. The
         plan's DRAM hits and landed promotions carry in-flight pins: kept for the prefix,
         dropped past its end."""
@@ -315,13 +332,14 @@ class NodeStore:
         if info.engine_id not in self._engines:
             self._tiers.unpin(keys)
             raise NotFound(f"engine {info.engine_id} was unregistered during acquire")
-        return self._lease(info, keys, blocks, start, pin=False)
+        return self._lease(info, keys, blocks, start, pin=False, served=not hold)
 
     def _lease(self, info: EngineInfo, keys: list[NamespacedKey], blocks: list[DramBlock],
-               start: float, *, pin: bool) -> Lease:
+               start: float, *, pin: bool, served: bool) -> Lease:
         """Put a prefix (``blocks[i]`` under ``keys[i]``; ``pin``: not pinned yet) under a new
         lease, counting each block's hit and reuse gap as of ``start``. A miss gets the empty
-        lease. ResourceExhausted past a cap of the lease table (unpinning what was pinned)."""
+        lease. ResourceExhausted past a cap of the lease table (unpinning what was pinned).
+        ``served``: the blocks count as prefill served (not for a hold)."""
         deadline = self._clock() + self._config.lease_seconds
         if not keys:  # a miss pins nothing: no lease to track (release("") is a no-op)
             return Lease(EMPTY_LEASE, deadline, [], [], self._config.lease_seconds)
@@ -330,7 +348,7 @@ class NodeStore:
             if not pin:
                 self._tiers.unpin(keys)
             raise ResourceExhausted(refused)
-        self._tiers.count_hits(keys, blocks, start, pin=pin)
+        self._tiers.count_hits(keys, blocks, start, pin=pin, served=served)
         lease = ReadLease(new_lease_id(), info.engine_id, deadline, keys)
         self._gate.read_began(lease)
         self._leases.add(lease)
@@ -498,6 +516,7 @@ class NodeStore:
         Call once, with no maintain or write-behind pass running."""
         for promotion in list(self._promoting.values()):
             await promotion.done
+        self.insight.tally()  # the queued lookup counts reach models.json
         flushed = Flushed(0, 0, 0.0)
         if self._ssd is not None:
             async with self._maintaining:
@@ -532,7 +551,9 @@ class NodeStore:
         return self.quotas.usage(None if tenant is None else [tenant])
 
     def models_of(self, tenant: str) -> list[ModelUsage]:
-        """Occupancy and hits per model of ``tenant`` (``ModelTable.usage_of``)."""
+        """Occupancy and hits per model of ``tenant`` (``ModelTable.usage_of``), the queued
+        lookups counted first (``Insight.tally``)."""
+        self.insight.tally()
         return self.models.usage_of(tenant, [e.namespace for e in self.engines_of(tenant)])
 
     def check_integrity(self) -> None:

@@ -55,6 +55,7 @@ class NodeConfig:
     min_block_bytes: int = 1024          # smaller layouts: ValueError at registration
     max_size_classes: int = 64           # block sizes in use at once; more: ResourceExhausted
     recompute_tokens_per_second: float = 10_000.0  # prefill speed where no engine reports one
+    insight_hooks: bool = True           # feed the what-if sampler, savings, per-model counts
     engines: EngineCaps = field(default_factory=EngineCaps)  # idle lapse and registration caps
     tenant_quotas: TenantQuotas = field(default_factory=TenantQuotas)  # none: plain LRU
 

@@ -203,7 +203,8 @@ class TierdServicer(pb_grpc.TierdServicer):
         engine_id = self._engine(context, request.engine_id)
         lease = await self._acquire(engine_id, convert.hashes_from_pb(request.block_hashes),
                                     count_lookup=request.count_lookup,
-                                    dram_run_only=request.dram_run_only)
+                                    dram_run_only=request.dram_run_only,
+                                    hold=request.hold)
         return pb.AcquireResponse(lease_id=lease.lease_id,
                                   seconds_left=lease.ttl_seconds,
                                   slot_ids=lease.slot_ids, checksums=lease.checksums,
@@ -268,6 +269,7 @@ class TierdServicer(pb_grpc.TierdServicer):
     async def Stats(self, request: pb.StatsRequest,
                     context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         insight, stats = self._store.insight, self._store.stats()
+        insight.tally()  # the hooks' queues: per-model counts and savings as of this call
         if self._auth.is_admin(context.invocation_metadata() or ()):  # every tenant's usage
             reply = convert.stats_to_pb(stats, (), (), self._store.tenants())
             tenant = None

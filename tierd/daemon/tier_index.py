@@ -206,12 +206,13 @@ class TierIndex:
             block.pins -= 1
 
     def count_hits(self, keys: Sequence[NamespacedKey], blocks: Sequence[DramBlock], now: float,
-                   *, pin: bool) -> None:
+                   *, pin: bool, served: bool = True) -> None:
         """DRAM blocks an acquire returns (``blocks[i]`` indexed under ``keys[i]``, in chain
         order): each counts a hit and its reuse gap (since its last access; negative as 0: a
         later acquire may have touched it first), is accessed ``now`` and becomes the most
         recently used, the chain's last block newest. ``pin``: also take a pin on each (for
-        the caller's lease to hold)."""
+        the caller's lease to hold). ``served``: tell ``served`` of them (the savings hook; not
+        for an acquire that only holds blocks for a later one)."""
         gaps: list[float] = []
         pins = 1 if pin else 0
         for block in blocks:
@@ -228,7 +229,7 @@ class TierIndex:
             self._promoted -= from_ssd
         self.metrics.reuse_gap.observe_many(gaps)
         self.dram.touch_all(keys)
-        if self.served is not None and blocks:
+        if served and self.served is not None and blocks:
             self.served(blocks[0].namespace, len(blocks) - from_ssd, from_ssd)
 
     def drop_dram(self, key: NamespacedKey, now: float, reason: DropReason = "evicted",

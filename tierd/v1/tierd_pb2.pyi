@@ -107,16 +107,18 @@ class LookupResponse(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("engine_id", "block_hashes", "count_lookup", "dram_run_only")
+    __slots__ = ("engine_id", "block_hashes", "count_lookup", "dram_run_only", "hold")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     COUNT_LOOKUP_FIELD_NUMBER: _ClassVar[int]
     DRAM_RUN_ONLY_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     count_lookup: bool
     dram_run_only: bool
-    def __init__(self, engine_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., count_lookup: _Optional[bool] = ..., dram_run_only: _Optional[bool] = ...) -> None: ...
+    hold: bool
+    def __init__(self, engine_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., count_lookup: _Optional[bool] = ..., dram_run_only: _Optional[bool] = ..., hold: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "seconds_left", "slot_ids", "checksums", "held_after")
@@ -379,18 +381,22 @@ class WhatIfCurve(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., tenant: _Optional[str] = ..., model_id: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., scales: _Optional[_Iterable[float]] = ..., hit_ratios: _Optional[_Iterable[float]] = ..., flattens_at_scale: _Optional[float] = ..., references: _Optional[float] = ...) -> None: ...
 
 class SavingsStats(_message.Message):
-    __slots__ = ("tenant", "model_id", "tier", "tokens", "seconds")
+    __slots__ = ("tenant", "model_id", "tier", "tokens", "seconds", "prefill_tokens_per_second", "speed_reported")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    SPEED_REPORTED_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     model_id: str
     tier: Tier
     tokens: int
     seconds: float
-    def __init__(self, tenant: _Optional[str] = ..., model_id: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    prefill_tokens_per_second: float
+    speed_reported: bool
+    def __init__(self, tenant: _Optional[str] = ..., model_id: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., prefill_tokens_per_second: _Optional[float] = ..., speed_reported: _Optional[bool] = ...) -> None: ...
 
 class LocateRequest(_message.Message):
     __slots__ = ("engine_id", "block_hashes", "layout")

@@ -85,9 +85,10 @@ class _Requests:
 
     @staticmethod
     def acquire(engine_id: str, hashes: Sequence[BlockHash], count_lookup: bool,
-                dram_run_only: bool) -> pb.AcquireRequest:
+                dram_run_only: bool, hold: bool = False) -> pb.AcquireRequest:
         return pb.AcquireRequest(engine_id=engine_id, block_hashes=hashes,
-                                 count_lookup=count_lookup, dram_run_only=dram_run_only)
+                                 count_lookup=count_lookup, dram_run_only=dram_run_only,
+                                 hold=hold)
 
     @staticmethod
     def reserve_blank(engine_id: str, count: int) -> pb.ReserveRequest:
@@ -168,26 +169,28 @@ class TierdClient:
         return convert.tiers_from_pb(reply.tiers)
 
     def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
-                count_lookup: bool = False, dram_run_only: bool = False) -> AcquiredBlocks:
+                count_lookup: bool = False, dram_run_only: bool = False,
+                hold: bool = False) -> AcquiredBlocks:
         """Pin the longest held prefix in DRAM (SSD hits staged first) until ``release`` or the
         lease deadline; returns slot ids and checksums to copy and verify. ``count_lookup``:
         the daemon also counts the chain as a Lookup would (hit ratio), for a load made without
         a Lookup first. ``dram_run_only``: pin the leading DRAM run alone and read nothing;
-        ``held_after`` lists the tiers of the held blocks after it (counted as a Lookup)."""
+        ``held_after`` lists the tiers of the held blocks after it (counted as a Lookup).
+        ``hold``: a pin for a later Acquire that loads the blocks (not counted as served)."""
         reply = self._call("Acquire", _Requests.acquire(engine_id, hashes, count_lookup,
-                                                        dram_run_only))
+                                                        dram_run_only, hold))
         return convert.acquired_from_pb(reply)
 
     def acquire_async(self, engine_id: str, hashes: Sequence[BlockHash], *,
-                      count_lookup: bool = False, dram_run_only: bool = False
-                      ) -> Future[AcquiredBlocks]:
+                      count_lookup: bool = False, dram_run_only: bool = False,
+                      hold: bool = False) -> Future[AcquiredBlocks]:
         """``acquire`` without blocking: a future of its result (or of its ``grpc.RpcError``).
         The daemon stages SSD hits into DRAM meanwhile; the pin starts when the reply is
         made, so a caller that drops the future must still release a lease it resolves to.
-        ``dram_run_only`` as for ``acquire`` (a Lookup and an Acquire of the DRAM run in one
-        round trip)."""
+        ``dram_run_only`` and ``hold`` as for ``acquire`` (``dram_run_only``: a Lookup and an
+        Acquire of the DRAM run in one round trip)."""
         return self._future("Acquire", _Requests.acquire(engine_id, hashes, count_lookup,
-                                                         dram_run_only),
+                                                         dram_run_only, hold),
                             convert.acquired_from_pb)
 
     def _future(self, method: str, request: Any, result: Callable[[Any], T]) -> Future[T]:
@@ -339,10 +342,11 @@ class AsyncTierdClient:
         return convert.tiers_from_pb(reply.tiers)
 
     async def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
-                      count_lookup: bool = False, dram_run_only: bool = False) -> AcquiredBlocks:
+                      count_lookup: bool = False, dram_run_only: bool = False,
+                      hold: bool = False) -> AcquiredBlocks:
         """See ``TierdClient.acquire``."""
         reply = await self._call("Acquire", _Requests.acquire(engine_id, hashes, count_lookup,
-                                                              dram_run_only))
+                                                              dram_run_only, hold))
         return convert.acquired_from_pb(reply)
 
     async def release(self, engine_id: str, lease_id: str, *,

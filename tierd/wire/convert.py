@@ -227,7 +227,9 @@ def stats_from_pb(msg: pb.StatsResponse) -> DaemonStats:
                            else None, t.pinned_bytes, t.reserved_bytes, t.blank_bytes,
                            t.limited_requests) for t in msg.tenants],
                        savings=[Saved(s.tenant, s.model_id, TIER_FROM_PB[s.tier], s.tokens,
-                                      s.seconds) for s in msg.savings],
+                                      s.seconds, s.prefill_tokens_per_second,
+                                      "reported" if s.speed_reported else "planner")
+                                for s in msg.savings],
                        what_if=[Curve(TIER_FROM_PB[c.tier], c.tenant, c.model_id,
                                       c.capacity_blocks, tuple(c.hit_ratios),
                                       c.flattens_at_scale if c.HasField("flattens_at_scale")
@@ -244,4 +246,6 @@ def curves_to_pb(curves: Sequence[Curve]) -> list[pb.WhatIfCurve]:
 
 def savings_to_pb(rows: Sequence[Saved]) -> list[pb.SavingsStats]:
     return [pb.SavingsStats(tenant=r.tenant, model_id=r.model_id, tier=TIER_TO_PB[r.tier],
-                            tokens=_u64(r.tokens), seconds=r.seconds) for r in rows]
+                            tokens=_u64(r.tokens), seconds=r.seconds,
+                            prefill_tokens_per_second=r.tokens_per_second,
+                            speed_reported=r.speed_source == "reported") for r in rows]

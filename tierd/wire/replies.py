@@ -5,6 +5,7 @@ RegisterEngine, Acquire, Reserve, Locate and Stats answered. The daemon builds t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from tierd.types import Placement, Tier
 from tierd.wire.geometry import SlotGeometry
@@ -159,15 +160,22 @@ class TenantUsage:
 # -- the ledger -----------------------------------------------------------------------------------
 
 
+SpeedSource = Literal["reported", "planner"]
+"""Where a prefill speed comes from: an engine's report, or ``recompute_tokens_per_second``."""
+
+
 @dataclass(frozen=True, slots=True)
 class Saved:
-    """One (tenant, model, tier) row: prefill tokens served from the tier, seconds saved."""
+    """One (tenant, model, tier) row: prefill tokens served from the tier, seconds saved, and
+    the prefill speed (tokens per second) its latest tokens were counted at, with its source."""
 
     tenant: str
     model_id: str
     tier: Tier
     tokens: int
     seconds: float
+    tokens_per_second: float = 0.0
+    speed_source: SpeedSource = "planner"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,9 @@
 """The daemon calls of ``TierdConnector``'s scheduler side, run as jobs on its ``core.runner``.
 
-They touch no scheduler state: ``ask`` returns a ``Reply`` that the scheduler thread settles
-(``SchedulerSide._settle``) at a later ask of the same request; ``end_leases`` releases pins.
-Each runs on a runner thread and may block for the daemon's call deadline.
+Every Acquire is a hold: the workers' own Acquires load the blocks and are what the daemon counts as
+served. They touch no scheduler state: ``ask`` returns a ``Reply`` that the scheduler thread settles
+(``SchedulerSide._settle``) at a later ask of the same request; ``end_leases`` releases pins. Each
+runs on a runner thread and may block for the daemon's call deadline.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def ask(links: Sequence[DaemonLink], wanted: list[BlockHash], known_tiers: list[
         return Reply(asked, None, [], False)
     try:
         got = session.client.acquire(session.engine_id, wanted, count_lookup=True,
-                                     dram_run_only=True)
+                                     dram_run_only=True, hold=True)
     except grpc.RpcError as exc:
         first.failed(exc, session)
         return Reply(asked, None, [], False)
@@ -74,7 +75,8 @@ def acquire_all(hashes: list[BlockHash], links: Sequence[DaemonLink]
     for link in links:
         session = link.session
         sent.append(None if session is None else
-                    (link, session, session.client.acquire_async(session.engine_id, hashes)))
+                    (link, session, session.client.acquire_async(session.engine_id, hashes,
+                                                                 hold=True)))
     out: list[AcquiredBlocks | None] = []
     for entry in sent:
         if entry is None:

@@ -53,6 +53,8 @@ class TierdConnectorMetadata(KVConnectorMetadata):
     ``failures_seen``: failed blocks the scheduler has taken into account; no later save names
     them in ``depends_on``, so workers may forget them.
     ``step``: this step's number (1, 2, ...), echoed in the workers' report.
+    ``prefill_tokens``: prompt tokens this step's forward pass computes (workers time the
+    step to measure the engine's prefill speed, ``core.prefill_speed``).
     ``verdict`` (TP > 1 only): ``(step, bad)``: every step up to ``step`` has been reported by
     all ranks; ``bad[request]`` is the last step whose saves of the request sit on a block some
     rank failed to load. Workers commit their held saves of those steps, except those."""
@@ -63,6 +65,7 @@ class TierdConnectorMetadata(KVConnectorMetadata):
     failures_seen: list[int] = field(default_factory=list)
     step: int = 0
     verdict: tuple[int, dict[str, int]] | None = None
+    prefill_tokens: int = 0
 
 
 @dataclass

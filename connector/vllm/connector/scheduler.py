@@ -380,10 +380,14 @@ class SchedulerSide:
         saves: list[SaveSpec] = []
         bs = self._block_size
         self._step += 1
+        prefill = 0
         for req_id, new_ids, resumed in _scheduled(scheduler_output):
             tracked = self._tracked.get(req_id)
             if tracked is None:
                 continue
+            prefill += max(0, min(int(scheduler_output.num_scheduled_tokens[req_id]),
+                                  tracked.request.num_prompt_tokens
+                                  - tracked.request.num_computed_tokens))
             if resumed:
                 tracked.block_ids = list(new_ids or ())
             else:
@@ -405,7 +409,8 @@ class SchedulerSide:
         seen, self._failures_seen = sorted(self._failures_seen), set()
         verdict = self._verdict() if len(self._links) > 1 else None
         return TierdConnectorMetadata(loads=loads, saves=saves, recomputing=recomputing,
-                                      failures_seen=seen, step=self._step, verdict=verdict)
+                                      failures_seen=seen, step=self._step, verdict=verdict,
+                                      prefill_tokens=prefill)
 
     def _verdict(self) -> tuple[int, dict[str, int]]:
         """TP > 1: (every step up to this one has all ranks' report, request -> last step whose

@@ -47,6 +47,11 @@ gathers each layer on the device; ``finish_save`` queues the D2H copies and the 
 for them on the committer thread, so neither the host nor the next step waits for the
 write-through.
 
+The forward pass between ``load`` and ``finish_save`` is timed when it prefills at least 256
+tokens (the metadata's ``prefill_tokens``; on CUDA with device events): the engine's measured
+prefill speed goes to the daemon (``ReportHotBlocks``) at the first such step and then every 10
+s, so the daemon counts the cache's savings at it (``core.prefill_speed``).
+
 Best effort: a save that fails is a future miss, never an error to vLLM; nothing holds vLLM's
 blocks past the step (``get_finished`` has nothing to report: on CUDA a save's gathers are
 ordered before the next step's work on vLLM's stream, so the blocks are free at once).
@@ -58,6 +63,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 import grpc
 import torch
@@ -65,6 +71,7 @@ import torch
 from tierd.connector.core.lease import Lease, Release, acquire, releaser
 from tierd.connector.core.link import DaemonLink, Session
 from tierd.connector.core.load import Sink, load_leased, start_load
+from tierd.connector.core.prefill_speed import DeviceEvent, PrefillSpeed
 from tierd.connector.core.save import Reservation, abort, reserve
 from tierd.types import BlockHash
 
@@ -164,6 +171,7 @@ class WorkerSide:
         self._device = DevicePath(self.format, kv_bytes,
                                   kv_bytes[0].is_cuda if device_path is None else device_path)
         self._streaming = _Streaming(self._host.with_threads(1))  # the forward pass keeps the rest
+        self._speed = PrefillSpeed(clock, events=_cuda_event if kv_bytes[0].is_cuda else None)
         self._device.sink(self.link)  # register the arena now, not on a copy
 
     @property
@@ -184,6 +192,7 @@ class WorkerSide:
                 self._start_stream(spec)
             else:
                 self._outcomes.loaded(spec.req_id, spec.block_ids, self._load_one(spec))
+        self._speed.begin(meta.prefill_tokens)  # the forward pass starts after this returns
 
     def _start_stream(self, spec: LoadSpec) -> None:
         """Begin a streamed load (``streaming``). With the daemon down it fails now, and with
@@ -385,6 +394,8 @@ class WorkerSide:
         is missing. A step that outlasted half of its write lease is re-offered first
         (``_reoffer``). Returns without waiting for the daemon; never raises for a daemon
         failure (outcomes are counted when they arrive)."""
+        self._speed.end()
+        self._report_speed()
         lease_lost = self._finish_loads() or self._save.lease_lost
         self._commits.harvest()
         step, self._save = self._save, _StepSave()
@@ -407,6 +418,18 @@ class WorkerSide:
             return
         self._commits.commit(self._outcomes.step, pending.reservation, pending.written(),
                              pending.owner_of_each(), ticket)
+
+    def _report_speed(self) -> None:
+        """Send the measured prefill speed when one is due (``core.prefill_speed``: the
+        daemon counts the cache's savings at it); a failed call drops the session as any."""
+        speed = self._speed.take()
+        session = self.link.session
+        if speed is None or session is None:
+            return
+        try:
+            session.client.report_hot_blocks(session.engine_id, prefill_tokens_per_second=speed)
+        except grpc.RpcError as exc:
+            self.link.failed(exc, session)
 
     def flush(self) -> None:
         """Wait until every handed-off Commit has landed and is counted."""
@@ -436,3 +459,8 @@ class WorkerSide:
         self._commits.close()
         self._device.close()
         self.link.close()
+
+
+def _cuda_event() -> DeviceEvent:
+    """A timing event on the current CUDA stream (``PrefillSpeed`` times the forward pass)."""
+    return cast(DeviceEvent, torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]

@@ -295,3 +295,26 @@ def test_two_models_of_one_shape_never_share(tiny_model: LlamaModel, make_daemon
         row = models[model_identity(model).model_id]
         assert (row.blocks["dram"], row.bytes["dram"]) == (6, 6 * block)
     daemon.check_integrity()
+
+
+def test_the_measured_prefill_speed_reaches_the_savings(tiny_model: LlamaModel,
+                                                         make_daemon: Any) -> None:
+    """Engine A prefills a 300-token prompt (timed: its hooks report the engine's prefill
+    speed); engine B loads its 18 blocks from tierd: the savings row counts 288 tokens at
+    that reported speed, not the planner's."""
+    daemon = make_daemon()
+    tokens = prompt(300, seed=12)
+    a = hooks_for(daemon.config.socket_path)
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=BS), a)
+    engine.generate([tokens], 1)
+    assert a.flush()
+    b = hooks_for(daemon.config.socket_path)
+    loader = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=BS), b)
+    loader.generate([tokens], 1)
+    assert b.flush()
+    with TierdClient(socket_path=daemon.config.socket_path) as client:
+        rows = client.stats().savings
+    assert [(r.tier, r.tokens, r.speed_source) for r in rows] == [("dram", 288, "reported")]
+    assert rows[0].tokens_per_second > 0
+    a.close()
+    b.close()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -76,6 +76,10 @@ class FakeRequest:
     all_token_ids: list[int]
     hashed: bool = True
     num_computed_tokens: int = 0
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.all_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -110,7 +110,7 @@ def test_request_without_block_hashes_is_neither_loaded_nor_saved(engines: Any) 
     a, b = engines(0), engines(20)
     a.prefill(FakeRequest("a", prompt(100)))
     assert b.prefill(FakeRequest("b", prompt(100), hashed=False)) == (0, set())
-    assert b.metas[-1] == TierdConnectorMetadata(step=len(b.metas))
+    assert b.metas[-1] == TierdConnectorMetadata(step=len(b.metas), prefill_tokens=100)
     assert b.counters() == (0, 0, 0, 0, 0)
 
 
