@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from tierd.bench.tenants import paired
+from tierd.bench.tenants import Turns, paired
 
 
 def test_tenants_reports_every_arm_and_verdict() -> None:
@@ -41,3 +41,14 @@ def test_figures_are_paired_by_round() -> None:
     runs = {"alone": [{"p99": 1.0}, {"p99": 10.0}, {"p99": 2.0}],
             "hostile": [{"p99": 1.05}, {"p99": 12.0}, {"p99": 2.0}]}
     assert paired(runs, "hostile", "p99") == 1.05
+
+
+def test_arms_take_turns_round_robin() -> None:
+    """Four arms, turns of 0.5 s from t=100: the third arm's first active second runs from 101
+    to 101.5, its next from 103 (after the fourth, first and second arms' turns); with slice 0
+    every arm runs all the time."""
+    third = Turns(100.0, 0.5, 4, 2)
+    assert [third.wall(a) for a in (0.0, 0.25, 0.5, 0.75)] == [101.0, 101.25, 103.0, 103.25]
+    assert [third.mine(t) for t in (100.9, 101.1, 101.6, 103.2)] == [False, True, False, True]
+    together = Turns(100.0, 0.0, 4, 2)
+    assert together.wall(3.0) == 103.0 and together.mine(100.1)

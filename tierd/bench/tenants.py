@@ -12,20 +12,24 @@ each with the well-behaved client paced at the same rate:
    10x its quota;
 4. ``no quotas``: arm 3 without ``tenant_quotas`` (context: what the quotas prevent).
 
-A round runs the four arms at the same time, over the same seconds: the host's noise and the
-client processes' own CPU then fall on every arm alike, and what differs between arms is what a
-daemon let its second tenant do to the first. Each figure is the median over the rounds of the
-arm's value over the alone arm's of the same round.
+A round starts the four daemons and their clients together; then the arms take turns of
+``--slice`` seconds (0.5 s), round robin, until each had ``--seconds`` of turns: one arm's
+clients run at a time, so no arm's daemon or clients take CPU from another's, and the host's
+noise (other jobs, a slow minute) falls on every arm alike, spread over the round in short
+pieces. Each figure is the median over the rounds of the arm's value over the alone arm's of
+the same round. ``--slice 0``: the four arms at once instead, over ``--seconds``.
 
 The well-behaved client (a process, its own token) first stores its working set (40% of the
-arena: within its share), then until the deadline loads a random chain of it at a fixed rate:
+arena: within its share), then in its turns loads a random chain of it, at random times (Poisson
+arrivals at ``--rate``, so no client keeps a fixed phase against the other's calls):
 ``Acquire`` (timed), a copy of every acquired block out of the arena, ``Release``; a block that
 missed is stored again through blank slots (``Reserve(blank_slots)`` + copy + ``Commit`` with
 names), as TierdTier stores.
 
 Targets: hostile / alone, the well-behaved tenant's hit ratio (blocks acquired / blocks asked
 for) >= 0.9 and p99 ``Acquire`` <= 1.1; the daemon's RSS over the timed part of every hostile
-round grows <= max(4 MiB, 5%). ~90 s on 2 cores (``--rounds`` x ``--seconds``).
+round grows <= max(4 MiB, 5%). About 3 minutes (``--rounds`` x 4 arms x ``--seconds``, and
+each round's warm-up).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import array
 import contextlib
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -44,6 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from tierd.bench.soak import _layout, _quantile, _usage
@@ -62,10 +68,12 @@ ARMS: dict[str, tuple[str | None, bool]] = {  # arm -> (the other client's role,
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seconds", type=float, default=15.0,
-                        help="timed part of each round, seconds (15)")
+    parser.add_argument("--seconds", type=float, default=10.0,
+                        help="turns of each arm in each round, seconds (10)")
+    parser.add_argument("--slice", type=float, default=0.5,
+                        help="length of one arm's turn, seconds (0.5; 0: the arms at once)")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds, each of the four arms at once (3)")
+                        help="rounds, each of the four arms in turns (3)")
     parser.add_argument("--dram-bytes", default="64MiB", help="the daemon's arena (64MiB)")
     parser.add_argument("--block-kib", type=int, default=64, help="block size in KiB (64)")
     parser.add_argument("--rate", type=float, default=50.0,
@@ -76,10 +84,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=tuple(WORKING_SET), default=None,
                         help=argparse.SUPPRESS)
     parser.add_argument("--socket", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--until", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--start", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--chains", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--turn", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--arms", type=int, default=1, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,21 +105,43 @@ def run(args: argparse.Namespace) -> int:
     return _report(args, dram, block, runs)
 
 
+@dataclass(frozen=True, slots=True)
+class Turns:
+    """When an arm's clients run: turns of ``slice`` seconds from ``start``, round robin over
+    ``arms``, this arm's being number ``turn`` (``slice`` 0: always)."""
+
+    start: float
+    slice: float
+    arms: int
+    turn: int
+
+    def wall(self, active: float) -> float:
+        """The wall-clock time at which this arm has had ``active`` seconds of turns."""
+        if not self.slice:
+            return self.start + active
+        done, within = divmod(active, self.slice)
+        return self.start + (done * self.arms + self.turn) * self.slice + within
+
+    def mine(self, t: float) -> bool:
+        """Whether wall-clock time ``t`` is in one of this arm's turns."""
+        return not self.slice or math.floor((t - self.start) / self.slice) % self.arms == \
+            self.turn
+
+
 def _round(args: argparse.Namespace, dram: int, block: int) -> dict[str, dict[str, Any]]:
-    """Every arm at once, each on its own daemon, all clients paced over the same seconds:
-    the host's noise and the clients' own CPU fall on every arm alike, so what differs
-    between arms is what one daemon let its second tenant do to the first."""
+    """The four arms, each on its own daemon, taking turns (``Turns``): the host's noise falls
+    on every arm alike and no arm's processes take CPU from another's, so what differs between
+    arms is what one daemon let its second tenant do to the first."""
     warmup = 4.0 + WORKING_SET["well"] * dram / block / 400 * len(ARMS)  # the first stores
     with contextlib.ExitStack() as stack:
         daemons = {name: stack.enter_context(_daemon(args, dram, block, quotas))
                    for name, (_, quotas) in ARMS.items()}
         start = time.time() + warmup
-        until = start + args.seconds
         procs: dict[str, dict[str, subprocess.Popen[bytes]]] = {}
-        for name, (other, _) in ARMS.items():
+        for turn, (name, (other, _)) in enumerate(ARMS.items()):
             sock, workdir = daemons[name][1:]
-            procs[name] = {role: _spawn(args, role, sock, workdir, dram, block, start, until)
-                           for role in ["well"] + ([other] if other is not None else [])}
+            procs[name] = {role: _spawn(args, role, sock, workdir, dram, block, start, turn)
+                           for role in ["well"] + ([other] if other else [])}
         while time.time() < start:
             time.sleep(0.05)
         rss_start = {name: _usage(d[0].pid) for name, d in daemons.items()}
@@ -146,13 +177,15 @@ def _daemon(args: argparse.Namespace, dram: int, block: int,
 
 
 def _spawn(args: argparse.Namespace, role: str, sock: str, workdir: str, dram: int, block: int,
-           start: float, until: float) -> subprocess.Popen[bytes]:
+           start: float, turn: int) -> subprocess.Popen[bytes]:
     chains = max(1, int(WORKING_SET[role] * dram / block) // CHAIN_BLOCKS)
     return subprocess.Popen(
         [sys.executable, "-m", "tierd.bench.tenants", "--role", role, "--socket", sock,
-         "--start", repr(start), "--until", repr(until),
+         "--start", repr(start),
          "--out", os.path.join(workdir, f"{role}.json"), "--chains", str(chains),
-         "--block-kib", str(args.block_kib), "--rate", str(args.rate)])
+         "--block-kib", str(args.block_kib), "--rate", str(args.rate),
+         "--slice", repr(args.slice), "--arms", str(len(ARMS)), "--turn", str(turn),
+         "--seconds", repr(args.seconds)])
 
 
 def _figures(clients: dict[str, subprocess.Popen[bytes]], workdir: str,
@@ -239,9 +272,12 @@ def _report(args: argparse.Namespace, dram: int, block: int,
                           "p99_benign_over_alone": benign, "pass": ok}, indent=2))
         return 0 if ok else 1
     mib = 1 << 20
+    turns = (f"turns of {args.slice:g} s, round robin" if args.slice
+             else "the four arms of a round at once")
     print(f"tierd bench tenants: arena {dram / mib:.0f} MiB of {block >> 10} KiB blocks, DRAM "
-          f"only, lease {args.lease_seconds:g} s, {args.rounds} rounds of {args.seconds:g} s, "
-          f"the four arms of a round at once, a daemon each, {args.rate:g} loads/s per client; "
+          f"only, lease {args.lease_seconds:g} s, {args.rounds} rounds of {args.seconds:g} s "
+          f"per arm ({turns}), a daemon each, Poisson arrivals at {args.rate:g} loads/s per "
+          "client; "
           f"quotas: well-behaved {WELL_SHARE:.0%}, other {OTHER_SHARE:.0%}; working sets "
           f"{WORKING_SET['well']:.0%} of the arena, benign "
           f"{WORKING_SET['benign']:.0%}, hostile {WORKING_SET['hostile'] / OTHER_SHARE:g}x its "
@@ -269,8 +305,9 @@ def _report(args: argparse.Namespace, dram: int, block: int,
 # -- the client processes ------------------------------------------------------------------------
 
 def _client(args: argparse.Namespace) -> int:
-    """One tenant's engine: the well-behaved loop or the hostile one, paced at ``--rate``, until
-    ``--until`` (wall clock); results to ``--out`` as JSON."""
+    """One tenant's engine: the well-behaved loop or the hostile one, Poisson arrivals at
+    ``--rate`` in its arm's turns, until it had ``--seconds`` of them; results to ``--out`` as
+    JSON."""
     import grpc
 
     from tierd.types import BlockHash
@@ -321,16 +358,19 @@ def _client(args: argparse.Namespace) -> int:
     if args.role != "hostile":
         for hashes in chains:  # the warm-up: the whole working set, before the timed part
             guarded(lambda: store(hashes, blank=False))
-    while time.time() < args.start:
-        time.sleep(0.01)
-    period = 1.0 / args.rate
-    tick = time.time()
+    turns = Turns(args.start, args.slice, args.arms, args.turn)
+    arrivals = random.Random(f"{args.role}/{args.turn}/arrivals")
+    active = 0.0
     n = 0
-    while time.time() < args.until:
-        tick += period
-        pause = tick - time.time()
+    while True:
+        active += arrivals.expovariate(args.rate)
+        if active >= args.seconds:
+            break
+        pause = turns.wall(active) - time.time()
         if pause > 0:
             time.sleep(pause)
+        elif not turns.mine(time.time()):
+            continue  # behind, past this arm's turn: leave the next arm's turn to it
         n += 1
         hashes = rng.choice(chains)
         t0 = time.perf_counter()

@@ -62,6 +62,10 @@ class TierdConfig:
                 "'{ team-a = { dram = \"512MiB\", ssd = \"4GiB\" }, \"*\" = { dram = "
                 "\"10%%\" } }' (\"*\": every tenant not named; none: plain LRU across "
                 "tenants). See docs/daemon.md, Tenant quotas."})
+    loop_share_wait_seconds: float = dataclasses.field(default=0.002, metadata={
+        "help": "Longest a call of a tenant over its share of the daemon's event loop waits "
+                "for the calls of tenants within theirs (0 = no waiting; see docs/daemon.md, "
+                "Loop time)."})
     admin_token: str = dataclasses.field(default="", metadata={
         "help": "Bearer token whose Stats show every tenant's usage and quota; it serves no "
                 "other call ('' = none). Prefer TIERD_ADMIN_TOKEN or the config file to this "
@@ -196,6 +200,9 @@ class TierdConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.block_overhead_bytes < 0:
             raise ValueError(f"block_overhead_bytes must be >= 0, got {self.block_overhead_bytes}")
+        if not 0 <= self.loop_share_wait_seconds <= 1:
+            raise ValueError("loop_share_wait_seconds must be in [0, 1], got "
+                             f"{self.loop_share_wait_seconds}")
         self.node_config().validate()  # watermarks, lease, write-behind, engine caps
         if not self.default_tenant:
             raise ValueError("default_tenant must not be empty")

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from tierd.checksum import block_checksum
+from tierd.daemon.chunks import Steps, run_now
 from tierd.daemon.engines import EngineTable
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
 from tierd.daemon.hbm import HbmIndex
@@ -94,7 +95,8 @@ class NodeStore:
         self._reservations = Reservations(self._tiers, self._leases, config.lease_seconds,
                                           self._expire, clock,
                                           int(config.blank_fraction * arena.size),
-                                          self._gate.write_ended)
+                                          self._gate.write_ended,
+                                          lambda i, n: self._gate.hold(i, "reserved", n))
         self._writing = self._reservations.writing  # reserved key -> its write lease id
         self._inflight_pins: Counter[NamespacedKey] = Counter()  # pins of acquires in progress
         self._promoter = Promoter(self._tiers, arena, ssd, self._writing.__contains__,
@@ -407,13 +409,21 @@ class NodeStore:
         the request, or one past the point where no room could be made gets no slot either.
         With no free slot, LRU unpinned DRAM blocks are evicted synchronously. Never blocks.
         """
+        return run_now(self.reserve_steps(engine_id, hashes,
+                                          filtered_query_tokens=filtered_query_tokens))
+
+    def reserve_steps(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                      filtered_query_tokens: int = 0) -> Steps[Reservation]:
+        """``reserve`` in steps of ``chunks.STEP_BLOCKS`` hashes (NotFound if the engine is
+        unregistered between two)."""
         info = self._engine(engine_id)
         self.models.queried(info.namespace, filtered_query_tokens, 0)
         keys = self._keys(info, hashes)
         self._expire(self._clock())
         limit = self._gate.hold_limit(info, len(keys), "reserved")
-        return self._gate.reserved(info, self._reservations.reserve(
-            info, hashes, keys, filtered_query_tokens, limit), "reserved", limit)
+        res = yield from self._reservations.reserve_steps(info, hashes, keys,
+                                                          filtered_query_tokens, limit)
+        return self._gate.reserved(info, res, "reserved", limit, held=True)
 
     def reserve_blank(self, engine_id: str, count: int) -> Reservation:
         """Allocate ``count`` slots not yet named, under a write lease (evicting as ``reserve``
@@ -441,7 +451,13 @@ class NodeStore:
         that another reservation is writing, frees its slot. Returns the blocks stored.
         NotFound if unknown (or, with ``engine_id``, another engine's); FailedPrecondition after
         expiry, commit or abort; ValueError for bad checksums or names."""
-        return self._reservations.commit(lease_id, checksums, engine_id, names)
+        return run_now(self.commit_steps(lease_id, checksums, engine_id=engine_id, names=names))
+
+    def commit_steps(self, lease_id: str, checksums: Sequence[int | None], *,
+                     engine_id: str | None = None, names: Sequence[BlockHash] = ()) -> Steps[int]:
+        """``commit`` in steps of ``chunks.STEP_BLOCKS`` slots (another Commit or Abort of the
+        lease meanwhile is FailedPrecondition)."""
+        return self._reservations.commit_steps(lease_id, checksums, engine_id, names)
 
     def written_spans(self, lease_id: str, written: Sequence[bool], *,
                       engine_id: str | None = None, names: Sequence[BlockHash] = ()

@@ -62,15 +62,20 @@ class QuotaGate:
         return room
 
     def reserved(self, info: EngineInfo, reservation: Reservation, kind: HoldKind,
-                 limit: int | None) -> Reservation:
+                 limit: int | None, *, held: bool = False) -> Reservation:
         """Count a new reservation's slots against its tenant (``limit``: the cap on them from
-        ``hold_limit``, noted if it bound)."""
+        ``hold_limit``, noted if it bound; ``held``: counted already, by ``hold``)."""
         slots = sum(s is not None for s in reservation.slot_ids)
         if limit is not None and slots == limit:
             self._ledger.note_limited(info.tenant)
+        if not held:
+            self.hold(info, kind, slots)
+        return reservation
+
+    def hold(self, info: EngineInfo, kind: HoldKind, slots: int) -> None:
+        """Count ``slots`` a reservation of ``info``'s just took against its tenant."""
         if slots:
             self._ledger.hold(info.tenant, kind, slots * info.geometry.slot_bytes)
-        return reservation
 
     def read_began(self, lease: ReadLease) -> None:
         """A read lease began (its blocks pinned): they count against its tenant."""

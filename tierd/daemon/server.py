@@ -40,10 +40,12 @@ from tierd.daemon.arena import OwnedArena, check_room, free_bytes
 from tierd.daemon.arena_owner import new_arena_name, remove_stale_arenas
 from tierd.daemon.auth import Authenticator, TokenTable
 from tierd.daemon.build import Node, build_node
+from tierd.daemon.chunks import run_steps
 from tierd.daemon.cluster_link import ClusterLink
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.engine_access import group_id, share
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, Unauthenticated
+from tierd.daemon.loop_share import LoopShare, LoopShareCollector
 from tierd.daemon.node import NodeConfig, NodeStore
 from tierd.daemon.presence import PresenceFilter
 from tierd.daemon.slots import SlabAllocator
@@ -80,10 +82,17 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Wraps every unary-unary method of every service (Tierd, health): parses the request itself
     (a malformed message is INVALID_ARGUMENT, not gRPC's INTERNAL), maps domain errors with
     ``status_for``, turns anything else into INTERNAL with a logged traceback, and records the
-    call's latency with ``observe(method, seconds)``. Streaming methods pass through untouched."""
+    call's latency with ``observe(method, seconds)``. Streaming methods pass through untouched.
 
-    def __init__(self, observe: Callable[[str, float], None]) -> None:
-        self._observe = observe
+    With a ``loop_share`` (and ``tenant_of``: the caller's tenant, or None when it has none),
+    each call is admitted by its tenant's share of the event loop and its loop time counted
+    there (``tierd.daemon.loop_share``)."""
+
+    def __init__(self, observe: Callable[[str, float], None],
+                 loop_share: LoopShare | None = None,
+                 tenant_of: Callable[[grpc.aio.ServicerContext], str | None] = lambda c: None
+                 ) -> None:
+        self._observe, self._share, self._tenant_of = observe, loop_share, tenant_of
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -100,15 +109,26 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                parse: Callable[[bytes], Any] | None) -> Callable[..., Awaitable[Any]]:
         name = method.rsplit("/", 1)[-1]
 
+        async def run(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                request = parse(raw) if parse is not None else raw
+            except DecodeError as exc:
+                raise ValueError(f"malformed {name} request: {exc}") from None
+            result = behavior(request, context)
+            return await result if inspect.isawaitable(result) else result
+
         async def call(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             start = time.perf_counter()
+            loop = self._share
+            tenant = self._tenant_of(context) if loop is not None else None
             try:
+                if loop is None or tenant is None:
+                    return await run(raw, context)
+                await loop.admit(tenant)
                 try:
-                    request = parse(raw) if parse is not None else raw
-                except DecodeError as exc:
-                    raise ValueError(f"malformed {name} request: {exc}") from None
-                result = behavior(request, context)
-                return await result if inspect.isawaitable(result) else result
+                    return await loop.timed(tenant, run(raw, context))
+                finally:
+                    loop.finished(tenant)
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # the daemon's one catch-all: map, log bugs, keep serving
@@ -228,8 +248,9 @@ class TierdServicer(pb_grpc.TierdServicer):
                                  "of blank_slots: report them at the next named Reserve")
             res = self._store.reserve_blank(engine_id, request.blank_slots)
         else:
-            res = self._store.reserve(engine_id, convert.hashes_from_pb(request.block_hashes),
-                                      filtered_query_tokens=request.filtered_query_tokens)
+            res = await run_steps(self._store.reserve_steps(
+                engine_id, convert.hashes_from_pb(request.block_hashes),
+                filtered_query_tokens=request.filtered_query_tokens))
         return pb.ReserveResponse(lease_id=res.lease_id,
                                   seconds_left=res.ttl_seconds,
                                   slots=convert.reserved_to_pb(res.slot_ids, res.already_stored))
@@ -245,8 +266,8 @@ class TierdServicer(pb_grpc.TierdServicer):
         spans = self._store.written_spans(request.lease_id, list(request.written),
                                           engine_id=engine_id, names=names)
         checksums = await self._checksums(spans)
-        stored = self._store.commit(request.lease_id, checksums, engine_id=engine_id,
-                                    names=names)
+        stored = await run_steps(self._store.commit_steps(request.lease_id, checksums,
+                                                          engine_id=engine_id, names=names))
         return pb.CommitResponse(stored=stored)
 
     async def Abort(self, request: pb.AbortRequest,
@@ -362,6 +383,8 @@ class Daemon:
         self.metrics_port: int | None = None
         """The bound Prometheus port (the real one when the config asked for 0), or None."""
         self._stopped = False
+        self.loop_share: LoopShare | None = None
+        """Each tenant's share of the event loop (set by ``start``)."""
 
     @classmethod
     async def start(cls, config: TierdConfig,
@@ -401,15 +424,18 @@ class Daemon:
         store, allocator, ssd = node.store, node.allocator, node.ssd
         cluster, presence = node.cluster, node.presence
         latency = store.metrics.rpc_latency
-        server = grpc.aio.server(
-            interceptors=[ErrorInterceptor(lambda m, s: latency.labels(m).observe(s))],
-            options=[("grpc.max_receive_message_length", config.max_message_bytes),
-                     ("grpc.max_send_message_length", config.max_message_bytes),
-                     ("grpc.so_reuseport", 0)])
         tokens = TokenTable.load(config.token_file)
         if config.tcp_token:
             tokens = tokens.with_token(config.tcp_token, config.default_tenant)
         auth = Authenticator(tokens, config.default_tenant, config.admin_token)
+        loop_share = LoopShare(config.loop_share_wait_seconds)
+        store.metrics.registry.register(LoopShareCollector(loop_share))
+        server = grpc.aio.server(
+            interceptors=[ErrorInterceptor(lambda m, s: latency.labels(m).observe(s), loop_share,
+                                           lambda context: _tenant_or_none(auth, context))],
+            options=[("grpc.max_receive_message_length", config.max_message_bytes),
+                     ("grpc.max_send_message_length", config.max_message_bytes),
+                     ("grpc.so_reuseport", 0)])
         servicer = TierdServicer(store, arena, allocator, ssd, config.node_config(), auth,
                                  cluster, presence)
         store.watch_engines(servicer.engine_lapsed)
@@ -437,6 +463,7 @@ class Daemon:
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
         daemon = cls(config, arena, store, server, health, tcp_port, cluster, presence)
+        daemon.loop_share = loop_share
         daemon._tasks.append(asyncio.create_task(daemon._every(
             config.maintain_seconds, daemon.maintain, "maintain pass")))
         if ssd is not None and config.write_behind_seconds > 0:
@@ -517,6 +544,15 @@ class Daemon:
         if self.config.socket_path and os.path.exists(self.config.socket_path):
             os.unlink(self.config.socket_path)
         _log.info("tierd stopped: arena and socket removed")
+
+
+def _tenant_or_none(auth: Authenticator, context: grpc.aio.ServicerContext) -> str | None:
+    """The caller's tenant for its share of the loop; None when it has none (a bad or missing
+    token, the admin token: the call itself answers that)."""
+    try:
+        return auth.tenant(context.peer(), context.invocation_metadata() or ())
+    except Unauthenticated:
+        return None
 
 
 def format_bytes(n: int) -> str:

@@ -19,15 +19,23 @@ A reservation that holds no slot (no hashes, or no blank slot granted) is the em
 (``EMPTY_LEASE``): nothing is stored for it, and its commit or abort does nothing. Every write
 lease is checked against the lease table's caps before a slot is allocated for it.
 
+A named ``reserve`` and a ``commit`` run in steps of ``chunks.STEP_BLOCKS`` blocks
+(``reserve_steps``, ``commit_steps``), so other calls are served between them. Meanwhile the
+lease is live and holds exactly the slots not yet handed out or published; a Commit or Abort of
+a lease being reserved or committed is FailedPrecondition, and a lease that ends meanwhile
+(expired, engine unregistered) stops the steps, its remaining slots freed.
+
 The node store resolves the engine, scopes its hashes and expires overdue leases; this module
 owns what a write lease holds, from its reservation to its end.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
-from tierd.daemon.errors import FailedPrecondition
+from tierd.daemon.chunks import STEP_BLOCKS, Steps, step_starts
+from tierd.daemon.errors import FailedPrecondition, NotFound
 from tierd.daemon.leases import EMPTY_LEASE, LeaseTable, WriteLease, new_lease_id
 from tierd.daemon.lru import DramBlock
 from tierd.daemon.node_types import EngineInfo, Reservation
@@ -55,19 +63,24 @@ class Reservations:
     def __init__(self, tiers: TierIndex, leases: LeaseTable, lease_seconds: float,
                  expire: Callable[[float], None], clock: Callable[[], float],
                  blank_budget: int,
-                 ended: Callable[[WriteLease], None] = lambda lease: None) -> None:
+                 ended: Callable[[WriteLease], None] = lambda lease: None,
+                 held: Callable[[EngineInfo, int], None] = lambda info, slots: None) -> None:
         self._tiers, self._leases, self._lease_seconds = tiers, leases, lease_seconds
         self._expire, self._clock = expire, clock
         self._ended = ended  # told of every write lease that ends (commit, abort, expiry...)
+        self._held = held  # told of the slots each step of a named reserve took
         self.writing: dict[NamespacedKey, str] = {}
+        self._stepping: set[str] = set()  # live leases being reserved or committed in steps
         self._blank_budget = blank_budget
         self.blank_bytes = 0  # in the slots of live blank leases (at most blank_budget)
 
-    def reserve(self, info: EngineInfo, hashes: Sequence[BlockHash],
-                keys: Sequence[NamespacedKey], filtered_query_tokens: int,
-                limit: int | None = None) -> Reservation:
-        """``NodeStore.reserve`` for a known engine; ``keys[i]`` is ``hashes[i]`` scoped;
-        at most ``limit`` slots (None: no limit)."""
+    def reserve_steps(self, info: EngineInfo, hashes: Sequence[BlockHash],
+                      keys: Sequence[NamespacedKey], filtered_query_tokens: int,
+                      limit: int | None = None) -> Steps[Reservation]:
+        """``NodeStore.reserve`` for a known engine, in steps; ``keys[i]`` is ``hashes[i]``
+        scoped; at most ``limit`` slots (None: no limit). The lease is live from the first
+        step, holding the slots given so far; NotFound if it ends meanwhile (its engine was
+        unregistered)."""
         if not 0 <= filtered_query_tokens <= MAX_FILTERED_QUERY_TOKENS:
             raise ValueError(f"filtered_query_tokens {filtered_query_tokens} is over 2^40, the "
                              "most one Reserve may report: send the count since the last Reserve")
@@ -82,24 +95,38 @@ class Reservations:
         lease_id = new_lease_id()
         slot_bytes = info.geometry.slot_bytes
         slots: list[int | None] = [None] * len(keys)
-        room = True
-        while room:  # again if making room evicted one of these keys: it needs a slot now
-            wanted: dict[NamespacedKey, int] = {}  # key -> its first index, in chain order
-            for i, key in enumerate(keys):
-                if key not in self.writing and key not in wanted and not (
-                        key in t.dram or (t.ssd_up and key in t.disk)):
-                    wanted[key] = i
-            take = len(wanted) if limit is None else min(len(wanted), limit)
-            got = t.allocate_many(slot_bytes, take, now, info.namespace)
-            room = bool(wanted) and len(got) == len(wanted)
-            if limit is not None:
-                limit -= len(got)
-            for (key, i), slot in zip(wanted.items(), got):
-                t.note_restore(key, now)
-                slots[i] = slot
-                self.writing[key] = lease_id
+        deadline = now + self._lease_seconds
+        self._leases.add(WriteLease(lease_id, info.engine_id, deadline, info.namespace,
+                                    info.layout.block_size, slot_bytes, list(hashes), slots))
+        self._stepping.add(lease_id)
+        full = False  # a key found no room: no key after it gets a slot
+        for start in step_starts(len(keys)):
+            if start:
+                yield
+                if lease_id not in self._stepping:
+                    raise NotFound(f"engine {clip(info.engine_id)} was unregistered during "
+                                   "the reserve")
+            end, room = min(len(keys), start + STEP_BLOCKS), True
+            while room and not full:  # again if making room evicted one of these keys
+                wanted: dict[NamespacedKey, int] = {}  # key -> its first index, in chain order
+                for i in range(start, end):
+                    key = keys[i]
+                    if key not in self.writing and key not in wanted and not (
+                            key in t.dram or (t.ssd_up and key in t.disk)):
+                        wanted[key] = i
+                take = len(wanted) if limit is None else min(len(wanted), limit)
+                got = t.allocate_many(slot_bytes, take, now, info.namespace)
+                room, full = bool(wanted), len(got) < len(wanted)
+                if limit is not None:
+                    limit -= len(got)
+                for (key, i), slot in zip(wanted.items(), got):
+                    t.note_restore(key, now)
+                    slots[i] = slot
+                    self.writing[key] = lease_id
+                self._held(info, len(got))
+        self._stepping.discard(lease_id)
         stored = [key in t.dram or (t.ssd_up and key in t.disk) for key in keys]
-        return self._lease(info, lease_id, list(hashes), slots, stored, now)
+        return Reservation(lease_id, deadline, list(slots), stored, self._lease_seconds)
 
     def reserve_blank(self, info: EngineInfo, count: int,
                       limit: int | None = None) -> Reservation:
@@ -123,22 +150,16 @@ class Reservations:
         return Reservation(lease.lease_id, lease.deadline, [*got, *[None] * (count - len(got))],
                            [False] * count, self._lease_seconds)
 
-    def _lease(self, info: EngineInfo, lease_id: str, hashes: list[BlockHash | None],
-               slots: list[int | None], stored: list[bool], now: float) -> Reservation:
-        deadline = now + self._lease_seconds
-        self._leases.add(WriteLease(lease_id, info.engine_id, deadline, info.namespace,
-                                    info.layout.block_size, info.geometry.slot_bytes, hashes,
-                                    slots))
-        return Reservation(lease_id, deadline, slots, stored, self._lease_seconds)
-
     def _empty(self, count: int, now: float) -> Reservation:
         """The reservation of ``count`` entries without a slot: the empty lease, not stored."""
         return Reservation(EMPTY_LEASE, now + self._lease_seconds, [None] * count,
                            [False] * count, self._lease_seconds)
 
-    def commit(self, lease_id: str, checksums: Sequence[int | None], engine_id: str | None,
-               names: Sequence[BlockHash] = ()) -> int:
-        """``NodeStore.commit``: publish the checksummed slots, free the others."""
+    def commit_steps(self, lease_id: str, checksums: Sequence[int | None],
+                     engine_id: str | None, names: Sequence[BlockHash] = ()) -> Steps[int]:
+        """``NodeStore.commit`` in steps: publish the checksummed slots, free the others. The
+        lease stays live until the last step, holding the slots not yet handled; if it ends
+        meanwhile (expiry, unregistering) what was published stays and the rest is freed."""
         now = self._clock()
         written = [c is not None for c in checksums]
         if lease_id == EMPTY_LEASE:
@@ -149,15 +170,33 @@ class Reservations:
             if c is not None and not (isinstance(c, int) and 0 <= c < 1 << 64):
                 raise ValueError(f"checksum #{i} must be an unsigned 64-bit int, got {c!r}")
         hashes = _named(lease, names, written)
-        self._leases.finish(lease_id, "committed")
-        self._unblank(lease)
-        self._ended(lease)
-        t, blank = self._tiers, lease.blank
-        run: list[BlockHash] = []
-        parent: BlockHash | None = None
-        count, ns = 0, lease.namespace
-        for i, (block_hash, slot, checksum) in enumerate(zip(hashes, lease.slots, checksums)):
+        self._stepping.add(lease_id)
+        count = 0
+        for start in step_starts(len(lease.slots)):
+            if start:
+                yield
+                if lease_id not in self._stepping:
+                    break  # the lease ended meanwhile: ``free`` took the slots left
+            count += self._publish(lease, hashes, checksums, start, now)
+        else:
+            self._stepping.discard(lease_id)
+            self._leases.finish(lease_id, "committed")
+            self._ended(lease)  # every slot was handed over: nothing is left to count
+        return count
+
+    def _publish(self, lease: WriteLease, hashes: Sequence[BlockHash | None],
+                 checksums: Sequence[int | None], start: int, now: float) -> int:
+        """One step of a commit: publish or free the lease's slots from ``start`` (at most
+        ``STEP_BLOCKS``), taking each out of the lease; one ``BlockStored`` per consecutive run
+        (listeners count each step's before the next). Returns the blocks stored."""
+        t, blank, ns = self._tiers, lease.blank, lease.namespace
+        run, count = _Run(), 0
+        taken: list[int | None] = []
+        for i in range(start, min(len(lease.slots), start + STEP_BLOCKS)):
+            block_hash, slot, checksum = hashes[i], lease.slots[i], checksums[i]
             if slot is not None:
+                lease.slots[i] = None
+                taken.append(slot)
                 key = make_key(ns, block_hash) if block_hash is not None else None
                 if not blank:
                     del self.writing[key]  # type: ignore[arg-type]  # named at Reserve
@@ -172,16 +211,15 @@ class Reservations:
                         t.note_restore(key, now)
                     t.add_dram(key, DramBlock(ns, block_hash, lease.slot_bytes, slot, checksum,
                                               created=now, last_access=now))
-                    if not run:
-                        parent = hashes[i - 1] if i > 0 else None
-                    run.append(block_hash)
+                    run.add(block_hash, hashes[i - 1] if i > 0 else None)
                     count += 1
                     continue
-            if run:
-                t.emit(BlockStored(tuple(run), parent, "dram", lease.block_size), ns)
-                run = []
-        if run:
-            t.emit(BlockStored(tuple(run), parent, "dram", lease.block_size), ns)
+            run.emit(t, lease)
+        run.emit(t, lease)
+        if taken:  # handed over: no longer held by the lease, nor counted against its tenant
+            handed = dataclasses.replace(lease, slots=taken)
+            self._unblank(handed)
+            self._ended(handed)
         return count
 
     def written_spans(self, lease_id: str, written: Sequence[bool], engine_id: str | None,
@@ -210,11 +248,13 @@ class Reservations:
         lease = self._leases.get(lease_id, engine_id)
         if not isinstance(lease, WriteLease):
             raise FailedPrecondition(f"lease {clip(lease_id)} is a read lease: release it")
+        self._check_idle(lease_id)
         self._leases.finish(lease_id, "aborted")
         self.free(lease)
 
     def free(self, lease: WriteLease) -> None:
         """Free the slots of an already finished write lease (aborted, expired, unregistered)."""
+        self._stepping.discard(lease.lease_id)  # a reserve or commit in steps stops there
         self._unblank(lease)
         for block_hash, slot in zip(lease.hashes, lease.slots):
             if slot is not None:
@@ -228,6 +268,12 @@ class Reservations:
         if lease.blank:
             self.blank_bytes -= lease.slot_bytes * sum(s is not None for s in lease.slots)
 
+    def _check_idle(self, lease_id: str) -> None:
+        """FailedPrecondition if the lease is being reserved or committed in steps."""
+        if lease_id in self._stepping:
+            raise FailedPrecondition(f"lease {clip(lease_id)} is being committed: wait for that "
+                                     "Commit's answer")
+
     def _write_lease(self, lease_id: str, engine_id: str | None, entries: int,
                      what: str) -> WriteLease:
         """The live reservation a Commit names, after expiring overdue leases; ``entries``
@@ -237,11 +283,32 @@ class Reservations:
         lease = self._leases.get(lease_id, engine_id)
         if not isinstance(lease, WriteLease):
             raise FailedPrecondition(f"lease {clip(lease_id)} is a read lease: release it")
+        self._check_idle(lease_id)
         if entries != lease.flags:
             raise ValueError(f"commit needs one {what} per reserved "
                              f"{'slot' if lease.blank else 'hash'}: {entries} given, "
                              f"{lease.flags} reserved")
         return lease
+
+
+class _Run:
+    """The consecutive blocks a commit stored last, announced as one ``BlockStored``."""
+
+    def __init__(self) -> None:
+        self.hashes: list[BlockHash] = []
+        self.parent: BlockHash | None = None
+
+    def add(self, block_hash: BlockHash, before: BlockHash | None) -> None:
+        if not self.hashes:
+            self.parent = before
+        self.hashes.append(block_hash)
+
+    def emit(self, tiers: TierIndex, lease: WriteLease) -> None:
+        """Announce the run, if any, and start a new one."""
+        if self.hashes:
+            tiers.emit(BlockStored(tuple(self.hashes), self.parent, "dram", lease.block_size),
+                       lease.namespace)
+            self.hashes = []
 
 
 def _named(lease: WriteLease, names: Sequence[BlockHash], written: Sequence[bool]
