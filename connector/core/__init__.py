@@ -1,13 +1,11 @@
-"""The engine-side core every front end uses: client ``settings``, the daemon ``link``, one
-classification of failed calls (``errors``), ``lease`` and ``load`` through a sink (``sinks``),
-``save`` and its blank-slot ``stock``, verified copies between arena slots and pool rows
-(``arena_slots``), calls sent without waiting (``inflight``), and the engine's measured prefill
-speed the front ends report for the daemon's savings (``prefill_speed``).
+"""The engine-side core every front end uses: ``settings``, the daemon ``link``, failed-call
+``errors``, ``lease`` and ``load`` through ``sinks``, ``save`` and its blank-slot ``stock``,
+verified copies between arena slots and pool rows (``arena_slots``), the job model the front ends
+adapt (``jobs``) and its one executor (``runner``), and the measured ``prefill_speed``.
 """
 
 from tierd.connector.core.arena_slots import ArenaSlots
 from tierd.connector.core.errors import DROPS, Failure, classify, describe
-from tierd.connector.core.inflight import InFlight
 from tierd.connector.core.lease import (
                                         Lease,
                                         PendingLease,
@@ -27,12 +25,13 @@ from tierd.connector.core.load import (
                                         load_leased,
                                         start_load,
 )
+from tierd.connector.core.runner import Runner
 from tierd.connector.core.save import Reservation, abort, commit, commit_async, reserve, write_rows
 from tierd.connector.core.settings import ClientSettings
 from tierd.connector.core.sinks import PoolRows
 
-__all__ = ["DROPS", "ArenaSlots", "ClientSettings", "DaemonLink", "Failure", "InFlight", "Lease",
+__all__ = ["DROPS", "ArenaSlots", "ClientSettings", "DaemonLink", "Failure", "Lease",
            "LoadResult", "OpenLoad", "PendingLease", "PoolRows", "Release", "Reservation",
-           "Session", "Sink", "abort", "acquire", "acquire_async", "classify", "commit",
+           "Runner", "Session", "Sink", "abort", "acquire", "acquire_async", "classify", "commit",
            "commit_async", "describe", "finish_load", "load_leased", "release",
            "release_async", "releaser", "reserve", "start_load", "write_rows"]

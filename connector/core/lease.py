@@ -109,7 +109,7 @@ def release(client: TierdClient, lease: Lease, corrupt_from: int | None = None) 
 
 def release_async(client: TierdClient, lease: Lease,
                   corrupt_from: int | None = None) -> Future[bool]:
-    """``release`` without waiting (``core.inflight`` settles it later): a future of whether
+    """``release`` without waiting: a future of whether
     the daemon dropped a bad copy, or of the ``grpc.RpcError``. The load that used the lease
     relies on its deadline alone (``core.load``)."""
     return client.release_async(lease.engine_id, lease.lease_id, corrupt_from=corrupt_from)

@@ -140,6 +140,10 @@ class DaemonLink:
         assert slots is not None, "the link was made without attach"
         return slots
 
+    def may_connect(self) -> bool:
+        """Up, or down with the back-off passed (``connect`` would try now). Never blocks."""
+        return self._session is not None or self._clock() >= self._next_try
+
     def _current(self) -> Session:
         session = self._session
         assert session is not None, "use the link only while it is up"

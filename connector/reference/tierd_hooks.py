@@ -6,7 +6,7 @@ Per engine step (the call order is ``tierd.connector.reference.hooks``'s):
   the hot-tier hit; else one Acquire that pins the loadable prefix under a lease until ``load``.
 - ``load``: no round trip; ``core.load.load_leased`` through the ``PoolRows`` sink (each block
   checked as it is copied). The Release is queued at ``step_end``, after the forward pass.
-- ``save``: pool -> staging ring on the engine thread; the worker gathers saves for up to
+- ``save``: pool -> staging ring on the engine thread; the runner gathers saves for up to
   ``save_batch_s``, then one Reserve, memcpys into the slots and one Commit (``core.save``).
 - ``step_end``: the engine's hot-tier events are queued for ReportHotBlocks, with the engine's
   measured prefill speed when one is due (``core.prefill_speed`` over the engine's step
@@ -14,18 +14,20 @@ Per engine step (the call order is ``tierd.connector.reference.hooks``'s):
 
 Failure is never an exception out of the engine: a failed load returns False for that block and
 all after it (recomputed); a save that cannot be queued is dropped and counted; a lost daemon
-makes the hooks act as ``NullHooks`` while the worker reconnects (``core.link.DaemonLink``).
-One worker thread does the round trips; work for a lost session is dropped, never replayed.
+makes the hooks act as ``NullHooks`` while the runner reconnects (``core.link.DaemonLink``).
+One ``core.runner.Runner`` thread does the round trips, Releases ahead of saves and reports;
+work for a lost session is dropped, never replayed.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import queue
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from functools import wraps
 from typing import Concatenate, ParamSpec, TypeVar
@@ -37,6 +39,7 @@ from tierd.connector.core.lease import Lease, Release, acquire, probe_acquire
 from tierd.connector.core.link import DaemonLink, Session
 from tierd.connector.core.load import load_leased
 from tierd.connector.core.prefill_speed import PrefillSpeed
+from tierd.connector.core.runner import Runner
 from tierd.connector.core.save import commit, reserve, write_rows
 from tierd.connector.core.sinks import PoolRows
 from tierd.connector.reference.engine import Request
@@ -88,7 +91,10 @@ class TierdHooks:
         self.stats = TierdHooksStats()
         self._kv: KVCache | None = None
         self._link: DaemonLink | None = None
-        self._jobs: queue.Queue[Job] = queue.Queue(self.config.max_queued_jobs + 1)
+        self._runner: Runner | None = None  # started by register_kv_caches
+        self._gathered: deque[SaveJob | HotJob] = deque()  # saves and reports to write
+        self._more = threading.Condition()  # guards _gathered; notified as jobs come
+        self._connecting = False  # a reconnect job is queued or running (under _more)
         self._ring: StagingRing | None = None
         self._sink: PoolRows | None = None
         self._pending: set[BlockHash] = set()  # queued for save; guarded by _lock
@@ -102,13 +108,12 @@ class TierdHooks:
         self._hot_cleared = False
         self._closing = threading.Event()
         self._flushing = threading.Event()
-        self._worker: threading.Thread | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_cache: KVCache, model_id: str) -> None:
         """Keep the pool, allocate staging, try to connect once (never raises for a missing
-        daemon) and start the worker thread. Blocks are shared under ``model_id`` (or the
+        daemon) and start the runner. Blocks are shared under ``model_id`` (or the
         config's ``model_id`` override)."""
         assert self._kv is None, "register_kv_caches is called once per engine"
         cfg, row = self.config, kv_cache.spec.block_bytes
@@ -118,9 +123,11 @@ class TierdHooks:
         self._sink = PoolRows(kv_cache.pool, cfg.load_staging_bytes // row)
         self._link = DaemonLink(cfg, layout, attach=True, presence=True,
                                 on_session=self._session_changed)
-        self._link.connect()
-        self._worker = threading.Thread(target=self._run, name="tierd-hooks", daemon=True)
-        self._worker.start()
+        self._runner = Runner(1, "tierd-hooks", ("release", "write", "connect"))
+        if cfg.worker_nice and sys.platform == "linux":  # per thread on Linux only
+            self._runner.submit("release", self._renice)
+        if not self._link.connect():
+            self._reconnect_later()
 
     def attach_block_events(self, take_events: Callable[[], list[KVEvent]]) -> None:
         """Report the engine's hot-tier events (e.g. ``engine.manager.take_events``) to the
@@ -151,32 +158,27 @@ class TierdHooks:
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Block until every queued save, release and report has been sent (or dropped)."""
-        deadline = time.monotonic() + timeout
         self._queue_loaded()
-        if self._jobs.unfinished_tasks and self._worker is not None and not self._closing.is_set():
-            self._flushing.set()  # the worker stops gathering saves and sends them now
-            try:
-                self._jobs.put_nowait(None)  # wake it if it waits for more saves
-            except queue.Full:
-                pass  # a full queue ends the gathering anyway
-        done = self._jobs.all_tasks_done  # queue.Queue's condition, notified as tasks end
-        with done:
-            done.wait_for(lambda: not self._jobs.unfinished_tasks,
-                          max(0.0, deadline - time.monotonic()))
+        runner = self._runner
+        if runner is None:
+            return True
+        self._flushing.set()  # a gathering stops waiting for more saves and sends them now
+        self._wake()
+        done = runner.drain(timeout, ("release", "write"))
         self._flushing.clear()
-        return not self._jobs.unfinished_tasks
+        return done
 
     def close(self) -> None:
-        """Send what is queued (up to ``timeout_seconds``), stop the worker, unregister.
+        """Send what is queued (up to ``timeout_seconds``), stop the runner, unregister.
         Idempotent."""
-        if self._worker is None or self._closing.is_set():
+        if self._runner is None or self._closing.is_set():
             return
         self._release_all()
         self._queue_loaded()
         self.flush(self.config.timeout_seconds)
         self._closing.set()
-        self._put(None)
-        self._worker.join(timeout=self.config.timeout_seconds + 1)
+        self._wake()
+        self._runner.stop(self.config.timeout_seconds + 1)
         if self._link is not None:
             self._link.close()
 
@@ -214,7 +216,7 @@ class TierdHooks:
         """Copy and verify under the lease ``lookup`` took (Acquire now if there is none for
         these hashes; ``core.load.load_leased``); True for each leading block now in the pool
         (none if the lease's deadline passed before the copy was done). The lease's Release is
-        queued to the worker at ``step_end``, so its round trip never runs beside the forward
+        queued to the runner at ``step_end``, so its round trip never runs beside the forward
         pass that computes the request's first token (the lease is held one step longer); one
         that reports a corrupt block is queued at once, ahead of the step's saves, so the
         daemon drops the bad copy before the recomputed block is written through."""
@@ -247,13 +249,13 @@ class TierdHooks:
 
     @_engine_thread
     def save(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
-        """Copy the new blocks into the staging ring now; the worker writes them through."""
+        """Copy the new blocks into the staging ring now; the runner writes them through."""
         session, ring = self._session, self._ring
         if session is None or ring is None or not block_ids:
             return
         with self._lock:
             todo = [(b, h) for b, h in zip(block_ids, block_hashes) if h not in self._pending]
-            span = ring.take(len(todo)) if todo and not self._jobs.full() else None
+            span = ring.take(len(todo)) if todo and not self._full() else None
             if span is not None:
                 self._pending.update(h for _, h in todo)
         if not todo:
@@ -332,7 +334,7 @@ class TierdHooks:
             return None
 
     def _deferred_release(self, session: Session) -> Release:
-        """A load's Release, queued to the worker (``core.load``: the lease's deadline alone
+        """A load's Release, queued to the runner (``core.load``: the lease's deadline alone
         decides): one that reports a corrupt block at once, ahead of the step's saves, so the
         daemon drops the bad copy before the recomputed block is written through; the others
         at ``step_end``, after the forward pass."""
@@ -345,7 +347,7 @@ class TierdHooks:
         return release
 
     def _release(self, held: Held | None) -> None:
-        """Queue the Release of a held lease (the worker sends it; nothing for an empty one)."""
+        """Queue the Release of a held lease (the runner sends it; nothing for an empty one)."""
         if held is not None and held.lease.num_blocks:
             self._put(ReleaseJob(held.session, held.lease.lease_id, None))
 
@@ -360,20 +362,41 @@ class TierdHooks:
         for h in held.values():
             self._release(h)
 
+    def _full(self) -> bool:
+        """As many jobs wait as ``max_queued_jobs``: a new one is dropped (and counted)."""
+        runner = self._runner
+        with self._more:
+            waiting = len(self._gathered)
+        return runner is None or (waiting + runner.queued("release")
+                                  >= self.config.max_queued_jobs)
+
     def _put(self, job: Job) -> bool:
-        try:
-            self._jobs.put_nowait(job)
-            return True
-        except queue.Full:
+        """Queue ``job`` on the runner: a Release at once, a save or report for the next
+        gathering (``_write``); False (counted) if too many wait."""
+        runner = self._runner
+        if runner is None or self._closing.is_set() or self._full():
             self.stats.dropped_jobs += 1
             return False
+        if isinstance(job, GATHERED):
+            with self._more:
+                self._gathered.append(job)
+                self._more.notify_all()
+            runner.submit("write", self._write)
+        else:
+            runner.submit("release", functools.partial(self._do, [job]))
+            self._wake()  # a Release ends a gathering
+        return True
+
+    def _wake(self) -> None:
+        with self._more:
+            self._more.notify_all()
 
     def _session_changed(self, session: Session | None) -> None:
-        """The link's listener: count (re)connects and losses; after a loss wake the worker
-        (it reconnects); a new session gets the hot-tier view afresh."""
+        """The link's listener: count (re)connects and losses; after a loss queue the reconnect
+        job; a new session gets the hot-tier view afresh."""
         if session is None:
             self.stats.disconnects += 1
-            self._put(None)
+            self._reconnect_later()
         else:
             self.stats.connects += 1
             self._hot_cleared = True
@@ -390,63 +413,66 @@ class TierdHooks:
             log.warning("tierd call failed: %s", describe(exc))
         return failure
 
-    def _run(self) -> None:
-        """Worker: send queued jobs in order; reconnect with backoff while disconnected."""
-        if self.config.worker_nice and sys.platform == "linux":  # per thread on Linux only
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
-                           os.getpriority(os.PRIO_PROCESS, 0) + self.config.worker_nice)
-        link = self._link
-        assert link is not None
-        held: list[Job] = []  # taken off the queue while batching saves, not yet done
-        while not self._closing.is_set():
-            link.connect()  # nothing while up or before the link's back-off has passed
-            wait = max(0.0, link.retry_at - time.monotonic()) if not link.up else None
-            try:
-                job = held.pop() if held else self._jobs.get(
-                    timeout=wait if wait is not None else 1.0)
-            except queue.Empty:
-                continue
-            batch = [job]
-            if isinstance(job, GATHERED):
-                held += self._gather(batch)
-            try:
-                self._do(batch)
-            finally:
-                for _ in batch:
-                    self._jobs.task_done()
+    def _renice(self) -> None:
+        """The runner thread's niceness: the process's plus ``worker_nice`` (Linux)."""
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                       os.getpriority(os.PRIO_PROCESS, 0) + self.config.worker_nice)
 
-    def _gather(self, batch: list[Job]) -> list[Job]:
-        """Append to ``batch`` (one ``SaveJob`` or ``HotJob``) the saves and hot-tier reports
-        of the same session queued within ``save_batch_s`` of it, up to half the staging ring of
-        saves; returns the other job that ended the gathering, if any (it is done next)."""
-        first = batch[0]
-        assert isinstance(first, GATHERED) and self._ring is not None
-        deadline = first.queued + self.config.save_batch_s
-        rows = len(first.hashes) if isinstance(first, SaveJob) else 0
-        while rows < self._ring.capacity // 2 and not self._flushing.is_set():
-            try:
-                job = self._jobs.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if not isinstance(job, GATHERED) or job.session is not first.session:
-                return [job]
-            batch.append(job)
-            rows += len(job.hashes) if isinstance(job, SaveJob) else 0
-        while True:  # whatever is queued already goes along
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return []
-            if not isinstance(job, GATHERED) or job.session is not first.session:
-                return [job]
-            batch.append(job)
+    def _reconnect_later(self) -> None:
+        """Queue the reconnect job, unless one is queued or running."""
+        runner = self._runner
+        with self._more:
+            if runner is None or self._connecting or self._closing.is_set():
+                return
+            self._connecting = True
+        runner.submit("connect", self._reconnect)
+
+    def _reconnect(self) -> None:
+        """The reconnect job: try as the link's back-off allows until up or closing; it yields
+        the runner thread (queued again) whenever a Release or a save waits."""
+        link, runner = self._link, self._runner
+        assert link is not None and runner is not None
+        while not self._closing.is_set() and not link.connect():
+            if runner.queued("release") or runner.queued("write"):
+                runner.submit("connect", self._reconnect)
+                return
+            self._closing.wait(min(0.05, max(0.0, link.retry_at - time.monotonic())))
+        with self._more:
+            self._connecting = False
+
+    def _write(self) -> None:
+        """A gathering (one runner job): the oldest queued save or report and those of the same
+        session queued within ``save_batch_s`` of it, up to half the staging ring of saves, then
+        one Reserve/Commit and one merged report (``_do``). It ends early for a Release, a job
+        of another session, ``flush`` or ``close``. Nothing to do if an earlier one took all."""
+        assert self._ring is not None
+        with self._more:
+            if not self._gathered:
+                return
+            first = self._gathered.popleft()
+            batch: list[Job] = [first]
+            rows = len(first.hashes) if isinstance(first, SaveJob) else 0
+            deadline = first.queued + self.config.save_batch_s
+            runner = self._runner
+            assert runner is not None
+            while True:
+                while (self._gathered and self._gathered[0].session is first.session
+                       and rows < self._ring.capacity // 2):
+                    job = self._gathered.popleft()
+                    batch.append(job)
+                    rows += len(job.hashes) if isinstance(job, SaveJob) else 0
+                left = deadline - time.monotonic()
+                if (self._gathered or rows >= self._ring.capacity // 2 or left <= 0
+                        or self._flushing.is_set() or self._closing.is_set()
+                        or runner.queued("release")):
+                    break
+                self._more.wait(left)
+        self._do(batch)
 
     def _do(self, batch: list[Job]) -> None:
         """One gathered batch (saves and hot-tier reports of one session: one Reserve/Commit,
         then one merged report) or a single other job."""
         job = batch[0]
-        if job is None:
-            return
         if isinstance(job, GATHERED):
             saves = [j for j in batch if isinstance(j, SaveJob)]
             reports = [j for j in batch if isinstance(j, HotJob)]

@@ -1,8 +1,8 @@
-"""What ``TierdHooks``' engine thread hands its worker: the queued jobs (saves, Releases,
+"""What ``TierdHooks``' engine thread hands its runner: the queued jobs (saves, Releases,
 hot-tier reports) of a ``core.link.Session``, with the merge of several reports into one.
 
-Internal to ``tierd_hooks``; a job of a session that is gone is dropped by the
-worker, never applied to the next session.
+Internal to ``tierd_hooks``; a job of a session that is gone is dropped when it runs, never
+applied to the next session.
 """
 
 from __future__ import annotations
@@ -70,6 +70,6 @@ def merged_reports(reports: list[HotJob]) -> HotJob:
                    [h for h, v in held.items() if not v], cleared, reports[0].queued, speed)
 
 
-Job = SaveJob | ReleaseJob | HotJob | None  # None: wake up (reconnect or stop)
+Job = SaveJob | ReleaseJob | HotJob
 GATHERED = (SaveJob, HotJob)
-"""Jobs the worker gathers over ``save_batch_s``; any other job ends a gathering."""
+"""Jobs a gathering takes together over ``save_batch_s``; a Release ends a gathering."""

@@ -8,15 +8,16 @@ query, prefetch I/O, backup), up to 128 pages a call:
 - ``batch_exists`` -> one Lookup: how many leading pages tierd holds (DRAM or SSD).
 - ``batch_get_v1`` -> one Acquire (SSD hits staged into DRAM, the prefix pinned), each slot
   verified as it is copied into its host page, one Release (naming the first page that failed
-  its checksum, which the daemon re-checks and drops), sent without waiting: a copy counts
+  its checksum, which the daemon re-checks and drops), queued on the runner: a copy counts
   if it ended before the lease's deadline (``core.load``).
 - ``batch_set_v1`` -> one Reserve, the pages copied into their slots, one Commit (the daemon
   checksums them); pages tierd already holds, or another engine is writing, count as stored
   without a copy. The call returns once the copy is done (SGLang may then reuse the host
-  pages) and the Commit is on its way: the daemon checksums one batch while the next is
-  copied. At most ``PENDING_COMMITS`` Commits are in flight; a Commit that fails leaves its
-  pages unstored (later misses, recomputed), logged. This backend's own ``batch_exists`` and
-  gets wait for its Commits in flight first, so an engine always finds what it stored.
+  pages) and the Commit is queued on the backend's ``core.runner.Runner``: the daemon
+  checksums one batch while the next is copied. At most ``PENDING_COMMITS`` Commits are in
+  flight; a Commit that fails leaves its pages unstored (later misses, recomputed), logged.
+  This backend's own ``batch_exists`` and gets wait for its Commits in flight first, so an
+  engine always finds what it stored.
 - ``get``/``set``/``batch_get``/``batch_set``/``exists``: the same through SGLang's flat pages
   (without ``"interface_v1": 1``).
 
@@ -42,11 +43,11 @@ import grpc
 import torch
 
 from tierd.connector.core.errors import describe
-from tierd.connector.core.inflight import InFlight
-from tierd.connector.core.lease import Lease, Release, acquire, release_async
+from tierd.connector.core.lease import Lease, Release, acquire, release
 from tierd.connector.core.link import DaemonLink, Session
 from tierd.connector.core.load import Sink, load_leased
-from tierd.connector.core.save import Reservation, abort, commit_async, reserve
+from tierd.connector.core.runner import Runner
+from tierd.connector.core.save import Reservation, abort, commit, reserve
 from tierd.types import BlockHash
 
 from .base import HiCacheStorage
@@ -64,6 +65,8 @@ PENDING_COMMITS = 1
 batch's copy; more would only queue behind the daemon's checksums."""
 PENDING_RELEASES = 8
 """Releases a backend leaves in flight after a get (each a fraction of a millisecond)."""
+RUNNER_THREADS = 2
+"""Threads of a backend's runner: a Commit and a Release may run at once."""
 
 
 class TierdHiCacheStorage(HiCacheStorage):
@@ -84,9 +87,7 @@ class TierdHiCacheStorage(HiCacheStorage):
         self.writer: bool = bool(getattr(sc, "is_storage_writer", True))
         self.format: PageFormat | None = None
         self._link: DaemonLink | None = None
-        self._commits = InFlight(self._commit_failed)
-        self._releases = InFlight(lambda session, exc: self._failed(exc, session,
-                                                                    names_lease=True))
+        self._runner = Runner(RUNNER_THREADS, "tierd-hicache", ("release", "commit"))
         _log.info("tierd: model id %s (%s)", self.identity.model_id, self.identity.source)
 
     # --- registration ------------------------------------------------------------------------
@@ -115,12 +116,12 @@ class TierdHiCacheStorage(HiCacheStorage):
         """Wait for this backend's Commits and Releases in flight (each ends within the daemon
         call deadline): what ``batch_set_v1`` stored is then visible to every engine, and no
         lease of this backend is held."""
-        self._commits.settle(0)
-        self._releases.settle(0)
+        self._settle(("commit", "release"), 0)
 
     def close(self) -> None:
-        """``flush``, then unregister from the daemon (best effort)."""
+        """``flush``, then end the runner and unregister from the daemon (best effort)."""
         self.flush()
+        self._runner.stop(self.config.link.timeout_seconds + 1.0)
         if self._link is not None:
             self._link.close()
 
@@ -128,7 +129,7 @@ class TierdHiCacheStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many leading ``keys`` tierd holds: one Lookup (0 if the daemon is down)."""
-        self._commits.settle(0)  # what this engine stored is visible to its own reads
+        self._settle(("commit",), 0)  # what this engine stored is visible to its own reads
         session = self._session()
         if session is None or not keys:
             return 0
@@ -213,7 +214,7 @@ class TierdHiCacheStorage(HiCacheStorage):
         """Acquire, then ``core.load``: each leased slot checked as ``sink`` copies it into
         page ``pages_of(n)[i]``, then Release (naming the first page that failed, which the
         daemon re-checks and drops); True for each leading page in place."""
-        self._commits.settle(0)  # what this engine stored is visible to its own reads
+        self._settle(("commit",), 0)  # what this engine stored is visible to its own reads
         session = self._session()
         if session is None or not keys:
             return [False] * len(keys)
@@ -252,17 +253,30 @@ class TierdHiCacheStorage(HiCacheStorage):
         except BaseException:
             self._abort(session, reserved)
             raise
-        try:
-            self._commits.add(session, commit_async(session.client, reserved, written))
-        except grpc.RpcError as exc:  # the session was dropped meanwhile: nothing stored
-            self._failed(exc, session, names_lease=True)
-            return _stored(reserved.already_stored, reserved.slot_ids, False)
-        self._commits.settle(PENDING_COMMITS)
+        self._runner.submit("commit", lambda: self._commit(session, reserved, written))
+        self._settle(("commit",), PENDING_COMMITS)
         return _stored(reserved.already_stored, reserved.slot_ids, True)
 
-    def _commit_failed(self, session: Session, exc: grpc.RpcError) -> None:
-        _log.warning("tierd: a Commit failed (%s); its pages are not stored", describe(exc))
-        self._failed(exc, session, names_lease=True)
+    def _commit(self, session: Session, reserved: Reservation, written: list[bool]) -> None:
+        """The Commit job (a runner thread); a failure leaves the pages unstored, logged."""
+        try:
+            commit(session.client, reserved, written)
+        except grpc.RpcError as exc:
+            _log.warning("tierd: a Commit failed (%s); its pages are not stored", describe(exc))
+            self._failed(exc, session, names_lease=True)
+
+    def _release(self, session: Session, lease: Lease, corrupt_from: int | None) -> None:
+        """The Release job (a runner thread); a failed one lets the lease lapse by itself."""
+        try:
+            release(session.client, lease, corrupt_from)
+        except grpc.RpcError as exc:
+            self._failed(exc, session, names_lease=True)
+
+    def _settle(self, kinds: tuple[str, ...], keep: int) -> None:
+        """Wait until at most ``keep`` jobs of ``kinds`` are queued or running (each ends
+        within the daemon call deadline)."""
+        if not self._runner.drain(2 * self.config.link.timeout_seconds + 1.0, kinds, keep):
+            _log.warning("tierd: a daemon call of the HiCache backend outlived its deadline")
 
     def _release_later(self, session: Session) -> Release:
         """The ``core.load.Release`` of a get: the Release sent without waiting (None: the
@@ -270,12 +284,9 @@ class TierdHiCacheStorage(HiCacheStorage):
         ``PENDING_RELEASES`` left in flight."""
         def later(lease: Lease, corrupt_from: int | None) -> None:
             if lease.num_blocks:
-                try:
-                    self._releases.add(session, release_async(session.client, lease,
-                                                              corrupt_from))
-                except grpc.RpcError as exc:  # dropped meanwhile: the lease lapses by itself
-                    self._failed(exc, session, names_lease=True)
-            self._releases.settle(PENDING_RELEASES)
+                self._runner.submit("release",
+                                    lambda: self._release(session, lease, corrupt_from))
+            self._settle(("release",), PENDING_RELEASES)
         return later
 
     def _abort(self, session: Session, reserved: Reservation) -> None:

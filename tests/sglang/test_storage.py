@@ -363,6 +363,7 @@ def test_failed_load_releases_its_lease(daemon: TierdServe, models: tuple[str, s
 
         with pytest.raises(RuntimeError, match="copy failed"):
             b.backend._load(keys, lambda n: list(range(n)), Broken())
+        b.backend.flush()  # the Release is a job on the backend's runner
         assert daemon.pinned_blocks() == 0
         hit, loaded, got = b.prefetch("after", TOKENS)
         assert loaded == len(TOKENS) and b.pages(got) == stored

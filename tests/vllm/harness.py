@@ -223,6 +223,24 @@ class Engine:
     def connector(self) -> Any:
         return self.scheduler.connector
 
+    def settle_scheduler(self) -> None:
+        """Wait for the scheduler-side connector's daemon calls in flight (its lookups and
+        releases run on a runner; a lease released is then no longer pinned)."""
+        side = getattr(self.connector, "_scheduler", None)
+        if side is not None:
+            assert side.drain(30.0), "a scheduler-side daemon call never finished"
+
+    def schedule_until_loads(self, steps: int = 500) -> Any:
+        """``scheduler.schedule()`` until a step plans a load (the connector's lookup answers
+        None until its job is done, and vLLM asks again at each step); that step's output."""
+        for _ in range(steps):
+            out = self.scheduler.schedule()
+            if out.kv_connector_metadata.loads:
+                return out
+            self.scheduler.update_from_output(out, self._forward(out))
+            time.sleep(0.002)
+        raise AssertionError("no step planned a load")
+
     # -- the stand-in forward pass -----------------------------------------------------------
 
     def _bytes(self, rank: int, layer: int) -> torch.Tensor:
@@ -249,18 +267,13 @@ class Engine:
                 if layer == 0:
                     view[0, 0], view[0, 1] = state & 0xFF, state >> 8
 
-    def _forward(self, out: Any) -> ModelRunnerOutput:
-        """Run one scheduled step through every rank's worker connector in vLLM's model-runner
-        order (bind, start_load_kv, per-layer save_kv_layer, wait_for_save, reports, clear) and
-        merge the ranks' outputs with vLLM's KVOutputAggregator."""
-        for w in self.workers:
-            w.bind_connector_metadata(out.kv_connector_metadata)
-            w.start_load_kv(None)
+    def _compute(self, out: Any, spans: list[tuple[str, int]]
+                 ) -> tuple[list[str], list[list[int]], list[int]]:
+        """One pass of the stand-in model over the step's ``spans`` (request, first position):
+        (request ids, each one's sampled tokens, every state written, in order)."""
         req_ids: list[str] = []
         sampled: list[list[int]] = []
-        spans = [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs]
-        cached = out.scheduled_cached_reqs
-        spans += list(zip(cached.req_ids, cached.num_computed_tokens))
+        written: list[int] = []
         for req_id, start in spans:
             request = self.scheduler.requests[req_id]
             table = list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
@@ -273,12 +286,36 @@ class Engine:
                 state = (state * 31 + ids[pos] + 1) % 65521
                 self._write(table, pos, state)
                 state = self._state_at(table, pos)  # as the ranks' sum sees it
+                written.append(state)
             req_ids.append(req_id)
             if start + out.num_scheduled_tokens[req_id] < request.num_tokens:
                 sampled.append([])  # a prefill chunk that does not reach the end samples nothing
                 continue
             sampled.append([state % (VOCAB - 1)])
-            self._last[req_id] = sampled[-1][0]
+        return req_ids, sampled, written
+
+    def _forward(self, out: Any) -> ModelRunnerOutput:
+        """Run one scheduled step through every rank's worker connector in vLLM's model-runner
+        order (bind, start_load_kv, per-layer save_kv_layer, wait_for_save, reports, clear) and
+        merge the ranks' outputs with vLLM's KVOutputAggregator."""
+        for w in self.workers:
+            w.bind_connector_metadata(out.kv_connector_metadata)
+            w.start_load_kv(None)
+        spans = [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs]
+        cached = out.scheduled_cached_reqs
+        spans += list(zip(cached.req_ids, cached.num_computed_tokens))
+        # A real forward pass writes every layer's KV of the whole step before attention reads
+        # it, so a request may read blocks another request of the same step computes (a local
+        # hit on blocks being recomputed): passes until no written state changes.
+        done: list[int] | None = None
+        for _ in range(len(spans) + 1):
+            req_ids, sampled, written = self._compute(out, spans)
+            if written == done:
+                break
+            done = written
+        for req_id, tokens in zip(req_ids, sampled):
+            if tokens:
+                self._last[req_id] = tokens[0]
         outputs = []
         for w, kv in zip(self.workers, self.kvs):
             for name, tensor in kv.items():
@@ -344,6 +381,7 @@ class Engine:
             raise AssertionError("requests did not finish")
         for worker in self.workers:  # wait for the write-through to land
             assert worker.worker_counters is not None
+        self.settle_scheduler()
         return {r.request_id: self.tokens.get(r.request_id, []) for r in requests}
 
 

@@ -230,16 +230,18 @@ class NodeStore:
             self._looked_up(info.namespace, keys, tokens, len(tiers))
         return tiers
 
-    def probe(self, engine_id: str, hashes: Sequence[BlockHash]) -> Lease:
+    def probe(self, engine_id: str, hashes: Sequence[BlockHash], *, hold: bool = False
+              ) -> Lease:
         """``lookup`` and a pin of the leading DRAM run in one: counts the chain as ``lookup``
         does, pins the blocks DRAM holds at its head (reading nothing), and lists in the lease's
-        ``held_after`` the tiers of the held blocks after them. ResourceExhausted as ``acquire``."""
+        ``held_after`` the tiers of the held blocks after them. ``hold`` as ``acquire``'s: the run is
+        not counted as served. ResourceExhausted as ``acquire``."""
         info = self._engine(engine_id)
         keys = self._keys(info, hashes)
         blocks = self._tiers.dram.prefix(keys)
         tiers = self._query(info, hashes, keys, len(blocks))
         keys, blocks, now = self._pinnable(info, keys, blocks)
-        lease = self._lease(info, keys[:len(blocks)], blocks, now, pin=True, served=True)
+        lease = self._lease(info, keys[:len(blocks)], blocks, now, pin=True, served=not hold)
         return dataclasses.replace(lease, held_after=tiers[len(blocks):])
 
     def _pinnable(self, info: EngineInfo, keys: list[NamespacedKey], blocks: list[DramBlock]

@@ -230,7 +230,8 @@ class TierdServicer(pb_grpc.TierdServicer):
     async def Probe(self, request: pb.ProbeRequest,
                     context: grpc.aio.ServicerContext) -> pb.ProbeResponse:
         engine_id = self._engine(context, request.engine_id)
-        lease = self._store.probe(engine_id, convert.hashes_from_pb(request.block_hashes))
+        lease = self._store.probe(engine_id, convert.hashes_from_pb(request.block_hashes),
+                                  hold=request.hold)
         return pb.ProbeResponse(lease_id=lease.lease_id, seconds_left=lease.ttl_seconds,
                                 slot_ids=lease.slot_ids, checksums=lease.checksums,
                                 held_after=convert.tiers_to_pb(lease.held_after))

@@ -129,12 +129,14 @@ class AcquireResponse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., seconds_left: _Optional[float] = ..., slot_ids: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
-    __slots__ = ("engine_id", "block_hashes")
+    __slots__ = ("engine_id", "block_hashes", "hold")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, engine_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    hold: bool
+    def __init__(self, engine_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., hold: _Optional[bool] = ...) -> None: ...
 
 class ProbeResponse(_message.Message):
     __slots__ = ("lease_id", "seconds_left", "slot_ids", "checksums", "held_after")

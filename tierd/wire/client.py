@@ -78,6 +78,10 @@ class _Requests:
         return kind(engine_id=engine_id, block_hashes=hashes)
 
     @staticmethod
+    def probe(engine_id: str, hashes: Sequence[BlockHash], hold: bool) -> pb.ProbeRequest:
+        return pb.ProbeRequest(engine_id=engine_id, block_hashes=hashes, hold=hold)
+
+    @staticmethod
     def reserve(engine_id: str, hashes: Sequence[BlockHash],
                 filtered_query_tokens: int) -> pb.ReserveRequest:
         return pb.ReserveRequest(engine_id=engine_id, block_hashes=hashes,
@@ -182,17 +186,19 @@ class TierdClient:
         return self._future("Acquire", _Requests.acquire(engine_id, hashes, hold),
                             convert.acquired_from_pb)
 
-    def probe(self, engine_id: str, hashes: Sequence[BlockHash]) -> AcquiredBlocks:
+    def probe(self, engine_id: str, hashes: Sequence[BlockHash], *,
+              hold: bool = False) -> AcquiredBlocks:
         """A Lookup and an Acquire of the leading DRAM run in one round trip: the chain is
         counted as a Lookup, the blocks DRAM holds at its head are pinned (nothing is read),
-        and ``held_after`` names the tier of each held block after them (``acquire`` those)."""
-        reply = self._call("Probe", _Requests.chain(pb.ProbeRequest, engine_id, hashes))
+        and ``held_after`` names the tier of each held block after them (``acquire`` those).
+        ``hold`` as for ``acquire``: the pinned run is not counted as served."""
+        reply = self._call("Probe", _Requests.probe(engine_id, hashes, hold))
         return convert.acquired_from_pb(reply)
 
-    def probe_async(self, engine_id: str, hashes: Sequence[BlockHash]
-                    ) -> Future[AcquiredBlocks]:
+    def probe_async(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                    hold: bool = False) -> Future[AcquiredBlocks]:
         """``probe`` without blocking; release the lease it resolves to as ``acquire_async``'s."""
-        return self._future("Probe", _Requests.chain(pb.ProbeRequest, engine_id, hashes),
+        return self._future("Probe", _Requests.probe(engine_id, hashes, hold),
                             convert.acquired_from_pb)
 
     def _future(self, method: str, request: Any, result: Callable[[Any], T]) -> Future[T]:
@@ -349,9 +355,10 @@ class AsyncTierdClient:
         reply = await self._call("Acquire", _Requests.acquire(engine_id, hashes, hold))
         return convert.acquired_from_pb(reply)
 
-    async def probe(self, engine_id: str, hashes: Sequence[BlockHash]) -> AcquiredBlocks:
+    async def probe(self, engine_id: str, hashes: Sequence[BlockHash], *,
+                    hold: bool = False) -> AcquiredBlocks:
         """See ``TierdClient.probe``."""
-        reply = await self._call("Probe", _Requests.chain(pb.ProbeRequest, engine_id, hashes))
+        reply = await self._call("Probe", _Requests.probe(engine_id, hashes, hold))
         return convert.acquired_from_pb(reply)
 
     async def release(self, engine_id: str, lease_id: str, *,

@@ -18,16 +18,18 @@ since the last).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import grpc
 
 from tierd.connector.core.errors import classify, describe
 from tierd.connector.core.link import WARN_EVERY_SECONDS, DaemonLink, Session
+from tierd.connector.core.runner import Runner
 from tierd.connector.core.save import Reservation, commit
 from tierd.wire.client import TierdClient
 
@@ -60,7 +62,7 @@ class Committer:
         self._tp_size, self._clock = tp_size, clock
         self._lost = 0                  # blocks lost since the last WARNING
         self._warned = -WARN_EVERY_SECONDS
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tierd-commit")
+        self._runner = Runner(1, "tierd-commit", ("commit",))  # one thread: Commits in order
         self._futures: list[tuple[Session | None, Future[_Outcome]]] = []
         self._client: TierdClient | None = None
         self._held: list[HeldCommit] = []
@@ -130,7 +132,7 @@ class Committer:
         self._counters.count("dropped_blocks", sum(sum(h.written) for h in self._held))
         self._held = []
         self.harvest(wait=True)
-        self._thread.shutdown()
+        self._runner.stop(self._link.timeout_seconds + 1.0)
         if self._client is not None:
             self._client.close()
 
@@ -138,8 +140,10 @@ class Committer:
                 ticket: SaveTicket | None) -> None:
         if self._client is None:
             self._client = self._link.new_client()
-        self._futures.append((self._link.session, self._thread.submit(
-            _commit, self._client, reservation, written, ticket)))
+        job = self._runner.submit("commit", functools.partial(
+            _commit, self._client, reservation, written, ticket))
+        assert job is not None, "the commit kind has no limit"
+        self._futures.append((self._link.session, job))
 
 
 def _commit(client: TierdClient, reservation: Reservation, written: list[bool],

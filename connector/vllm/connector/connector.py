@@ -5,8 +5,9 @@ WORKER); they share nothing but the per-step metadata (``metadata``). The schedu
 decides (``scheduler``), the worker instances move bytes (``worker``, byte order in
 ``kv_tensors``); each method here only forwards to its side.
 
-Semantics: a best-effort cache with synchronous loads. ``get_num_new_matched_tokens`` returns
-``(tokens, False)`` for a hit it has pinned; loads complete inside ``start_load_kv`` (on CUDA
+Semantics: a best-effort cache with synchronous loads. ``get_num_new_matched_tokens`` answers
+``(None, False)`` until its lookup job is done (vLLM asks again next step), then ``(tokens,
+False)`` for a hit it has pinned; loads complete inside ``start_load_kv`` (on CUDA
 they are queued there, and ``wait_for_layer_load`` waits per layer); blocks that
 could not be loaded are returned by ``get_block_ids_with_load_errors`` in the same step (vLLM
 recomputes them with ``kv_load_failure_policy: recompute``), and nothing computed on top of them

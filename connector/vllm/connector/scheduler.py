@@ -1,20 +1,21 @@
 """The scheduler half of the vLLM adapter: which blocks to load and which to save, per step.
 
-Metadata only (no KV bytes). Per request scheduled from the waiting queue, one ``Lookup`` (the
-tier of each hit, for vLLM's hit-source stats; the one the daemon counts for its hit ratio, so
-once per request, as vLLM counts its own prefix-cache queries) and one ``Acquire`` per TP rank:
-**the hit it reports is pinned** under a lease, so between this answer and the workers' load
-only a dead daemon can make the load fail. vLLM asks again at every step a request waits; those
-asks are answered from the first answer without a round trip while its pin is fresh. A hit
-with SSD blocks is not waited for. With host KV it is an asynchronous load (vLLM's
-``load_async``), not pinned here: the workers acquire and copy it chunk by chunk as the daemon
-reads it (``streaming``) and report it through ``get_finished``. With CUDA KV its Acquires run
-as futures while the daemon stages the blocks into DRAM, and the lookup answers None until
-they resolve (vLLM asks again at its next step). A pin is released on
-every path: when every worker has reported the load done (``TierdWorkerMetadata.loaded``), when
-vLLM allocates no external tokens, when the request is looked up afresh, finishes or is aborted
-(an abandoned staging is released as its Acquires resolve), and at the latest when its lease
-expires.
+Metadata only (no KV bytes), and never waiting for the daemon: every daemon call runs as a job
+(``lookup_jobs``) on a ``core.runner.Runner`` and the lookup answers None ("asked, not answered
+yet", vLLM's asynchronous lookup) until its job is done. Per request scheduled from the waiting
+queue, one lookup job: an ``Acquire`` of the leading DRAM run that the daemon also counts as the
+request's lookup (once per request, as vLLM counts its own prefix-cache queries; it names the tiers
+of the held blocks after the run, for vLLM's hit-source stats), and the same run acquired on the
+other TP ranks: **the hit it reports is pinned** under a lease, so between this answer and the
+workers' load only a dead daemon can make the load fail. vLLM asks again at every step a request
+waits; those asks are answered from the first answer without a round trip while its pin is fresh. A
+hit with SSD blocks is not waited for by the scheduler. With host KV it is an asynchronous load
+(vLLM's ``load_async``), not pinned here: the workers acquire and copy it chunk by chunk as the
+daemon reads it (``streaming``) and report it through ``get_finished``. With CUDA KV the job stages
+it into DRAM on every rank. A pin is released (a runner job) on every path: when every worker has
+reported the load done (``TierdWorkerMetadata.loaded``), when vLLM allocates no external tokens,
+when the request is looked up afresh, finishes or is aborted (an abandoned lookup's leases are
+released once it finishes), and at the latest when its lease expires.
 
 The plan for each step goes to the workers as a ``TierdConnectorMetadata``:
 
@@ -38,6 +39,7 @@ every request whenever a KV connector is configured.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -45,12 +47,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
 from tierd.connector.core.link import DaemonLink
+from tierd.connector.core.runner import Runner
 from tierd.types import BlockHash, Tier
-from tierd.wire.replies import AcquiredBlocks
 
+from .lookup_jobs import Reply, ask, end_leases, reply_of
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 
 _log = logging.getLogger(__name__)
@@ -97,28 +98,28 @@ _IN_DRAM: tuple[Tier, ...] = ("dram", "hbm")
 what it would serve)."""
 
 
-@dataclass(slots=True)
-class _Staging:
-    """A hit whose Acquires are in flight (the daemon stages its SSD blocks into DRAM)."""
+@dataclass(frozen=True, slots=True)
+class _Asking:
+    """A lookup job in flight for a waiting request's blocks ``[start, end)``."""
 
     start: int
-    hashes: list[BlockHash]
-    tiers: list[Tier]
-    futures: list[Future[AcquiredBlocks]]  # one per TP rank
-    deadline: float
-    clock: Callable[[], float]
-    end: int = 0                   # the end of the range asked for (``_Answer.end``)
-    asked: float = 0.0             # clock time the Acquires were sent
+    end: int
+    hashes: list[BlockHash]        # the blocks asked for, from ``start``
+    job: Future[Reply]
+    counting: bool                 # the job's Acquire is the request's counted lookup
 
-    def ready(self) -> bool:
-        return all(f.done() for f in self.futures)
 
-    def expired(self) -> bool:
-        return self.clock() >= self.deadline
+LOOKUP_THREADS = 4
+"""Runner threads of the scheduler side: lookups (one daemon round trip each, more when SSD
+blocks are staged) and releases."""
+
+MAX_QUEUED_LOOKUPS = 4096
+"""Lookups queued beyond this are answered "no match" (the request computes its prefix)."""
 
 
 class SchedulerSide:
-    """State of the scheduler-side connector. Called from vLLM's scheduler thread only.
+    """State of the scheduler-side connector. Called from vLLM's scheduler thread only; the
+    daemon calls run on a ``Runner`` and never make that thread wait.
 
     ``links[r]`` is the registration under TP rank ``r``'s layout (rank 0's namespace is the
     one looked up)."""
@@ -131,8 +132,10 @@ class SchedulerSide:
         self._links = list(links)
         self._stream = stream
         self._clock = clock
-        self._staging: dict[str, _Staging] = {}
-        self._abandoned: list[tuple[int, Future[AcquiredBlocks]]] = []  # (rank, Acquire)
+        self._runner = Runner(LOOKUP_THREADS, "tierd-scheduler", ("lookup", "release"),
+                              limits={"lookup": MAX_QUEUED_LOOKUPS})
+        self._asking: dict[str, _Asking] = {}
+        self._abandoned: list[Future[Reply]] = []
         self._load, self._save = load, save
         self._block_size = links[0].layout.block_size
         self._tracked: dict[str, _Tracked] = {}
@@ -141,7 +144,7 @@ class SchedulerSide:
         self._recomputing: set[str] = set()
         self._local: dict[str, int] = {}          # block position past the local hit, per lookup
         self._answers: dict[str, _Answer] = {}    # waiting requests the daemon answered for
-        self._counted: set[str] = set()           # requests whose Lookup the daemon counted
+        self._counted: set[str] = set()           # requests whose lookup the daemon counted
         self._failures_seen: set[int] = set()     # failed blocks reported since the last build
         self._step = 0                            # steps built
         self._reported = 0                        # steps whose workers' report arrived
@@ -156,66 +159,57 @@ class SchedulerSide:
         """Tokens beyond ``num_computed_tokens`` (the local prefix-cache hit, block-aligned) that
         tierd holds and has now pinned for this request: full blocks only, and never the block
         holding the request's last token (vLLM must compute that one to sample). 0 if the
-        daemon is unreachable.
+        daemon is unreachable. Never blocks: None means "asked, not answered yet" (vLLM's
+        asynchronous lookup: it keeps the request waiting and asks again at its next step).
 
-        A hit with SSD blocks never makes the scheduler wait for a disk: with ``stream`` it is
-        answered at once as an asynchronous load (``streams``: vLLM parks the request while the
-        workers copy it as the daemon reads it; nothing pinned here); otherwise None while the
-        daemon stages it into DRAM (vLLM asks again at its next step). The first ask of a
-        request blocks for a Lookup (the one the daemon counts for its hit ratio) and, for a
-        DRAM hit, an Acquire round trip.
+        The first ask of a request queues one lookup job: a Probe (a hold) of the leading DRAM
+        run that the daemon also counts as the request's lookup (one round trip; with TP > 1 the
+        other ranks acquire the same run). A hit with SSD blocks never makes the scheduler
+        wait for a disk: with ``stream`` it is answered as an asynchronous load (``streams``:
+        vLLM parks the request while the workers copy it as the daemon reads it; nothing
+        pinned here); otherwise the job stages it into DRAM on every rank first.
 
         vLLM asks again at every step a request waits (for KV space, say): such an ask is
         answered from the first answer (``_answered``), with no round trip, while its pin is
         fresh (less than half its lease gone) and the local hit has not shrunk. Otherwise the
-        range is acquired again without a Lookup (counted nothing), as futures, and the ask
-        answers None until they resolve. A hit answered this way is pinned like any other, so
-        a block the daemon lost since fails its load and vLLM recomputes it."""
+        range is acquired again by a job that counts nothing. A hit answered this way is
+        pinned like any other, so a block the daemon lost since fails its load and vLLM
+        recomputes it."""
         req_id, bs = request.request_id, self._block_size
         start = -(-num_computed_tokens // bs)
         self._local[req_id] = start
-        staging = self._staging.pop(req_id, None)
-        if staging is not None:
-            if staging.start == start and not staging.ready() and not staging.expired():
-                self._staging[req_id] = staging
-                return None
-            if staging.start == start:
-                staged = self._settle(req_id, staging)
-                return (start + staged) * bs - num_computed_tokens if staged else 0
-            self._abandon(staging)  # vLLM's local hit moved since: ask afresh
+        self._sweep()
+        asking = self._asking.pop(req_id, None)
+        if asking is not None:
+            if asking.start == start:
+                if not asking.job.done():
+                    self._asking[req_id] = asking
+                    return None
+                held = self._settle(req_id, asking)
+                return (start + held) * bs - num_computed_tokens if held else 0
+            self._abandon(asking)  # vLLM's local hit moved since: ask afresh
         end = self._end(request, start)
         known = self._answered(req_id, start, end)
         if known is not None:
             return (start + known) * bs - num_computed_tokens if known else 0
         before = self._pins.get(req_id)
         self._unpin(req_id)
-        if end <= start or not all(link.connect() for link in self._links):
+        if end <= start or not all(link.may_connect() for link in self._links):
             return 0
         wanted = [BlockHash(h) for h in self._hashes(request)[start:end]]
+        known_tiers: list[Tier] | None = None
         if req_id in self._counted:  # asked before: Acquires alone, counted nothing
             seen = {before.start + i: t for i, t in enumerate(before.tiers)} if before else {}
-            tiers: list[Tier] = [seen.get(start + i, "dram") for i in range(len(wanted))]
-            self._staging[req_id] = self._stage(start, wanted, tiers, end, block=False)
-            return None
-        looked_up = self._look_up(wanted)
-        if looked_up is None:
+            known_tiers = [seen.get(start + i, "dram") for i in range(len(wanted))]
+        job = self._runner.submit("lookup", functools.partial(
+            ask, self._links, wanted, known_tiers, stream=self._stream, clock=self._clock))
+        if job is None:
             return 0
-        self._counted.add(req_id)
-        tiers, hits = looked_up, wanted[:len(looked_up)]
-        if not hits:
-            self._answers[req_id] = _Answer(start, 0, end)
-            return 0
-        on_disk = any(tier not in _IN_DRAM for tier in tiers)
-        if on_disk and self._stream:  # the workers acquire it as they copy it
-            self._pins[req_id] = _Pin(start, hits, list(tiers), [], stream=True)
-            self._answers[req_id] = _Answer(start, len(hits), end)
-            return (start + len(hits)) * bs - num_computed_tokens
-        staging = self._stage(start, hits, tiers, end, block=not on_disk)
-        if on_disk:
-            self._staging[req_id] = staging
-            return None
-        held = self._settle(req_id, staging)
-        return (start + held) * bs - num_computed_tokens if held else 0
+        counting = known_tiers is None
+        if counting:  # a later job for this request (its local hit moved meanwhile) counts none
+            self._counted.add(req_id)
+        self._asking[req_id] = _Asking(start, end, wanted, job, counting)
+        return None
 
     def _end(self, request: Any, start: int) -> int:
         """The end of the block range to ask the daemon for from ``start``: the full blocks
@@ -225,8 +219,9 @@ class SchedulerSide:
         if not self._load or usable <= start:
             return start
         hashes = self._hashes(request)
-        most = min(int(link.engine.max_blocks_per_request) if link.up else 1 << 30
-                   for link in self._links)
+        sessions = [link.session for link in self._links]
+        most = min(int(s.engine.max_blocks_per_request) if s is not None else 1 << 30
+                   for s in sessions)
         return max(start, min(usable, len(hashes), start + most))
 
     def _answered(self, req_id: str, start: int, end: int) -> int | None:
@@ -248,93 +243,68 @@ class SchedulerSide:
         pin.start, pin.skipped = start, pin.skipped + skip
         return len(pin.hashes)
 
-    def _settle(self, req_id: str, staging: _Staging) -> int:
-        """Pin what ``staging``'s Acquires hold (``_collect``) and remember the answer unless a
-        call failed; the blocks held."""
-        pin = self._collect(staging)
-        if pin is not None:
-            self._pins[req_id] = pin
-        held = len(pin.hashes) if pin is not None else 0
-        if all(f.exception() is None for f in staging.futures):
-            self._answers[req_id] = _Answer(staging.start, held, staging.end)
-        return held
-
     def streams(self, req_id: str) -> bool:
         """The hit last reported for ``req_id`` is an asynchronous (streamed) load."""
         pin = self._pins.get(req_id)
         return pin is not None and pin.stream
 
-    def _look_up(self, wanted: list[BlockHash]) -> list[Tier] | None:
-        """Where rank 0's daemon holds the leading run of ``wanted`` (None if unreachable)."""
-        first = self._links[0]
-        try:
-            return list(first.client.lookup(first.engine.engine_id, wanted))
-        except grpc.RpcError as exc:
-            first.failed(exc)
-            return None
-
-    def _stage(self, start: int, hits: list[BlockHash], tiers: list[Tier], end: int, *,
-               block: bool) -> _Staging:
-        """Start an Acquire of ``hits`` (rank 0 holds them in ``tiers``, as far as known) on
-        every rank: with ``block`` one blocking round trip (all in DRAM: no disk read), else
-        futures while the daemon stages the SSD blocks into DRAM. ``end``: the end of the range
-        asked for."""
-        asked = self._clock()
-        # A hold: the workers' Acquires load the blocks and count them as served.
-        if block:
-            futures = [_now(link.client.acquire, link.engine.engine_id, hits, hold=True)
-                       for link in self._links]
-        else:
-            futures = [link.client.acquire_async(link.engine.engine_id, hits, hold=True)
-                       for link in self._links]
-        return _Staging(start, hits, list(tiers), futures,
-                        asked + self._links[0].timeout_seconds, self._clock, end, asked)
-
-    def _collect(self, staging: _Staging) -> _Pin | None:
-        """Wait for ``staging``'s Acquires and pin the prefix every rank holds (the shortest
-        wins), fresh until half the shortest lease has gone. None if some rank holds none or its
-        call failed (leases taken are released)."""
-        pin = _Pin(staging.start, list(staging.hashes), list(staging.tiers), [])
-        for rank, (link, future) in enumerate(zip(self._links, staging.futures)):
-            try:
-                got = future.result()
-            except grpc.RpcError as exc:
-                if link.up:
-                    link.failed(exc)
+    def _settle(self, req_id: str, asking: _Asking) -> int:
+        """Take a finished lookup job's reply: pin the prefix every rank holds (the shortest
+        wins), fresh until half the shortest lease has gone, and remember the answer unless a
+        call failed; the blocks held (0 if some rank holds none or failed: leases released)."""
+        reply = reply_of(asking.job)
+        if asking.counting and not reply.counted:  # it failed: the next ask counts
+            self._counted.discard(req_id)
+        if reply.tiers is None:
+            self._release_got(reply)
+            return 0
+        tiers = reply.tiers[:len(asking.hashes)]
+        if reply.stream:
+            self._pins[req_id] = _Pin(asking.start, asking.hashes[:len(tiers)], list(tiers), [],
+                                      stream=True)
+            self._answers[req_id] = _Answer(asking.start, len(tiers), asking.end)
+            return len(tiers)
+        pin = _Pin(asking.start, asking.hashes[:len(tiers)], list(tiers), [])
+        for rank, got in enumerate(reply.got):
+            if got is None:
                 pin.hashes = []
                 continue
             if got.num_blocks:
                 pin.leases.append((rank, got.lease_id))
-                pin.fresh_until = min(pin.fresh_until, staging.asked + got.seconds_left / 2)
+                pin.fresh_until = min(pin.fresh_until, reply.asked + got.seconds_left / 2)
             if got.num_blocks == 0 or not pin.hashes:
                 pin.hashes = []
             else:
                 del pin.hashes[got.num_blocks:], pin.tiers[got.num_blocks:]
-        if not pin.hashes:
+        held = len(pin.hashes)
+        if held:
+            self._pins[req_id] = pin
+        else:
             self._release(pin)
-            return None
-        return pin
+        if all(got is not None for got in reply.got):
+            self._answers[req_id] = _Answer(asking.start, held, asking.end)
+        return held
 
-    def _abandon(self, staging: _Staging) -> None:
-        """Drop a staging nobody will use: its leases are released as its Acquires resolve
-        (``_sweep``, on this thread)."""
-        self._abandoned += [(rank, future) for rank, future in enumerate(staging.futures)]
+    def _abandon(self, asking: _Asking) -> None:
+        """Drop a lookup nobody will use: the leases it took are released once it finishes
+        (``_sweep``)."""
+        self._abandoned.append(asking.job)
 
-    def _sweep(self, wait: bool = False) -> None:
-        """Release the leases of abandoned Acquires that have resolved (all of them, waiting,
-        with ``wait``); a failed call holds nothing."""
-        keep: list[tuple[int, Future[AcquiredBlocks]]] = []
-        for rank, future in self._abandoned:
-            if not wait and not future.done():
-                keep.append((rank, future))
-                continue
-            try:
-                got = future.result()
-            except grpc.RpcError:
-                continue
-            if got.num_blocks:
-                self._release(_Pin(0, [], [], [(rank, got.lease_id)]))
+    def _sweep(self) -> None:
+        """Release the leases of abandoned lookups that have finished."""
+        keep: list[Future[Reply]] = []
+        for job in self._abandoned:
+            if job.done():
+                self._release_got(reply_of(job))
+            else:
+                keep.append(job)
         self._abandoned = keep
+
+    def _release_got(self, reply: Reply) -> None:
+        leases = [(rank, got.lease_id) for rank, got in enumerate(reply.got)
+                  if got is not None and got.num_blocks]
+        if leases:
+            self._runner.submit("release", functools.partial(end_leases, self._links, leases, None))
 
     def _unpin(self, req_id: str) -> None:
         pin = self._pins.pop(req_id, None)
@@ -342,18 +312,20 @@ class SchedulerSide:
             self._release(pin)
 
     def _release(self, pin: _Pin) -> None:
-        """Release every rank's lease; after a failed load, name the first failed block so the
-        daemon re-checks it and drops it if it is corrupt (a false report changes nothing)."""
-        for rank, lease_id in pin.leases:
-            link = self._links[rank]
-            if not link.up:
-                continue  # the daemon forgot the lease with the engine
-            corrupt_from = None if pin.failed_from is None else pin.skipped + pin.failed_from
-            try:
-                link.client.release(link.engine.engine_id, lease_id, corrupt_from=corrupt_from)
-            except grpc.RpcError as exc:  # the lease ended (nothing held any more), or the
-                link.failed(exc, names_lease=True)  # daemon is gone
+        """Release every rank's lease (a runner job); after a failed load, name the first
+        failed block so the daemon re-checks it and drops it if it is corrupt (a false report
+        changes nothing)."""
+        if not pin.leases:
+            return
+        corrupt_from = None if pin.failed_from is None else pin.skipped + pin.failed_from
+        self._runner.submit("release", functools.partial(end_leases, self._links, list(pin.leases),
+                                                         corrupt_from))
         pin.leases.clear()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until no lookup or release is queued or running (tests, shutdown); False if
+        ``timeout`` s passed first."""
+        return self._runner.drain(timeout)
 
     def hit_tiers(self, req_id: str, num_tokens: int) -> dict[Tier, int]:
         """Tokens of the first ``num_tokens`` loaded for ``req_id`` by the tier that held
@@ -494,9 +466,9 @@ class SchedulerSide:
     def finished(self, request: Any) -> None:
         """Forget ``request`` (finished, aborted or failed) and release its pin."""
         self._unpin(request.request_id)
-        staging = self._staging.pop(request.request_id, None)
-        if staging is not None:
-            self._abandon(staging)
+        asking = self._asking.pop(request.request_id, None)
+        if asking is not None:
+            self._abandon(asking)
         self._tracked.pop(request.request_id, None)
         self._recomputing.discard(request.request_id)
         self._local.pop(request.request_id, None)
@@ -505,13 +477,18 @@ class SchedulerSide:
         self._counted.discard(request.request_id)
 
     def close(self) -> None:
-        """Release every pin, unregister."""
+        """Release every pin (waiting for the lookups in flight, within the call deadline),
+        unregister."""
         for req_id in list(self._pins):
             self._unpin(req_id)
-        for staging in self._staging.values():
-            self._abandon(staging)
-        self._staging.clear()
-        self._sweep(wait=True)
+        for asking in self._asking.values():
+            self._abandon(asking)
+        self._asking.clear()
+        timeout = self._links[0].timeout_seconds + 1.0
+        self._runner.drain(timeout, ("lookup",))
+        self._sweep()
+        if not self._runner.stop(timeout):
+            _log.warning("tierd: a daemon call of the scheduler side outlived its deadline")
         for link in self._links:
             link.close()
 
@@ -523,18 +500,6 @@ class SchedulerSide:
                          "KV connector is set; tierd speaks vLLM 0.33): it is neither loaded "
                          "nor saved", request.request_id)
         return hashes
-
-
-def _now(acquire: Callable[..., AcquiredBlocks], *args: Any,
-         **kwargs: Any) -> Future[AcquiredBlocks]:
-    """``acquire(*args, **kwargs)`` called now, as a resolved future (or one holding its
-    RpcError)."""
-    out: Future[AcquiredBlocks] = Future()
-    try:
-        out.set_result(acquire(*args, **kwargs))
-    except grpc.RpcError as exc:
-        out.set_exception(exc)
-    return out
 
 
 def _scheduled(scheduler_output: Any) -> Iterator[tuple[str, list[int] | None, bool]]:

@@ -5,10 +5,10 @@ allocates the request's blocks, parks it (``WAITING_FOR_REMOTE_KVS``) and goes o
 other requests. Here, at ``start_load_kv``, the worker sends one Acquire per chunk of the hit
 (``CHUNK_BYTES``, about 32 MiB), all at once, so the daemon reads every chunk's SSD blocks into
 DRAM in parallel (its I/O threads) and answers each Acquire as soon as its chunk is staged. One
-background thread takes the chunks in order: it waits for a chunk's Acquire, checks and copies
-its slots into vLLM's blocks (``core.load``: through the worker's ``LayerViews`` sink, one
-pass with ``verified_copy``), releases its lease, and goes on, so the engine's copy of a chunk
-overlaps the disk reads of the chunks
+runner thread (``core.runner.Runner``) takes the chunks in order: it waits for a chunk's
+Acquire, checks and copies its slots into vLLM's blocks (``core.load``: through the worker's
+``LayerViews`` sink, one pass with ``verified_copy``), releases its lease, and goes on, so the
+engine's copy of a chunk overlaps the disk reads of the chunks
 after it; the load ends a copy of one chunk after the last read.
 
 A load ends at the first block that did not arrive or did not verify: the rest of its chunks are
@@ -27,11 +27,11 @@ pull them away; a daemon that went away fails the load instead).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -40,6 +40,7 @@ from tierd.connector.core.arena_slots import ArenaSlots
 from tierd.connector.core.errors import describe
 from tierd.connector.core.lease import Lease, PendingLease, acquire_async, releaser
 from tierd.connector.core.load import Sink, finish_load, start_load
+from tierd.connector.core.runner import Runner
 from tierd.types import BlockHash
 from tierd.wire.client import TierdClient
 
@@ -83,7 +84,7 @@ class Streams:
         self._release = releaser(client, lambda exc: _log.debug(
             "tierd: release of a streamed chunk failed: %s", describe(exc)))
         self._chunk_blocks = max(1, CHUNK_BYTES // slot_bytes)
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tierd-stream")
+        self._runner = Runner(1, "tierd-stream", ("copy",))
         self._lock = threading.Lock()
         self._active: dict[str, StreamedLoad] = {}
         self._ended: list[StreamedLoad] = []
@@ -98,7 +99,7 @@ class Streams:
                 self._client, engine_id, part, clock=self._clock)))
         with self._lock:
             self._active[spec.req_id] = load
-        self._thread.submit(self._run, load, slots)
+        self._runner.submit("copy", functools.partial(self._run, load, slots))
 
     def cancel(self, req_ids: Iterable[str]) -> None:
         """vLLM finished (aborted) these requests: their loads stop copying."""
@@ -125,7 +126,7 @@ class Streams:
         with self._lock:
             for load in self._active.values():
                 load.cancelled = True
-        self._thread.shutdown(wait=True)
+        self._runner.stop(None)
         self._client.close()
 
     def _run(self, load: StreamedLoad, slots: ArenaSlots) -> None:

@@ -1,24 +1,18 @@
-"""The work a ``TierdTier`` does off vLLM's scheduler thread: a small pool, and the copies.
+"""The copies a ``TierdTier`` runs on its ``core.runner.Runner`` (probes first, then loads, then
+stores), off vLLM's scheduler thread.
 
-``JobPool``: a few threads running tasks, lookups' probes first, then loads (a request waits on
-them), then stores; ``drain`` and ``stop`` wait a bounded time. The copies move chunk rows
-between vLLM's primary region (``PrimaryRows``) and arena slots, one copy each way: a store
-(``store_rows``) is ``verified_copy.store_rows`` (all threads, the GIL released; without the
-native helper one strided torch copy per run of rows going to adjacent slots); a load goes
-through ``core.load`` with ``PrimaryRows`` as its ``Sink``: ``verified_copy``'s one pass (xxh3
-folded into the copy), or, without the native helper, a
-check of every slot where it lies and a copy of the verified ones.
+The copies move chunk rows between vLLM's primary region (``PrimaryRows``) and arena slots, one
+copy each way: a store (``store_rows``) is ``verified_copy.store_rows`` (all threads, the GIL
+released; without the native helper one strided torch copy per run of rows going to adjacent
+slots); a load goes through ``core.load`` with ``PrimaryRows`` as its ``Sink``:
+``verified_copy``'s one pass (xxh3 folded into the copy), or, without the native helper, a check
+of every slot where it lies and a copy of the verified ones.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
@@ -27,85 +21,6 @@ from tierd.checksum import block_checksum
 from tierd.connector.core.arena_slots import ArenaSlots
 from tierd.connector.native.verified_copy import BlockRows, load_verified
 from tierd.connector.native.verified_copy import store_rows as native_store
-
-_log = logging.getLogger(__name__)
-
-Kind = Literal["probe", "load", "store"]
-_ORDER: tuple[Kind, ...] = ("probe", "load", "store")
-
-
-class JobPool:
-    """``threads`` daemon threads taking tasks by kind (probe, then load, then store), each kind
-    first in first out. ``submit`` never blocks. Thread-safe."""
-
-    def __init__(self, threads: int, name: str) -> None:
-        self._queues: dict[Kind, deque[Callable[[], object]]] = {k: deque() for k in _ORDER}
-        self._cond = threading.Condition()
-        self._running: dict[Kind, int] = {k: 0 for k in _ORDER}
-        self._stopping = False
-        self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True)
-                         for i in range(threads)]
-        for thread in self._threads:
-            thread.start()
-
-    def submit(self, kind: Kind, task: Callable[[], object]) -> None:
-        """Queue ``task``. It must not raise (an exception is logged and the thread goes on)."""
-        with self._cond:
-            assert not self._stopping, "submit after stop"
-            self._queues[kind].append(task)
-            self._cond.notify()
-
-    def queued(self, kind: Kind) -> int:
-        """Tasks of ``kind`` waiting for a thread."""
-        with self._cond:
-            return len(self._queues[kind])
-
-    def busy(self) -> bool:
-        """Whether any task is queued or running."""
-        with self._cond:
-            return any(self._queues[k] or self._running[k] for k in _ORDER)
-
-    def drain(self, timeout: float) -> bool:
-        """Wait until no load or store is queued or running; False if ``timeout`` s passed."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while any(self._queues[k] or self._running[k] for k in ("load", "store")):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            return True
-
-    def stop(self, timeout: float) -> bool:
-        """Let queued tasks run, then end the threads; False if one still runs after
-        ``timeout`` s."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in self._threads)
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                kind = next((k for k in _ORDER if self._queues[k]), None)
-                while kind is None:
-                    if self._stopping:
-                        return
-                    self._cond.wait()
-                    kind = next((k for k in _ORDER if self._queues[k]), None)
-                task = self._queues[kind].popleft()
-                self._running[kind] += 1
-            try:
-                task()
-            except Exception:  # a bug in a task must not end the thread that runs the next
-                _log.exception("tierd tier: a %s task failed", kind)
-            finally:
-                with self._cond:
-                    self._running[kind] -= 1
-                    self._cond.notify_all()
 
 
 @dataclass(frozen=True, slots=True)

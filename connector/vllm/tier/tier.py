@@ -65,13 +65,14 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from tierd.connector.core.lease import Lease, PendingLease, acquire_async, probe_async, release
 from tierd.connector.core.link import DaemonLink, Session
 from tierd.connector.core.load import load_leased
+from tierd.connector.core.runner import Runner
 from tierd.connector.core.save import abort, commit, reserve
 from tierd.connector.core.stock import SlotStock
 from tierd.wire.client import target_for
 
 from ..config import TierdVllmConfig
 from ..identity import model_identity_for_tier
-from .jobs import JobPool, PrimaryRows, store_rows
+from .jobs import PrimaryRows, store_rows
 from .layout import daemon_hash, slot_bytes, tier_layout
 from .lookups import Answer, LoadPart, Lookups, Pin
 
@@ -178,7 +179,7 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
                                                            slot_bytes(offloading, row_bytes))
         self._link = DaemonLink(self._config, self._layout, name, attach=True)
         self._target = target_for(config.socket_path, config.address)
-        self._pool = JobPool(config.workers, f"tierd-{tier_type}")
+        self._pool = Runner(config.workers, f"tierd-{tier_type}", ("probe", "load", "store"))
         self._stock = SlotStock(config.timeout_seconds)
         self._inbox: queue.SimpleQueue[_Probed | _Done | _Stored] = queue.SimpleQueue()
         self._lookups = Lookups()
@@ -471,7 +472,7 @@ class TierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class (An
     def drain_jobs(self) -> None:
         """Wait (at most ``timeout_seconds`` + 10 s: every job's daemon calls have that
         deadline, and copies take milliseconds) until no load or store is queued or running."""
-        if not self._pool.drain(self._config.timeout_seconds + 10.0):
+        if not self._pool.drain(self._config.timeout_seconds + 10.0, ("load", "store")):
             _log.error("tierd tier: jobs still running after %.0f s", self._config.timeout_seconds)
 
     def get_stats(self) -> OffloadingConnectorStats | None:

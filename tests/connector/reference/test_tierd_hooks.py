@@ -204,11 +204,11 @@ def test_worker_runs_at_lower_priority(make_daemon: Any, tiny_model: LlamaModel)
     daemon = make_daemon()
     hooks = hooks_for(daemon.config.socket_path, worker_nice=7)
     LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=BS), hooks)
-    assert hooks.wait_connected(timeout=30) and hooks._worker is not None
+    assert hooks.wait_connected(timeout=30) and hooks._runner is not None
     assert hooks.flush()  # the worker has started and set its niceness
     if sys.platform == "linux":
         base = os.getpriority(os.PRIO_PROCESS, 0)
-        assert os.getpriority(os.PRIO_PROCESS, hooks._worker.native_id or 0) == base + 7
+        assert os.getpriority(os.PRIO_PROCESS, hooks._runner.native_ids[0] or 0) == base + 7
     hooks.close()
 
 

@@ -20,6 +20,7 @@ innermost) of one shared buffer, in several physical orders. Requests carry vLLM
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -115,6 +116,21 @@ def fake_kv(tokens: torch.Tensor, positions: torch.Tensor, layer: int, rank: int
     return ((base + inner) % 97).to(torch.float16) / 4
 
 
+_OPEN: weakref.WeakSet[FakeVllm] = weakref.WeakSet()
+"""Instances not closed yet: ``usage`` waits for their scheduler sides' daemon calls."""
+
+
+def ask(connector: TierdConnector, req: FakeRequest, local_hit: int) -> tuple[int, bool]:
+    """``get_num_new_matched_tokens`` asked again while it answers None, as vLLM asks at each
+    step; the answer."""
+    for _ in range(2000):
+        external, load_async = connector.get_num_new_matched_tokens(req, local_hit)
+        if external is not None:
+            return external, load_async
+        time.sleep(0.002)
+    raise AssertionError(f"no answer for {req.request_id}")
+
+
 class FakeVllm:
     """One vLLM instance: the scheduler-side connector, one worker-side connector per TP rank
     (each with its own KV buffer in physical ``order``), a block allocator (``first_block``
@@ -125,6 +141,7 @@ class FakeVllm:
         extra = {"socket_path": socket_path, **extra}
         self.config = fake_config(extra, tp)
         self.scheduler = TierdConnector(self.config, KVConnectorRole.SCHEDULER)
+        _OPEN.add(self)
         self.workers = [TierdConnector(fake_config(extra, tp, rank), KVConnectorRole.WORKER)
                         for rank in range(tp)]
         self.kv = [kv_views(order, num_blocks) for _ in range(tp)]
@@ -145,13 +162,8 @@ class FakeVllm:
         allocation, update_state_after_alloc, and only then ``num_computed_tokens`` set (vLLM's
         order). A lookup that answers None (Acquires in flight) is asked again, as vLLM does at
         its next step. Returns the external tokens."""
-        external, load_async = self.scheduler.get_num_new_matched_tokens(req, local_hit)
-        for _ in range(1000):
-            if external is not None:
-                break
-            time.sleep(0.005)
-            external, load_async = self.scheduler.get_num_new_matched_tokens(req, local_hit)
-        assert load_async is False and external is not None
+        external, load_async = ask(self.scheduler, req, local_hit)
+        assert load_async is False
         rid = req.request_id
         table = list(shared) + [self.free.pop(0)
                                 for _ in range(-(-req.num_tokens // BS) - len(shared))]
@@ -288,7 +300,13 @@ class FakeVllm:
         assert total.reduce() == self.logged.reduce(), "per-step stats must add up to the totals"
         return tuple(total.data[name] for name in COUNTERS)
 
+    def drain(self) -> None:
+        """Wait for the scheduler side's daemon calls in flight (its lookups and releases)."""
+        side = self.scheduler._scheduler
+        assert side is not None and side.drain(30.0), "a scheduler-side call never finished"
+
     def close(self) -> None:
+        _OPEN.discard(self)
         self.scheduler.shutdown()
         for worker in self.workers:
             worker.shutdown()
@@ -299,7 +317,10 @@ def prompt(n: int, salt: int = 0) -> list[int]:
 
 
 def usage(socket_path: str) -> tuple[int, int]:
-    """(blocks in the daemon's DRAM tier, blocks pinned in any tier)."""
+    """(blocks in the daemon's DRAM tier, blocks pinned in any tier), once every open
+    ``FakeVllm``'s scheduler-side calls have landed."""
+    for engine in list(_OPEN):
+        engine.drain()
     with TierdClient(socket_path=socket_path, timeout=10.0) as client:
         tiers = client.stats().tiers
     return (next(t.used_blocks for t in tiers if t.tier == "dram"),

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 import torch
-from fake_vllm import BS, FakeRequest, FakeVllm, corrupt, lose_blocks, prompt, usage
+from fake_vllm import BS, FakeRequest, FakeVllm, ask, corrupt, lose_blocks, prompt, usage
 
 from tierd.connector.vllm.connector import TierdWorkerMetadata
 from tierd.connector.vllm.connector.metadata import SaveSpec
@@ -123,7 +123,7 @@ def test_daemon_down_means_no_match_no_save_then_reconnects(workdir: str,
         assert a.prefill(FakeRequest("b", prompt(100, salt=1))) == (0, set())
         assert a.counters() == (0, 0, 6, 0, 6)
         probe = FakeRequest("c", prompt(100, salt=1))
-        assert a.scheduler.get_num_new_matched_tokens(probe, 0) == (96, False)
+        assert ask(a.scheduler, probe, 0) == (96, False)
         assert usage(socket_path) == (6, 6)
         a.scheduler.request_finished(probe, [])
         assert usage(socket_path) == (6, 0)

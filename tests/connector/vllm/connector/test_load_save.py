@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from fake_vllm import FakeRequest, prompt, usage
+from fake_vllm import FakeRequest, ask, prompt, usage
 
 from tierd.connector.vllm.connector import TierdConnectorMetadata
 from tierd.connector.vllm.connector.metadata import LoadSpec
@@ -47,7 +47,7 @@ def test_matches_stop_before_last_token_and_after_local_hit(sock: str, engines: 
     asks = [(req, 0), (req, 32), (req, 80), (FakeRequest("c", prompt(97)), 0),
             (FakeRequest("d", prompt(96, salt=1)), 0),
             (FakeRequest("e", prompt(40) + prompt(56, salt=2)), 0)]
-    assert [b.scheduler.get_num_new_matched_tokens(r, n) for r, n in asks] == [
+    assert [ask(b.scheduler, r, n) for r, n in asks] == [
         (80, False), (48, False), (0, False), (96, False), (0, False), (32, False)]
     assert usage(sock) == (6, 6)  # c pins blocks 0-5, e 0-1; b's last lookup dropped its pin
     for r, _ in asks:
@@ -69,7 +69,7 @@ def test_decode_blocks_are_saved_once_as_they_fill(sock: str, engines: Any) -> N
     assert a.counters() == (0, 0, 3, 0, 0) and usage(sock) == (3, 0)
     probe = FakeRequest("b", list(req.all_token_ids) + [1])
     b = engines(20)
-    assert b.scheduler.get_num_new_matched_tokens(probe, 0) == (48, False)
+    assert ask(b.scheduler, probe, 0) == (48, False)
     assert b.scheduler.request_finished(probe, []) == (False, None)
 
 
@@ -147,3 +147,33 @@ def test_a_step_slower_than_half_its_write_lease_reoffers_its_saves(sock: str,
     assert b.prefill(req_b) == (96, set())
     for block_a, block_b in zip(a.tables["a"][:6], b.tables["b"][:6]):
         assert torch.equal(a.block(block_a), b.block(block_b))
+
+
+def test_a_slow_daemon_answers_none_at_once_then_the_hit(sock: str, engines: Any,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every Acquire takes 0.5 s: the lookup answers None within 0.1 s at each ask while its job
+    waits, then the 6-block hit; the daemon saw one counted Acquire for the request."""
+    from tierd.wire.client import TierdClient
+
+    a, b = engines(0), engines(20)
+    a.prefill(FakeRequest("a", prompt(100)))
+    real_acquire, counted = TierdClient.acquire, []
+
+    def slow(client: TierdClient, engine_id: str, hashes: Any, **flags: Any) -> Any:
+        counted.append(bool(flags.get("count_lookup")))
+        time.sleep(0.5)
+        return real_acquire(client, engine_id, hashes, **flags)
+
+    monkeypatch.setattr(TierdClient, "acquire", slow)
+    req = FakeRequest("b", prompt(100))
+    answers, longest = [], 0.0
+    for _ in range(400):
+        start = time.perf_counter()
+        answers.append(b.scheduler.get_num_new_matched_tokens(req, 0))
+        longest = max(longest, time.perf_counter() - start)
+        if answers[-1][0] is not None:
+            break
+        time.sleep(0.01)
+    assert answers[-1] == (96, False) and set(answers[:-1]) == {(None, False)}
+    assert len(answers) > 10 and longest < 0.1 and counted == [True]
+    assert b.scheduler.request_finished(req, []) == (False, None)

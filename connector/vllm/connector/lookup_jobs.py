@@ -1,0 +1,113 @@
+"""The daemon calls of ``TierdConnector``'s scheduler side, run as jobs on its ``core.runner``.
+
+Every Acquire is a hold: the workers' own Acquires load the blocks and are what the daemon counts as
+served. They touch no scheduler state: ``ask`` returns a ``Reply`` that the scheduler thread settles
+(``SchedulerSide._settle``) at a later ask of the same request; ``end_leases`` releases pins. Each
+runs on a runner thread and may block for the daemon's call deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import grpc
+
+from tierd.connector.core.link import DaemonLink, Session
+from tierd.types import BlockHash, Tier
+from tierd.wire.replies import AcquiredBlocks
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What a lookup job learned, for the scheduler thread to settle."""
+
+    asked: float                   # clock time the job began (leases run from here)
+    tiers: list[Tier] | None       # rank 0's held run, chain order; None: the daemon failed
+    got: list[AcquiredBlocks | None]  # per rank from 0: its Acquire (None: that call failed)
+    counted: bool                  # the daemon counted this job as the request's lookup
+    stream: bool = False           # a hit with SSD blocks handed to the workers, nothing pinned
+
+
+def ask(links: Sequence[DaemonLink], wanted: list[BlockHash], known_tiers: list[Tier] | None,
+        *, stream: bool, clock: Callable[[], float] = time.monotonic) -> Reply:
+    """The lookup job of ``wanted`` (``links[r]``: TP rank ``r``'s registration). With
+    ``known_tiers`` None: rank 0's Probe (a hold) of the leading DRAM run, counted by the daemon as the
+    request's lookup and naming the tiers of the held blocks after the run, then the same run
+    acquired on every other rank; or, with SSD blocks after the run, the run released and
+    either nothing pinned (``stream``: the workers acquire it as they copy it) or the whole
+    held run staged into DRAM and acquired on every rank. With ``known_tiers`` (asked before):
+    an uncounted Acquire of ``wanted`` on every rank. Connects first (a link that cannot:
+    ``tiers`` None)."""
+    asked = clock()
+    if not all(link.connect() for link in links):
+        return Reply(asked, None, [], False)
+    if known_tiers is not None:
+        return Reply(asked, known_tiers, acquire_all(wanted, links), False)
+    first, session = links[0], links[0].session
+    if session is None:
+        return Reply(asked, None, [], False)
+    try:
+        got = session.client.probe(session.engine_id, wanted, hold=True)
+    except grpc.RpcError as exc:
+        first.failed(exc, session)
+        return Reply(asked, None, [], False)
+    dram: list[Tier] = ["dram"] * got.num_blocks
+    tiers = dram + list(got.held_after)
+    if not got.held_after:
+        rest = acquire_all(wanted[:got.num_blocks], links[1:]) if tiers else []
+        return Reply(asked, tiers, [got, *rest], True)
+    if got.num_blocks:  # the run is acquired again below, or streamed by the workers
+        end_leases(links, [(0, got.lease_id)], None)
+    if stream:
+        return Reply(asked, tiers, [], True, stream=True)
+    return Reply(asked, tiers, acquire_all(wanted[:len(tiers)], links), True)
+
+
+def acquire_all(hashes: list[BlockHash], links: Sequence[DaemonLink]
+                ) -> list[AcquiredBlocks | None]:
+    """Acquire ``hashes`` on every link at once (SSD blocks staged into DRAM) and wait; None
+    for a link that is down or whose call failed."""
+    sent: list[tuple[DaemonLink, Session, Future[AcquiredBlocks]] | None] = []
+    for link in links:
+        session = link.session
+        sent.append(None if session is None else
+                    (link, session, session.client.acquire_async(session.engine_id, hashes,
+                                                                 hold=True)))
+    out: list[AcquiredBlocks | None] = []
+    for entry in sent:
+        if entry is None:
+            out.append(None)
+            continue
+        link, session, reply = entry
+        try:
+            out.append(reply.result())
+        except grpc.RpcError as exc:
+            link.failed(exc, session)
+            out.append(None)
+    return out
+
+
+def end_leases(links: Sequence[DaemonLink], leases: list[tuple[int, str]],
+               corrupt_from: int | None) -> None:
+    """Release ``leases`` ((rank, lease id)); ``corrupt_from``: the first block some worker
+    failed to check, which the daemon re-checks and drops if it is corrupt. A lease of a
+    dropped session is gone with it; a failed call is classified by its link."""
+    for rank, lease_id in leases:
+        link = links[rank]
+        session = link.session
+        if session is None:
+            continue
+        try:
+            session.client.release(session.engine_id, lease_id, corrupt_from=corrupt_from)
+        except grpc.RpcError as exc:  # the lease ended (nothing held any more), or the
+            link.failed(exc, session, names_lease=True)  # daemon is gone
+
+
+def reply_of(job: Future[Reply]) -> Reply:
+    """A finished lookup job's reply; a job that raised (a bug, logged by the runner) counts as
+    a daemon that did not answer."""
+    error = job.exception()
+    return Reply(0.0, None, [], False) if error is not None else job.result()
