@@ -51,7 +51,7 @@ def test_waiting_requests_are_looked_up_once(model_dir: str, daemon: Daemon,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """B's KV cache holds two requests at a time: a long miss runs first, four prompts A
     stored and four misses wait behind it, and vLLM asks for the first waiting one at every
-    step. The daemon is asked (and counts) each request once, in one counted Acquire and no
+    step. The daemon is asked (and counts) each request once, in one Probe and no
     Lookup: its query tokens stay within vLLM's own connector queries, and its hit ratio is
     vLLM's external hit rate within 5 percentage points; the requests still load their hits."""
     a = Engine.start(vllm_config(model_dir, daemon.socket_path))
@@ -60,15 +60,14 @@ def test_waiting_requests_are_looked_up_once(model_dir: str, daemon: Daemon,
     try:
         a.run([make_request(f"a{i}", p) for i, p in enumerate(stored)])
         counted_asks: list[int] = []
-        real_acquire = TierdClient.acquire
+        real_probe = TierdClient.probe
 
         def counted(client: TierdClient, engine_id: str, hashes: list[bytes],
                     **flags: Any) -> Any:
-            if flags.get("count_lookup"):
-                counted_asks.append(len(hashes))
-            return real_acquire(client, engine_id, hashes, **flags)
+            counted_asks.append(len(hashes))
+            return real_probe(client, engine_id, hashes, **flags)
 
-        monkeypatch.setattr(TierdClient, "acquire", counted)
+        monkeypatch.setattr(TierdClient, "probe", counted)
         lookups: list[int] = []
         real_lookup = TierdClient.lookup
         monkeypatch.setattr(TierdClient, "lookup", lambda client, engine_id, hashes: (
@@ -158,7 +157,7 @@ SLOW = 1.0
 
 def test_a_slow_daemon_never_blocks_the_scheduler(model_dir: str, daemon: Daemon,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every Acquire takes ``SLOW`` seconds (a daemon under load): vLLM's lookup answers None
+    """Every Probe takes ``SLOW`` seconds (a daemon under load): vLLM's lookup answers None
     at once at every step while the job waits, then the hit (6 blocks) once it has come; no
     lookup and no ``schedule()`` waits for the daemon; the daemon is asked (and counts) the
     request once however many steps asked; the request loads its hit and samples A's tokens."""
@@ -167,16 +166,15 @@ def test_a_slow_daemon_never_blocks_the_scheduler(model_dir: str, daemon: Daemon
     stored = prompt(7)
     try:
         want = a.run([make_request("a", stored)])["a"]
-        real_acquire = TierdClient.acquire
+        real_probe = TierdClient.probe
         counted_asks: list[int] = []
 
         def slow(client: TierdClient, engine_id: str, hashes: list[bytes], **flags: Any) -> Any:
-            if flags.get("count_lookup"):
-                counted_asks.append(len(hashes))
+            counted_asks.append(len(hashes))
             time.sleep(SLOW)
-            return real_acquire(client, engine_id, hashes, **flags)
+            return real_probe(client, engine_id, hashes, **flags)
 
-        monkeypatch.setattr(TierdClient, "acquire", slow)
+        monkeypatch.setattr(TierdClient, "probe", slow)
         answers: list[tuple[Any, float]] = []
         lookup = b.connector.get_num_new_matched_tokens
 

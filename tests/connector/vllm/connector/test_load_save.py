@@ -151,20 +151,20 @@ def test_a_step_slower_than_half_its_write_lease_reoffers_its_saves(sock: str,
 
 def test_a_slow_daemon_answers_none_at_once_then_the_hit(sock: str, engines: Any,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every Acquire takes 0.5 s: the lookup answers None within 0.1 s at each ask while its job
-    waits, then the 6-block hit; the daemon saw one counted Acquire for the request."""
+    """Every Probe takes 0.5 s: the lookup answers None within 0.1 s at each ask while its job
+    waits, then the 6-block hit; the daemon saw one Probe (a hold) for the request."""
     from tierd.wire.client import TierdClient
 
     a, b = engines(0), engines(20)
     a.prefill(FakeRequest("a", prompt(100)))
-    real_acquire, counted = TierdClient.acquire, []
+    real_probe, counted = TierdClient.probe, []
 
     def slow(client: TierdClient, engine_id: str, hashes: Any, **flags: Any) -> Any:
-        counted.append(bool(flags.get("count_lookup")))
+        counted.append(bool(flags.get("hold")))
         time.sleep(0.5)
-        return real_acquire(client, engine_id, hashes, **flags)
+        return real_probe(client, engine_id, hashes, **flags)
 
-    monkeypatch.setattr(TierdClient, "acquire", slow)
+    monkeypatch.setattr(TierdClient, "probe", slow)
     req = FakeRequest("b", prompt(100))
     answers, longest = [], 0.0
     for _ in range(400):
