@@ -81,8 +81,9 @@ def test_stats_shows_the_callers_savings(daemon: Any, kit: Any,
 
 
 def test_holds_and_other_tensor_parallel_ranks_are_not_counted(daemon: Any, kit: Any) -> None:
-    """Rank 0 of a TP-2 engine stores 2 blocks; a hold of them serves nothing; rank 1 (its own
-    layout) acquiring its copy of them serves nothing; rank 0's load counts 32 tokens once."""
+    """Rank 0 of a TP-2 engine stores 2 blocks; a hold of them (an Acquire's, a Probe's) serves
+    nothing; rank 1 (its own layout) acquiring its copy of them serves nothing; rank 0's load
+    counts 32 tokens once."""
     layouts = [replace(kit.layout, tp_rank=r, tp_size=2) for r in (0, 1)]
     hashes = kit.chain(2)
     with daemon.client() as client:
@@ -92,8 +93,10 @@ def test_holds_and_other_tensor_parallel_ranks_are_not_counted(daemon: Any, kit:
             kit.store_blocks(client, engine, arena, hashes)
             arena.close()
         held = client.acquire(engines[0].engine_id, hashes, hold=True)
-        assert held.num_blocks == 2
+        probed = client.probe(engines[0].engine_id, hashes, hold=True)
+        assert held.num_blocks == probed.num_blocks == 2
         assert client.stats().savings == []
+        client.release(engines[0].engine_id, probed.lease_id)
         for engine in reversed(engines):
             got = client.acquire(engine.engine_id, hashes)
             client.release(engine.engine_id, got.lease_id)
