@@ -234,8 +234,8 @@ class NodeStore:
               ) -> Lease:
         """``lookup`` and a pin of the leading DRAM run in one: counts the chain as ``lookup``
         does, pins the blocks DRAM holds at its head (reading nothing), and lists in the lease's
-        ``held_after`` the tiers of the held blocks after them. ``hold`` as ``acquire``'s: the run is
-        not counted as served. ResourceExhausted as ``acquire``."""
+        ``held_after`` the tiers of the held blocks after them. ``hold`` as ``acquire``'s: the run
+        is not counted as served. ResourceExhausted as ``acquire``."""
         info = self._engine(engine_id)
         keys = self._keys(info, hashes)
         blocks = self._tiers.dram.prefix(keys)

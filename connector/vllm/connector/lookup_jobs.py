@@ -34,8 +34,8 @@ class Reply:
 def ask(links: Sequence[DaemonLink], wanted: list[BlockHash], known_tiers: list[Tier] | None,
         *, stream: bool, clock: Callable[[], float] = time.monotonic) -> Reply:
     """The lookup job of ``wanted`` (``links[r]``: TP rank ``r``'s registration). With
-    ``known_tiers`` None: rank 0's Probe (a hold) of the leading DRAM run, counted by the daemon as the
-    request's lookup and naming the tiers of the held blocks after the run, then the same run
+    ``known_tiers`` None: rank 0's Probe (a hold) of the leading DRAM run, counted by the daemon
+    as the request's lookup and naming the tiers of the held blocks after the run, then the same run
     acquired on every other rank; or, with SSD blocks after the run, the run released and
     either nothing pinned (``stream``: the workers acquire it as they copy it) or the whole
     held run staged into DRAM and acquired on every rank. With ``known_tiers`` (asked before):
