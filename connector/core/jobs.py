@@ -16,7 +16,8 @@ How each front end maps onto it:
 ``sglang``                     ``batch_exists`` / ``batch_get_v1`` / ``batch_set_v1``; Commits and
                                Releases on the runner.
 ``reference.tierd_hooks``      ``lookup`` / ``load`` / ``save`` / ``step_end`` (the reference
-                               engine's hooks are synchronous: its lookup is one Acquire);
+                               engine's hooks are synchronous: its lookup is a Probe, and an
+                               Acquire where the chain reaches SSD, on the engine thread);
                                Releases, gathered saves, reports, reconnects on the runner.
 =============================  ====================================================================
 """
@@ -24,31 +25,10 @@ How each front end maps onto it:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
+from tierd.events import KVEvent
 from tierd.types import BlockHash
-
-Medium = Literal["dram", "ssd"]
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    """Blocks the daemon holds since a store of this engine completed."""
-
-    hashes: tuple[BlockHash, ...]
-    medium: Medium
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """Blocks this engine was told it may load that the daemon no longer holds."""
-
-    hashes: tuple[BlockHash, ...]
-    medium: Medium
-
-
-Event = BlockStored | BlockRemoved
 
 
 class EngineJobs(Protocol):
@@ -86,6 +66,6 @@ class EngineJobs(Protocol):
         may still be in flight): the engine may reuse the blocks."""
         ...
 
-    def take_events(self) -> Iterable[Event]:
+    def take_events(self) -> Iterable[KVEvent]:
         """What changed since the last call, oldest first (stored and removed blocks)."""
         ...
