@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -451,11 +452,11 @@ async def test_a_probe_counts_like_a_lookup_and_an_acquire_counts_nothing(
     assert (counted[0]["dram"], counted[0]["ssd"][1]) == ((9 * 16, 6 * 16), 2 * 16)
 
 
-async def test_a_probe_pins_the_dram_run_reads_nothing_and_says_where_the_rest_is(
+async def test_a_probe_pins_the_dram_run_and_starts_reading_the_ssd_run_after_it(
         make_rig: MakeRig, tmp_path: Path) -> None:
-    """Blocks 0-1 and 4-7 in DRAM, 2-3 on SSD, 8 missing: a probe pins 0-1 alone,
-    lists the rest of the held prefix by tier (as a lookup would, and counted as one), and
-    reads nothing (2-3 stay on SSD); a chain starting on SSD pins nothing and lists it all."""
+    """Blocks 0-1 and 4-7 in DRAM, 2-3 on SSD, 8 missing: a probe pins 0-1 alone, lists the
+    rest of the held prefix by tier (as a lookup would, and counted as one), and starts reading
+    2-3 into DRAM, unpinned; the acquire that follows pins all 8 without reading them again."""
     rig = make_rig(ssd_dir=str(tmp_path / "ssd"))
     hashes = chain(9)
     rig.store(hashes[2:8])
@@ -463,17 +464,53 @@ async def test_a_probe_pins_the_dram_run_reads_nothing_and_says_where_the_rest_i
     await rig.node.maintain()                                  # LRU 2, 3 -> SSD
     queries = rig.node.stats().tiers["dram"].queries
     lease = rig.node.probe(rig.engine.engine_id, hashes)
-    assert rig.node.stats().tiers["dram"].pinned_blocks == 2
     assert lease.checksums == [block_checksum(payload(h)) for h in hashes[:2]]
     assert lease.held_after == ["ssd", "ssd", "dram", "dram", "dram", "dram"]
     assert rig.node.stats().tiers["dram"].queries == queries + 9 * 16
-    assert rig.tiers(hashes) == ["dram", "dram", "ssd", "ssd"] + ["dram"] * 4
     assert rig.copy_out(lease.slot_ids) == [payload(h) for h in hashes[:2]]
+    await _landed(rig, hashes[:8])
+    assert rig.node.stats().tiers["dram"].pinned_blocks == 2   # the read blocks: unpinned
+    promotions = rig.node.stats().tiers["ssd"].promotions
+    assert promotions == 2
+    got = await rig.node.acquire(rig.engine.engine_id, hashes)
+    assert rig.copy_out(got.slot_ids) == [payload(h) for h in hashes[:8]]
+    assert rig.node.stats().tiers["ssd"].promotions == promotions
+    rig.node.release(lease.lease_id)
+    rig.node.release(got.lease_id)
+    assert rig.node.stats().tiers["dram"].pinned_blocks == 0
+
+
+async def test_a_probe_reads_nothing_where_only_its_own_chain_could_make_room(
+        make_rig: MakeRig, tmp_path: Path) -> None:
+    """As above, but the two free slots held blank by a reservation: the only evictable DRAM
+    blocks are 4-7 of the probed chain, so the probe reads nothing (2-3 stay on SSD, 4-7 stay
+    in DRAM); a chain starting on SSD pins nothing, lists it all and is read in."""
+    rig = make_rig(ssd_dir=str(tmp_path / "ssd"))
+    hashes = chain(9)
+    rig.store(hashes[2:8])
+    rig.store(hashes[:2])
+    await rig.node.maintain()                                  # LRU 2, 3 -> SSD
+    blank = rig.node.reserve_blank(rig.engine.engine_id, 2)
+    assert len([s for s in blank.slot_ids if s is not None]) == 2
+    lease = rig.node.probe(rig.engine.engine_id, hashes)
+    assert lease.held_after == ["ssd", "ssd", "dram", "dram", "dram", "dram"]
+    await asyncio.sleep(0.05)
+    assert rig.tiers(hashes) == ["dram", "dram", "ssd", "ssd"] + ["dram"] * 4
+    assert rig.node.stats().tiers["ssd"].promotions == 0
     rig.node.release(lease.lease_id)
     cold = rig.node.probe(rig.engine.engine_id, hashes[2:4])
     assert (cold.lease_id, cold.slot_ids, cold.held_after) == (EMPTY_LEASE, [], ["ssd", "ssd"])
-    assert rig.tiers(hashes[2:4]) == ["ssd", "ssd"]
+    rig.node.abort(blank.lease_id)
+    await _landed(rig, hashes[2:4])  # nothing of that chain in DRAM: 4-7 made room for it
     assert rig.node.stats().tiers["dram"].pinned_blocks == 0
+
+
+async def _landed(rig: Rig, hashes: list[BlockHash], timeout: float = 10.0) -> None:
+    """Wait until every block of ``hashes`` is in DRAM (promotions land on the event loop)."""
+    deadline = time.monotonic() + timeout
+    while rig.tiers(hashes) != ["dram"] * len(hashes):
+        assert time.monotonic() < deadline, rig.tiers(hashes)
+        await asyncio.sleep(0.005)
 
 
 async def test_a_miss_pins_nothing_and_holds_no_lease(rig: Rig) -> None:

@@ -6,7 +6,8 @@ Keys are ``make_key(namespace_for(tenant, layout), hash)``: models, TP ranks and
 share an entry. Which copy moves and how it is counted: ``tier_index.TierIndex``.
 Policy, in docs/daemon.md: commits publish reserved slots (``writes``); ``maintain`` demotes
 above the high watermark; reads and reservations evict synchronously, never waiting on a write;
-SSD hits are promoted (``promotion``); a write-behind copies commits to SSD (``writebehind``);
+lookups, probes, acquires and releases pin and count in ``reads`` (SSD hits are promoted:
+``promotion``); a write-behind copies commits to SSD (``writebehind``);
 quotas shed over-quota tenants first (``quota_eviction``, ``quota_gate``). Pinned blocks never
 move. Cross-table checks: ``node_integrity``.
 """
@@ -14,36 +15,33 @@ move. Cross-table checks: ``node_integrity``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from tierd.checksum import block_checksum
 from tierd.daemon.chunks import Steps, run_now
 from tierd.daemon.engines import EngineTable
-from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
+from tierd.daemon.errors import NotFound, ResourceExhausted
 from tierd.daemon.hbm import HbmIndex
 from tierd.daemon.insight import Insight
-from tierd.daemon.leases import EMPTY_LEASE, LeaseTable, ReadLease, WriteLease, new_lease_id
+from tierd.daemon.leases import EMPTY_LEASE, LeaseTable, ReadLease, WriteLease
 from tierd.daemon.listeners import TierListener, TierListeners
-from tierd.daemon.lru import DramBlock
 from tierd.daemon.metrics import NodeMetrics, NodeStats, TierStats
 from tierd.daemon.models import ModelTable, NamespaceModel
 from tierd.daemon.node_integrity import check_slots_and_pins
 from tierd.daemon.node_types import EngineInfo, Lease, LookupResult, NodeConfig, Reservation
-from tierd.daemon.promotion import Promoter, Promotion
 from tierd.daemon.quota_eviction import QuotaEviction
 from tierd.daemon.quota_gate import QuotaGate
 from tierd.daemon.quotas import QuotaCollector, QuotaLedger
+from tierd.daemon.reads import Reads
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.tier_index import TierIndex
 from tierd.daemon.writebehind import Flushed, WriteBehind
 from tierd.daemon.writes import Reservations
 from tierd.events import EventLog, KVEvent
-from tierd.types import BlockHash, Namespace, NamespacedKey, Tier, make_keys
+from tierd.types import BlockHash, Namespace, NamespacedKey, make_keys
 from tierd.wire.clip import clip
 from tierd.wire.layout import Layout, namespace_for
 from tierd.wire.replies import ModelUsage, TenantUsage
@@ -98,14 +96,13 @@ class NodeStore:
                                           self._gate.write_ended,
                                           lambda i, n: self._gate.hold(i, "reserved", n))
         self._writing = self._reservations.writing  # reserved key -> its write lease id
-        self._inflight_pins: Counter[NamespacedKey] = Counter()  # pins of acquires in progress
-        self._promoter = Promoter(self._tiers, arena, ssd, self._writing.__contains__,
-                                  self._landed_pinned, clock)
-        self._promoting = self._promoter.active
         self._hbm = HbmIndex(config.hbm_max_blocks_per_engine, TierListeners(outside))
+        self._reads = Reads(self._tiers, arena, ssd, self._leases, self._gate, self._hbm, config,
+                            clock, writing=self._writing.__contains__, expire=self._expire,
+                            registered=self._engines.__contains__)
+        self._promoting = self._reads.promoter.active
         self.insight = Insight.over(self._tiers, self._hbm, self._engines, self.models, clock,
                                     config)
-        self._looked_up: Callable[[Namespace, Sequence[NamespacedKey], int, int], None] | None
         self.set_insight_hooks(config.insight_hooks)
         self._maintaining = asyncio.Lock()
         self.metrics.ssd_healthy.set(0.0)
@@ -113,12 +110,12 @@ class NodeStore:
     @property
     def insight_hooks(self) -> bool:
         """Whether the insight hooks are called (``set_insight_hooks``)."""
-        return self._looked_up is not None
+        return self._reads.looked_up is not None
 
     def set_insight_hooks(self, on: bool) -> None:
         """Call the insight hooks (``Insight.looked_up`` on each counted lookup, ``served`` on
         each acquire) from now on, or none at all (``NodeConfig.insight_hooks`` at start)."""
-        self._looked_up = self.insight.looked_up if on else None
+        self._reads.looked_up = self.insight.looked_up if on else None
         self._tiers.served = self.insight.served if on else None
 
     # -- engines -------------------------------------------------------------------------------
@@ -200,172 +197,34 @@ class NodeStore:
         """The longest consecutive prefix of ``hashes`` held on this node, with the fastest tier
         of each block. Pins nothing, changes no LRU order; counts queried and hit tokens."""
         info = self._engine(engine_id)
-        keys = self._keys(info, hashes)
-        return LookupResult(self._query(info, hashes, keys, len(self._tiers.dram.prefix(keys))))
-
-    def _query(self, info: EngineInfo, hashes: Sequence[BlockHash],
-               keys: Sequence[NamespacedKey], dram_run: int) -> list[Tier]:
-        """The tiers of the held prefix (``lookup``'s answer), counted as queried and hit
-        tokens. ``dram_run``: how many leading ``keys`` DRAM holds."""
-        hbm = self._hbm.held(info.engine_id)
-        ssd_up = self._tiers.ssd_up
-        in_dram = self._tiers.dram.get
-        tiers: list[Tier] = (["hbm" if h in hbm else "dram" for h in hashes[:dram_run]] if hbm
-                             else ["dram"] * dram_run)
-        for block_hash, key in zip(hashes[dram_run:], keys[dram_run:]):
-            if block_hash in hbm:
-                tiers.append("hbm")
-            elif in_dram(key) is not None:
-                tiers.append("dram")
-            elif ssd_up and key in self._tiers.disk:
-                tiers.append("ssd")
-            else:
-                break
-        tokens = info.layout.block_size
-        self._counts.queries += len(hashes) * tokens
-        for tier in set(tiers):
-            count = tiers.count(tier)
-            self._counts.hits[tier] += count * tokens
-        if self._looked_up is not None:  # per-model counts, what-if sample: queued (insight)
-            self._looked_up(info.namespace, keys, tokens, len(tiers))
-        return tiers
+        return self._reads.lookup(info, hashes, self._keys(info, hashes))
 
     def probe(self, engine_id: str, hashes: Sequence[BlockHash], *, hold: bool = False
               ) -> Lease:
         """``lookup`` and a pin of the leading DRAM run in one: counts the chain as ``lookup``
         does, pins the blocks DRAM holds at its head (reading nothing), and lists in the lease's
-        ``held_after`` the tiers of the held blocks after them. ``hold`` as ``acquire``'s: the run
-        is not counted as served. ResourceExhausted as ``acquire``."""
+        ``held_after`` the tiers of the held blocks after them. The SSD blocks right after the
+        pinned run start moving into DRAM, unpinned, for the acquire that usually follows.
+        ``hold`` as ``acquire``'s: the run is not counted as served. ResourceExhausted as
+        ``acquire``."""
         info = self._engine(engine_id)
-        keys = self._keys(info, hashes)
-        blocks = self._tiers.dram.prefix(keys)
-        tiers = self._query(info, hashes, keys, len(blocks))
-        keys, blocks, now = self._pinnable(info, keys, blocks)
-        lease = self._lease(info, keys[:len(blocks)], blocks, now, pin=True, served=not hold)
-        return dataclasses.replace(lease, held_after=tiers[len(blocks):])
-
-    def _pinnable(self, info: EngineInfo, keys: list[NamespacedKey], blocks: list[DramBlock]
-                  ) -> tuple[list[NamespacedKey], list[DramBlock], float]:
-        """``keys`` and the DRAM run ``blocks`` leading them, cut to what the tenant may still
-        pin (expired leases ended first), and the time a lease issued now starts at."""
-        now = self._clock()
-        self._expire(now)
-        keys, blocks = self._gate.pin_limit(info, keys, blocks, lambda: keys[0] in self._promoting
-                                            or (self._tiers.ssd_up and keys[0] in self._tiers.disk))
-        return keys, blocks, now
+        return self._reads.probe(info, hashes, self._keys(info, hashes), hold=hold)
 
     async def acquire(self, engine_id: str, hashes: Sequence[BlockHash], *,
                       hold: bool = False) -> Lease:
         """Pin the longest consecutive prefix held in DRAM or SSD and return its slots.
 
-        SSD hits are read into fresh DRAM slots, all at once (a block another acquire is
-        promoting is awaited, not read twice); each lands as a DRAM block even if the prefix
-        ends before it. A failed SSD read ends the prefix there (a miss). Every returned block
-        stays pinned until ``release`` or the deadline; each counts a hit and its reuse gap.
-        Awaits SSD reads only; a cancelled caller's lease still completes and simply expires.
-        ResourceExhausted (pinning nothing) if the lease would pass a cap of the lease table.
-        ``hold``: the blocks are held for a later acquire that loads them: not counted as
+        SSD hits are read into fresh DRAM slots, all at once (a block another acquire or a
+        probe is promoting is awaited, not read twice); each lands as a DRAM block even if the
+        prefix ends before it. A failed SSD read ends the prefix there (a miss). Every returned
+        block stays pinned until ``release`` or the deadline; each counts a hit and its reuse
+        gap. Awaits SSD reads only; a cancelled caller's lease still completes and simply
+        expires. ResourceExhausted (pinning nothing) if the lease would pass a cap of the lease
+        table. ``hold``: the blocks are held for a later acquire that loads them: not counted as
         prefill served (``Savings``).
         """
         info = self._engine(engine_id)
-        keys = self._keys(info, hashes)
-        keys, blocks, now = self._pinnable(info, keys, self._tiers.dram.prefix(keys))
-        hit = len(blocks)
-        if hit == len(keys) or not (keys[hit] in self._promoting or (
-                self._tiers.ssd_up and keys[hit] in self._tiers.disk)):
-            return self._lease(info, keys[:hit], blocks, now, pin=True,  # nothing to read
-                               served=not hold)
-        self._leases.check_room(info.engine_id, hit + 1)  # before any read (again at the end)
-        # The plan: the prefix held in DRAM, in flight from SSD, or on SSD. Promotions may
-        # evict unpinned DRAM blocks, so the plan's DRAM hits take in-flight pins first; then
-        # the new promotions' slots are allocated in one batch (one eviction pass).
-        plan: list[tuple[NamespacedKey, Promotion | None]] = []  # None: DRAM, or not staged
-        new: list[int] = []  # plan indices still to stage
-        for key in keys:
-            if self._tiers.dram.get(key) is not None:
-                self._pin_inflight(key)
-            elif (promotion := self._promoting.get(key)) is not None:
-                promotion.waiters += 1
-                plan.append((key, promotion))
-                continue
-            elif self._tiers.ssd_up and key in self._tiers.disk:
-                new.append(len(plan))
-            else:
-                break
-            plan.append((key, None))
-        slots = self._tiers.allocate_many(info.geometry.slot_bytes, len(new), now, info.namespace)
-        reads: list[tuple[Promotion, memoryview]] = []  # started here: one batched SSD read
-        for n, i in enumerate(new):
-            promotion = (self._promoter.stage(plan[i][0], info.geometry, slots[n], reads)
-                         if n < len(slots) else None)
-            if promotion is None:  # no room: the plan ends before this key
-                for slot in slots[n:]:
-                    self._tiers.free_slot(info.geometry.slot_bytes, slot)
-                unstaged = set(new[n:])
-                for j, (key, staged) in enumerate(plan[i:], i):
-                    if staged is not None:
-                        staged.waiters -= 1
-                    elif j not in unstaged:  # a DRAM hit past the end
-                        self._unpin_inflight(key)
-                del plan[i:]
-                break
-            promotion.waiters += 1
-            plan[i] = (plan[i][0], promotion)
-        self._promoter.start(reads)
-        return await asyncio.shield(asyncio.ensure_future(self._promoted(info, plan, now, hold)))
-
-    async def _promoted(self, info: EngineInfo, plan: list[tuple[NamespacedKey,
-                        Promotion | None]], start: float, hold: bool) -> Lease:
-        """With the plan's promotions done: the prefix that made it, under a new lease. The
-        plan's DRAM hits and landed promotions carry in-flight pins: kept for the prefix,
-        dropped past its end."""
-        for _, promotion in plan:
-            if promotion is not None:
-                await promotion.done
-        keys: list[NamespacedKey] = []
-        blocks: list[DramBlock] = []
-        ended = info.engine_id not in self._engines
-        for key, promotion in plan:
-            inflight = promotion is None or promotion.landed
-            if inflight:
-                self._inflight_pins[key] -= 1
-                if not self._inflight_pins[key]:
-                    del self._inflight_pins[key]
-            block = self._tiers.dram.get(key)
-            if ended or block is None or (promotion is not None and not promotion.done.result()):
-                ended = True
-                if inflight:
-                    self._tiers.unpin((key,))
-                continue
-            if not inflight:
-                self._tiers.pin(key)
-            keys.append(key)
-            blocks.append(block)
-        if info.engine_id not in self._engines:
-            self._tiers.unpin(keys)
-            raise NotFound(f"engine {info.engine_id} was unregistered during acquire")
-        return self._lease(info, keys, blocks, start, pin=False, served=not hold)
-
-    def _lease(self, info: EngineInfo, keys: list[NamespacedKey], blocks: list[DramBlock],
-               start: float, *, pin: bool, served: bool) -> Lease:
-        """Put a prefix (``blocks[i]`` under ``keys[i]``; ``pin``: not pinned yet) under a new
-        lease, counting each block's hit and reuse gap as of ``start``. A miss gets the empty
-        lease. ResourceExhausted past a cap of the lease table (unpinning what was pinned).
-        ``served``: the blocks count as prefill served (not for a hold)."""
-        deadline = self._clock() + self._config.lease_seconds
-        if not keys:  # a miss pins nothing: no lease to track (release("") is a no-op)
-            return Lease(EMPTY_LEASE, deadline, [], [], self._config.lease_seconds)
-        refused = self._leases.over_cap(info.engine_id, len(keys))
-        if refused is not None:
-            if not pin:
-                self._tiers.unpin(keys)
-            raise ResourceExhausted(refused)
-        self._tiers.count_hits(keys, blocks, start, pin=pin, served=served)
-        lease = ReadLease(new_lease_id(), info.engine_id, deadline, keys)
-        self._gate.read_began(lease)
-        self._leases.add(lease)
-        return Lease(lease.lease_id, deadline, [b.slot_id for b in blocks],
-                     [b.checksum for b in blocks], self._config.lease_seconds)
+        return await self._reads.acquire(info, self._keys(info, hashes), hold=hold)
 
     def release(self, lease_id: str, *, engine_id: str | None = None,
                 corrupt_from: int | None = None) -> bool:
@@ -380,31 +239,7 @@ class NodeStore:
         they are indeed corrupt and nobody else pins it, drops it (a miss for every engine from
         now on, instead of a recompute each time); a false report changes nothing. Returns
         whether a block was dropped."""
-        if lease_id == EMPTY_LEASE:
-            return False
-        self._expire(self._clock())
-        ending = self._leases.ending(lease_id)
-        if ending is not None:  # NOT_FOUND, as the proto says (a commit would be a precondition)
-            raise NotFound(f"lease {clip(lease_id)} already {ending}: nothing to release")
-        lease = self._leases.get(lease_id, engine_id)
-        if not isinstance(lease, ReadLease):
-            raise FailedPrecondition(f"lease {clip(lease_id)} is a reservation: commit or abort it")
-        if corrupt_from is not None and not 0 <= corrupt_from < len(lease.keys):
-            raise ValueError(f"corrupt_from {corrupt_from} is outside the lease's "
-                             f"{len(lease.keys)} blocks: give the index of the failed block")
-        self._end(self._leases.finish(lease_id, "released"))
-        if corrupt_from is None:
-            return False
-        key = lease.keys[corrupt_from]
-        block = self._tiers.dram.get(key)
-        if block is None or block.pins or block.demoting:
-            return False  # gone, or still in use: its readers verify it themselves
-        if block_checksum(self._arena.view(self._tiers.offset(block), block.slot_bytes)) == \
-                block.checksum:
-            return False
-        log.warning("DRAM block %s failed its checksum: dropped", key.hex())
-        self._tiers.drop_dram(key, self._clock(), "corrupt")
-        return True
+        return self._reads.release(lease_id, engine_id, corrupt_from)
 
     # -- writes --------------------------------------------------------------------------------
 
@@ -590,7 +425,7 @@ class NodeStore:
         ssd = [k for k, _ in self._tiers.disk.oldest_first()] if self._tiers.ssd_told_up else []
         self.models.check_integrity({"dram": dram, "ssd": ssd, "hbm": self._hbm.told_keys()})
         owned = check_slots_and_pins(self._tiers, self._leases.live(), self._writing,
-                                     self._inflight_pins, self._reservations.blank_bytes,
+                                     self._reads.inflight_pins, self._reservations.blank_bytes,
                                      self._promoting.values())
         assert {size for size, _ in owned} <= set(self._tiers.classes), "a slot of no class"
         assert all(e in self._engines for e in self._hbm.counts()), "HBM of unknown engine"
@@ -626,8 +461,7 @@ class NodeStore:
     def _end(self, lease: ReadLease | WriteLease) -> None:
         """Free what an already finished lease held: unpin its blocks or free its slots."""
         if isinstance(lease, ReadLease):
-            self._tiers.unpin(lease.keys)
-            self._gate.read_ended(lease)
+            self._reads.end(lease)
             return
         self._reservations.free(lease)
 
@@ -635,16 +469,3 @@ class NodeStore:
         """The (tenant, block bytes) the model table remembers of a namespace, or None."""
         model = self.models.model_of(namespace)
         return (model.tenant, model.block_bytes) if model is not None else None
-
-    def _pin_inflight(self, key: NamespacedKey) -> None:
-        self._tiers.pin(key)
-        self._inflight_pins[key] += 1
-
-    def _landed_pinned(self, key: NamespacedKey, pins: int) -> None:  # once per waiting acquire
-        self._inflight_pins[key] += pins
-
-    def _unpin_inflight(self, key: NamespacedKey) -> None:
-        self._inflight_pins[key] -= 1
-        if not self._inflight_pins[key]:
-            del self._inflight_pins[key]
-        self._tiers.unpin((key,))
