@@ -4,7 +4,7 @@ A few daemon threads take jobs by kind, in the priority order the runner was mad
 vLLM connector: lookups before releases; ``TierdTier``: probes, then loads, then stores), each
 kind first in first out. ``submit`` never blocks and returns the job's ``Future``: its
 completion event, resolved on the runner thread that ran it (a caller polls ``done()`` on its
-own thread, or takes the finished jobs with ``take_done``). Bounded: a kind named in ``limits``
+own thread, or adds a done-callback). Bounded: a kind named in ``limits``
 holds at most that many queued jobs and ``submit`` answers None when it is full (an expected
 outcome: the caller answers "no match" or skips the save).
 """
@@ -36,7 +36,6 @@ class Runner:
             k: deque() for k in self._order}
         self._running: dict[str, int] = {k: 0 for k in self._order}
         self._limits = dict(limits or {})
-        self._done: deque[Future[Any]] = deque()
         self._cond = threading.Condition()
         self._stopping = False
         self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True)
@@ -44,11 +43,10 @@ class Runner:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, kind: str, job: Callable[[], T], *, keep: bool = False) -> Future[T] | None:
+    def submit(self, kind: str, job: Callable[[], T]) -> Future[T] | None:
         """Queue ``job``; its future holds what it returns (or what it raised: a job should
         return its expected outcomes, so a raise is logged as a bug). Never blocks. None if
-        ``kind`` already holds its limit of queued jobs. ``keep``: ``take_done`` hands the
-        future back once it has resolved."""
+        ``kind`` already holds its limit of queued jobs."""
         future: Future[T] = Future()
         with self._cond:
             assert not self._stopping, "submit after stop"
@@ -56,17 +54,8 @@ class Runner:
             if len(queue) >= self._limits.get(kind, len(queue) + 1):
                 return None
             queue.append((future, job))
-            if keep:
-                future.add_done_callback(self._finished)
             self._cond.notify()
         return future
-
-    def take_done(self) -> list[Future[Any]]:
-        """The futures submitted with ``keep`` that resolved since the last call, in the order
-        they resolved."""
-        with self._cond:
-            out, self._done = list(self._done), deque()
-        return out
 
     @property
     def native_ids(self) -> list[int | None]:
@@ -111,10 +100,6 @@ class Runner:
 
     def _count(self, kinds: Sequence[str]) -> int:
         return sum(len(self._queues[k]) + self._running[k] for k in kinds)
-
-    def _finished(self, future: Future[Any]) -> None:
-        with self._cond:
-            self._done.append(future)
 
     def _loop(self) -> None:
         while True:

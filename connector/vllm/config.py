@@ -39,6 +39,11 @@ class TierdVllmConfig(ClientSettings):
     of one checkpoint served under one name share anyway): **a wrong value serves one model's
     KV to another**."""
 
+    lookup_wait_seconds: float = 0.005
+    """TierdConnector only: how long vLLM's scheduler thread waits for a new request's lookup
+    (one daemon round trip, usually about a millisecond) before answering "not yet", which
+    starts the request one engine step later; a step waits at most 4 times this in all. 0:
+    never waits (every lookup then costs a step)."""
     workers: int = 2
     """TierdTier only: threads that run its store and load jobs (copies and daemon calls)."""
     max_queued_stores: int = 32
@@ -74,5 +79,9 @@ class TierdVllmConfig(ClientSettings):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        wait = self.lookup_wait_seconds
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 1:
+            raise ValueError(f"lookup_wait_seconds must be a number of seconds in [0, 1], got "
+                             f"{wait!r}")
         if self.model_id is not None:
             validate_model_id(self.model_id)

@@ -156,3 +156,40 @@ def test_a_lease_that_ends_between_steps_stops_them(make_daemon: Any, kit: Any) 
         ended, stored, tiers = daemon.call(interleaved())
     assert ended == "NotFound"
     assert stored == STEP_BLOCKS and tiers == ["dram"] * STEP_BLOCKS
+
+
+def test_a_blank_reserve_runs_in_steps_and_stops_when_its_engine_goes(make_daemon: Any,
+                                                                       kit: Any) -> None:
+    """A blank Reserve of two steps' slots yields between them: unregistering its engine
+    there is NOT_FOUND and leaves no slot and no quota hold behind; driven to the end, it grants
+    every slot, each a different one, and a Commit names them all."""
+    daemon = make_daemon()
+    store = daemon.daemon.store
+    count = STEP_BLOCKS + STEP_BLOCKS // 2
+    with daemon.client() as client:
+        gone = client.register_engine(kit.layout)
+        engine = client.register_engine(kit.layout)
+
+        async def interleaved() -> tuple[str, Any]:
+            steps = store.reserve_blank_steps(gone.engine_id, count)
+            next(steps)
+            store.check_integrity()
+            store.unregister_engine(gone.engine_id)
+            try:
+                next(steps)
+                ended = "went on"
+            except Exception as exc:  # noqa: BLE001  (the test names the kind below)
+                ended = type(exc).__name__
+            store.check_integrity()
+            res = await run_steps(store.reserve_blank_steps(engine.engine_id, count))
+            store.check_integrity()
+            return ended, res
+
+        ended, res = daemon.call(interleaved())
+        assert ended == "NotFound"
+        slots = [s for s in res.slot_ids if s is not None]
+        assert len(slots) == count == len(set(slots))
+        names = kit.chain(count, seed=7)
+        client.commit(engine.engine_id, res.lease_id, [True] * count, names=names)
+        assert client.lookup(engine.engine_id, names) == ["dram"] * count
+    daemon.check_integrity()

@@ -94,12 +94,12 @@ class NodeStore:
                                           self._expire, clock,
                                           int(config.blank_fraction * arena.size),
                                           self._gate.write_ended,
-                                          lambda i, n: self._gate.hold(i, "reserved", n))
+                                          self._gate.hold)
         self._writing = self._reservations.writing  # reserved key -> its write lease id
         self._hbm = HbmIndex(config.hbm_max_blocks_per_engine, TierListeners(outside))
         self._reads = Reads(self._tiers, arena, ssd, self._leases, self._gate, self._hbm, config,
-                            clock, writing=self._writing.__contains__, expire=self._expire,
-                            registered=self._engines.__contains__)
+                            lambda: self._clock(), writing=self._writing.__contains__,
+                            expire=self._expire, registered=self._engines.__contains__)
         self._promoting = self._reads.promoter.active
         self.insight = Insight.over(self._tiers, self._hbm, self._engines, self.models, clock,
                                     config)
@@ -276,6 +276,11 @@ class NodeStore:
         together would pass ``blank_fraction`` of the arena): an engine holds them ahead of the
         blocks it will store and names each at ``commit``. ResourceExhausted above
         ``max_blocks_per_request``; ValueError for a negative count."""
+        return run_now(self.reserve_blank_steps(engine_id, count))
+
+    def reserve_blank_steps(self, engine_id: str, count: int) -> Steps[Reservation]:
+        """``reserve_blank`` in steps of ``chunks.STEP_BLOCKS`` slots (NotFound if the engine is
+        unregistered between two)."""
         info = self._engine(engine_id)
         if count < 0:
             raise ValueError(f"blank_slots must be >= 0, got {count}")
@@ -284,8 +289,8 @@ class NodeStore:
                                     f"{self._config.max_blocks_per_request}: ask for fewer")
         self._expire(self._clock())
         limit = self._gate.hold_limit(info, count, "blank")
-        return self._gate.reserved(info, self._reservations.reserve_blank(info, count, limit),
-                                   "blank", limit)
+        res = yield from self._reservations.reserve_blank_steps(info, count, limit)
+        return self._gate.reserved(info, res, "blank", limit, held=True)
 
     def commit(self, lease_id: str, checksums: Sequence[int | None], *,
                engine_id: str | None = None, names: Sequence[BlockHash] = ()) -> int:

@@ -115,17 +115,30 @@ class QuotaEviction(LruEviction):
         over: list[tuple[NamespacedKey, E]] = []
         rest: list[tuple[NamespacedKey, E]] = []
         taken: Counter[str | None] = Counter()
+        tenants: dict[Namespace, str | None] = {}  # the ledger's answers, asked once per walk
+        within: set[str | None] = set()  # within quota with none of theirs taken: stays so
         for key, entry in entries:
+            namespace = entry.namespace
+            try:
+                tenant = tenants[namespace]
+            except KeyError:
+                tenant = tenants[namespace] = ledger.tenant_of(namespace)
+            if tenant in within:  # a long run of such blocks costs two lookups each
+                if anyone and may_go(entry):
+                    rest.append((key, entry))
+                continue
             if not may_go(entry):
                 continue
-            tenant = ledger.tenant_of(entry.namespace)
             if tenant in owners:
                 yield key, entry
             elif ledger.over(tenant, tier, -taken[tenant]):
                 taken[tenant] += size(entry)
                 over.append((key, entry))
-            elif anyone:
-                rest.append((key, entry))
+            else:
+                if not taken[tenant]:
+                    within.add(tenant)
+                if anyone:
+                    rest.append((key, entry))
         yield from over
         yield from rest
 

@@ -252,7 +252,8 @@ class TierdServicer(pb_grpc.TierdServicer):
             if request.filtered_query_tokens:
                 raise ValueError("filtered_query_tokens go with a Reserve of block_hashes, not "
                                  "of blank_slots: report them at the next named Reserve")
-            res = self._store.reserve_blank(engine_id, request.blank_slots)
+            res = await run_steps(self._store.reserve_blank_steps(engine_id,
+                                                                  request.blank_slots))
         else:
             res = await run_steps(self._store.reserve_steps(
                 engine_id, convert.hashes_from_pb(request.block_hashes),

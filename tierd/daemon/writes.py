@@ -47,6 +47,8 @@ from tierd.wire.clip import clip
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from tierd.daemon.quotas import HoldKind
+
 MAX_FILTERED_QUERY_TOKENS = 1 << 40
 """Most ``filtered_query_tokens`` one Reserve may report (about 10^12: hours of lookups of a
 fast engine); more is INVALID_ARGUMENT, so no caller can overflow the node's counters."""
@@ -64,11 +66,12 @@ class Reservations:
                  expire: Callable[[float], None], clock: Callable[[], float],
                  blank_budget: int,
                  ended: Callable[[WriteLease], None] = lambda lease: None,
-                 held: Callable[[EngineInfo, int], None] = lambda info, slots: None) -> None:
+                 held: Callable[[EngineInfo, HoldKind, int], None] = lambda info, kind, n: None
+                 ) -> None:
         self._tiers, self._leases, self._lease_seconds = tiers, leases, lease_seconds
         self._expire, self._clock = expire, clock
         self._ended = ended  # told of every write lease that ends (commit, abort, expiry...)
-        self._held = held  # told of the slots each step of a named reserve took
+        self._held = held  # told of the slots each step of a reserve took, and of which kind
         self.writing: dict[NamespacedKey, str] = {}
         self._stepping: set[str] = set()  # live leases being reserved or committed in steps
         self._blank_budget = blank_budget
@@ -123,15 +126,17 @@ class Reservations:
                     t.note_restore(key, now)
                     slots[i] = slot
                     self.writing[key] = lease_id
-                self._held(info, len(got))
+                self._held(info, "reserved", len(got))
         self._stepping.discard(lease_id)
         stored = [key in t.dram or (t.ssd_up and key in t.disk) for key in keys]
         return Reservation(lease_id, deadline, list(slots), stored, self._lease_seconds)
 
-    def reserve_blank(self, info: EngineInfo, count: int,
-                      limit: int | None = None) -> Reservation:
-        """``NodeStore.reserve_blank`` for a known engine: ``count`` slots, fewer (None) where
-        no room could be made (or past ``limit``), named at ``commit``."""
+    def reserve_blank_steps(self, info: EngineInfo, count: int,
+                            limit: int | None = None) -> Steps[Reservation]:
+        """``NodeStore.reserve_blank`` for a known engine, in steps of ``STEP_BLOCKS`` slots:
+        ``count`` slots, fewer (None) where no room could be made (or past ``limit``), named
+        at ``commit``. The lease is live from the first step that got a slot, holding the slots
+        given so far; NotFound if it ends meanwhile (its engine was unregistered)."""
         now = self._clock()
         self._expire(now)
         size = info.geometry.slot_bytes
@@ -139,16 +144,37 @@ class Reservations:
         want = min(count, room if limit is None else min(room, limit))
         if want:
             self._leases.check_room(info.engine_id, want)
-        got: list[int | None] = [*self._tiers.allocate_many(size, want, now, info.namespace)]
-        if not got:  # nothing granted: no lease, nothing kept per slot asked for
+        lease: WriteLease | None = None
+        granted = 0
+        for start in step_starts(want):
+            if lease is not None:
+                yield
+                if lease.lease_id not in self._stepping:
+                    raise NotFound(f"engine {clip(info.engine_id)} was unregistered during "
+                                   "the reserve")
+            step = min(STEP_BLOCKS, want - start)
+            room = max(0, self._blank_budget - self.blank_bytes) // size  # others took some?
+            got = self._tiers.allocate_many(size, min(step, room), now, info.namespace)
+            if not got:
+                break
+            if lease is None:
+                lease = WriteLease(new_lease_id(), info.engine_id, now + self._lease_seconds,
+                                   info.namespace, info.layout.block_size, size,
+                                   [None] * want, [None] * want, blank=True, asked=count)
+                self._leases.add(lease)
+                self._stepping.add(lease.lease_id)
+            lease.slots[granted:granted + len(got)] = got
+            granted += len(got)
+            self.blank_bytes += len(got) * size
+            self._held(info, "blank", len(got))
+            if len(got) < step:
+                break  # no more room
+        if lease is None:  # nothing granted: no lease, nothing kept per slot asked for
             return self._empty(count, now)
-        self.blank_bytes += len(got) * size
-        lease = WriteLease(new_lease_id(), info.engine_id, now + self._lease_seconds,
-                           info.namespace, info.layout.block_size, size, [None] * len(got), got,
-                           blank=True, asked=count)
-        self._leases.add(lease)
-        return Reservation(lease.lease_id, lease.deadline, [*got, *[None] * (count - len(got))],
-                           [False] * count, self._lease_seconds)
+        self._stepping.discard(lease.lease_id)
+        return Reservation(lease.lease_id, lease.deadline,
+                           [*lease.slots, *[None] * (count - want)], [False] * count,
+                           self._lease_seconds)
 
     def _empty(self, count: int, now: float) -> Reservation:
         """The reservation of ``count`` entries without a slot: the empty lease, not stored."""

@@ -133,7 +133,8 @@ class TierdConnector(KVConnectorBase_V1):
             # Host KV: SSD hits stream (asynchronous loads); CUDA KV: they are staged.
             device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
             self._scheduler = SchedulerSide(links, load=self._config.load,
-                                            save=self._config.save, stream=device == "cpu")
+                                            save=self._config.save, stream=device == "cpu",
+                                            lookup_wait=self._config.lookup_wait_seconds)
 
     @property
     def _model_id(self) -> str:

@@ -43,7 +43,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +116,10 @@ blocks are staged) and releases."""
 MAX_QUEUED_LOOKUPS = 4096
 """Lookups queued beyond this are answered "no match" (the request computes its prefix)."""
 
+STEP_WAIT_ASKS = 4
+"""A scheduler step waits for new lookups at most this many times ``lookup_wait_seconds`` in
+all (the budget resets at each ``build``)."""
+
 
 class SchedulerSide:
     """State of the scheduler-side connector. Called from vLLM's scheduler thread only; the
@@ -125,13 +129,18 @@ class SchedulerSide:
     one looked up)."""
 
     def __init__(self, links: Sequence[DaemonLink], *, load: bool, save: bool,
-                 stream: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+                 stream: bool = False, lookup_wait: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``stream``: hand hits with SSD blocks to the workers as asynchronous loads (host
-        KV: the workers copy each chunk as the daemon reads it); else stage them (CUDA)."""
+        KV: the workers copy each chunk as the daemon reads it); else stage them (CUDA).
+        ``lookup_wait``: seconds a new lookup may take before the ask answers "not yet"
+        (``lookup_wait_seconds``)."""
         assert links, "need one link per TP rank"
         self._links = list(links)
         self._stream = stream
         self._clock = clock
+        self._lookup_wait = lookup_wait
+        self._wait_left = lookup_wait * STEP_WAIT_ASKS  # of this step's budget (``build``)
         self._runner = Runner(LOOKUP_THREADS, "tierd-scheduler", ("lookup", "release"),
                               limits={"lookup": MAX_QUEUED_LOOKUPS})
         self._asking: dict[str, _Asking] = {}
@@ -159,8 +168,12 @@ class SchedulerSide:
         """Tokens beyond ``num_computed_tokens`` (the local prefix-cache hit, block-aligned) that
         tierd holds and has now pinned for this request: full blocks only, and never the block
         holding the request's last token (vLLM must compute that one to sample). 0 if the
-        daemon is unreachable. Never blocks: None means "asked, not answered yet" (vLLM's
-        asynchronous lookup: it keeps the request waiting and asks again at its next step).
+        daemon is unreachable. None means "asked, not answered yet" (vLLM's asynchronous
+        lookup: it keeps the request waiting and asks again at its next step, so the request
+        starts a step later): a new lookup is answered at once if its job finishes within
+        ``lookup_wait`` seconds (one round trip usually does), and no step waits more than
+        ``STEP_WAIT_ASKS`` times that in all, so a slow daemon costs the scheduler thread a
+        bounded few milliseconds per step.
 
         The first ask of a request queues one lookup job: a Probe (a hold) of the leading DRAM
         run that the daemon also counts as the request's lookup (one round trip; with TP > 1 the
@@ -208,7 +221,15 @@ class SchedulerSide:
         counting = known_tiers is None
         if counting:  # a later job for this request (its local hit moved meanwhile) counts none
             self._counted.add(req_id)
-        self._asking[req_id] = _Asking(start, end, wanted, job, counting)
+        asking = _Asking(start, end, wanted, job, counting)
+        if self._wait_left > 0:
+            began = time.monotonic()
+            wait([job], min(self._lookup_wait, self._wait_left))
+            self._wait_left -= time.monotonic() - began
+            if job.done():
+                held = self._settle(req_id, asking)
+                return (start + held) * bs - num_computed_tokens if held else 0
+        self._asking[req_id] = asking
         return None
 
     def _end(self, request: Any, start: int) -> int:
@@ -373,6 +394,7 @@ class SchedulerSide:
     def build(self, scheduler_output: Any) -> TierdConnectorMetadata:
         """This step's plan; forgets the loads it hands out. Reads ``scheduler_output`` only."""
         self._sweep()
+        self._wait_left = self._lookup_wait * STEP_WAIT_ASKS
         loads, self._loads = self._loads, []
         # Saves may sit on this step's loads and on loads of earlier steps whose report has
         # not arrived yet (async scheduling: a local hit on blocks still being checked).

@@ -26,18 +26,6 @@ def test_queued_jobs_run_by_kind_in_priority_order_each_first_in_first_out() -> 
     assert runner.stop(5.0)
 
 
-def test_future_holds_the_result_and_take_done_returns_kept_ones_in_order() -> None:
-    """A job's future resolves to what it returned; ``keep`` futures come back from take_done."""
-    runner = Runner(1, "t", ("a",))
-    first = runner.submit("a", lambda: 1, keep=True)
-    second = runner.submit("a", lambda: 2)
-    third = runner.submit("a", lambda: 3, keep=True)
-    assert first is not None and second is not None and third is not None
-    assert [f.result(5.0) for f in (first, second, third)] == [1, 2, 3]
-    assert runner.take_done() == [first, third] and runner.take_done() == []
-    assert runner.stop(5.0)
-
-
 def test_a_limited_kind_refuses_past_its_limit_and_others_do_not() -> None:
     """Limit 2 on "lookup": the third queued lookup is refused (None); releases are not limited."""
     runner = Runner(1, "t", ("lookup", "release"), limits={"lookup": 2})

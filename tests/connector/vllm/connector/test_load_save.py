@@ -149,6 +149,23 @@ def test_a_step_slower_than_half_its_write_lease_reoffers_its_saves(sock: str,
         assert torch.equal(a.block(block_a), b.block(block_b))
 
 
+def test_a_lookup_done_within_lookup_wait_is_answered_at_the_first_ask(sock: str,
+                                                                         engines: Any) -> None:
+    """With ``lookup_wait_seconds`` 1 the first ask of a 6-block hit waits for its Probe and
+    answers the hit (the request starts this step); with 0 the first ask answers None and a
+    later one the hit."""
+    a = engines(0)
+    a.prefill(FakeRequest("a", prompt(100)))
+    waiting, eager = engines(20, lookup_wait_seconds=1.0), engines(40, lookup_wait_seconds=0)
+    assert waiting.scheduler.get_num_new_matched_tokens(FakeRequest("w", prompt(100)), 0) == \
+        (96, False)
+    req = FakeRequest("e", prompt(100))
+    assert eager.scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert ask(eager.scheduler, req, 0) == (96, False)
+    for conn, name in ((waiting.scheduler, "w"), (eager.scheduler, "e")):
+        assert conn.request_finished(FakeRequest(name, prompt(100)), []) == (False, None)
+
+
 def test_a_slow_daemon_answers_none_at_once_then_the_hit(sock: str, engines: Any,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Every Probe takes 0.5 s: the lookup answers None within 0.1 s at each ask while its job
