@@ -55,9 +55,10 @@ def acquire(client: TierdClient, engine_id: str, hashes: Sequence[BlockHash], *,
 def probe_acquire(client: TierdClient, engine_id: str, hashes: Sequence[BlockHash], *,
                   clock: Clock) -> Lease:
     """``acquire`` for a front end that does not Lookup first: a Probe (the daemon counts the
-    chain as a Lookup and pins its leading DRAM run); where held blocks follow that run (on SSD),
-    an Acquire of the whole held prefix, then a Release of the Probe's lease. One round trip
-    for a DRAM hit or a miss. Raises ``grpc.RpcError`` like ``acquire``."""
+    chain as a Lookup, pins its leading DRAM run and starts reading the SSD blocks after it);
+    where held blocks follow that run, an Acquire of the whole held prefix (which finds those
+    reads done or in flight), then the Probe's lease released without waiting. One round trip
+    for a DRAM hit or a miss, two for an SSD hit. Raises ``grpc.RpcError`` like ``acquire``."""
     asked = clock()
     probed = client.probe(engine_id, hashes)
     lease = Lease.of(engine_id, probed, asked)
@@ -67,7 +68,8 @@ def probe_acquire(client: TierdClient, engine_id: str, hashes: Sequence[BlockHas
         return acquire(client, engine_id, hashes[:lease.num_blocks + len(probed.held_after)],
                        clock=clock)
     finally:
-        release(client, lease)
+        if lease.num_blocks:  # a failed Release only leaves the run pinned until its deadline
+            release_async(client, lease)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,11 @@
 """``probe_acquire``: a Probe alone for a DRAM hit or a miss; where the held prefix reaches past
 the DRAM run, an Acquire of the whole held prefix and a Release of the Probe's lease (so exactly
-one lease is left pinned), that Release made even when the Acquire fails."""
+one lease is left pinned), that Release sent without waiting, even when the Acquire fails."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import grpc
 import pytest
@@ -35,9 +36,12 @@ class FakeClient:
             raise self.fail
         return AcquiredBlocks("a", 30.0, list(range(len(hashes))), [7] * len(hashes))
 
-    def release(self, engine_id: str, lease_id: str, *, corrupt_from: int | None = None) -> bool:
+    def release_async(self, engine_id: str, lease_id: str, *,
+                      corrupt_from: int | None = None) -> Future[bool]:
         self.calls.append(("release", lease_id))
-        return False
+        sent: Future[bool] = Future()
+        sent.set_result(False)
+        return sent
 
 
 @pytest.mark.parametrize("dram", [0, 4])
