@@ -126,7 +126,8 @@ class TierdConnector(KVConnectorBase_V1):
             name = f"{self._config.engine_name}-scheduler"
             model_id = self._model_id
             links = [DaemonLink(self._config, layout_from_vllm_config(vllm_config, model_id, rank),
-                                name if rank == 0 else f"{name}-tp{rank}", attach=False)
+                                name if rank == 0 else f"{name}-tp{rank}", attach=False,
+                                presence=rank == 0)
                      for rank in range(size)]
             for link in links:
                 link.connect()

@@ -2,8 +2,9 @@
 
 Every Acquire is a hold: the workers' own Acquires load the blocks and are what the daemon counts as
 served. They touch no scheduler state: ``ask`` returns a ``Reply`` that the scheduler thread settles
-(``SchedulerSide._settle``) at a later ask of the same request; ``end_leases`` releases pins. Each
-runs on a runner thread and may block for the daemon's call deadline.
+(``SchedulerSide._settle``) at a later ask of the same request; ``end_leases`` releases pins;
+``report_filtered`` tells the daemon of the lookups the presence filter answered. Each runs on
+a runner thread and may block for the daemon's call deadline.
 """
 
 from __future__ import annotations
@@ -111,3 +112,16 @@ def reply_of(job: Future[Reply]) -> Reply:
     a daemon that did not answer."""
     error = job.exception()
     return Reply(0.0, None, [], False) if error is not None else job.result()
+
+
+def report_filtered(link: DaemonLink, tokens: int) -> None:
+    """Count ``tokens`` of lookups answered from the presence filter (certain misses, no round
+    trip) as queried on the daemon: an empty Reserve carrying them, so its hit ratio covers
+    every lookup. Lost with a daemon that is down (they are only counts)."""
+    session = link.session
+    if session is None:
+        return
+    try:
+        session.client.reserve(session.engine_id, [], filtered_query_tokens=tokens)
+    except grpc.RpcError as exc:
+        link.failed(exc, session)

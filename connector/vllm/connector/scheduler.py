@@ -49,9 +49,9 @@ from typing import Any
 
 from tierd.connector.core.link import DaemonLink
 from tierd.connector.core.runner import Runner
-from tierd.types import BlockHash, Tier
+from tierd.types import BlockHash, Namespace, Tier, make_key
 
-from .lookup_jobs import Reply, ask, end_leases, reply_of
+from .lookup_jobs import Reply, ask, end_leases, reply_of, report_filtered
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 
 _log = logging.getLogger(__name__)
@@ -141,6 +141,7 @@ class SchedulerSide:
         self._clock = clock
         self._lookup_wait = lookup_wait
         self._wait_left = lookup_wait * STEP_WAIT_ASKS  # of this step's budget (``build``)
+        self._filtered = 0  # tokens of lookups the presence filter answered, not yet reported
         self._runner = Runner(LOOKUP_THREADS, "tierd-scheduler", ("lookup", "release"),
                               limits={"lookup": MAX_QUEUED_LOOKUPS})
         self._asking: dict[str, _Asking] = {}
@@ -214,6 +215,11 @@ class SchedulerSide:
         if req_id in self._counted:  # asked before: Acquires alone, counted nothing
             seen = {before.start + i: t for i, t in enumerate(before.tiers)} if before else {}
             known_tiers = [seen.get(start + i, "dram") for i in range(len(wanted))]
+        if known_tiers is None and self._certain_miss(wanted[0]):
+            self._counted.add(req_id)  # counted with the next report (``build``)
+            self._filtered += len(wanted) * bs
+            self._answers[req_id] = _Answer(start, 0, end)
+            return 0
         job = self._runner.submit("lookup", functools.partial(
             ask, self._links, wanted, known_tiers, stream=self._stream, clock=self._clock))
         if job is None:
@@ -231,6 +237,13 @@ class SchedulerSide:
                 return (start + held) * bs - num_computed_tokens if held else 0
         self._asking[req_id] = asking
         return None
+
+    def _certain_miss(self, first: BlockHash) -> bool:
+        """Whether the daemon's presence filter (rank 0's session) says it holds no copy of
+        ``first``, the first block asked for (so none of the chain after it)."""
+        session = self._links[0].session
+        return session is not None and session.presence is not None and \
+            not session.presence.may_hold(make_key(Namespace(session.engine.namespace), first))
 
     def _end(self, request: Any, start: int) -> int:
         """The end of the block range to ask the daemon for from ``start``: the full blocks
@@ -395,6 +408,10 @@ class SchedulerSide:
         """This step's plan; forgets the loads it hands out. Reads ``scheduler_output`` only."""
         self._sweep()
         self._wait_left = self._lookup_wait * STEP_WAIT_ASKS
+        if self._filtered:
+            filtered, self._filtered = self._filtered, 0
+            self._runner.submit("release", functools.partial(report_filtered, self._links[0],
+                                                             filtered))
         loads, self._loads = self._loads, []
         # Saves may sit on this step's loads and on loads of earlier steps whose report has
         # not arrived yet (async scheduling: a local hit on blocks still being checked).

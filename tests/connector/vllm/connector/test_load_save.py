@@ -149,6 +149,35 @@ def test_a_step_slower_than_half_its_write_lease_reoffers_its_saves(sock: str,
         assert torch.equal(a.block(block_a), b.block(block_b))
 
 
+def test_a_certain_miss_is_answered_from_the_presence_filter_and_still_counted(
+        sock: str, engines: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt nobody stored: its first ask answers 0 at once with no Probe (the daemon's
+    presence filter holds none of its blocks), and the step after reports its 6 blocks' tokens,
+    so the daemon counts them as queried, none hit. Once stored, the same prompt is probed and
+    hit."""
+    from tierd.wire.client import TierdClient
+
+    real_probe, probed = TierdClient.probe, []
+
+    def spy(client: TierdClient, engine_id: str, hashes: Any, **flags: Any) -> Any:
+        probed.append(len(hashes))
+        return real_probe(client, engine_id, hashes, **flags)
+
+    monkeypatch.setattr(TierdClient, "probe", spy)
+
+    def queried() -> int:
+        usage(sock)  # every scheduler-side call landed
+        with TierdClient(socket_path=sock) as client:
+            return next(t.query_tokens for t in client.stats().tiers if t.tier == "dram")
+
+    a, b = engines(0), engines(20)
+    before = queried()
+    assert a.prefill(FakeRequest("a", prompt(100, salt=5))) == (0, set())
+    assert probed == [] and queried() == before + 96
+    assert b.prefill(FakeRequest("b", prompt(100, salt=5))) == (96, set())
+    assert probed == [6]
+
+
 def test_a_lookup_done_within_lookup_wait_is_answered_at_the_first_ask(sock: str,
                                                                          engines: Any) -> None:
     """With ``lookup_wait_seconds`` 1 the first ask of a 6-block hit waits for its Probe and
