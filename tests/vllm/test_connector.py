@@ -315,7 +315,8 @@ def test_ssd_hit_streams_while_vllm_schedules_on(model_dir: str, daemon: Daemon)
     other = [(i * 5 + 1) % 991 for i in range(3 * BLOCK + 2)]
     want_other = baseline(model_dir, daemon, other)
     first = Engine.start(vllm_config(model_dir, daemon.socket_path))
-    second = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path,  # "not yet" first
+                                      extra={"lookup_wait_seconds": 0}))
     answers: list[object] = []
     sources: list[dict[CacheHitSource, int]] = []
     steps: list[tuple[object, set[str]]] = []

@@ -51,8 +51,9 @@ def test_waiting_requests_are_looked_up_once(model_dir: str, daemon: Daemon,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """B's KV cache holds two requests at a time: a long miss runs first, four prompts A
     stored and four misses wait behind it, and vLLM asks for the first waiting one at every
-    step. The daemon is asked (and counts) each request once, in one Probe and no
-    Lookup: its query tokens stay within vLLM's own connector queries, and its hit ratio is
+    step. The daemon is asked (and counts) each request once, in one Probe and no Lookup, or
+    not at all where its presence filter rules the chain out (the tokens then reported after
+    the step): its query tokens stay within vLLM's own connector queries, and its hit ratio is
     vLLM's external hit rate within 5 percentage points; the requests still load their hits."""
     a = Engine.start(vllm_config(model_dir, daemon.socket_path))
     b = Engine.start(vllm_config(model_dir, daemon.socket_path), num_blocks=17)
@@ -83,7 +84,8 @@ def test_waiting_requests_are_looked_up_once(model_dir: str, daemon: Daemon,
         assert 0 < queried <= vllm_queries, (queried, hit, vllm_queries, vllm_hits)
         assert abs(hit / queried - vllm_hits / vllm_queries) <= 0.05, (
             queried, hit, vllm_queries, vllm_hits)
-        assert len(counted_asks) == len(requests) and not lookups
+        # each request asked at most once; the misses mostly answered by the presence filter
+        assert len(stored) <= len(counted_asks) <= len(requests) and not lookups
         # the four hits load in full (a request preempted and resumed may load back what it
         # saved itself, at steps that depend on when each lookup job ended)
         assert b.worker.worker_counters.data["loaded_blocks"] >= 4 * 6
