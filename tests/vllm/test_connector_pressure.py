@@ -160,7 +160,7 @@ SLOW = 1.0
 def test_a_slow_daemon_never_blocks_the_scheduler(model_dir: str, daemon: Daemon,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Every Probe takes ``SLOW`` seconds (a daemon under load): vLLM's lookup answers None
-    at once at every step while the job waits, then the hit (6 blocks) once it has come; no
+    within ``lookup_wait_seconds`` at every step while the job waits, then the hit (6 blocks) once it has come; no
     lookup and no ``schedule()`` waits for the daemon; the daemon is asked (and counts) the
     request once however many steps asked; the request loads its hit and samples A's tokens."""
     a = Engine.start(vllm_config(model_dir, daemon.socket_path))
@@ -224,7 +224,8 @@ def test_an_ssd_hit_is_staged_by_the_job_when_not_streamed(model_dir: str, daemo
     from tierd.types import BlockHash
 
     a = Engine.start(vllm_config(model_dir, daemon.socket_path))
-    b = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    b = Engine.start(vllm_config(model_dir, daemon.socket_path,  # "not yet" while it stages
+                                 extra={"lookup_wait_seconds": 0}))
     b.connector._scheduler._stream = False  # as with CUDA KV
     stored = prompt(9)
     try:
