@@ -160,9 +160,10 @@ SLOW = 1.0
 def test_a_slow_daemon_never_blocks_the_scheduler(model_dir: str, daemon: Daemon,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Every Probe takes ``SLOW`` seconds (a daemon under load): vLLM's lookup answers None
-    within ``lookup_wait_seconds`` at every step while the job waits, then the hit (6 blocks) once it has come; no
-    lookup and no ``schedule()`` waits for the daemon; the daemon is asked (and counts) the
-    request once however many steps asked; the request loads its hit and samples A's tokens."""
+    within ``lookup_wait_seconds`` at every step while the job waits, then the hit (6 blocks)
+    once it has come; no lookup and no ``schedule()`` waits for the daemon; the daemon is asked
+    (and counts) the request once however many steps asked; the request loads its hit and
+    samples A's tokens."""
     a = Engine.start(vllm_config(model_dir, daemon.socket_path))
     b = Engine.start(vllm_config(model_dir, daemon.socket_path))
     stored = prompt(7)
