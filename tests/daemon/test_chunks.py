@@ -137,11 +137,7 @@ def test_a_lease_that_ends_between_steps_stops_them(make_daemon: Any, kit: Any) 
             steps = store.reserve_steps(gone.engine_id, kit.chain(STEP_BLOCKS * 2, seed=8))
             next(steps)
             store.unregister_engine(gone.engine_id)
-            try:
-                next(steps)
-                ended = "went on"
-            except Exception as exc:  # noqa: BLE001  (the test names the kind below)
-                ended = type(exc).__name__
+            ended = _next_step(steps)
             store.check_integrity()
             commit = store.commit_steps(res.lease_id, [1] * (STEP_BLOCKS * 2),
                                         engine_id=engine.engine_id)
@@ -175,11 +171,7 @@ def test_a_blank_reserve_runs_in_steps_and_stops_when_its_engine_goes(make_daemo
             next(steps)
             store.check_integrity()
             store.unregister_engine(gone.engine_id)
-            try:
-                next(steps)
-                ended = "went on"
-            except Exception as exc:  # noqa: BLE001  (the test names the kind below)
-                ended = type(exc).__name__
+            ended = _next_step(steps)
             store.check_integrity()
             res = await run_steps(store.reserve_blank_steps(engine.engine_id, count))
             store.check_integrity()
@@ -193,3 +185,12 @@ def test_a_blank_reserve_runs_in_steps_and_stops_when_its_engine_goes(make_daemo
         client.commit(engine.engine_id, res.lease_id, [True] * count, names=names)
         assert client.lookup(engine.engine_id, names) == ["dram"] * count
     daemon.check_integrity()
+
+
+def _next_step(steps: Any) -> str:
+    """Run one more step: "went on", or the name of the exception it raised."""
+    try:
+        next(steps)
+    except Exception as exc:  # noqa: BLE001  (the tests name the kind)
+        return type(exc).__name__
+    return "went on"
