@@ -189,9 +189,13 @@ $(DEPLOY_VENV)/.tierd-deps: pyproject.toml
 	  (grep -v 'is ignored' $(DEPLOY_VENV)/pip.log; exit 1)
 	touch $@
 
+# The per-test timeout covers test bodies only: the session's image build (debootstrap, a
+# wheelhouse, two docker builds; ~10 min on a cold cache) runs in a fixture, and each of its
+# commands has its own time limit.
 test-deploy: deploy-venv native | $(TIERD_PATH)/tierd
 	PATH=$(DEPLOY_VENV)/bin:$$PATH TIERD_DEPLOY_TESTS=1 PYTHONPATH=$(TIERD_PATH) \
-	  $(DEPLOY_PY) -P -m pytest -q -p no:cacheprovider -m deploy tests/deploy
+	  $(DEPLOY_PY) -P -m pytest -q -p no:cacheprovider -o timeout_func_only=true -m deploy \
+	  tests/deploy
 
 # ruff (pyflakes, pycodestyle errors at 100 columns, import order; `ruff check --fix .` sorts
 # imports), then mypy --strict (.ci/mypy).

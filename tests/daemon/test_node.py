@@ -19,7 +19,7 @@ from tierd.daemon.node import EMPTY_LEASE
 from tierd.daemon.node_types import EngineCaps
 from tierd.daemon.ssd.record import HEADER_BYTES
 from tierd.events import BlockRemoved, BlockStored
-from tierd.types import BlockHash
+from tierd.types import BlockHash, make_key
 
 
 @pytest.fixture
@@ -524,8 +524,9 @@ async def test_a_miss_pins_nothing_and_holds_no_lease(rig: Rig) -> None:
 
 
 async def test_release_reporting_a_corrupt_block_drops_it_after_a_recheck(rig: Rig) -> None:
-    """A report names block 1 of a 3-block lease: a false report (bytes intact) or one while
-    another lease pins it changes nothing; a true one drops exactly that block (a checksum
+    """A report names block 1 of a 3-block lease: a false report (bytes intact) changes nothing;
+    a true one while another lease pins the block is confirmed at once: no lookup counts it and
+    no acquire pins it from then on, and it goes with that lease's plain release (a checksum
     failure, not an eviction), so the chain's held prefix becomes 1 block."""
     hashes = chain(3)
     rig.store(hashes)
@@ -537,12 +538,45 @@ async def test_release_reporting_a_corrupt_block_drops_it_after_a_recheck(rig: R
     offset = rig.engine.geometry.offset(lease.slot_ids[1])
     rig.arena.view(offset + 7, 1)[0] ^= 0xFF
     first, second = await rig.node.acquire(eng, hashes), await rig.node.acquire(eng, hashes)
-    assert rig.node.release(first.lease_id, corrupt_from=1) is False  # still pinned by second
-    assert rig.node.release(second.lease_id, corrupt_from=1) is True
+    assert rig.node.release(first.lease_id, corrupt_from=1) is True  # bad; second still pins it
+    assert rig.tiers(hashes) == ["dram"]
+    third = await rig.node.acquire(eng, hashes)
+    assert len(third.slot_ids) == 1 and rig.node.stats().tiers["dram"].used_blocks == 3
+    rig.node.release(second.lease_id)
+    rig.node.release(third.lease_id)
     assert rig.tiers(hashes) == ["dram"]
     stats = rig.node.stats()
     assert (stats.checksum_failures, stats.tiers["dram"].evictions) == (1, 0)
+    assert stats.tiers["dram"].used_blocks == 2
     assert [type(e).__name__ for e in rig.node.take_events()][-1] == "BlockRemoved"
+    rig.node.check_integrity()
+
+
+async def test_a_corrupt_block_reported_during_its_ssd_write_goes_when_the_write_returns(
+        rig: Rig) -> None:
+    """Block 1 of 3 damaged in DRAM, reported while a write-behind pass writes the chain to SSD:
+    it stays until the write returns (its slot is being read), then goes; the SSD refused its
+    bad bytes, so the chain's held prefix is block 0 in DRAM and nothing of block 1 anywhere."""
+    hashes = chain(3)
+    rig.store(hashes)
+    eng = rig.engine.engine_id
+    lease = await rig.node.acquire(eng, hashes)
+    rig.arena.view(rig.engine.geometry.offset(lease.slot_ids[1]) + 7, 1)[0] ^= 0xFF
+    block = rig.node._tiers.dram.get(make_key(rig.engine.namespace, hashes[1]))
+    assert block is not None
+    behind = asyncio.create_task(rig.node.write_behind())
+    for _ in range(1000):
+        if block.demoting:
+            break
+        await asyncio.sleep(0)
+    assert block.demoting                                  # the SSD write reads its slot now
+    assert rig.node.release(lease.lease_id, corrupt_from=1) is True
+    assert rig.node.stats().tiers["dram"].used_blocks == 3
+    assert await behind == 2
+    assert rig.tiers(hashes) == ["dram"]
+    assert not rig.ssd.contains(rig.engine.namespace, hashes[1])
+    assert rig.node.stats().tiers["dram"].used_blocks == 2
+    rig.node.check_integrity()
 
 
 async def test_a_silent_engine_lapses_and_its_hbm_report_goes(make_rig: MakeRig) -> None:

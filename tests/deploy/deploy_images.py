@@ -66,13 +66,14 @@ def _rootfs_tarball(name: str, extra: tuple[str, ...]) -> Path:
         rootfs = Path(tmp) / "rootfs"
         include = ",".join(("python3", "python3-venv", *extra))
         subprocess.run(["debootstrap", "--variant=minbase", f"--include={include}", SUITE,
-                        str(rootfs), MIRROR], check=True, capture_output=True)
-        subprocess.run(["chroot", str(rootfs), "apt-get", "clean"], check=True)
+                        str(rootfs), MIRROR], check=True, capture_output=True, timeout=1200)
+        subprocess.run(["chroot", str(rootfs), "apt-get", "clean"], check=True, timeout=60)
         for folder in ("var/lib/apt/lists", "usr/share/doc", "usr/share/man", "usr/share/info"):
             shutil.rmtree(rootfs / folder, ignore_errors=True)
             (rootfs / folder).mkdir()
         partial = tarball.with_suffix(".partial")
-        subprocess.run(["tar", "-C", str(rootfs), "-cf", str(partial), "."], check=True)
+        subprocess.run(["tar", "-C", str(rootfs), "-cf", str(partial), "."], check=True,
+                       timeout=300)
         partial.rename(tarball)
     return tarball
 
@@ -83,7 +84,7 @@ def import_base(docker: DockerEngine, name: str, extra: tuple[str, ...] = ()) ->
     if docker.run("image", "inspect", image, check=False).returncode != 0:
         with open(_rootfs_tarball(name, extra), "rb") as tar:
             subprocess.run(["docker", "import", "-", image], stdin=tar, check=True,
-                           capture_output=True, env=docker.env)
+                           capture_output=True, env=docker.env, timeout=300)
     return image
 
 

@@ -30,6 +30,7 @@ class DramBlock:
     pins: int = 0            # live read leases holding it; > 0: never evicted or moved
     demoting: bool = False   # an SSD write of its bytes is in flight; the slot must stay put
     promoted: bool = False   # read from SSD and not yet handed out (its next hit is an SSD hit)
+    corrupt: bool = False    # found corrupt while in use: served to nobody, dropped once free
 
 
 @dataclass(slots=True)

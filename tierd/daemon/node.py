@@ -236,9 +236,10 @@ class NodeStore:
 
         ``corrupt_from``: index (in the acquired prefix) of the first block whose checksum did
         not verify on the engine's side. The node re-checks that block's bytes itself and, if
-        they are indeed corrupt and nobody else pins it, drops it (a miss for every engine from
-        now on, instead of a recompute each time); a false report changes nothing. Returns
-        whether a block was dropped."""
+        they are indeed corrupt, drops it (a miss for every engine from now on, instead of a
+        recompute each time): at once, or once the other leases pinning it end and no lookup
+        or lease sees it meanwhile (``TierIndex.condemn``); a false report changes nothing.
+        Returns whether the block was corrupt."""
         return self._reads.release(lease_id, engine_id, corrupt_from)
 
     # -- writes --------------------------------------------------------------------------------

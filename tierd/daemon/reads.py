@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from tierd.checksum import block_checksum
 from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted
 from tierd.daemon.leases import EMPTY_LEASE, LeaseTable, ReadLease, new_lease_id
 from tierd.daemon.lru import DramBlock
@@ -32,8 +30,6 @@ if TYPE_CHECKING:
     from tierd.daemon.ssd import SsdStore
     from tierd.daemon.tier_index import TierIndex
     from tierd.wire.arena import ShmArena
-
-log = logging.getLogger(__name__)
 
 LookedUp = Callable[[Namespace, Sequence[NamespacedKey], int, int], None]
 """The insight hook told of each counted lookup: (namespace, keys, tokens per block, hit)."""
@@ -50,7 +46,7 @@ class Reads:
                  leases: LeaseTable, gate: QuotaGate, hbm: HbmIndex, config: NodeConfig,
                  clock: Callable[[], float], *, writing: Callable[[NamespacedKey], bool],
                  expire: Callable[[float], None], registered: Callable[[str], bool]) -> None:
-        self._tiers, self._arena, self._leases, self._gate = tiers, arena, leases, gate
+        self._tiers, self._leases, self._gate = tiers, leases, gate
         self._hbm, self._config, self._clock = hbm, config, clock
         self._expire, self._registered = expire, registered
         self._counts = tiers.counts
@@ -61,7 +57,7 @@ class Reads:
     def lookup(self, info: EngineInfo, hashes: Sequence[BlockHash],
                keys: list[NamespacedKey]) -> LookupResult:
         """``NodeStore.lookup``: the held prefix's tiers, counted; pins nothing."""
-        return LookupResult(self._query(info, hashes, keys, len(self._tiers.dram.prefix(keys))))
+        return LookupResult(self._query(info, hashes, keys, len(self._tiers.dram_run(keys))))
 
     def _query(self, info: EngineInfo, hashes: Sequence[BlockHash],
                keys: Sequence[NamespacedKey], dram_run: int) -> list[Tier]:
@@ -75,7 +71,9 @@ class Reads:
         for block_hash, key in zip(hashes[dram_run:], keys[dram_run:]):
             if block_hash in hbm:
                 tiers.append("hbm")
-            elif in_dram(key) is not None:
+            elif (block := in_dram(key)) is not None:
+                if block.corrupt:
+                    break
                 tiers.append("dram")
             elif ssd_up and key in self._tiers.disk:
                 tiers.append("ssd")
@@ -94,7 +92,7 @@ class Reads:
               *, hold: bool) -> Lease:
         """``NodeStore.probe``: count, pin the leading DRAM run, list the tiers held after it,
         and start promoting the SSD blocks that directly follow it (``_prefetch``)."""
-        blocks = self._tiers.dram.prefix(keys)
+        blocks = self._tiers.dram_run(keys)
         tiers = self._query(info, hashes, keys, len(blocks))
         pinnable, blocks, now = self._pinnable(info, keys, blocks)
         lease = self._lease(info, pinnable[:len(blocks)], blocks, now, pin=True, served=not hold)
@@ -150,7 +148,7 @@ class Reads:
     async def acquire(self, info: EngineInfo, keys: list[NamespacedKey], *,
                       hold: bool) -> Lease:
         """``NodeStore.acquire``: pin the held prefix, SSD blocks read into DRAM first."""
-        keys, blocks, now = self._pinnable(info, keys, self._tiers.dram.prefix(keys))
+        keys, blocks, now = self._pinnable(info, keys, self._tiers.dram_run(keys))
         hit = len(blocks)
         promoting = self.promoter.active
         if hit == len(keys) or not (keys[hit] in promoting or (
@@ -164,7 +162,9 @@ class Reads:
         plan: list[tuple[NamespacedKey, Promotion | None]] = []  # None: DRAM, or not staged
         new: list[int] = []  # plan indices still to stage
         for key in keys:
-            if self._tiers.dram.get(key) is not None:
+            if (held := self._tiers.dram.get(key)) is not None:
+                if held.corrupt:
+                    break
                 self._pin_inflight(key)
             elif (promotion := promoting.get(key)) is not None:
                 promotion.waiters += 1
@@ -212,7 +212,8 @@ class Reads:
             if inflight:
                 self._drop_inflight(key)
             block = self._tiers.dram.get(key)
-            if ended or block is None or (promotion is not None and not promotion.done.result()):
+            if ended or block is None or block.corrupt or (
+                    promotion is not None and not promotion.done.result()):
                 ended = True
                 if inflight:
                     self._tiers.unpin((key,))
@@ -248,8 +249,9 @@ class Reads:
                      [b.checksum for b in blocks], self._config.lease_seconds)
 
     def release(self, lease_id: str, engine_id: str | None, corrupt_from: int | None) -> bool:
-        """``NodeStore.release``: end a read lease; re-check a reported corrupt block and drop
-        it if its bytes are indeed bad and nobody else pins it (returns whether it was)."""
+        """``NodeStore.release``: end a read lease; re-check a reported corrupt block and, if
+        its bytes are indeed bad, drop it now or once its other readers are done (returns
+        whether it was bad)."""
         if lease_id == EMPTY_LEASE:
             return False
         self._expire(self._clock())
@@ -265,18 +267,7 @@ class Reads:
         finished = self._leases.finish(lease_id, "released")
         assert isinstance(finished, ReadLease)
         self.end(finished)
-        if corrupt_from is None:
-            return False
-        key = lease.keys[corrupt_from]
-        block = self._tiers.dram.get(key)
-        if block is None or block.pins or block.demoting:
-            return False  # gone, or still in use: its readers verify it themselves
-        if block_checksum(self._arena.view(self._tiers.offset(block), block.slot_bytes)) == \
-                block.checksum:
-            return False
-        log.warning("DRAM block %s failed its checksum: dropped", key.hex())
-        self._tiers.drop_dram(key, self._clock(), "corrupt")
-        return True
+        return corrupt_from is not None and self._tiers.condemn(lease.keys[corrupt_from])
 
     def end(self, lease: ReadLease) -> None:
         """Unpin an already finished read lease's blocks."""

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Literal
 
+from tierd.checksum import block_checksum
 from tierd.daemon.classes import SizeClasses
 from tierd.daemon.eviction import LruEviction
 from tierd.daemon.ghosts import Ghost, GhostList, Pressure
@@ -63,6 +64,7 @@ class TierIndex:
         self.served: Callable[[Namespace, int, int], None] | None = None
         """Told of each acquire's blocks: (namespace, blocks already in DRAM, read from SSD)."""
         self._promoted = 0  # DRAM blocks with ``promoted`` set (none: hits skip the check)
+        self._condemned = 0  # DRAM blocks with ``corrupt`` set (none: runs skip the check)
 
     def load(self, entries: list[SsdEntry], now: float) -> None:
         """Index the records an opened SSD store found (oldest first), then drop the oldest
@@ -198,12 +200,51 @@ class TierIndex:
         return block
 
     def unpin(self, keys: Iterable[NamespacedKey]) -> None:
-        """Drop one pin from each key's DRAM block (a key twice: two pins); each must hold it."""
+        """Drop one pin from each key's DRAM block (a key twice: two pins); each must hold it.
+        A block found corrupt goes with its last pin (``condemn``)."""
         get = self.dram.get
         for key in keys:  # a lease may hold thousands of blocks
             block = get(key)
             assert block is not None and block.pins > 0, f"{key.hex()}: unpin without a pin"
             block.pins -= 1
+            if block.corrupt and not block.pins:
+                self._drop_condemned(key, block)
+
+    def dram_run(self, keys: Iterable[NamespacedKey]) -> list[DramBlock]:
+        """The DRAM blocks of the longest leading run of ``keys`` held, in order, ending before
+        any block found corrupt (what a lookup may count and a lease may pin)."""
+        run = self.dram.prefix(keys)
+        if self._condemned:
+            for i, block in enumerate(run):
+                if block.corrupt:
+                    return run[:i]
+        return run
+
+    def condemn(self, key: NamespacedKey) -> bool:
+        """A reader reported the DRAM copy under ``key`` corrupt: re-check its bytes against its
+        checksum. If they no longer match, it is corrupt: dropped now if free, else marked
+        ``corrupt`` (no lookup counts it, no lease pins it, no SSD write takes it) and dropped
+        when its last pin ends or its SSD write returns. Returns whether it was corrupt (False
+        for a false report or a block already gone)."""
+        block = self.dram.get(key)
+        if block is None:
+            return False
+        if block.corrupt:
+            return True
+        if block_checksum(self.arena.view(self.offset(block), block.slot_bytes)) == \
+                block.checksum:
+            return False
+        block.corrupt = True
+        self._condemned += 1
+        self._drop_condemned(key, block)
+        return True
+
+    def _drop_condemned(self, key: NamespacedKey, block: DramBlock) -> None:
+        """Drop a block found corrupt once nothing holds it (no pin, no SSD write)."""
+        if block.pins or block.demoting:
+            return
+        log.warning("DRAM block %s failed its checksum: dropped", key.hex())
+        self.drop_dram(key, self._clock(), "corrupt")
 
     def count_hits(self, keys: Sequence[NamespacedKey], blocks: Sequence[DramBlock], now: float,
                    *, pin: bool, served: bool = True) -> None:
@@ -241,6 +282,7 @@ class TierIndex:
         block = self.dram.pop(key)
         assert block.pins == 0 and not block.demoting, f"{key.hex()}: dropping a pinned block"
         self._promoted -= block.promoted
+        self._condemned -= block.corrupt
         if reason == "corrupt":
             self.alloc.free(block.slot_bytes, block.slot_id)
             self.classes.freed(block.slot_bytes)
@@ -337,8 +379,8 @@ class TierIndex:
         (``demoting`` keeps their slots in place until the write returns, even if cancelled).
         Awaits one ``SsdStore.write_many``; returns the blocks written."""
         assert self.ssd is not None
-        writes = [(k, b) for k, b in blocks
-                  if k not in self.disk and b.hits >= min_hits and not b.demoting]
+        writes = [(k, b) for k, b in blocks if k not in self.disk and b.hits >= min_hits
+                  and not b.demoting and not b.corrupt]
         writes = writes[:self.make_ssd_room([b.slot_bytes for _, b in writes], now,
                                             [b.namespace for _, b in writes])]
         for _, block in writes:
@@ -348,8 +390,10 @@ class TierIndex:
                 b.namespace, b.block_hash, self.arena.view(self.offset(b), b.slot_bytes),
                 b.checksum) for _, b in writes])
         finally:
-            for _, block in writes:
+            for key, block in writes:
                 block.demoting = False
+                if block.corrupt and self.dram.get(key) is block:
+                    self._drop_condemned(key, block)
         written = 0
         for (key, block), entry in zip(writes, results):
             if entry is not None and key not in self.disk:
@@ -435,6 +479,10 @@ class TierIndex:
         self.alloc.check_integrity()
         assert self._promoted == sum(b.promoted for _, b in self.dram.oldest_first()), \
             "promoted blocks miscounted"
+        assert self._condemned == sum(b.corrupt for _, b in self.dram.oldest_first()), \
+            "corrupt blocks miscounted"
+        assert all(b.pins or b.demoting for _, b in self.dram.oldest_first() if b.corrupt), \
+            "a corrupt block outlived its last reader"
         for key, b in self.dram.oldest_first():
             assert key == make_key(b.namespace, b.block_hash), "DRAM entry under a wrong key"
             end = self.offset(b) + b.slot_bytes

@@ -144,9 +144,10 @@ class TierdServicer:
 
     def Probe(self, request, context):
         """A Lookup and an Acquire of the leading DRAM run in one round trip: counts the chain as a
-        Lookup does, pins the blocks DRAM holds at its head under a lease (reading nothing from SSD
-        and fetching nothing from the cluster), and says in which tier each held block after them
-        lies, so the engine can Acquire those in pieces while it loads the pinned ones.
+        Lookup does, pins the blocks DRAM holds at its head under a lease (fetching nothing from
+        the cluster), and says in which tier each held block after them lies, so the engine can
+        Acquire those in pieces while it loads the pinned ones. The SSD blocks right after the run
+        start moving into DRAM, unpinned, so that Acquire finds them read or in flight.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
