@@ -190,7 +190,7 @@ $(DEPLOY_VENV)/.tierd-deps: pyproject.toml
 	touch $@
 
 # The per-test timeout covers test bodies only: the session's image build (debootstrap, a
-# wheelhouse, two docker builds; ~10 min on a cold cache) runs in a fixture, and each of its
+# wheelhouse, two docker builds: minutes on a cold cache) runs in a fixture, and each of its
 # commands has its own time limit.
 test-deploy: deploy-venv native | $(TIERD_PATH)/tierd
 	PATH=$(DEPLOY_VENV)/bin:$$PATH TIERD_DEPLOY_TESTS=1 PYTHONPATH=$(TIERD_PATH) \
