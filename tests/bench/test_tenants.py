@@ -14,7 +14,8 @@ from tierd.bench.tenants import Turns, paired
 def test_tenants_reports_every_arm_and_verdict() -> None:
     """Two rounds of 2 s on a 4 MiB arena of 16 KiB blocks: the JSON has the four arms, two
     rounds each, and four verdicts; the well-behaved tenant makes no error and, beside the
-    hostile one under quotas, hits every block it stored; without quotas it loses blocks."""
+    hostile one under quotas, hits every block it stored; without quotas it loses blocks. The
+other tenant's client runs at nice 19."""
     args = [sys.executable, "-m", "tierd.cli", "bench", "tenants", "--seconds", "2",
             "--rounds", "2", "--dram-bytes", "4MiB", "--block-kib", "16", "--lease-seconds", "1"]
     done = subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=300)
@@ -25,9 +26,11 @@ def test_tenants_reports_every_arm_and_verdict() -> None:
     assert [c[0] for c in figures["checks"]] == [
         "hit ratio, hostile / alone", "p99 Acquire, hostile / alone",
         "RSS growth MiB (hostile rounds)", "well-behaved errors"]
-    for rounds in figures["rounds"].values():
+    for name, rounds in figures["rounds"].items():
         for arm in rounds:
             assert arm["well_loads"] > 0 and arm["well_errors"] == 0
+            if name != "alone":  # the other client yields the CPU to the well-behaved one
+                assert arm["other_nice"] == min(19, arm["well_nice"] + 19)
             assert arm["exit_codes"] == [0] * len(arm["exit_codes"])
     for arm in ("alone", "hostile"):
         assert [r["well_hit_ratio"] for r in figures["rounds"][arm]] == [1.0, 1.0]

@@ -41,6 +41,7 @@ rounds (or pairs) measured interleaved, never a best-of.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -166,8 +167,12 @@ def _done(hooks: TierdHooks | None) -> None:
 
 
 def _ttft(engine: LLMEngine, prompt: list[int], want_loaded: int, what: str) -> float:
+    """TTFT of ``prompt``, asserting how many tokens it loaded. The earlier engines' block pools
+    (cyclic garbage: their free lists link both ways) are collected first, so a collection of
+    their tensors never lands inside the timed step."""
     from tierd.connector.reference.engine import measure_ttft
 
+    gc.collect()
     result = measure_ttft(engine, prompt)
     assert result.num_loaded_tokens == want_loaded, (
         f"{what}: {result.num_loaded_tokens} tokens loaded, expected {want_loaded}")
