@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import inspect
 import logging
 import os
@@ -575,8 +576,14 @@ def _bracket(host: str) -> str:
 
 
 async def serve(config: TierdConfig) -> None:
-    """Run a daemon until SIGTERM or SIGINT, then stop it gracefully."""
+    """Run a daemon until SIGTERM or SIGINT, then stop it gracefully. Once it serves, the heap
+    built at start-up (modules, gRPC, protobuf) is frozen out of the garbage collector, so a
+    full collection walks only what the daemon allocated since and holds the event loop for a
+    fraction of the time (this process's objects only: an in-process ``Daemon`` freezes
+    nothing)."""
     daemon = await Daemon.start(config)
+    gc.collect()
+    gc.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
