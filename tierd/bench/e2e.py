@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import shutil
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     model = LlamaModel(ModelConfig(num_layers=args.layers))
     # This process's threads before any gRPC channel or hooks worker exists (torch's OpenMP
     # team is up after one forward pass): any thread beyond these is tierd's.
-    _engine(model, None, 8)
+    _engine(model, None, WARM_UP_TOKENS // BLOCK + 2)
     own_threads = set(os.listdir("/proc/self/task"))
     block_bytes = 2 * args.layers * model.cfg.num_kv_heads * model.cfg.head_dim * BLOCK * 4
     prefix_blocks = args.prefix_tokens // BLOCK
@@ -141,6 +142,12 @@ def _tokens(model: LlamaModel, n: int, seed: int) -> list[int]:
     return out
 
 
+WARM_UP_TOKENS = 256 + BLOCK - 1
+"""A warm-up prompt: past ``PrefillSpeed``'s shortest timed step (256 tokens), short of a
+last full block."""
+_WARM_UP_SEEDS = itertools.count(900_000)  # a prompt no timed run shares
+
+
 def _engine(model: LlamaModel, socket_path: str | None, num_blocks: int
             ) -> tuple[LLMEngine, TierdHooks | None]:
     from tierd.connector.reference.engine import EngineConfig, LLMEngine
@@ -152,10 +159,12 @@ def _engine(model: LlamaModel, socket_path: str | None, num_blocks: int
     engine = LLMEngine(model, EngineConfig(num_blocks=num_blocks), hooks)
     if hooks is not None:
         assert hooks.wait_connected(timeout=10), "the daemon must answer"
-    # Warm-up (first-call costs not counted); under one block, so nothing is saved or hit.
-    engine.generate([_tokens(model, BLOCK - 1, seed=0)], 1)
+    # Warm-up (first-call costs not counted): a prompt of its own, long enough that its prefill
+    # is timed, so the engine's first prefill-speed report (one per engine, then one every
+    # 10 s) goes out here, not inside a timed run; its blocks are written through like any.
+    engine.generate([_tokens(model, WARM_UP_TOKENS, seed=next(_WARM_UP_SEEDS))], 1)
     if hooks is not None:
-        assert hooks.flush(), "the warm-up's hot-tier report must go out before timing starts"
+        assert hooks.flush(), "the warm-up's saves and reports must go out before timing starts"
     return engine, hooks
 
 
