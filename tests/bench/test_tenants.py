@@ -15,7 +15,7 @@ def test_tenants_reports_every_arm_and_verdict() -> None:
     """Two rounds of 2 s on a 4 MiB arena of 16 KiB blocks: the JSON has the four arms, two
     rounds each, and four verdicts; the well-behaved tenant makes no error and, beside the
     hostile one under quotas, hits every block it stored; without quotas it loses blocks. The
-other tenant's client runs at nice 19."""
+    other tenant's client runs at nice 19."""
     args = [sys.executable, "-m", "tierd.cli", "bench", "tenants", "--seconds", "2",
             "--rounds", "2", "--dram-bytes", "4MiB", "--block-kib", "16", "--lease-seconds", "1"]
     done = subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=300)
