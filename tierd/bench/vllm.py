@@ -9,8 +9,8 @@ prefix (256 MiB). Two real `tierd serve` processes: one keeps blocks in DRAM, on
 committed block to SSD at once. Interleaved repetitions of:
 
 1. memcpy: the same bytes copied between two ranges of the same KV tensors (the limit);
-2. store: Reserve and every layer's copy into the slots (``save_kv_layer`` x L), then
-   ``wait_for_save``, which hands the Commit to the committer thread: the engine's part; and
+2. store: Reserve (``save_kv_layer`` x L), then ``wait_for_save``, which copies every layer
+   into the slots and hands the Commit to the committer thread: the engine's part; and
    the time until the Commit has landed (the daemon checksums the slots): until visible;
 3. DRAM load, end to end as the engine sees it: lookup + pin (scheduler side), Acquire, verify,
    copy into vLLM's tensors, Release, unpin;

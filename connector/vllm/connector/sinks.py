@@ -3,7 +3,9 @@
 ``LayerViews``: host KV, vLLM's per-layer views. Where the layers share one buffer and the
 native helper is built, each slot is checked while it is copied into the blocks of every layer,
 in one pass (``native.verified_copy``: the DRAM load ``tierd bench vllm`` measures); otherwise
-every slot is verified where it lies, then one strided copy per run of verified blocks.
+every slot is verified where it lies, then one strided copy per run of verified blocks. Its
+``store`` is the way back (a step's saved blocks, every layer, into their slots): one native
+call, or one strided copy per layer and run.
 
 ``DeviceLoads``: KV on a GPU, through ``cuda_copy.DeviceTransfer`` over the arena mapping
 (registered as pinned memory): the slots are verified where they lie, then the copies are
@@ -22,7 +24,11 @@ from tierd.connector.native import verified_copy
 from tierd.connector.native.verified_copy import BlockRows
 
 from .cuda_copy import DeviceTransfer
-from .kv_tensors import SlotFormat, load_blocks, runs, stack_layers
+from .kv_tensors import Run, SlotFormat, load_blocks, runs, save_layer, stack_layers
+
+_BYTES_PER_THREAD = 4 << 20
+"""A store takes one more copying thread per this many bytes: the helper starts its threads per
+call, and a start costs about as much as one core copying a MiB."""
 
 
 class LayerViews:
@@ -63,6 +69,22 @@ class LayerViews:
 
     def settle(self) -> None:
         pass
+
+    def store(self, arena: torch.Tensor, block_runs: Sequence[Run]) -> None:
+        """Copy every layer of each run's vLLM blocks into its slots in ``arena`` (the step's
+        KV is complete: called once the forward pass is done). One native call, the GIL
+        released, where the layers share a buffer and the helper is built; else one strided
+        copy per layer and run. Blocks until the bytes are in the arena."""
+        if self.rows is not None:
+            ids = [r.block_id + i for r in block_runs for i in range(r.count)]
+            addresses = [arena.data_ptr() + r.offset + i * self.format.slot_bytes
+                         for r in block_runs for i in range(r.count)]
+            most = torch.get_num_threads() if self.threads is None else self.threads
+            threads = min(most, 1 + len(ids) * self.format.slot_bytes // _BYTES_PER_THREAD)
+            if verified_copy.store_rows(self.rows, addresses, ids, threads=threads):
+                return
+        for layer, kv_bytes in enumerate(self.kv_bytes):
+            save_layer(arena, self.format, layer, kv_bytes, block_runs)
 
 
 class DeviceLoads:

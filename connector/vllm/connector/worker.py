@@ -19,20 +19,24 @@ Per step, with the metadata the scheduler half built:
   daemon reads it; ``finished_loads`` (vLLM's ``get_finished``) reports each ended stream as
   received and its failed blocks as load errors of that same step.
 * ``save_layer`` (vLLM's ``save_kv_layer``): on the first layer, one Reserve for the blocks the
-  step completes; each layer's K/V is copied into the reserved slots as vLLM hands it over.
+  step completes; each layer is marked as handed over (on CUDA its K/V is gathered then). Host
+  KV is copied into the reserved slots at ``finish_save``, every layer at once (one native call,
+  ``LayerViews.store``): the forward pass is synchronous there, so a copy per layer would only
+  add a call per layer and run of blocks.
   Saves of a request whose load failed, or that sit on a block whose load failed
   (``SaveSpec.depends_on``; failed blocks are kept until the scheduler has seen them), are
   dropped, and that request's saves stay dropped until the scheduler names it in
   ``recomputing``: nothing computed on wrong KV is stored.
-* ``finish_save`` (``wait_for_save``): hands the step's Commit to the committer thread
-  (``commits.Committer``) and returns: vLLM may reuse its blocks at once (the bytes are already in
-  the arena). The Commit
+* ``finish_save`` (``wait_for_save``): copies host KV into the slots, hands the step's Commit
+  to the committer thread (``commits.Committer``) and returns: vLLM may reuse its blocks at once
+  (the bytes are in the arena). The Commit
   names the written slots and the daemon checksums them itself (in its own process, so the
   engine's part of a store is the copy out of its KV), and the blocks become visible to other
   engines only whole, when it lands. If some layer never arrived, Abort instead. A step that
   outlasted half of its write lease (a slow forward pass) is *re-offered* first: a fresh
   Reserve, every layer copied again from vLLM's blocks (they hold the step's KV until it ends),
-  the old reservation aborted, so a slow step does not lose its saves to a lapsed lease
+  the old reservation aborted (host KV is copied once, into the new one), so a slow step does
+  not lose its saves to a lapsed lease
   (``reoffered_blocks``); a Commit that still finds its lease ended is a WARNING and
   ``lapsed_blocks`` (``commits``).
 
@@ -78,7 +82,7 @@ from tierd.types import BlockHash
 from ..config import TierdVllmConfig
 from .commits import Committer
 from .device_path import DevicePath
-from .kv_tensors import Run, SlotFormat, byte_view, runs, save_layer, slot_format
+from .kv_tensors import Run, SlotFormat, byte_view, runs, slot_format
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 from .outcomes import Outcomes
 from .sinks import DeviceLoads, LayerViews
@@ -298,8 +302,8 @@ class WorkerSide:
     # -- saves -------------------------------------------------------------------------------
 
     def save_layer(self, layer_name: str, saves: list[SaveSpec]) -> None:
-        """Copy ``layer_name``'s part of this step's saved blocks into their reserved slots
-        (reserving them on the first layer of the step). Blocks until copied."""
+        """Take ``layer_name``'s part of this step's saved blocks (reserving their slots on the
+        first layer of the step): on CUDA gather it now; host KV is copied at ``finish_save``."""
         if not saves:
             return
         step = self._save
@@ -310,15 +314,14 @@ class WorkerSide:
         pending, layer = step.pending, self._layers.get(layer_name)
         if pending is None or layer is None or not pending.targets:
             return
-        self._copy_layer(pending, layer)
+        self._take_layer(pending, layer)
 
-    def _copy_layer(self, pending: _PendingSave, layer: int) -> None:
-        """Copy ``layer``'s part of ``pending``'s blocks into its slots (on CUDA: queue it)."""
+    @staticmethod
+    def _take_layer(pending: _PendingSave, layer: int) -> None:
+        """``layer`` of ``pending``'s blocks is complete in vLLM's KV (on CUDA: queue its
+        gather)."""
         if pending.device is not None:
             pending.device.transfer.save_layer(layer)
-        else:
-            save_layer(self.link.arena_tensor, self.format, layer, self._host.kv_bytes[layer],
-                       pending.block_runs)
         pending.layers_done.add(layer)
 
     def _reserve(self, saves: list[SaveSpec]) -> _PendingSave | None:
@@ -365,7 +368,7 @@ class WorkerSide:
 
     def _reoffer(self, old: _PendingSave, saves: list[SaveSpec]) -> _PendingSave | None:
         """The step outlasted half of its write lease, so its Commit might land after the lease
-        ended and store nothing: abort that reservation, reserve anew and copy every layer again
+        ended and store nothing: abort that reservation, reserve anew and take every layer again
         from vLLM's blocks (they hold this step's KV until the step ends). The old reservation's
         counts are undone; the new one counts its own. None if nothing was reserved (its blocks
         counted as dropped)."""
@@ -383,9 +386,7 @@ class WorkerSide:
         if new is None:
             return None
         for layer in range(len(self.format.layer_names)):
-            if new.targets:
-                self._copy_layer(new, layer)
-            new.layers_done.add(layer)
+            self._take_layer(new, layer)
         self._counters.count("reoffered_blocks", len(new.targets))
         return new
 
@@ -416,6 +417,8 @@ class WorkerSide:
             except grpc.RpcError as exc:
                 self.link.failed(exc, session, names_lease=True)
             return
+        if pending.device is None and pending.targets:
+            self._host.store(self.link.arena_tensor, pending.block_runs)
         self._commits.commit(self._outcomes.step, pending.reservation, pending.written(),
                              pending.owner_of_each(), ticket)
 

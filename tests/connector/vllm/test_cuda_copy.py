@@ -1,6 +1,7 @@
 """``DeviceTransfer``: the GPU path's copies, checked on CPU tensors against ``kv_tensors`` byte
 for byte in every vLLM 0.33 layout, its staging bound, its stream/event bookkeeping (through a
-recording seam) and its misuse asserts; the same round trips on CUDA where there is a GPU."""
+recording seam) and its misuse asserts; the same round trips on CUDA where there is a GPU. And
+the host path's store (``LayerViews.store``: every layer at once) against the same reference."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from tierd.connector.native import verified_copy
 from tierd.connector.vllm.connector import cuda_copy
 from tierd.connector.vllm.connector.cuda_copy import (
     DeviceTransfer,
@@ -33,6 +35,7 @@ from tierd.connector.vllm.connector.kv_tensors import (
     slot_format,
     stack_layers,
 )
+from tierd.connector.vllm.connector.sinks import LayerViews
 from tierd.daemon.arena import OwnedArena
 
 LAYERS, HEADS, HEAD, BS, BLOCKS, SLOTS = 3, 2, 8, 4, 12, 10
@@ -492,3 +495,32 @@ def test_cuda_arena_is_registered(shm_arena: torch.Tensor) -> None:
     """With a GPU, the arena mapping registers as pinned memory, and unregisters."""
     assert register_host_memory(shm_arena) is True
     unregister_host_memory(shm_arena)
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("order", ORDERS)
+def test_store_writes_every_layer_as_the_per_layer_copy(order: str, native: bool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs of 3, 1, 2 and 1 blocks land in their slots exactly as one copy per layer puts
+    them; the slots between stay untouched."""
+    if native and not verified_copy.available():
+        pytest.skip("the native helper is not built here (make native)")
+    native_calls: list[bool] = []
+    real = verified_copy.store_rows
+
+    def store_rows(*args: object, **kwargs: object) -> bool:
+        native_calls.append(native)
+        return real(*args, **kwargs) if native else False  # type: ignore[arg-type]
+    monkeypatch.setattr(verified_copy, "store_rows", store_rows)
+    kv = kv_views(order)
+    fmt = SlotFormat(tuple(f"layer{i}" for i in range(len(kv))), tuple(kv[0].shape[1:]))
+    block_runs = runs(BLOCK_IDS, [s * fmt.slot_bytes for s in SLOT_IDS], fmt.slot_bytes)
+    expected = torch.full((10 * fmt.slot_bytes,), 7, dtype=torch.uint8)
+    for layer, kv_bytes in enumerate(kv):
+        save_layer(expected, fmt, layer, kv_bytes, block_runs)
+    arena = torch.full_like(expected, 7)
+    views = LayerViews(fmt, kv)
+    assert views.rows is not None, "vLLM's layers are views of one buffer"
+    views.store(arena, block_runs)
+    assert native_calls == [native], "one native call, or the per-layer copy after it declined"
+    assert torch.equal(arena, expected)
+    assert (arena.view(10, -1)[5] == 7).all(), "slot 5 is no target"
