@@ -51,7 +51,8 @@ from tierd.connector.core.link import DaemonLink
 from tierd.connector.core.runner import Runner
 from tierd.types import BlockHash, Namespace, Tier, make_key
 
-from .lookup_jobs import Reply, ask, end_leases, reply_of, report_filtered
+from .filtered import FilteredLookups
+from .lookup_jobs import Reply, ask, end_leases, reply_of
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 
 _log = logging.getLogger(__name__)
@@ -141,9 +142,9 @@ class SchedulerSide:
         self._clock = clock
         self._lookup_wait = lookup_wait
         self._wait_left = lookup_wait * STEP_WAIT_ASKS  # of this step's budget (``build``)
-        self._filtered = 0  # tokens of lookups the presence filter answered, not yet reported
         self._runner = Runner(LOOKUP_THREADS, "tierd-scheduler", ("lookup", "release"),
                               limits={"lookup": MAX_QUEUED_LOOKUPS})
+        self._filtered = FilteredLookups(links[0], self._runner)
         self._asking: dict[str, _Asking] = {}
         self._abandoned: list[Future[Reply]] = []
         self._load, self._save = load, save
@@ -216,8 +217,8 @@ class SchedulerSide:
             seen = {before.start + i: t for i, t in enumerate(before.tiers)} if before else {}
             known_tiers = [seen.get(start + i, "dram") for i in range(len(wanted))]
         if known_tiers is None and self._certain_miss(wanted[0]):
-            self._counted.add(req_id)  # counted with the next report (``build``)
-            self._filtered += len(wanted) * bs
+            self._counted.add(req_id)  # counted on the daemon within REPORT_SECONDS
+            self._filtered.add(len(wanted) * bs)
             self._answers[req_id] = _Answer(start, 0, end)
             return 0
         job = self._runner.submit("lookup", functools.partial(
@@ -357,8 +358,9 @@ class SchedulerSide:
         pin.leases.clear()
 
     def drain(self, timeout: float) -> bool:
-        """Wait until no lookup or release is queued or running (tests, shutdown); False if
-        ``timeout`` s passed first."""
+        """Report the filtered lookups counted so far, then wait until no lookup or release is
+        queued or running (tests); False if ``timeout`` s passed first."""
+        self._filtered.send()
         return self._runner.drain(timeout)
 
     def hit_tiers(self, req_id: str, num_tokens: int) -> dict[Tier, int]:
@@ -408,10 +410,6 @@ class SchedulerSide:
         """This step's plan; forgets the loads it hands out. Reads ``scheduler_output`` only."""
         self._sweep()
         self._wait_left = self._lookup_wait * STEP_WAIT_ASKS
-        if self._filtered:
-            filtered, self._filtered = self._filtered, 0
-            self._runner.submit("release", functools.partial(report_filtered, self._links[0],
-                                                             filtered))
         loads, self._loads = self._loads, []
         # Saves may sit on this step's loads and on loads of earlier steps whose report has
         # not arrived yet (async scheduling: a local hit on blocks still being checked).
@@ -516,8 +514,9 @@ class SchedulerSide:
         self._counted.discard(request.request_id)
 
     def close(self) -> None:
-        """Release every pin (waiting for the lookups in flight, within the call deadline),
-        unregister."""
+        """Report the filtered lookups not yet counted, release every pin (waiting for the
+        lookups in flight, within the call deadline), unregister."""
+        self._filtered.close()
         for req_id in list(self._pins):
             self._unpin(req_id)
         for asking in self._asking.values():

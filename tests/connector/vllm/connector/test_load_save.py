@@ -178,6 +178,55 @@ def test_a_certain_miss_is_answered_from_the_presence_filter_and_still_counted(
     assert probed == [6]
 
 
+def _dram_query_tokens(sock: str) -> int:
+    """The daemon's query tokens as it counts them now (nothing awaited)."""
+    from tierd.wire.client import TierdClient
+
+    with TierdClient(socket_path=sock) as client:
+        return next(t.query_tokens for t in client.stats().tiers if t.tier == "dram")
+
+
+def test_certain_misses_are_counted_in_one_report_per_period(
+        sock: str, engines: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three prompts nobody stored, one step each, within one report period: nothing reaches
+    the daemon until the period ends (here it never does), then one report carries all three
+    prompts' tokens (``drain`` sends it, as the period's end would)."""
+    from tierd.connector.vllm.connector import filtered
+
+    reports: list[int] = []
+    real_report = filtered.report_filtered
+
+    def spy(link: Any, tokens: int) -> None:
+        reports.append(tokens)
+        real_report(link, tokens)
+
+    monkeypatch.setattr(filtered, "report_filtered", spy)
+    a = engines(0)
+    side = a.scheduler._scheduler
+    side._filtered.seconds = 3600.0  # no timer fires during the test
+    before = _dram_query_tokens(sock)
+    for salt in (11, 12, 13):
+        assert a.prefill(FakeRequest(f"m{salt}", prompt(100, salt=salt))) == (0, set())
+    assert reports == [] and _dram_query_tokens(sock) == before
+    usage(sock)  # drains the scheduler side: its counted lookups are reported first
+    assert reports == [3 * 96] and _dram_query_tokens(sock) == before + 3 * 96
+
+
+def test_a_certain_miss_is_counted_within_the_report_period_without_another_step(
+        sock: str, engines: Any) -> None:
+    """After one certain miss and no further step, the daemon counts its tokens within
+    ``REPORT_SECONDS`` (a timer sends them; nothing drains the scheduler side here)."""
+    from tierd.connector.vllm.connector.filtered import REPORT_SECONDS
+
+    a = engines(0)
+    before = _dram_query_tokens(sock)
+    assert a.prefill(FakeRequest("m", prompt(100, salt=14))) == (0, set())
+    deadline = time.monotonic() + REPORT_SECONDS + 10.0  # the period, and a slow host's slack
+    while _dram_query_tokens(sock) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _dram_query_tokens(sock) == before + 96
+
+
 def test_a_lookup_done_within_lookup_wait_is_answered_at_the_first_ask(sock: str,
                                                                          engines: Any) -> None:
     """With ``lookup_wait_seconds`` 1 the first ask of a 6-block hit waits for its Probe and
