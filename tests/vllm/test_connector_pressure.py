@@ -53,8 +53,9 @@ def test_waiting_requests_are_looked_up_once(model_dir: str, daemon: Daemon,
     stored and four misses wait behind it, and vLLM asks for the first waiting one at every
     step. The daemon is asked (and counts) each request once, in one Probe and no Lookup, or
     not at all where its presence filter rules the chain out (the tokens then reported within
-    half a second, or when the run drains the scheduler side): its query tokens stay within vLLM's own connector queries, and its hit ratio is
-    vLLM's external hit rate within 5 percentage points; the requests still load their hits."""
+    half a second, or when the run drains the scheduler side): its query tokens stay within
+    vLLM's own connector queries, and its hit ratio is vLLM's external hit rate within 5
+    percentage points; the requests still load their hits."""
     a = Engine.start(vllm_config(model_dir, daemon.socket_path))
     b = Engine.start(vllm_config(model_dir, daemon.socket_path), num_blocks=17)
     stored = [prompt(seed) for seed in range(4)]
