@@ -236,8 +236,8 @@ def run(args: argparse.Namespace) -> int:
                     timing = case.drive(server, SEED + 100 * repeat + index)
                     timing = replace(timing, cpu_seconds=cpu_seconds(server, pid) - cpu)
                     local, external = vllm_hit_rates(metrics, server.metrics_text())
-                    if tierd is not None:  # the last commits and filtered lookups land off
-                        time.sleep(REPORT_SECONDS + 0.5)  # the request path
+                    if tierd is not None:  # the last commits and filtered lookups land
+                        time.sleep(REPORT_SECONDS + 0.5)  # off the request path
                     hits = HitRates(local, external, tierd_hit_rate(asked, _tierd_counts(tierd)))
                     samples.append(Sample(case.name, arm, repeat, timing, hits))
                     print(f"  repeat {repeat + 1} {case.name:<16} {arm:<12} "

@@ -4,8 +4,8 @@ Every Acquire is a hold: the workers' own Acquires load the blocks and are what 
 served. They touch no scheduler state: ``ask`` returns a ``Reply`` that the scheduler thread settles
 (``SchedulerSide._settle``) at a later ask of the same request; ``end_leases`` releases pins;
 ``report_filtered`` tells the daemon of the lookups the presence filter answered (batched by
-``filtered.FilteredLookups``). Each runs on
-a runner thread and may block for the daemon's call deadline.
+``filtered.FilteredLookups``). Each runs on a runner thread and may block for the daemon's call
+deadline.
 """
 
 from __future__ import annotations

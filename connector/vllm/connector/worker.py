@@ -29,16 +29,14 @@ Per step, with the metadata the scheduler half built:
   ``recomputing``: nothing computed on wrong KV is stored.
 * ``finish_save`` (``wait_for_save``): copies host KV into the slots, hands the step's Commit
   to the committer thread (``commits.Committer``) and returns: vLLM may reuse its blocks at once
-  (the bytes are in the arena). The Commit
-  names the written slots and the daemon checksums them itself (in its own process, so the
-  engine's part of a store is the copy out of its KV), and the blocks become visible to other
-  engines only whole, when it lands. If some layer never arrived, Abort instead. A step that
-  outlasted half of its write lease (a slow forward pass) is *re-offered* first: a fresh
-  Reserve, every layer copied again from vLLM's blocks (they hold the step's KV until it ends),
-  the old reservation aborted (host KV is copied once, into the new one), so a slow step does
-  not lose its saves to a lapsed lease
-  (``reoffered_blocks``); a Commit that still finds its lease ended is a WARNING and
-  ``lapsed_blocks`` (``commits``).
+  (the bytes are in the arena). The Commit names the written slots and the daemon checksums them
+  itself (in its own process, so the engine's part of a store is the copy out of its KV), and
+  the blocks become visible to other engines only whole, when it lands. If some layer never
+  arrived, Abort instead. A step that outlasted half of its write lease (a slow forward pass) is
+  *re-offered* first: a fresh Reserve, into which every layer is copied from vLLM's blocks (they
+  hold the step's KV until it ends; on CUDA gathered again), the old reservation aborted, so a
+  slow step does not lose its saves to a lapsed lease (``reoffered_blocks``); a Commit that
+  still finds its lease ended is a WARNING and ``lapsed_blocks`` (``commits``).
 
 On CUDA (vLLM's KV tensors on a GPU) the copies go through ``cuda_copy.DeviceTransfer`` over
 the arena, registered as pinned memory at attach (``device_path.DevicePath``): a load is queued on
