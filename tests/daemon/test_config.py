@@ -49,13 +49,14 @@ def test_serve_flags_reach_the_config() -> None:
 
 def test_bad_values_name_the_fix(tmp_path: str) -> None:
     """Non-loopback TCP without --allow-remote, TCP without tokens, an unknown TOML key, a bad
-    size, inverted watermarks and a presence filter size that is not a power of two each raise
-    ValueError naming the key."""
+    size, inverted watermarks, an engine idle time shorter than a lease and a presence filter
+    size that is not a power of two each raise ValueError naming the key."""
     cases: list[tuple[dict[str, object], str]] = [
         ({"tcp_port": 7000, "tcp_host": "0.0.0.0", "token_file": "t"}, "--allow-remote"),
         ({"tcp_port": 7000}, "token_file"),
         ({"dram_bytes": "lots"}, "dram_bytes"),
         ({"dram_low_watermark": 0.9, "dram_high_watermark": 0.5}, "dram_low_watermark"),
+        ({"engine_idle_seconds": 20.0}, r"engine_idle_seconds \(20.0\) must be >= lease_seconds"),
         ({"presence_cells": 1000}, "presence_cells=1000 .*or 0 for no filter")]
     for overrides, fix in cases:
         with pytest.raises(ValueError, match=fix):

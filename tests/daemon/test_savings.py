@@ -9,6 +9,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
+import grpc
 import pytest
 from node_rig import LAYOUT, MakeRig, chain
 from prometheus_client import generate_latest
@@ -103,6 +104,33 @@ def test_holds_and_other_tensor_parallel_ranks_are_not_counted(daemon: Any, kit:
         client.release(engines[0].engine_id, held.lease_id)
         rows = client.stats().savings
     assert [(r.tier, r.tokens, r.speed_source) for r in rows] == [("dram", 32, "planner")]
+
+
+def test_a_hold_released_with_served_counts_what_was_loaded(daemon: Any, kit: Any) -> None:
+    """A hold of 3 blocks released with served=2 counts 32 tokens (the engine loaded 2 under
+    it); served on a lease that is not a hold, or past the hold's blocks, is INVALID_ARGUMENT
+    naming the fix, and the lease is still held (a plain release ends it)."""
+    hashes = kit.chain(3)
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+        arena = kit.attach(engine)
+        kit.store_blocks(client, engine, arena, hashes)
+        arena.close()
+        plain = client.acquire(engine.engine_id, hashes)
+        with pytest.raises(grpc.RpcError) as info:
+            client.release(engine.engine_id, plain.lease_id, served=3)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "hold" in str(info.value.details())
+        client.release(engine.engine_id, plain.lease_id)
+        before = [(r.tier, r.tokens) for r in client.stats().savings]
+        held = client.probe(engine.engine_id, hashes, hold=True)
+        with pytest.raises(grpc.RpcError) as info:
+            client.release(engine.engine_id, held.lease_id, served=4)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "leading blocks" in str(info.value.details())
+        client.release(engine.engine_id, held.lease_id, served=2)
+        after = [(r.tier, r.tokens) for r in client.stats().savings]
+    assert before == [("dram", 48)] and after == [("dram", 48 + 32)]
 
 
 def test_no_insight_hooks_keeps_no_savings_curves_or_model_counts(

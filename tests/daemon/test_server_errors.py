@@ -307,7 +307,7 @@ def test_engine_caps_answer_precise_codes(make_daemon: Any, kit: Any) -> None:
 def test_a_lapsed_engine_is_not_found_and_gone_from_stats(make_daemon: Any, kit: Any) -> None:
     """engine_idle_seconds=0.2: after a silent 0.3 s and a maintain pass the engine is
     NOT_FOUND and no longer in Stats; registering again works."""
-    daemon = make_daemon(engine_idle_seconds=0.2)
+    daemon = make_daemon(engine_idle_seconds=0.2, lease_seconds=0.2)
     with daemon.client() as client:
         engine = client.register_engine(kit.layout, "quiet")
         client.report_hot_blocks(engine.engine_id, kit.chain(4))

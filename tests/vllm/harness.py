@@ -241,6 +241,26 @@ class Engine:
             time.sleep(0.002)
         raise AssertionError("no step planned a load")
 
+    def run_connector_step(self, out: Any) -> None:
+        """The connectors' part of a step ``schedule()`` returned whose requests are gone since
+        (aborted): every worker binds its metadata, loads and ends the step, and their merged
+        report reaches the scheduler's connector, as vLLM's executor hands it over."""
+        outputs = []
+        for w in self.workers:
+            w.bind_connector_metadata(out.kv_connector_metadata)
+            w.start_load_kv(None)
+            w.wait_for_save()
+            conn = KVConnectorOutput(invalid_block_ids=w.get_block_ids_with_load_errors(),
+                                     kv_connector_worker_meta=w.build_connector_worker_meta())
+            w.clear_connector_metadata()
+            outputs.append(ModelRunnerOutput(req_ids=[], req_id_to_index={},
+                                             sampled_token_ids=[], logprobs=None,
+                                             prompt_logprobs_dict={}, pooler_output=None,
+                                             kv_connector_output=conn))
+        merged = self._aggregator.aggregate(outputs)
+        assert merged is not None and merged.kv_connector_output is not None
+        self.connector.update_connector_output(merged.kv_connector_output)
+
     # -- the stand-in forward pass -----------------------------------------------------------
 
     def _bytes(self, rank: int, layer: int) -> torch.Tensor:

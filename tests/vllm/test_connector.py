@@ -3,6 +3,7 @@ KV tensors from vLLM's allocator in every layout, a real `tierd serve`."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -57,6 +58,23 @@ def restart_before_first_load(engine: Engine, daemon: Daemon) -> list[bool]:
 
     engine.between = restart
     return restarted
+
+
+def expire_first_load(engine: Engine) -> list[bool]:
+    """Make the pins of the first step that plans a load run out before its forward pass (their
+    deadline passed, as in a step slower than the lease): that load fails on every rank; the
+    returned list holds True once done."""
+    expired: list[bool] = []
+
+    def expire(engine: Engine, out: Any) -> None:
+        loads = out.kv_connector_metadata.loads
+        if not expired and loads:
+            expired.append(True)
+            loads[:] = [dataclasses.replace(spec, pinned=[
+                dataclasses.replace(run, deadline=0.0) for run in spec.pinned]) for spec in loads]
+
+    engine.between = expire
+    return expired
 
 
 def logical_blocks(engine: Engine, req_id: str, count: int) -> list[torch.Tensor]:
@@ -181,12 +199,14 @@ def test_hit_stays_pinned_between_lookup_and_load(model_dir: str, daemon: Daemon
 
 @pytest.mark.parametrize(("policy", "async_scheduling"),
                          [("recompute", False), ("fail", False), ("recompute", True)])
-def test_daemon_restart_between_lookup_and_load(model_dir: str, daemon: Daemon, policy: str,
-                                                async_scheduling: bool) -> None:
-    """The daemon is killed and restarted (empty) after the scheduler reported a hit and before
-    the load. "recompute": the request completes with the reference tokens; "fail": vLLM fails
-    it. Either way nothing computed on top of the failed load was stored: a third engine that
-    later finds the prompt in tierd samples the reference tokens."""
+def test_a_load_whose_pin_ran_out_is_recomputed_or_fails(model_dir: str, daemon: Daemon,
+                                                         policy: str,
+                                                         async_scheduling: bool) -> None:
+    """The pin on a reported hit runs out before the load. "recompute": the request completes
+    with the reference tokens; "fail": vLLM fails it. Either way nothing computed on top of the
+    failed load was stored: a third engine that later finds the prompt in tierd loads the
+    first engine's 6 blocks (and the 2 after them the recompute stored) and samples the
+    reference tokens."""
     longer = PROMPT[:6 * BLOCK] + [(i * 3 + 2) % 991 for i in range(2 * BLOCK + 3)]
     want = baseline(model_dir, daemon, longer)
     first = Engine.start(vllm_config(model_dir, daemon.socket_path))
@@ -194,9 +214,9 @@ def test_daemon_restart_between_lookup_and_load(model_dir: str, daemon: Daemon, 
                                       async_scheduling=async_scheduling))
     try:
         first.run([make_request("a", PROMPT[:6 * BLOCK + 1])])
-        restarted = restart_before_first_load(second, daemon)
+        expired = expire_first_load(second)
         got = second.run([make_request("b", longer)])["b"]
-        assert restarted and second.invalid_reported
+        assert expired and second.invalid_reported
         if policy == "recompute":
             assert got == want and second.finish["b"] != "error"
         else:
@@ -207,7 +227,7 @@ def test_daemon_restart_between_lookup_and_load(model_dir: str, daemon: Daemon, 
         try:
             assert third.run([make_request("c", longer)])["c"] == want
             loaded = third.worker.worker_counters.data["loaded_blocks"]
-            assert loaded == (8 if policy == "recompute" else 0)
+            assert loaded == (8 if policy == "recompute" else 6)
         finally:
             third.close()
         assert daemon.pinned_blocks() == 0
@@ -216,9 +236,31 @@ def test_daemon_restart_between_lookup_and_load(model_dir: str, daemon: Daemon, 
         second.close()
 
 
+def test_daemon_restart_between_lookup_and_load_still_loads_the_pinned_blocks(
+        model_dir: str, daemon: Daemon) -> None:
+    """The daemon is killed and restarted (empty) after the scheduler reported a hit and before
+    the load: the worker still maps the dead daemon's arena, where nothing writes any more, so
+    the pinned blocks verify against their checksums and load; the request samples the
+    reference tokens, and its blocks computed after them are stored in the new daemon."""
+    longer = PROMPT[:6 * BLOCK] + [(i * 3 + 2) % 991 for i in range(2 * BLOCK + 3)]
+    want = baseline(model_dir, daemon, longer)
+    first = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    try:
+        first.run([make_request("a", PROMPT[:6 * BLOCK + 1])])
+        restarted = restart_before_first_load(second, daemon)
+        assert second.run([make_request("b", longer)])["b"] == want
+        assert restarted and not second.invalid_reported
+        assert second.worker.worker_counters.data["loaded_blocks"] == 6
+        assert daemon.pinned_blocks() == 0
+    finally:
+        first.close()
+        second.close()
+
+
 def test_failed_load_of_a_shared_block_drops_other_requests_saves(model_dir: str,
                                                                   daemon: Daemon) -> None:
-    """Two requests share a prefix that is being loaded; the load fails (daemon restarted):
+    """Two requests share a prefix that is being loaded; the load fails (its pin ran out):
     neither request's blocks computed on top of it are stored, and a later engine gets the
     reference tokens for both prompts."""
     tail_a = [(i * 5 + 3) % 991 for i in range(2 * BLOCK + 3)]
@@ -230,9 +272,9 @@ def test_failed_load_of_a_shared_block_drops_other_requests_saves(model_dir: str
     second = Engine.start(vllm_config(model_dir, daemon.socket_path))
     try:
         first.run([make_request("a", prefix + [1])])
-        restarted = restart_before_first_load(second, daemon)
+        expired = expire_first_load(second)
         got = second.run([make_request("a2", prefix + tail_a), make_request("b2", prefix + tail_b)])
-        assert restarted and got == {"a2": want_a, "b2": want_b}
+        assert expired and second.invalid_reported and got == {"a2": want_a, "b2": want_b}
         third = Engine.start(vllm_config(model_dir, daemon.socket_path))
         try:
             got = third.run([make_request("a3", prefix + tail_a)])
@@ -268,8 +310,9 @@ def test_removed_and_unknown_keys_name_the_fix(model_dir: str, daemon: Daemon) -
 
 
 def test_aborted_request_releases_its_pin(model_dir: str, daemon: Daemon) -> None:
-    """A request aborted after the scheduler pinned its hit, before any worker ran the load:
-    vLLM's request_finished releases the pin at once (not at lease expiry)."""
+    """A request aborted after the scheduler pinned its hit and planned its load, before the
+    step ran: the pin holds while the workers may still load under it, and is released once the
+    step has run and the workers reported (not at lease expiry)."""
     from vllm.v1.request import RequestStatus
 
     first = Engine.start(vllm_config(model_dir, daemon.socket_path))
@@ -277,9 +320,12 @@ def test_aborted_request_releases_its_pin(model_dir: str, daemon: Daemon) -> Non
     try:
         first.run([make_request("a", PROMPT)])
         second.scheduler.add_request(make_request("b", PROMPT))
-        second.schedule_until_loads()
+        out = second.schedule_until_loads()
         assert daemon.pinned_blocks() == 6
         second.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+        second.settle_scheduler()
+        assert daemon.pinned_blocks() == 6
+        second.run_connector_step(out)
         second.settle_scheduler()
         assert daemon.pinned_blocks() == 0
     finally:
@@ -532,10 +578,11 @@ def test_corrupted_block_is_a_miss_and_recomputed(model_dir: str, daemon: Daemon
 
 def test_tp2_failed_load_on_one_rank_is_stored_on_no_rank(model_dir: str, daemon: Daemon,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """TP 2 (two worker connectors, outputs merged by vLLM's KVOutputAggregator): rank 1's load
-    of a 6-block hit keeps only 3 blocks. vLLM recomputes; rank 0 stores nothing computed on
-    rank 1's missing KV (its Commits wait for the scheduler's verdict), so a third engine loads
-    all 8 blocks on both ranks and samples the reference tokens."""
+    """TP 2 (two worker connectors, outputs merged by vLLM's KVOutputAggregator): rank 1 cannot
+    load under the scheduler's pin and its own Acquire of a 6-block hit keeps only 3 blocks.
+    vLLM recomputes; rank 0 stores nothing computed on rank 1's missing KV (its Commits wait
+    for the scheduler's verdict), so a third engine loads all 8 blocks on both ranks and
+    samples the reference tokens."""
     longer = PROMPT[:6 * BLOCK] + [(i * 3 + 2) % 991 for i in range(2 * BLOCK + 3)]
     want = baseline(model_dir, daemon, longer, tp=2)
     first = Engine.start(vllm_config(model_dir, daemon.socket_path, tp=2))
@@ -544,10 +591,13 @@ def test_tp2_failed_load_on_one_rank_is_stored_on_no_rank(model_dir: str, daemon
     try:
         first.run([make_request("a", PROMPT[:6 * BLOCK + 1])])
         assert [w.worker_counters.data["saved_blocks"] for w in first.workers] == [6, 6]
-        client = second.workers[1]._worker.link.client
+        rank1 = second.workers[1]._worker  # it cannot load under the pin (another arena) and
+        client, load = rank1.link.client, rank1.load  # its own Acquire finds 3 blocks
         real = client.acquire
         monkeypatch.setattr(client, "acquire",
                             lambda eid, hashes, **kw: real(eid, hashes[:3], **kw))
+        monkeypatch.setattr(rank1, "load", lambda meta: load(dataclasses.replace(
+            meta, loads=[dataclasses.replace(spec, pinned=[]) for spec in meta.loads])))
         assert second.run([make_request("b", longer)])["b"] == want
         assert second.invalid_reported
         assert third.run([make_request("c", longer)])["c"] == want

@@ -46,12 +46,15 @@ class LeaseCaps:
 
 @dataclass(slots=True)
 class ReadLease:
-    """Pins one DRAM block per key (one ``pins`` count each) until released or expired."""
+    """Pins one DRAM block per key (one ``pins`` count each) until released or expired.
+    ``held``: a hold (its blocks not counted as served when acquired): the namespace they are
+    served in and how many came from SSD, for a release that reports them loaded."""
 
     lease_id: str
     engine_id: str
     deadline: float
     keys: list[NamespacedKey]
+    held: tuple[Namespace, int] | None = None
 
 
 @dataclass(slots=True)

@@ -227,7 +227,7 @@ class NodeStore:
         return await self._reads.acquire(info, self._keys(info, hashes), hold=hold)
 
     def release(self, lease_id: str, *, engine_id: str | None = None,
-                corrupt_from: int | None = None) -> bool:
+                corrupt_from: int | None = None, served: int | None = None) -> bool:
         """Unpin a read lease's blocks. NotFound if unknown or already ended (expired: what
         was copied may have been overwritten, so verify checksums); FailedPrecondition for a
         reservation.
@@ -239,8 +239,12 @@ class NodeStore:
         they are indeed corrupt, drops it (a miss for every engine from now on, instead of a
         recompute each time): at once, or once the other leases pinning it end and no lookup
         or lease sees it meanwhile (``TierIndex.condemn``); a false report changes nothing.
-        Returns whether the block was corrupt."""
-        return self._reads.release(lease_id, engine_id, corrupt_from)
+        Returns whether the block was corrupt.
+
+        ``served``: for a held lease (``acquire`` or ``probe`` with ``hold``), how many of its
+        leading blocks the engine loaded under it: counted as prefill served then (``Savings``).
+        ValueError past the lease's blocks or for a lease not held (its blocks were counted)."""
+        return self._reads.release(lease_id, engine_id, corrupt_from, served)
 
     # -- writes --------------------------------------------------------------------------------
 

@@ -63,6 +63,10 @@ class NodeConfig:
         """ValueError naming the field to fix."""
         if not self.lease_seconds > 0:
             raise ValueError(f"lease_seconds must be > 0, got {self.lease_seconds}")
+        if self.engines.idle_seconds < self.lease_seconds:
+            raise ValueError(f"engine_idle_seconds ({self.engines.idle_seconds}) must be >= "
+                             f"lease_seconds ({self.lease_seconds}): unregistering an idle engine "
+                             "ends its leases, and engines trust a lease until its deadline")
         if not 0.0 < self.dram_low_watermark <= self.dram_high_watermark <= 1.0:
             raise ValueError("watermarks need 0 < dram_low_watermark <= dram_high_watermark <= 1,"
                              f" got {self.dram_low_watermark} and {self.dram_high_watermark}")

@@ -241,17 +241,19 @@ class Reads:
             if not pin:
                 self._tiers.unpin(keys)
             raise ResourceExhausted(refused)
-        self._tiers.count_hits(keys, blocks, start, pin=pin, served=served)
-        lease = ReadLease(new_lease_id(), info.engine_id, deadline, keys)
+        from_ssd = self._tiers.count_hits(keys, blocks, start, pin=pin, served=served)
+        lease = ReadLease(new_lease_id(), info.engine_id, deadline, keys,
+                          None if served else (info.namespace, from_ssd))
         self._gate.read_began(lease)
         self._leases.add(lease)
         return Lease(lease.lease_id, deadline, [b.slot_id for b in blocks],
                      [b.checksum for b in blocks], self._config.lease_seconds)
 
-    def release(self, lease_id: str, engine_id: str | None, corrupt_from: int | None) -> bool:
-        """``NodeStore.release``: end a read lease; re-check a reported corrupt block and, if
-        its bytes are indeed bad, drop it now or once its other readers are done (returns
-        whether it was bad)."""
+    def release(self, lease_id: str, engine_id: str | None, corrupt_from: int | None,
+                served: int | None = None) -> bool:
+        """``NodeStore.release``: end a read lease; count ``served`` blocks of a hold as served;
+        re-check a reported corrupt block and, if its bytes are indeed bad, drop it now or once
+        its other readers are done (returns whether it was bad)."""
         if lease_id == EMPTY_LEASE:
             return False
         self._expire(self._clock())
@@ -264,9 +266,18 @@ class Reads:
         if corrupt_from is not None and not 0 <= corrupt_from < len(lease.keys):
             raise ValueError(f"corrupt_from {corrupt_from} is outside the lease's "
                              f"{len(lease.keys)} blocks: give the index of the failed block")
+        if served is not None and lease.held is None:
+            raise ValueError("served goes with a held lease (Acquire or Probe with hold); an "
+                             "Acquire without hold counted its blocks as served already")
+        if served is not None and served > len(lease.keys):
+            raise ValueError(f"served {served} is more than the lease's {len(lease.keys)} "
+                             "blocks: give how many of its leading blocks were loaded")
         finished = self._leases.finish(lease_id, "released")
         assert isinstance(finished, ReadLease)
         self.end(finished)
+        if served and lease.held is not None:
+            namespace, from_ssd = lease.held
+            self._tiers.serve(namespace, served, min(from_ssd, served))
         return corrupt_from is not None and self._tiers.condemn(lease.keys[corrupt_from])
 
     def end(self, lease: ReadLease) -> None:

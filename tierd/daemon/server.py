@@ -241,8 +241,9 @@ class TierdServicer(pb_grpc.TierdServicer):
                       context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         engine_id = self._engine(context, request.engine_id)
         corrupt = request.corrupt_from if request.HasField("corrupt_from") else None
+        served = request.served if request.HasField("served") else None
         return pb.ReleaseResponse(dropped=self._store.release(
-            request.lease_id, engine_id=engine_id, corrupt_from=corrupt))
+            request.lease_id, engine_id=engine_id, corrupt_from=corrupt, served=served))
 
     async def Reserve(self, request: pb.ReserveRequest,
                       context: grpc.aio.ServicerContext) -> pb.ReserveResponse:

@@ -247,13 +247,14 @@ class TierIndex:
         self.drop_dram(key, self._clock(), "corrupt")
 
     def count_hits(self, keys: Sequence[NamespacedKey], blocks: Sequence[DramBlock], now: float,
-                   *, pin: bool, served: bool = True) -> None:
+                   *, pin: bool, served: bool = True) -> int:
         """DRAM blocks an acquire returns (``blocks[i]`` indexed under ``keys[i]``, in chain
         order): each counts a hit and its reuse gap (since its last access; negative as 0: a
         later acquire may have touched it first), is accessed ``now`` and becomes the most
         recently used, the chain's last block newest. ``pin``: also take a pin on each (for
         the caller's lease to hold). ``served``: tell ``served`` of them (the savings hook; not
-        for an acquire that only holds blocks for a later one)."""
+        for an acquire that only holds blocks for a later one: ``serve`` tells it then).
+        Returns how many of them had just come from SSD."""
         gaps: list[float] = []
         pins = 1 if pin else 0
         for block in blocks:
@@ -270,8 +271,15 @@ class TierIndex:
             self._promoted -= from_ssd
         self.metrics.reuse_gap.observe_many(gaps)
         self.dram.touch_all(keys)
-        if served and self.served is not None and blocks:
-            self.served(blocks[0].namespace, len(blocks) - from_ssd, from_ssd)
+        if served and blocks:
+            self.serve(blocks[0].namespace, len(blocks), from_ssd)
+        return from_ssd
+
+    def serve(self, namespace: Namespace, blocks: int, from_ssd: int) -> None:
+        """Tell the savings hook (``served``, if set) that ``blocks`` blocks of ``namespace``
+        were loaded by an engine, ``from_ssd`` of them just read from SSD."""
+        if self.served is not None and blocks:
+            self.served(namespace, blocks - from_ssd, from_ssd)
 
     def drop_dram(self, key: NamespacedKey, now: float, reason: DropReason = "evicted",
                   pressure: Pressure = "room") -> None:

@@ -153,14 +153,16 @@ class ProbeResponse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., seconds_left: _Optional[float] = ..., slot_ids: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., held_after: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("engine_id", "lease_id", "corrupt_from")
+    __slots__ = ("engine_id", "lease_id", "corrupt_from", "served")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_FROM_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     lease_id: str
     corrupt_from: int
-    def __init__(self, engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., corrupt_from: _Optional[int] = ...) -> None: ...
+    served: int
+    def __init__(self, engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., corrupt_from: _Optional[int] = ..., served: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("dropped",)

@@ -111,8 +111,10 @@ class _Requests:
         return pb.LocateRequest(engine_id=engine_id, block_hashes=hashes)
 
     @staticmethod
-    def release(engine_id: str, lease_id: str, corrupt_from: int | None) -> pb.ReleaseRequest:
-        return pb.ReleaseRequest(engine_id=engine_id, lease_id=lease_id, corrupt_from=corrupt_from)
+    def release(engine_id: str, lease_id: str, corrupt_from: int | None,
+                served: int | None = None) -> pb.ReleaseRequest:
+        return pb.ReleaseRequest(engine_id=engine_id, lease_id=lease_id, corrupt_from=corrupt_from,
+                                 served=served)
 
     @staticmethod
     def hot(engine_id: str, stored: Sequence[BlockHash], removed: Sequence[BlockHash],
@@ -173,7 +175,8 @@ class TierdClient:
                 hold: bool = False) -> AcquiredBlocks:
         """Pin the longest held prefix in DRAM (SSD hits staged first) until ``release`` or the
         lease deadline; returns slot ids and checksums to copy and verify. Counts no lookup.
-        ``hold``: a pin for a later Acquire that loads the blocks (not counted as served)."""
+        ``hold``: a pin for a load that comes later (not counted as served: ``release`` with
+        ``served`` counts what was loaded under it)."""
         reply = self._call("Acquire", _Requests.acquire(engine_id, hashes, hold))
         return convert.acquired_from_pb(reply)
 
@@ -220,12 +223,14 @@ class TierdClient:
         call.add_done_callback(done)
         return out
 
-    def release(self, engine_id: str, lease_id: str, *, corrupt_from: int | None = None) -> bool:
+    def release(self, engine_id: str, lease_id: str, *, corrupt_from: int | None = None,
+                served: int | None = None) -> bool:
         """Unpin an acquired prefix. ``corrupt_from``: index of the first block whose checksum
         failed after the copy; the daemon re-checks it and drops it if it is corrupt (returns
-        True then)."""
-        return bool(self._call("Release", _Requests.release(engine_id, lease_id, corrupt_from))
-                    .dropped)
+        True then). ``served``: for a held lease (``hold``), how many of its leading blocks
+        were loaded under it (counted as prefill served)."""
+        return bool(self._call("Release", _Requests.release(engine_id, lease_id, corrupt_from,
+                                                            served)).dropped)
 
     def release_async(self, engine_id: str, lease_id: str, *,
                       corrupt_from: int | None = None) -> Future[bool]:

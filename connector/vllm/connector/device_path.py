@@ -10,13 +10,12 @@ first) has waited for their DMAs' reads and released the leases.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from tierd.connector.core.lease import Clock, Release
-from tierd.connector.core.link import DaemonLink, Session
+from tierd.connector.core.link import DaemonLink
 from tierd.connector.core.load import LoadResult, OpenLoad, finish_load
 
 from .cuda_copy import DeviceTransfer, register_host_memory, unregister_host_memory
@@ -29,7 +28,7 @@ class DeviceLoad:
     """A load queued on the side stream: its lease is released by ``DevicePath.finish``."""
 
     req_id: str
-    session: Session            # the session whose lease it holds
+    release: Release            # ends its lease (the session's Release, or none under a pin)
     load: OpenLoad
     sink: DeviceLoads           # the transfer that queued it
 
@@ -59,9 +58,10 @@ class DevicePath:
                                                     pinned=register_host_memory(arena)))
         return self._sink
 
-    def opened(self, req_id: str, session: Session, load: OpenLoad, sink: DeviceLoads) -> None:
-        """Keep a load ``sink`` queued (or, a miss, did not need to) until ``finish``."""
-        self._open.append(DeviceLoad(req_id, session, load, sink))
+    def opened(self, req_id: str, release: Release, load: OpenLoad, sink: DeviceLoads) -> None:
+        """Keep a load ``sink`` queued (or, a miss, did not need to) until ``finish``, which
+        ends its lease with ``release``."""
+        self._open.append(DeviceLoad(req_id, release, load, sink))
         if sink.queued:
             self._waits = sink
 
@@ -70,12 +70,11 @@ class DevicePath:
         if self._waits is not None:
             self._waits.transfer.wait_layer(layer)
 
-    def finish(self, release_for: Callable[[Session], Release], clock: Clock
-               ) -> list[tuple[DeviceLoad, LoadResult]]:
+    def finish(self, clock: Clock) -> list[tuple[DeviceLoad, LoadResult]]:
         """Wait for the reads of this step's loads, release their leases and apply the
         lease-outlives-copy rule (``core.load.finish_load``); each load with its result."""
         loads, self._open, self._waits = self._open, [], None
-        return [(load, finish_load(load.load, load.sink, release_for(load.session), clock))
+        return [(load, finish_load(load.load, load.sink, load.release, clock))
                 for load in loads]
 
     def close(self) -> None:

@@ -1,11 +1,11 @@
 """The daemon calls of ``TierdConnector``'s scheduler side, run as jobs on its ``core.runner``.
 
-Every Acquire is a hold: the workers' own Acquires load the blocks and are what the daemon counts as
-served. They touch no scheduler state: ``ask`` returns a ``Reply`` that the scheduler thread settles
-(``SchedulerSide._settle``) at a later ask of the same request; ``end_leases`` releases pins;
-``report_filtered`` tells the daemon of the lookups the presence filter answered (batched by
-``filtered.FilteredLookups``). Each runs on a runner thread and may block for the daemon's call
-deadline.
+Every Acquire is a hold: the workers load the blocks under it, and its Release tells the daemon
+how many they loaded (what it counts as served). The jobs touch no scheduler state: ``ask``
+returns a ``Reply`` that the scheduler thread settles (``SchedulerSide._settle``) at a later ask
+of the same request; ``end_leases`` releases pins; ``report_filtered`` tells the daemon of the
+lookups the presence filter answered (batched by ``filtered.FilteredLookups``). Each runs on a
+runner thread and may block for the daemon's call deadline.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -31,6 +31,7 @@ class Reply:
     got: list[AcquiredBlocks | None]  # per rank from 0: its Acquire (None: that call failed)
     counted: bool                  # the daemon counted this job as the request's lookup
     stream: bool = False           # a hit with SSD blocks handed to the workers, nothing pinned
+    arenas: list[str] = field(default_factory=list)  # per rank: the arena of its Acquire's slots
 
 
 def ask(links: Sequence[DaemonLink], wanted: list[BlockHash], known_tiers: list[Tier] | None,
@@ -47,7 +48,8 @@ def ask(links: Sequence[DaemonLink], wanted: list[BlockHash], known_tiers: list[
     if not all(link.connect() for link in links):
         return Reply(asked, None, [], False)
     if known_tiers is not None:
-        return Reply(asked, known_tiers, acquire_all(wanted, links), False)
+        acquired, arenas = acquire_all(wanted, links)
+        return Reply(asked, known_tiers, acquired, False, arenas=arenas)
     first, session = links[0], links[0].session
     if session is None:
         return Reply(asked, None, [], False)
@@ -59,19 +61,22 @@ def ask(links: Sequence[DaemonLink], wanted: list[BlockHash], known_tiers: list[
     dram: list[Tier] = ["dram"] * got.num_blocks
     tiers = dram + list(got.held_after)
     if not got.held_after:
-        rest = acquire_all(wanted[:got.num_blocks], links[1:]) if tiers else []
-        return Reply(asked, tiers, [got, *rest], True)
+        rest, arenas = acquire_all(wanted[:got.num_blocks], links[1:]) if tiers else ([], [])
+        return Reply(asked, tiers, [got, *rest], True,
+                     arenas=[session.engine.arena_name, *arenas])
     if got.num_blocks:  # the run is acquired again below, or streamed by the workers
         end_leases(links, [(0, got.lease_id)], None)
     if stream:
         return Reply(asked, tiers, [], True, stream=True)
-    return Reply(asked, tiers, acquire_all(wanted[:len(tiers)], links), True)
+    acquired, arenas = acquire_all(wanted[:len(tiers)], links)
+    return Reply(asked, tiers, acquired, True, arenas=arenas)
 
 
 def acquire_all(hashes: list[BlockHash], links: Sequence[DaemonLink]
-                ) -> list[AcquiredBlocks | None]:
-    """Acquire ``hashes`` on every link at once (SSD blocks staged into DRAM) and wait; None
-    for a link that is down or whose call failed."""
+                ) -> tuple[list[AcquiredBlocks | None], list[str]]:
+    """Acquire ``hashes`` on every link at once (SSD blocks staged into DRAM) and wait: per
+    link its answer (None for a link that is down or whose call failed) and the arena of the
+    session it was made on ("" for None)."""
     sent: list[tuple[DaemonLink, Session, Future[AcquiredBlocks]] | None] = []
     for link in links:
         session = link.session
@@ -79,31 +84,34 @@ def acquire_all(hashes: list[BlockHash], links: Sequence[DaemonLink]
                     (link, session, session.client.acquire_async(session.engine_id, hashes,
                                                                  hold=True)))
     out: list[AcquiredBlocks | None] = []
+    arenas: list[str] = []
     for entry in sent:
-        if entry is None:
-            out.append(None)
-            continue
-        link, session, reply = entry
-        try:
-            out.append(reply.result())
-        except grpc.RpcError as exc:
-            link.failed(exc, session)
-            out.append(None)
-    return out
+        got: AcquiredBlocks | None = None
+        if entry is not None:
+            link, session, reply = entry
+            try:
+                got = reply.result()
+            except grpc.RpcError as exc:
+                link.failed(exc, session)
+        out.append(got)
+        arenas.append("" if got is None or entry is None else entry[1].engine.arena_name)
+    return out, arenas
 
 
 def end_leases(links: Sequence[DaemonLink], leases: list[tuple[int, str]],
-               corrupt_from: int | None) -> None:
+               corrupt_from: int | None, served: int | None = None) -> None:
     """Release ``leases`` ((rank, lease id)); ``corrupt_from``: the first block some worker
-    failed to check, which the daemon re-checks and drops if it is corrupt. A lease of a
-    dropped session is gone with it; a failed call is classified by its link."""
+    failed to check, which the daemon re-checks and drops if it is corrupt; ``served``: how
+    many leading blocks of each the workers loaded (counted as served by the daemon). A lease
+    of a dropped session is gone with it; a failed call is classified by its link."""
     for rank, lease_id in leases:
         link = links[rank]
         session = link.session
         if session is None:
             continue
         try:
-            session.client.release(session.engine_id, lease_id, corrupt_from=corrupt_from)
+            session.client.release(session.engine_id, lease_id, corrupt_from=corrupt_from,
+                                   served=served)
         except grpc.RpcError as exc:  # the lease ended (nothing held any more), or the
             link.failed(exc, session, names_lease=True)  # daemon is gone
 

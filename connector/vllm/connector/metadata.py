@@ -14,19 +14,36 @@ from .base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass(frozen=True, slots=True)
+class PinnedRun:
+    """One TP rank's part of the scheduler's pin on a hit: the daemon (the one whose arena is
+    named ``arena``) holds ``slot_ids[i]`` for block ``i`` under a lease until at least
+    ``deadline`` (``time.monotonic`` of this host: the time the lookup was sent plus the lease's
+    lifetime), with checksum ``checksums[i]``. The worker of that rank loads under it, with no
+    daemon call of its own; the scheduler releases it once every worker has reported the
+    load."""
+
+    arena: str
+    slot_ids: list[int]
+    checksums: list[int]
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
 class LoadSpec:
     """Blocks of one request to fill from tierd this step: ``block_hashes[i]`` goes into vLLM
     block ``block_ids[i]`` (freshly allocated, consecutive positions of the request's chain).
     The scheduler pinned them when it reported the hit; the pin lasts until every worker has
-    reported this load in ``TierdWorkerMetadata.loaded``. ``stream``: a hit with SSD blocks that
-    vLLM loads asynchronously: not pinned by the scheduler; each worker acquires it chunk by
-    chunk and copies each chunk as the daemon has read it (``streaming``), then reports the
-    request through ``get_finished``."""
+    reported this load in ``TierdWorkerMetadata.loaded``. ``pinned[r]``: rank ``r``'s part of
+    that pin, which its worker loads under (none: each worker acquires the blocks itself).
+    ``stream``: a hit with SSD blocks that vLLM loads asynchronously: not pinned by the
+    scheduler; each worker acquires it chunk by chunk and copies each chunk as the daemon has
+    read it (``streaming``), then reports the request through ``get_finished``."""
 
     req_id: str
     block_ids: list[int]
     block_hashes: list[bytes]
     stream: bool = False
+    pinned: list[PinnedRun] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

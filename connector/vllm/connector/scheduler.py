@@ -3,19 +3,23 @@
 Metadata only (no KV bytes), and never waiting for the daemon: every daemon call runs as a job
 (``lookup_jobs``) on a ``core.runner.Runner`` and the lookup answers None ("asked, not answered
 yet", vLLM's asynchronous lookup) until its job is done. Per request scheduled from the waiting
-queue, one lookup job: an ``Acquire`` of the leading DRAM run that the daemon also counts as the
-request's lookup (once per request, as vLLM counts its own prefix-cache queries; it names the tiers
-of the held blocks after the run, for vLLM's hit-source stats), and the same run acquired on the
-other TP ranks: **the hit it reports is pinned** under a lease, so between this answer and the
-workers' load only a dead daemon can make the load fail. vLLM asks again at every step a request
-waits; those asks are answered from the first answer without a round trip while its pin is fresh. A
-hit with SSD blocks is not waited for by the scheduler. With host KV it is an asynchronous load
-(vLLM's ``load_async``), not pinned here: the workers acquire and copy it chunk by chunk as the
-daemon reads it (``streaming``) and report it through ``get_finished``. With CUDA KV the job stages
-it into DRAM on every rank. A pin is released (a runner job) on every path: when every worker has
-reported the load done (``TierdWorkerMetadata.loaded``), when vLLM allocates no external tokens,
-when the request is looked up afresh, finishes or is aborted (an abandoned lookup's leases are
-released once it finishes), and at the latest when its lease expires.
+queue, one lookup job: a Probe (a hold) of the leading DRAM run that the daemon also counts as
+the request's lookup (once per request, as vLLM counts its own prefix-cache queries; it names the
+tiers of the held blocks after the run, for vLLM's hit-source stats), and the same run acquired
+on the other TP ranks: **the hit it reports is pinned** under a lease, so between this answer and
+the workers' load only a dead daemon can make the load fail. The workers load under that pin
+(each rank's slot ids, checksums and lease deadline go in the metadata, ``PinnedRun``), with no
+daemon call of their own; the pin's release tells the daemon how many blocks they loaded. vLLM
+asks again at every step a request waits; those asks are answered from the first answer without
+a round trip while its pin is fresh. A hit with SSD blocks is not waited for by the scheduler.
+With host KV it is an asynchronous load (vLLM's ``load_async``), not pinned here: the workers
+acquire and copy it chunk by chunk as the daemon reads it (``streaming``) and report it through
+``get_finished``. With CUDA KV the job stages it into DRAM on every rank. A pin is released (a
+runner job) on every path: when every worker has reported the load done
+(``TierdWorkerMetadata.loaded``), when vLLM allocates no external tokens, when the request is
+looked up afresh, finishes or is aborted (an abandoned lookup's leases are released once it
+finishes; a pin whose load is planned, once every worker has reported it), and at the latest
+when its lease expires.
 
 The plan for each step goes to the workers as a ``TierdConnectorMetadata``:
 
@@ -50,10 +54,11 @@ from typing import Any
 from tierd.connector.core.link import DaemonLink
 from tierd.connector.core.runner import Runner
 from tierd.types import BlockHash, Namespace, Tier, make_key
+from tierd.wire.replies import AcquiredBlocks
 
 from .filtered import FilteredLookups
 from .lookup_jobs import Reply, ask, end_leases, reply_of
-from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
+from .metadata import LoadSpec, PinnedRun, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 
 _log = logging.getLogger(__name__)
 
@@ -81,6 +86,29 @@ class _Pin:
     stream: bool = False           # loaded asynchronously, the workers acquire it (no leases)
     skipped: int = 0               # leading leased blocks dropped since (the local hit grew)
     fresh_until: float = float("inf")  # clock time after which the answer is asked again
+    runs: list[tuple[str, AcquiredBlocks, float]] = field(default_factory=list)
+    """Per rank: (arena, its Acquire, deadline), what its worker loads under; empty: the workers
+    acquire the blocks themselves."""
+    handed: bool = False           # the workers were told to load under ``runs``
+
+    @property
+    def deadline(self) -> float:
+        """Clock time until which every rank's lease surely holds."""
+        return min((deadline for _, _, deadline in self.runs), default=float("inf"))
+
+    def pinned_runs(self, count: int) -> list[PinnedRun]:
+        """Each rank's part of the first ``count`` held blocks, for its worker to load under."""
+        first = self.skipped
+        return [PinnedRun(arena, got.slot_ids[first:first + count],
+                          got.checksums[first:first + count], deadline)
+                for arena, got, deadline in self.runs]
+
+    def served(self, ranks: int) -> int | None:
+        """Blocks loaded under the pin, as its release reports them (None: the workers did not
+        load under it, or not all ``ranks`` of them reported the load)."""
+        if not self.handed or self.reports < ranks:
+            return None
+        return len(self.block_ids) if self.failed_from is None else self.failed_from
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +179,7 @@ class SchedulerSide:
         self._block_size = links[0].layout.block_size
         self._tracked: dict[str, _Tracked] = {}
         self._pins: dict[str, _Pin] = {}
+        self._loading: list[tuple[str, _Pin]] = []  # unpinned while workers load under them
         self._loads: list[LoadSpec] = []
         self._recomputing: set[str] = set()
         self._local: dict[str, int] = {}          # block position past the local hit, per lookup
@@ -307,10 +336,14 @@ class SchedulerSide:
             if got.num_blocks:
                 pin.leases.append((rank, got.lease_id))
                 pin.fresh_until = min(pin.fresh_until, reply.asked + got.seconds_left / 2)
+                if rank < len(reply.arenas):
+                    pin.runs.append((reply.arenas[rank], got, reply.asked + got.seconds_left))
             if got.num_blocks == 0 or not pin.hashes:
                 pin.hashes = []
             else:
                 del pin.hashes[got.num_blocks:], pin.tiers[got.num_blocks:]
+        if len(pin.runs) < len(self._links):
+            pin.runs = []  # some rank's answer is not there to load under: workers acquire
         held = len(pin.hashes)
         if held:
             self._pins[req_id] = pin
@@ -326,7 +359,8 @@ class SchedulerSide:
         self._abandoned.append(asking.job)
 
     def _sweep(self) -> None:
-        """Release the leases of abandoned lookups that have finished."""
+        """Release the leases of abandoned lookups that have finished, and those of parked pins
+        whose leases have run out with no report (they hold nothing any more)."""
         keep: list[Future[Reply]] = []
         for job in self._abandoned:
             if job.done():
@@ -334,6 +368,11 @@ class SchedulerSide:
             else:
                 keep.append(job)
         self._abandoned = keep
+        if self._loading:
+            now = self._clock()
+            for entry in [e for e in self._loading if now >= e[1].deadline]:
+                self._loading.remove(entry)
+                self._release(entry[1])
 
     def _release_got(self, reply: Reply) -> None:
         leases = [(rank, got.lease_id) for rank, got in enumerate(reply.got)
@@ -342,19 +381,26 @@ class SchedulerSide:
             self._runner.submit("release", functools.partial(end_leases, self._links, leases, None))
 
     def _unpin(self, req_id: str) -> None:
+        """Release ``req_id``'s pin, or, if workers may still be loading under it (planned, not
+        reported by all of them), park it until they report (``_loading``)."""
         pin = self._pins.pop(req_id, None)
-        if pin is not None:
+        if pin is None:
+            return
+        if pin.handed and pin.reports < len(self._links):
+            self._loading.append((req_id, pin))
+        else:
             self._release(pin)
 
     def _release(self, pin: _Pin) -> None:
-        """Release every rank's lease (a runner job); after a failed load, name the first
-        failed block so the daemon re-checks it and drops it if it is corrupt (a false report
-        changes nothing)."""
+        """Release every rank's lease (a runner job), telling the daemon how many blocks the
+        workers loaded under it (``served``); after a failed load, name the first failed block
+        so the daemon re-checks it and drops it if it is corrupt (a false report changes
+        nothing)."""
         if not pin.leases:
             return
         corrupt_from = None if pin.failed_from is None else pin.skipped + pin.failed_from
-        self._runner.submit("release", functools.partial(end_leases, self._links, list(pin.leases),
-                                                         corrupt_from))
+        self._runner.submit("release", functools.partial(
+            end_leases, self._links, list(pin.leases), corrupt_from, pin.served(len(self._links))))
         pin.leases.clear()
 
     def drain(self, timeout: float) -> bool:
@@ -398,8 +444,10 @@ class SchedulerSide:
             start = pin.start
             del pin.hashes[count:], pin.tiers[count:]
             pin.block_ids = list(block_ids[start:start + count])
+            pin.handed = bool(pin.runs) and not pin.stream
             self._loads.append(LoadSpec(req_id, pin.block_ids, [bytes(h) for h in pin.hashes],
-                                        stream=pin.stream))
+                                        stream=pin.stream,
+                                        pinned=pin.pinned_runs(count) if pin.handed else []))
         tracked = self._tracked.get(req_id)
         if tracked is None:
             self._tracked[req_id] = _Tracked(request, next_save=start + count)
@@ -471,7 +519,8 @@ class SchedulerSide:
         failed = set(report.failed)
         self._failures_seen |= failed
         for req_id, count in report.loaded.items():
-            pin = self._pins.get(req_id)
+            parked = next((entry for entry in self._loading if entry[0] == req_id), None)
+            pin = self._pins.get(req_id) if parked is None else parked[1]
             if pin is None:
                 continue
             first = next((i for i, b in enumerate(pin.block_ids) if b in failed), None)
@@ -485,8 +534,13 @@ class SchedulerSide:
                     if len(self._links) > 1:
                         self._bad_until[req_id] = self._step
             pin.reports += count
-            if pin.reports >= len(self._links):
+            if pin.reports < len(self._links):
+                continue
+            if parked is None:
                 self._unpin(req_id)
+            else:
+                self._loading.remove(parked)
+                self._release(pin)
         if not failed:
             return
         for req_id, tracked in self._tracked.items():
@@ -519,6 +573,9 @@ class SchedulerSide:
         self._filtered.close()
         for req_id in list(self._pins):
             self._unpin(req_id)
+        for _, pin in self._loading:
+            self._release(pin)
+        self._loading.clear()
         for asking in self._asking.values():
             self._abandon(asking)
         self._asking.clear()

@@ -2,18 +2,22 @@
 
 Per step, with the metadata the scheduler half built:
 
-* ``load`` (vLLM's ``start_load_kv``): per request, one Acquire (the scheduler's pin keeps the
-  blocks in DRAM since its lookup), then ``core.load.load_leased`` through the ``LayerViews``
-  sink: the leased slots are checked where they lie in the arena and copied straight into
-  vLLM's KV tensors in one pass (``native.verified_copy``: each 16 KiB of a slot is hashed,
-  then copied while still in cache, blocks split over the torch threads), and the lease is
-  released. Without the native helper (no C compiler), or with layers not in
-  one buffer: verify every slot, then one strided copy per run of verified blocks, all layers
-  at once. Synchronous: the forward pass that reads them starts after it returns.
-  Every block that did not verify or arrive (a miss since the lookup, a checksum mismatch, the
-  daemon gone) and every block after it in that request, or all of them if the lease expired
-  during the copy, is reported by ``take_load_errors`` in the same step, so vLLM recomputes
-  from there (whatever bytes those blocks hold); ``outcomes.Outcomes`` keeps the books.
+* ``load`` (vLLM's ``start_load_kv``): per request, ``core.load.load_leased`` under this rank's
+  part of the scheduler's pin (``PinnedRun``: slot ids, checksums and deadline came in the
+  metadata, so no daemon call; the scheduler releases the pin once every worker has reported
+  the load) through the ``LayerViews`` sink: the pinned slots are checked where they lie in the
+  arena and copied straight into vLLM's KV tensors in one pass (``native.verified_copy``: each
+  16 KiB of a slot is hashed, then copied while still in cache, blocks split over the torch
+  threads). A pin made in another arena than the one this worker maps (the daemon restarted
+  since) is not used: the worker Acquires the blocks itself and releases them after the copy.
+  Without the native helper (no C compiler), or with layers not in one buffer: verify every
+  slot, then one strided copy per run of verified blocks, all layers at once. Synchronous: the
+  forward pass that reads them starts after it returns.
+  Every block that did not verify or arrive (a checksum mismatch, a miss of the worker's own
+  Acquire, the daemon gone) and every block after it in that request, or all of them if the
+  lease's deadline passed before the copy was done, is reported by ``take_load_errors`` in the
+  same step, so vLLM recomputes from there (whatever bytes those blocks hold);
+  ``outcomes.Outcomes`` keeps the books.
 * ``load`` of a streamed spec (an SSD hit vLLM loads asynchronously, host KV): handed to
   ``streaming.Streams``, which acquires and copies it chunk by chunk on its own thread while the
   daemon reads it; ``finished_loads`` (vLLM's ``get_finished``) reports each ended stream as
@@ -42,9 +46,10 @@ On CUDA (vLLM's KV tensors on a GPU) the copies go through ``cuda_copy.DeviceTra
 the arena, registered as pinned memory at attach (``device_path.DevicePath``): a load is queued on
 a side stream after the
 checksums and ``start_load_kv`` returns; ``wait_layer`` (``wait_for_layer_load``) makes the
-forward pass's stream wait for each layer; the leases are released at ``finish_save`` (or
-``take_load_errors``, whichever vLLM calls first) once the DMAs have read the slots, and a
-lease found expired then makes its blocks load errors and drops the step's saves. A save
+forward pass's stream wait for each layer; at ``finish_save`` (or ``take_load_errors``,
+whichever vLLM calls first), once the DMAs have read the slots, the worker's own leases are
+released, and a lease found expired then makes its blocks load errors and drops the step's
+saves. A save
 gathers each layer on the device; ``finish_save`` queues the D2H copies and the Commit waits
 for them on the committer thread, so neither the host nor the next step waits for the
 write-through.
@@ -162,6 +167,7 @@ class WorkerSide:
         self._layers = {name: i for i, name in enumerate(self.format.layer_names)}
         kv_bytes = [byte_view(t) for t in kv_caches.values()]
         self._host = LayerViews(self.format, kv_bytes)  # one pass where the layers share a buffer
+        self._rank = tp_rank
         self.link = DaemonLink(config, layout, f"{config.engine_name}-tp{tp_rank}", attach=True,
                                clock=clock)
         self.link.connect()
@@ -231,27 +237,37 @@ class WorkerSide:
 
     def _load_one(self, spec: LoadSpec) -> int:
         """Load ``spec``'s leading blocks; returns how many were written and are valid (on
-        CUDA: verified and queued; ``_finish_loads`` takes them back if the lease ran out)."""
+        CUDA: verified and queued; ``_finish_loads`` takes them back if the lease ran out).
+        Under this rank's part of the scheduler's pin where the spec carries one in the arena
+        this worker maps (no daemon call: the scheduler releases the pin once every worker has
+        reported the load); else under an Acquire of its own, released after the copy."""
         if not spec.block_ids or not self.link.connect():
             return 0
         session = self.link.session
         assert session is not None and session.slots is not None
-        try:
-            lease = acquire(session.client, session.engine_id,
-                            [BlockHash(h) for h in spec.block_hashes], clock=self._clock)
-        except grpc.RpcError as exc:
-            self.link.failed(exc, session)
-            return 0
+        pinned = spec.pinned[self._rank] if self._rank < len(spec.pinned) else None
+        release = self._release_for(session)
+        if pinned is not None and pinned.arena == session.engine.arena_name:
+            lease = Lease(session.engine_id, "", pinned.slot_ids, pinned.checksums,
+                          pinned.deadline)
+            release = _kept
+        else:
+            try:
+                lease = acquire(session.client, session.engine_id,
+                                [BlockHash(h) for h in spec.block_hashes], clock=self._clock)
+            except grpc.RpcError as exc:
+                self.link.failed(exc, session)
+                return 0
         device = self._device.sink(self.link)
         if device is not None:  # queued: the lease is released once the DMAs have read it
             opened = start_load(lease, spec.block_ids, session.slots, device)
-            self._device.opened(spec.req_id, session, opened, device)
+            self._device.opened(spec.req_id, release, opened, device)
             if opened.corrupt_from is not None:
                 _log.warning("tierd: block %d of %s failed its checksum; vLLM recomputes from "
                              "there", opened.verified, spec.req_id)
             return opened.verified
-        done = load_leased(lease, spec.block_ids, session.slots, self._host,
-                           self._release_for(session), self._clock)
+        done = load_leased(lease, spec.block_ids, session.slots, self._host, release,
+                           self._clock)
         if done.lease_lost:
             _log.warning("tierd: lease on %d blocks of %s expired before the copy finished; "
                          "vLLM recomputes them", done.acquired, spec.req_id)
@@ -282,7 +298,7 @@ class WorkerSide:
         lease that ran out first (or a daemon gone) makes its blocks load errors and its request
         poisoned; True if one did (the step's saves are then dropped)."""
         lost = False
-        for load, done in self._device.finish(self._release_for, self._clock):
+        for load, done in self._device.finish(self._clock):
             verified = load.load.block_ids[:done.verified]
             if not done.lease_lost or not verified:
                 continue
@@ -460,6 +476,13 @@ class WorkerSide:
         self._commits.close()
         self._device.close()
         self.link.close()
+
+
+def _kept(lease: Lease, corrupt_from: int | None) -> None:
+    """The ``Release`` of a load under the scheduler's pin: none here (the scheduler releases
+    the pin, naming a failed block, once every worker has reported), so the lease's deadline
+    alone decides whether the copy counts (``core.load``)."""
+    return None
 
 
 def _cuda_event() -> DeviceEvent:

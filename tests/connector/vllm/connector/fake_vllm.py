@@ -19,6 +19,7 @@ innermost) of one shared buffer, in several physical orders. Requests carry vLLM
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -343,10 +344,14 @@ def corrupt(socket_path: str, config: Any, hashes: list[BlockHash], index: int) 
 
 
 def lose_blocks(engine: FakeVllm, rank: int, kept: int, monkeypatch: Any) -> None:
-    """The daemon answers rank ``rank``'s worker Acquire with at most ``kept`` blocks (as after
-    losing the rest): its load fails from there."""
-    client = engine.workers[rank]._worker.link.client
+    """Rank ``rank``'s worker cannot load under the scheduler's pin (as after a daemon restart:
+    another arena) and the daemon answers its own Acquire with at most ``kept`` blocks (as
+    after losing the rest): its load fails from there."""
+    worker = engine.workers[rank]._worker
+    client, load = worker.link.client, worker.load
     real = client.acquire
     monkeypatch.setattr(client, "acquire",
                         lambda eid, hashes, **kw: real(eid, hashes[:kept], **kw))
+    monkeypatch.setattr(worker, "load", lambda meta: load(dataclasses.replace(
+        meta, loads=[dataclasses.replace(spec, pinned=[]) for spec in meta.loads])))
 

@@ -92,10 +92,33 @@ def test_failed_load_drops_dependent_saves_until_recomputing(sock: str, engines:
     assert usage(sock) == (14, 0)
 
 
-def test_expired_lease_fails_the_whole_load(daemon: Any, sock: str, engines: Any) -> None:
-    """The lease expires before B releases it: all 6 verified blocks are reported for recompute."""
+def test_expired_lease_fails_the_whole_load(daemon: Any, sock: str, engines: Any,
+                                            monkeypatch: Any) -> None:
+    """B loads under the scheduler's pin, and the copy ends past the pin's deadline (B's clock
+    100 s later): all 6 verified blocks are reported for recompute."""
     a, b = engines(0), engines(20)
     a.prefill(FakeRequest("a", prompt(100)))
+    worker = b.workers[0]._worker
+    later = time.monotonic() + 100.0
+
+    def jump() -> None:  # the worker's clock, 100 s on from now
+        monkeypatch.setattr(worker, "_clock", lambda: later)
+
+    external, errors = b.prefill(FakeRequest("b", prompt(100)), before_forward=jump)
+    ids_b = b.tables["b"]
+    assert external == 96 and errors == set(ids_b[:6])
+    assert b.counters() == (0, 6, 0, 0, 0) and usage(sock) == (6, 0)
+
+
+def test_own_acquire_ended_before_its_release_fails_the_whole_load(daemon: Any, sock: str,
+                                                                   engines: Any,
+                                                                   monkeypatch: Any) -> None:
+    """B cannot load under the pin (another arena) and acquires the blocks itself; the daemon
+    has ended that lease when B releases it: all 6 verified blocks are reported for
+    recompute."""
+    a, b = engines(0), engines(20)
+    a.prefill(FakeRequest("a", prompt(100)))
+    lose_blocks(b, 0, 6, monkeypatch)
     store = daemon.daemon.store
     real_clock, jumps = store._clock, itertools.count(time.monotonic() + 100.0, 100.0)
 

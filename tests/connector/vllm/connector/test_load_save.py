@@ -12,7 +12,6 @@ import torch
 from fake_vllm import FakeRequest, ask, prompt, usage
 
 from tierd.connector.vllm.connector import TierdConnectorMetadata
-from tierd.connector.vllm.connector.metadata import LoadSpec
 
 
 @pytest.mark.parametrize("saver, loader", [("LBHNC", "LBNHC"), ("LBNHC", "BLNHC"),
@@ -35,6 +34,37 @@ def test_prefix_saved_in_one_order_loads_bit_exact_in_another(sock: str, engines
     assert b.block(ids_b[0]).abs().sum() > 0
     a.finish(req_a)
     b.finish(req_b)
+    assert usage(sock) == (6, 0)
+
+
+def test_a_hit_loads_under_the_scheduler_pin_with_no_worker_call(sock: str, engines: Any,
+                                                                  monkeypatch: Any) -> None:
+    """B's worker loads A's 6 blocks bit-exact under the scheduler's pin: it makes no daemon
+    call for the load (its Acquire and Release would raise), and the pin is released once the
+    worker has reported the load."""
+    a, b = engines(0), engines(20)
+    a.prefill(FakeRequest("a", prompt(100)))
+    client = b.workers[0]._worker.link.client
+    for name in ("acquire", "release"):
+        monkeypatch.setattr(client, name, lambda *args, **kw: pytest.fail("a worker call"))
+    assert b.prefill(FakeRequest("b", prompt(100))) == (96, set())
+    assert b.counters() == (6, 0, 0, 0, 0) and usage(sock) == (6, 0)
+    for block_a, block_b in zip(a.tables["a"], b.tables["b"][:6]):
+        assert torch.equal(a.block(block_a), b.block(block_b))
+
+
+def test_a_finished_request_keeps_its_pin_until_the_workers_report(sock: str,
+                                                                    engines: Any) -> None:
+    """X finishes after its load is planned and before the workers' report arrives (async
+    scheduling): its 6 blocks stay pinned until that report, then nothing is pinned."""
+    a, b = engines(0), engines(20)
+    a.prefill(FakeRequest("a", prompt(100)))
+    x = FakeRequest("x", prompt(100))
+    assert b.admit(x) == 96
+    out = b.step([x], deliver=False)
+    assert b.scheduler.request_finished(x, []) == (False, None)
+    assert usage(sock) == (6, 6)
+    b.deliver(out)
     assert usage(sock) == (6, 0)
 
 
@@ -88,8 +118,10 @@ def test_preempted_request_resumes_from_tierd(sock: str, engines: Any) -> None:
     assert a.step([req]).invalid_block_ids == set()
     ids = a.tables["a"]
     assert ids == [4, 5, 6, 7] and a.computed_tokens - computed == 2
-    assert a.metas[-1].saves == [] and a.metas[-1].loads == [
-        LoadSpec("a", [4, 5, 6], [bytes(h) for h in req.block_hashes[:3]])]
+    load, = a.metas[-1].loads
+    assert a.metas[-1].saves == [] and (load.req_id, load.block_ids, load.block_hashes) == (
+        "a", [4, 5, 6], [bytes(h) for h in req.block_hashes[:3]])
+    assert [len(run.slot_ids) for run in load.pinned] == [3]  # loaded under the scheduler's pin
     assert all(torch.equal(a.block(ids[i]), before[i]) for i in range(3))
     assert a.counters() == (3, 0, 3, 0, 0) and usage(sock) == (3, 0)
     for token in range(14):  # positions 50..63: block 3 fills at the last one

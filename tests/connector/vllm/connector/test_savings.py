@@ -1,23 +1,26 @@
-"""Savings through the fake vLLM: a hit the scheduler pins and a worker then loads counts its
-tokens once in the daemon's savings (the scheduler's pin is a hold)."""
+"""Savings through the fake vLLM: a hit the scheduler pins and a worker then loads under that pin
+counts its tokens once in the daemon's savings (the pin is a hold; its release reports them)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fake_vllm import FakeRequest, prompt
+from fake_vllm import FakeRequest, prompt, usage
 
 from tierd.wire.client import TierdClient
 
 
 def _served(sock: str) -> list[tuple[str, int]]:
+    """The daemon's savings rows, once the scheduler sides' calls have landed (``usage`` waits
+    for them: the pin's release reports what the workers loaded)."""
+    usage(sock)
     with TierdClient(socket_path=sock, timeout=10.0) as client:
         return [(r.tier, r.tokens) for r in client.stats().savings]
 
 
 def test_a_loaded_hit_counts_once(sock: str, engines: Any) -> None:
     """A saves 6 blocks (nothing served); B's 100-token prompt loads them (96 tokens): 96 DRAM
-    tokens served, not 192 (scheduler pin and worker acquire)."""
+    tokens served, once."""
     a, b = engines(0), engines(20)
     a.prefill(FakeRequest("a", prompt(100)))
     assert _served(sock) == []
@@ -33,10 +36,12 @@ def test_workers_report_the_measured_prefill_speed(sock: str, engines: Any) -> N
     a, b = engines(0), engines(40)
     a.prefill(FakeRequest("a", prompt(100)))
     b.prefill(FakeRequest("b", prompt(100)))
+    usage(sock)
     with TierdClient(socket_path=sock, timeout=10.0) as client:
         assert [r.speed_source for r in client.stats().savings] == ["planner"]
     a.prefill(FakeRequest("long", prompt(300, salt=3)))
     b.prefill(FakeRequest("b2", prompt(100)))
+    usage(sock)
     with TierdClient(socket_path=sock, timeout=10.0) as client:
         rows = client.stats().savings
     assert [(r.tier, r.speed_source) for r in rows] == [("dram", "reported")]
