@@ -25,6 +25,7 @@ import torch
 from tierd.connector.core.arena_slots import ArenaSlots
 from tierd.types import BlockHash
 from tierd.wire.client import TierdClient
+from tierd.wire.replies import ReservedSlots
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +56,12 @@ def reserve(client: TierdClient, engine_id: str, hashes: Sequence[BlockHash], *,
     """One Reserve round trip (see the module doc). ``filtered_query_tokens``: lookups the
     engine answered from the presence filter since its last Reserve, for the node's hit
     ratio. Raises ``grpc.RpcError``."""
-    got = client.reserve(engine_id, hashes, filtered_query_tokens=filtered_query_tokens)
+    return reservation_of(engine_id, client.reserve(
+        engine_id, hashes, filtered_query_tokens=filtered_query_tokens))
+
+
+def reservation_of(engine_id: str, got: ReservedSlots) -> Reservation:
+    """The ``Reservation`` of a Reserve answer ``got`` (``TierdClient.reserve_async``'s)."""
     return Reservation(engine_id, got.lease_id, list(got.slot_ids), list(got.already_stored),
                        got.seconds_left)
 

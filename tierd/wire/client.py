@@ -246,6 +246,13 @@ class TierdClient:
         reply = self._call("Reserve", _Requests.reserve(engine_id, hashes, filtered_query_tokens))
         return convert.reserved_from_pb(reply)
 
+    def reserve_async(self, engine_id: str, hashes: Sequence[BlockHash]) -> Future[ReservedSlots]:
+        """``reserve`` without waiting: a future of its slots (or of its ``grpc.RpcError``).
+        The lease starts when the reply is made, so a caller that drops the future must still
+        abort the reservation it resolves to (or let it lapse)."""
+        return self._future("Reserve", _Requests.reserve(engine_id, hashes, 0),
+                            convert.reserved_from_pb)
+
     def reserve_blank_async(self, engine_id: str, count: int) -> Future[ReservedSlots]:
         """Reserve ``count`` blank slots (fewer where no room could be made), to be named at
         ``commit`` (``names``), without waiting: a future of them (or of the call's

@@ -22,18 +22,20 @@ Per step, with the metadata the scheduler half built:
   ``streaming.Streams``, which acquires and copies it chunk by chunk on its own thread while the
   daemon reads it; ``finished_loads`` (vLLM's ``get_finished``) reports each ended stream as
   received and its failed blocks as load errors of that same step.
-* ``save_layer`` (vLLM's ``save_kv_layer``): on the first layer, one Reserve for the blocks the
-  step completes; each layer is marked as handed over (on CUDA its K/V is gathered then). Host
-  KV is copied into the reserved slots at ``finish_save``, every layer at once (one native call,
-  ``LayerViews.store``): the forward pass is synchronous there, so a copy per layer would only
-  add a call per layer and run of blocks.
+* saves: ``load`` sends the Reserve of the blocks the step completes without waiting (the
+  daemon answers during the forward pass); ``save_layer`` (vLLM's ``save_kv_layer``) marks each
+  layer as handed over (on CUDA its K/V is gathered then, so the first layer waits for the
+  answer). Host KV is copied into the reserved slots at ``finish_save``, every layer at once
+  (one native call, ``LayerViews.store``): the forward pass is synchronous there, so a copy per
+  layer would only add a call per layer and run of blocks.
   Saves of a request whose load failed, or that sit on a block whose load failed
   (``SaveSpec.depends_on``; failed blocks are kept until the scheduler has seen them), are
   dropped, and that request's saves stay dropped until the scheduler names it in
   ``recomputing``: nothing computed on wrong KV is stored.
-* ``finish_save`` (``wait_for_save``): copies host KV into the slots, hands the step's Commit
-  to the committer thread (``commits.Committer``) and returns: vLLM may reuse its blocks at once
-  (the bytes are in the arena). The Commit names the written slots and the daemon checksums them
+* ``finish_save`` (``wait_for_save``): takes the Reserve's answer (waiting only if it is not
+  in yet), copies host KV into the slots, hands the step's Commit to the committer thread
+  (``commits.Committer``) and returns: vLLM may reuse its blocks at once (the bytes are in the
+  arena). The Commit names the written slots and the daemon checksums them
   itself (in its own process, so the engine's part of a store is the copy out of its KV), and
   the blocks become visible to other engines only whole, when it lands. If some layer never
   arrived, Abort instead. A step that outlasted half of its write lease (a slow forward pass) is
@@ -69,6 +71,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -79,8 +82,9 @@ from tierd.connector.core.lease import Lease, Release, acquire, releaser
 from tierd.connector.core.link import DaemonLink, Session
 from tierd.connector.core.load import Sink, load_leased, start_load
 from tierd.connector.core.prefill_speed import DeviceEvent, PrefillSpeed
-from tierd.connector.core.save import Reservation, abort, reserve
+from tierd.connector.core.save import Reservation, abort, reservation_of
 from tierd.types import BlockHash
+from tierd.wire.replies import ReservedSlots
 
 from ..config import TierdVllmConfig
 from .commits import Committer
@@ -105,7 +109,6 @@ class _PendingSave:
     owners: list[str]                   # per target, the request it belongs to
     renew_at: float                     # half its lease gone: re-offered at ``finish_save``
     counts: list[tuple[str, int]]       # what reserving it counted (undone if re-offered)
-    layers_done: set[int] = field(default_factory=set)
     device: DeviceLoads | None = None   # CUDA: its transfer holds the open save
 
     def written(self) -> list[bool]:
@@ -124,13 +127,29 @@ class _PendingSave:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class _Asked:
+    """A step's Reserve in flight, and what its answer is for."""
+
+    session: Session
+    reply: Future[ReservedSlots]
+    asked: float                        # clock time it was sent (its lease runs from here)
+    block_ids: list[int]                # vLLM block of each hash asked for
+    owners: list[str]                   # per hash asked for, the request it belongs to
+    counts: list[tuple[str, int]]       # what the save counted so far
+
+
 @dataclass(slots=True)
 class _StepSave:
-    """This step's save: ``tried`` once the first layer asked for a reservation (it may have
-    failed: ``pending`` None); ``lease_lost``: the step's saves are dropped."""
+    """This step's save: ``tried`` once its saves were taken and their Reserve sent (``asked``
+    until answered, then ``pending``: None if it failed or nothing is to be written);
+    ``layers``: those handed over by ``save_layer``; ``lease_lost``: the step's saves are
+    dropped."""
 
     tried: bool = False
+    asked: _Asked | None = None
     pending: _PendingSave | None = None
+    layers: set[int] = field(default_factory=set)
     lease_lost: bool = False            # a lease of this step's (CUDA) loads ran out
     saves: list[SaveSpec] = field(default_factory=list)  # the step's accepted saves
 
@@ -200,6 +219,8 @@ class WorkerSide:
                 self._start_stream(spec)
             else:
                 self._outcomes.loaded(spec.req_id, spec.block_ids, self._load_one(spec))
+        if meta.saves and not self._save.tried:  # its answer comes during the forward pass
+            self._begin_save(meta.saves)
         self._speed.begin(meta.prefill_tokens)  # the forward pass starts after this returns
 
     def _start_stream(self, spec: LoadSpec) -> None:
@@ -316,69 +337,104 @@ class WorkerSide:
     # -- saves -------------------------------------------------------------------------------
 
     def save_layer(self, layer_name: str, saves: list[SaveSpec]) -> None:
-        """Take ``layer_name``'s part of this step's saved blocks (reserving their slots on the
-        first layer of the step): on CUDA gather it now; host KV is copied at ``finish_save``."""
+        """Take ``layer_name``'s part of this step's saved blocks (their Reserve was sent at
+        ``load``, or is sent now): on CUDA gather it now, which needs the reserved slots; host
+        KV is copied at ``finish_save``."""
         if not saves:
             return
         step = self._save
         if not step.tried:
-            step.tried = True
-            step.saves = self._outcomes.accepted(saves)
-            step.pending = self._reserve(step.saves)
-        pending, layer = step.pending, self._layers.get(layer_name)
-        if pending is None or layer is None or not pending.targets:
+            self._begin_save(saves)
+        layer = self._layers.get(layer_name)
+        if layer is None:
             return
-        self._take_layer(pending, layer)
+        step.layers.add(layer)
+        if self._device.enabled:
+            pending = self._pending()
+            if pending is not None and pending.device is not None:
+                pending.device.transfer.save_layer(layer)
 
-    @staticmethod
-    def _take_layer(pending: _PendingSave, layer: int) -> None:
-        """``layer`` of ``pending``'s blocks is complete in vLLM's KV (on CUDA: queue its
-        gather)."""
-        if pending.device is not None:
-            pending.device.transfer.save_layer(layer)
-        pending.layers_done.add(layer)
+    def _begin_save(self, saves: list[SaveSpec]) -> None:
+        """Take this step's ``saves`` (those ``Outcomes`` accepts after the step's loads) and
+        send their Reserve without waiting (``_ask``)."""
+        step = self._save
+        step.tried = True
+        step.saves = self._outcomes.accepted(saves)
+        step.asked = self._ask(step.saves)
+
+    def _pending(self) -> _PendingSave | None:
+        """This step's reservation, waiting for the Reserve's answer if it is still in flight."""
+        step = self._save
+        if step.asked is not None:
+            asked, step.asked = step.asked, None
+            step.pending = self._settle(asked)
+        return step.pending
 
     def _reserve(self, saves: list[SaveSpec]) -> _PendingSave | None:
-        """Reserve slots for the accepted ``saves`` (``core.save.reserve``); on CUDA open the
-        device save. None if nothing is to be written."""
+        """Reserve slots for the accepted ``saves`` and wait for them (``_ask``, ``_settle``)."""
+        asked = self._ask(saves)
+        return None if asked is None else self._settle(asked)
+
+    def _ask(self, saves: list[SaveSpec]) -> _Asked | None:
+        """Send the Reserve of the accepted ``saves``' blocks (cut to the daemon's
+        ``max_blocks_per_request``) without waiting. None if there is nothing to ask or no
+        daemon (the blocks counted as dropped)."""
         block_ids = [b for spec in saves for b in spec.block_ids]
         if not block_ids:
             return None
         counts: list[tuple[str, int]] = []
-
-        def count(name: str, amount: int) -> None:
-            self._counters.count(name, amount)
-            counts.append((name, amount))
-
         if not self.link.connect():
-            count("dropped_blocks", len(block_ids))
+            self._count(counts, "dropped_blocks", len(block_ids))
             return None
         session = self.link.session
         assert session is not None
         limit = session.engine.max_blocks_per_request
         hashes = [BlockHash(h) for spec in saves for h in spec.block_hashes][:limit]
         owners = [spec.req_id for spec in saves for _ in spec.block_hashes][:limit]
-        count("dropped_blocks", len(block_ids) - len(hashes))
+        self._count(counts, "dropped_blocks", len(block_ids) - len(hashes))
         asked = self._clock()
         try:
-            reservation = reserve(session.client, session.engine_id, hashes)
+            reply = session.client.reserve_async(session.engine_id, hashes)
+        except grpc.RpcError as exc:  # the channel closed under it
+            self.link.failed(exc, session)
+            self._count(counts, "dropped_blocks", len(hashes))
+            return None
+        return _Asked(session, reply, asked, block_ids[:len(hashes)], owners, counts)
+
+    def _settle(self, asked: _Asked) -> _PendingSave | None:
+        """Wait for ``asked``'s answer and lay out its copy: the reserved slots' offsets, the
+        runs of vLLM blocks to copy; on CUDA open the device save. None if the Reserve failed
+        or its session was dropped since (the blocks counted as dropped)."""
+        counts, session = asked.counts, asked.session
+        try:
+            reservation = reservation_of(session.engine_id, asked.reply.result())
         except grpc.RpcError as exc:
             self.link.failed(exc, session)
-            count("dropped_blocks", len(hashes))
+            self._count(counts, "dropped_blocks", len(asked.block_ids))
+            return None
+        if self.link.session is not session:  # its slots are in an arena no longer mapped
+            self._count(counts, "dropped_blocks", len(asked.block_ids))
             return None
         geometry = session.engine.geometry
         targets = [(i, geometry.offset(slot))
                    for i, slot in enumerate(reservation.slot_ids) if slot is not None]
-        count("skipped_blocks", len(hashes) - len(targets))
-        block_runs = runs([block_ids[i] for i, _ in targets], [o for _, o in targets],
+        self._count(counts, "skipped_blocks", len(asked.block_ids) - len(targets))
+        block_runs = runs([asked.block_ids[i] for i, _ in targets], [o for _, o in targets],
                           self.format.slot_bytes)
         device = self._device.sink(self.link) if targets else None
         if device is not None:  # blocks beyond the device staging bound are not written
             kept = device.transfer.open_save(block_runs)
-            count("dropped_blocks", len(targets) - kept)
+            self._count(counts, "dropped_blocks", len(targets) - kept)
             targets = targets[:kept]
-        return _PendingSave(reservation, targets, block_runs, [owners[i] for i, _ in targets],
-                            asked + reservation.seconds_left / 2, counts, device=device)
+        return _PendingSave(reservation, targets, block_runs,
+                            [asked.owners[i] for i, _ in targets],
+                            asked.asked + reservation.seconds_left / 2, counts, device=device)
+
+    def _count(self, counts: list[tuple[str, int]], name: str, amount: int) -> None:
+        """Count ``amount`` of ``name`` for a save, remembered in ``counts`` (undone if the
+        save is re-offered)."""
+        self._counters.count(name, amount)
+        counts.append((name, amount))
 
     def _reoffer(self, old: _PendingSave, saves: list[SaveSpec]) -> _PendingSave | None:
         """The step outlasted half of its write lease, so its Commit might land after the lease
@@ -399,8 +455,9 @@ class WorkerSide:
         new = self._reserve(saves)
         if new is None:
             return None
-        for layer in range(len(self.format.layer_names)):
-            self._take_layer(new, layer)
+        if new.device is not None:
+            for layer in range(len(self.format.layer_names)):
+                new.device.transfer.save_layer(layer)
         self._counters.count("reoffered_blocks", len(new.targets))
         return new
 
@@ -413,10 +470,11 @@ class WorkerSide:
         self._report_speed()
         lease_lost = self._finish_loads() or self._save.lease_lost
         self._commits.harvest()
+        pending = self._pending()
         step, self._save = self._save, _StepSave()
-        pending = step.pending
+        complete = len(step.layers) == len(self.format.layer_names)
         if (pending is not None and not lease_lost and self._clock() >= pending.renew_at
-                and len(pending.layers_done) == len(self.format.layer_names)):
+                and complete):
             pending = self._reoffer(pending, step.saves)
         # CUDA: close the device save (D2H queued, or nothing written if a layer is missing)
         ticket = pending.device.transfer.finish_save() if pending and pending.device else None
@@ -424,8 +482,10 @@ class WorkerSide:
             return
         session = self.link.session
         assert session is not None
-        if lease_lost or len(pending.layers_done) < len(self.format.layer_names):
+        if lease_lost or not complete or not pending.targets:
             self._counters.count("dropped_blocks", len(pending.targets))
+            if all(slot is None for slot in pending.reservation.slot_ids):
+                return  # nothing was reserved: no lease to end
             try:
                 abort(session.client, pending.reservation)
             except grpc.RpcError as exc:

@@ -68,6 +68,42 @@ def test_a_finished_request_keeps_its_pin_until_the_workers_report(sock: str,
     assert usage(sock) == (6, 0)
 
 
+def test_a_save_is_reserved_before_the_forward_pass(engines: Any, monkeypatch: Any,
+                                                    copy_path: str) -> None:
+    """A step that saves sends its Reserve at start_load_kv, before the forward pass, and waits
+    for the answer only where it needs the slots: at wait_for_save for host KV, at the first
+    layer on the CUDA path (its gathers)."""
+    a = engines(0)
+    connector = a.workers[0]
+    client = connector._worker.link.client
+    events: list[str] = []
+    reserve_async, save_kv_layer = client.reserve_async, connector.save_kv_layer
+    wait_for_save = connector.wait_for_save
+
+    def reserve(*args: Any, **kwargs: Any) -> Any:
+        events.append("reserve")
+        reply = reserve_async(*args, **kwargs)
+        result = reply.result
+
+        def waited(*args: Any, **kwargs: Any) -> Any:
+            events.append("waited")
+            return result(*args, **kwargs)
+        reply.result = waited
+        return reply
+
+    monkeypatch.setattr(client, "reserve_async", reserve)
+    monkeypatch.setattr(connector, "save_kv_layer",
+                        lambda *args: (events.append("layer"), save_kv_layer(*args))[1])
+    monkeypatch.setattr(connector, "wait_for_save",
+                        lambda: (events.append("finish"), wait_for_save())[1])
+    a.prefill(FakeRequest("a", prompt(100)))
+    assert a.counters() == (0, 0, 6, 0, 0)
+    if copy_path == "host":
+        assert events == ["reserve", "layer", "layer", "layer", "finish", "waited"]
+    else:
+        assert events == ["reserve", "layer", "waited", "layer", "layer", "finish"]
+
+
 def test_matches_stop_before_last_token_and_after_local_hit(sock: str, engines: Any) -> None:
     """6 blocks stored: a 96-token prompt matches 5, beyond a 2-block local hit 3, beyond 5 none."""
     a, b = engines(0), engines(20)
