@@ -3,7 +3,9 @@ a run (``cpu_seconds``, every run) and, with ``--profile``, py-spy
 samples vLLM's engine-core process (the scheduler) and its worker during one run, and the
 samples are summed by the TierdConnector hook they are in, as shares of the scheduler's busy
 loop and of the worker's (time the other side waits for it, on the critical path of every
-step). Needs `py-spy` on PATH (``pip install py-spy``); root or ptrace rights over the server.
+step). Threads blocked in a call are sampled too (``--idle``), so a hook waiting for the daemon
+counts its wall time, not only its CPU time. Needs `py-spy` on PATH (``pip install py-spy``);
+root or ptrace rights over the server.
 """
 
 from __future__ import annotations
@@ -96,8 +98,9 @@ def profiled(server: VllmServe, workdir: str, run: Callable[[], T]) -> tuple[T, 
     for pid, kind in _children(server).items():
         out = os.path.join(workdir, f"profile-{server.engine}-{kind}-{pid}.txt")
         records.append((kind, out, subprocess.Popen(
-            [spy, "record", "--pid", str(pid), "--rate", "100", "--nonblocking", "--format",
-             "raw", "--output", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+            [spy, "record", "--pid", str(pid), "--rate", "100", "--nonblocking", "--idle",
+             "--format", "raw", "--output", out],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
     try:
         result = run()
     finally:
