@@ -127,7 +127,7 @@ def test_a_hold_released_with_served_counts_what_was_loaded(daemon: Any, kit: An
         with pytest.raises(grpc.RpcError) as info:
             client.release(engine.engine_id, held.lease_id, served=4)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "leading blocks" in str(info.value.details())
+        assert "were loaded under it" in str(info.value.details())
         client.release(engine.engine_id, held.lease_id, served=2)
         after = [(r.tier, r.tokens) for r in client.stats().savings]
     assert before == [("dram", 48)] and after == [("dram", 48 + 32)]

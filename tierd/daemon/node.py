@@ -242,7 +242,7 @@ class NodeStore:
         Returns whether the block was corrupt.
 
         ``served``: for a held lease (``acquire`` or ``probe`` with ``hold``), how many of its
-        leading blocks the engine loaded under it: counted as prefill served then (``Savings``).
+        blocks the engine loaded under it: counted as prefill served then (``Savings``).
         ValueError past the lease's blocks or for a lease not held (its blocks were counted)."""
         return self._reads.release(lease_id, engine_id, corrupt_from, served)
 

@@ -271,7 +271,7 @@ class Reads:
                              "Acquire without hold counted its blocks as served already")
         if served is not None and served > len(lease.keys):
             raise ValueError(f"served {served} is more than the lease's {len(lease.keys)} "
-                             "blocks: give how many of its leading blocks were loaded")
+                             "blocks: give how many of its blocks were loaded under it")
         finished = self._leases.finish(lease_id, "released")
         assert isinstance(finished, ReadLease)
         self.end(finished)

@@ -75,10 +75,13 @@ class Committer:
         else:
             self._submit(reservation, written, ticket)
 
-    def verdict(self, step: int, bad: dict[str, int]) -> None:
+    def verdict(self, step: int, bad: dict[str, int]) -> bool:
         """Commit the held saves of steps up to ``step``, leaving out (as not written) the
-        blocks of requests ``bad`` names for that step."""
+        blocks of requests ``bad`` names for that step. True if it left a block out: until
+        that Commit lands, the daemon counts the block as being written, and a Reserve of it
+        would be told to skip it (``harvest(wait=True)`` first)."""
         keep: list[HeldCommit] = []
+        left_out = False
         for held in self._held:
             if held.step > step:
                 keep.append(held)
@@ -86,9 +89,11 @@ class Committer:
             for i, req_id in enumerate(held.owners):
                 if held.written[i] and req_id in bad and held.step <= bad[req_id]:
                     held.written[i] = False
+                    left_out = True
                     self._counters.count("dropped_blocks", 1)
             self._submit(held.reservation, held.written, held.ticket)
         self._held = keep
+        return left_out
 
     def harvest(self, wait: bool = False) -> None:
         """Count the outcomes of landed Commits (of all of them, with ``wait``)."""

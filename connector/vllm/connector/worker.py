@@ -212,8 +212,8 @@ class WorkerSide:
         """Take the step's metadata: accept saves of requests vLLM is recomputing, then fill
         every planned block or report it (see the module doc). Blocks until done."""
         self._outcomes.begin_step(meta)
-        if meta.verdict is not None:
-            self._commits.verdict(*meta.verdict)
+        if meta.verdict is not None and self._commits.verdict(*meta.verdict):
+            self._commits.harvest(wait=True)  # before this step's Reserve of the blocks left out
         for spec in meta.loads:
             if spec.stream:
                 self._start_stream(spec)
