@@ -102,7 +102,7 @@ def end_leases(links: Sequence[DaemonLink], leases: list[tuple[int, str]],
                corrupt_from: int | None, served: int | None = None) -> None:
     """Release ``leases`` ((rank, lease id)); ``corrupt_from``: the first block some worker
     failed to check, which the daemon re-checks and drops if it is corrupt; ``served``: how
-    many leading blocks of each the workers loaded (counted as served by the daemon). A lease
+    many blocks of each the workers loaded (counted as served by the daemon). A lease
     of a dropped session is gone with it; a failed call is classified by its link."""
     for rank, lease_id in leases:
         link = links[rank]

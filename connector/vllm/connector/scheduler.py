@@ -395,13 +395,18 @@ class SchedulerSide:
         """Release every rank's lease (a runner job), telling the daemon how many blocks the
         workers loaded under it (``served``); after a failed load, name the first failed block
         so the daemon re-checks it and drops it if it is corrupt (a false report changes
-        nothing)."""
+        nothing). That release is made at once, on this thread: the bad copy is gone before
+        the recomputed block's Reserve, which would skip a block the node still holds."""
         if not pin.leases:
             return
         corrupt_from = None if pin.failed_from is None else pin.skipped + pin.failed_from
-        self._runner.submit("release", functools.partial(
-            end_leases, self._links, list(pin.leases), corrupt_from, pin.served(len(self._links))))
+        release = functools.partial(end_leases, self._links, list(pin.leases), corrupt_from,
+                                    pin.served(len(self._links)))
         pin.leases.clear()
+        if corrupt_from is not None:
+            release()
+        else:
+            self._runner.submit("release", release)
 
     def drain(self, timeout: float) -> bool:
         """Report the filtered lookups counted so far, then wait until no lookup or release is
