@@ -15,11 +15,11 @@ a round trip while its pin is fresh. A hit with SSD blocks is not waited for by 
 With host KV it is an asynchronous load (vLLM's ``load_async``), not pinned here: the workers
 acquire and copy it chunk by chunk as the daemon reads it (``streaming``) and report it through
 ``get_finished``. With CUDA KV the job stages it into DRAM on every rank. A pin is released (a
-runner job) on every path: when every worker has reported the load done
-(``TierdWorkerMetadata.loaded``), when vLLM allocates no external tokens, when the request is
-looked up afresh, finishes or is aborted (an abandoned lookup's leases are released once it
-finishes; a pin whose load is planned, once every worker has reported it), and at the latest
-when its lease expires.
+runner job; one naming a failed block at once) on every path: when every worker has reported
+the load done (``TierdWorkerMetadata.loaded``), when vLLM allocates no external tokens, when the
+request is looked up afresh, finishes or is aborted (an abandoned lookup's leases are released
+once it finishes; a pin whose load is planned, once every worker has reported it), and at the
+latest when its lease expires.
 
 The plan for each step goes to the workers as a ``TierdConnectorMetadata``:
 
