@@ -54,11 +54,11 @@ from typing import Any
 from tierd.connector.core.link import DaemonLink
 from tierd.connector.core.runner import Runner
 from tierd.types import BlockHash, Namespace, Tier, make_key
-from tierd.wire.replies import AcquiredBlocks
 
 from .filtered import FilteredLookups
 from .lookup_jobs import Reply, ask, end_leases, reply_of
-from .metadata import LoadSpec, PinnedRun, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
+from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
+from .pins import Pin
 
 _log = logging.getLogger(__name__)
 
@@ -72,49 +72,10 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)  # vLLM block id of each position
 
 
-@dataclass(slots=True)
-class _Pin:
-    """The leases (one per TP rank) that hold a request's reported hit in the daemon's DRAM."""
-
-    start: int                     # block position of the first hit
-    hashes: list[BlockHash]        # the hit blocks, chain order
-    tiers: list[Tier]              # where each was when looked up
-    leases: list[tuple[int, str]]  # (rank, lease id)
-    reports: int = 0               # workers that reported the load done
-    block_ids: list[int] = field(default_factory=list)  # where vLLM loads it (once planned)
-    failed_from: int | None = None  # first hit block some worker failed to load
-    stream: bool = False           # loaded asynchronously, the workers acquire it (no leases)
-    skipped: int = 0               # leading leased blocks dropped since (the local hit grew)
-    fresh_until: float = float("inf")  # clock time after which the answer is asked again
-    runs: list[tuple[str, AcquiredBlocks, float]] = field(default_factory=list)
-    """Per rank: (arena, its Acquire, deadline), what its worker loads under; empty: the workers
-    acquire the blocks themselves."""
-    handed: bool = False           # the workers were told to load under ``runs``
-
-    @property
-    def deadline(self) -> float:
-        """Clock time until which every rank's lease surely holds."""
-        return min((deadline for _, _, deadline in self.runs), default=float("inf"))
-
-    def pinned_runs(self, count: int) -> list[PinnedRun]:
-        """Each rank's part of the first ``count`` held blocks, for its worker to load under."""
-        first = self.skipped
-        return [PinnedRun(arena, got.slot_ids[first:first + count],
-                          got.checksums[first:first + count], deadline)
-                for arena, got, deadline in self.runs]
-
-    def served(self, ranks: int) -> int | None:
-        """Blocks loaded under the pin, as its release reports them (None: the workers did not
-        load under it, or not all ``ranks`` of them reported the load)."""
-        if not self.handed or self.reports < ranks:
-            return None
-        return len(self.block_ids) if self.failed_from is None else self.failed_from
-
-
 @dataclass(frozen=True, slots=True)
 class _Answer:
     """What the daemon said of a waiting request's blocks ``[start, end)``: the first ``held``
-    are held (pinned or streamed, ``_Pin``), the rest are not. vLLM asks again at every step a
+    are held (pinned or streamed, ``Pin``), the rest are not. vLLM asks again at every step a
     request waits; such asks are answered from here."""
 
     start: int
@@ -178,8 +139,8 @@ class SchedulerSide:
         self._load, self._save = load, save
         self._block_size = links[0].layout.block_size
         self._tracked: dict[str, _Tracked] = {}
-        self._pins: dict[str, _Pin] = {}
-        self._loading: list[tuple[str, _Pin]] = []  # unpinned while workers load under them
+        self._pins: dict[str, Pin] = {}
+        self._loading: list[tuple[str, Pin]] = []  # unpinned while workers load under them
         self._loads: list[LoadSpec] = []
         self._recomputing: set[str] = set()
         self._local: dict[str, int] = {}          # block position past the local hit, per lookup
@@ -324,11 +285,11 @@ class SchedulerSide:
             return 0
         tiers = reply.tiers[:len(asking.hashes)]
         if reply.stream:
-            self._pins[req_id] = _Pin(asking.start, asking.hashes[:len(tiers)], list(tiers), [],
+            self._pins[req_id] = Pin(asking.start, asking.hashes[:len(tiers)], list(tiers), [],
                                       stream=True)
             self._answers[req_id] = _Answer(asking.start, len(tiers), asking.end)
             return len(tiers)
-        pin = _Pin(asking.start, asking.hashes[:len(tiers)], list(tiers), [])
+        pin = Pin(asking.start, asking.hashes[:len(tiers)], list(tiers), [])
         for rank, got in enumerate(reply.got):
             if got is None:
                 pin.hashes = []
@@ -391,7 +352,7 @@ class SchedulerSide:
         else:
             self._release(pin)
 
-    def _release(self, pin: _Pin) -> None:
+    def _release(self, pin: Pin) -> None:
         """Release every rank's lease (a runner job), telling the daemon how many blocks the
         workers loaded under it (``served``); after a failed load, name the first failed block
         so the daemon re-checks it and drops it if it is corrupt (a false report changes
