@@ -159,6 +159,15 @@ class Kit:
     def attach(engine: EngineHandle) -> ShmArena:
         return ShmArena.attach(engine.arena_name, directory=engine.arena_directory)
 
+    @staticmethod
+    def engine_storing(client: TierdClient, hashes: list[BlockHash]) -> EngineHandle:
+        """A new engine of ``layout`` that has stored ``hashes`` (``store_blocks``)."""
+        engine = client.register_engine(Kit.layout)
+        arena = Kit.attach(engine)
+        Kit.store_blocks(client, engine, arena, hashes)
+        arena.close()
+        return engine
+
 
 @pytest.fixture
 def kit() -> type[Kit]:

@@ -61,10 +61,7 @@ def test_stats_shows_the_callers_savings(daemon: Any, kit: Any,
     --json` shows 48 DRAM tokens and 24 ms saved; the table shows the row."""
     hashes = kit.chain(3)
     with daemon.client() as client:
-        engine = client.register_engine(kit.layout)
-        arena = kit.attach(engine)
-        kit.store_blocks(client, engine, arena, hashes)
-        arena.close()
+        engine = kit.engine_storing(client, hashes)
         client.report_hot_blocks(engine.engine_id, prefill_tokens_per_second=2000.0)
         got = client.acquire(engine.engine_id, hashes)
         client.release(engine.engine_id, got.lease_id)
@@ -112,10 +109,7 @@ def test_a_hold_released_with_served_counts_what_was_loaded(daemon: Any, kit: An
     naming the fix, and the lease is still held (a plain release ends it)."""
     hashes = kit.chain(3)
     with daemon.client() as client:
-        engine = client.register_engine(kit.layout)
-        arena = kit.attach(engine)
-        kit.store_blocks(client, engine, arena, hashes)
-        arena.close()
+        engine = kit.engine_storing(client, hashes)
         plain = client.acquire(engine.engine_id, hashes)
         with pytest.raises(grpc.RpcError) as info:
             client.release(engine.engine_id, plain.lease_id, served=3)
@@ -140,10 +134,7 @@ def test_no_insight_hooks_keeps_no_savings_curves_or_model_counts(
     _, client = serve(str(tmp_path), "--no-insight-hooks")
     hashes = kit.chain(3)
     with client:
-        engine = client.register_engine(kit.layout)
-        arena = kit.attach(engine)
-        kit.store_blocks(client, engine, arena, hashes)
-        arena.close()
+        engine = kit.engine_storing(client, hashes)
         got = client.probe(engine.engine_id, hashes)
         client.release(engine.engine_id, got.lease_id)
         stats = client.stats()

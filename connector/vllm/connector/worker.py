@@ -267,11 +267,10 @@ class WorkerSide:
         session = self.link.session
         assert session is not None and session.slots is not None
         pinned = spec.pinned[self._rank] if self._rank < len(spec.pinned) else None
-        release = self._release_for(session)
+        release: Release = _kept
         if pinned is not None and pinned.arena == session.engine.arena_name:
             lease = Lease(session.engine_id, "", pinned.slot_ids, pinned.checksums,
                           pinned.deadline)
-            release = _kept
         else:
             try:
                 lease = acquire(session.client, session.engine_id,
@@ -279,6 +278,7 @@ class WorkerSide:
             except grpc.RpcError as exc:
                 self.link.failed(exc, session)
                 return 0
+            release = self._release_for(session)
         device = self._device.sink(self.link)
         if device is not None:  # queued: the lease is released once the DMAs have read it
             opened = start_load(lease, spec.block_ids, session.slots, device)
