@@ -24,7 +24,7 @@ import torch
 
 from tierd.connector.core.arena_slots import ArenaSlots
 from tierd.types import BlockHash
-from tierd.wire.client import TierdClient
+from tierd.wire.client import CommitRefused, TierdClient
 from tierd.wire.replies import ReservedSlots
 
 
@@ -81,6 +81,18 @@ def commit(client: TierdClient, reservation: Reservation, written: Sequence[bool
     order. Returns how many blocks became stored. Raises ``grpc.RpcError``
     (FAILED_PRECONDITION / NOT_FOUND: the reservation had lapsed)."""
     return client.commit(reservation.engine_id, reservation.lease_id, written, names)
+
+
+def commit_many(client: TierdClient, commits: Sequence[tuple[Reservation, Sequence[bool]]]
+                ) -> list[int | CommitRefused]:
+    """``commit`` of each (reservation, written) in one round trip (at most 64, all of one
+    engine): per Commit, the blocks stored or its own failure (``CommitRefused``:
+    FAILED_PRECONDITION or NOT_FOUND where its reservation had lapsed). Raises
+    ``grpc.RpcError`` if the call itself fails."""
+    if not commits:
+        return []
+    return client.commit_many(commits[0][0].engine_id,
+                              [(r.lease_id, written, ()) for r, written in commits])
 
 
 def commit_async(client: TierdClient, reservation: Reservation,

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tierd.checksum import block_checksum
 from tierd.v1 import tierd_pb2 as pb
-from tierd.wire.client import AsyncTierdClient
+from tierd.wire.client import AsyncTierdClient, CommitRefused
 
 
 def test_register_returns_arena_and_geometry(daemon: Any, kit: Any) -> None:
@@ -112,6 +112,46 @@ def test_blank_slots_are_named_at_commit(daemon: Any, kit: Any) -> None:
         assert got.checksums == [block_checksum(kit.block_bytes(h, 4096)) for h in new]
         client.release(engine.engine_id, got.lease_id)
         assert client.stats().tiers[1].used_blocks == 3
+        arena.close()
+    daemon.check_integrity()
+
+
+def test_commit_many_lands_each_commit_on_its_own(daemon: Any, kit: Any) -> None:
+    """One CommitMany of three Commits: the two live reservations store their written blocks
+    (checksummed by the daemon) though the middle one names an aborted reservation (its own
+    outcome, NOT_FOUND or FAILED_PRECONDITION, as a Commit alone) and a fourth names another
+    engine (INVALID_ARGUMENT); more than 64 Commits is INVALID_ARGUMENT for the call."""
+    first, second, gone = kit.chain(2), kit.chain(3, seed=7), kit.chain(1, seed=8)
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+        arena = kit.attach(engine)
+        leases = []
+        for hashes in (first, gone, second):
+            reserved = client.reserve(engine.engine_id, hashes)
+            for key, slot in zip(hashes, reserved.slot_ids):
+                arena.view(engine.geometry.offset(slot), 4096)[:] = kit.block_bytes(key, 4096)
+            leases.append(reserved.lease_id)
+        client.abort(engine.engine_id, leases[1])
+        outcomes = client.commit_many(engine.engine_id, [
+            (leases[0], [True, True], ()), (leases[1], [True], ()),
+            (leases[2], [True, False, True], ())])
+        assert outcomes[0] == 2 and outcomes[2] == 2
+        assert isinstance(outcomes[1], CommitRefused)
+        assert outcomes[1].code() in (grpc.StatusCode.NOT_FOUND,
+                                      grpc.StatusCode.FAILED_PRECONDITION)
+        assert client.lookup(engine.engine_id, first) == ["dram"] * 2
+        assert client.lookup(engine.engine_id, second) == ["dram"]
+        got = client.acquire(engine.engine_id, first)
+        assert got.checksums == [block_checksum(kit.block_bytes(h, 4096)) for h in first]
+        client.release(engine.engine_id, got.lease_id)
+        other = client._call("CommitMany", pb.CommitManyRequest(
+            engine_id=engine.engine_id, commits=[pb.CommitRequest(engine_id="e-other",
+                                                                  lease_id=leases[0])]))
+        assert other.outcomes[0].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "leave it empty" in other.outcomes[0].message
+        with pytest.raises(grpc.RpcError) as err:
+            client.commit_many(engine.engine_id, [(leases[0], [], ())] * 65)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         arena.close()
     daemon.check_integrity()
 

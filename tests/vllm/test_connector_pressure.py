@@ -134,13 +134,13 @@ def test_a_commit_that_lands_after_its_lease_is_a_warning(
     lapsed, never lost silently."""
     import tierd.connector.vllm.connector.commits as commits
 
-    real_commit = commits._commit
+    real_commit = commits._commit_batch
 
     def late(*args: Any) -> Any:
         time.sleep(LEASE + 0.5)
         return real_commit(*args)
 
-    monkeypatch.setattr(commits, "_commit", late)
+    monkeypatch.setattr(commits, "_commit_batch", late)
     a = Engine.start(vllm_config(model_dir, short_lease.socket_path))
     try:
         with caplog.at_level(logging.WARNING, logger="tierd.connector.vllm.connector.commits"):

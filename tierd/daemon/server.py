@@ -51,6 +51,7 @@ from tierd.daemon.node import NodeConfig, NodeStore
 from tierd.daemon.presence import PresenceFilter
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd import SsdStore
+from tierd.types import BlockHash
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
 from tierd.wire import convert
@@ -69,6 +70,8 @@ _STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 ]
 """Domain error -> status code, most specific first (the edge's whole error policy)."""
+
+DOMAIN_ERRORS = tuple(kind for kind, _ in _STATUS)
 
 MAX_DETAILS_CHARS = 1024
 """Longest status message sent: details travel in a trailer, which gRPC caps at 8 KiB."""
@@ -146,6 +149,19 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 
 HASH_THREADS = 2
+"""Threads that checksum the slots of every Commit (the GIL is released)."""
+
+MAX_COMMITS = 64
+"""Commits one CommitMany carries at most."""
+
+
+def _refused(outcome: pb.CommitOutcome, exc: Exception) -> None:
+    """Fill ``outcome`` with the status a Commit failing with the domain error ``exc`` alone
+    would get."""
+    code = status_for(exc)
+    assert code is not None, "only domain errors are caught"
+    outcome.code, outcome.message = code.value[0], str(exc)[:MAX_DETAILS_CHARS]
+
 """Threads that checksum the slots of every Commit (the GIL is released)."""
 
 
@@ -267,17 +283,58 @@ class TierdServicer(pb_grpc.TierdServicer):
     async def Commit(self, request: pb.CommitRequest,
                      context: grpc.aio.ServicerContext) -> pb.CommitResponse:
         engine_id = self._engine(context, request.engine_id)
+        spans, names = self._written(engine_id, request)
+        return pb.CommitResponse(stored=await self._publish(engine_id, request, names,
+                                                            await self._checksums(spans)))
+
+    async def CommitMany(self, request: pb.CommitManyRequest,
+                         context: grpc.aio.ServicerContext) -> pb.CommitManyResponse:
+        """Each Commit as ``Commit`` would make it; the written slots of all of them are
+        checksummed in one pass over the hashing threads."""
+        engine_id = self._engine(context, request.engine_id)
+        if len(request.commits) > MAX_COMMITS:
+            raise ValueError(f"a CommitMany carries at most {MAX_COMMITS} commits, got "
+                             f"{len(request.commits)}: send the rest in another")
+        outcomes = [pb.CommitOutcome() for _ in request.commits]
+        taken: list[tuple[int, list[BlockHash], int, int]] = []  # index, names, span range
+        spans: list[tuple[int, int] | None] = []
+        for i, item in enumerate(request.commits):
+            try:
+                if item.engine_id not in ("", request.engine_id):
+                    raise ValueError(f"commit {i} names engine {item.engine_id!r}, not the "
+                                     f"request's {request.engine_id!r}: leave it empty")
+                its, names = self._written(engine_id, item)
+            except DOMAIN_ERRORS as exc:  # fails this commit alone
+                _refused(outcomes[i], exc)
+                continue
+            taken.append((i, names, len(spans), len(spans) + len(its)))
+            spans += its
+        checksums = await self._checksums(spans)
+        for i, names, begin, end in taken:
+            try:
+                outcomes[i].stored = await self._publish(engine_id, request.commits[i], names,
+                                                         checksums[begin:end])
+            except DOMAIN_ERRORS as exc:
+                _refused(outcomes[i], exc)
+        return pb.CommitManyResponse(outcomes=outcomes)
+
+    def _written(self, engine_id: str, request: pb.CommitRequest
+                 ) -> tuple[list[tuple[int, int] | None], list[BlockHash]]:
+        """A Commit's written slots as arena spans (None: not written), and its blank slots'
+        names."""
         if request.blocks:
             raise ValueError("engine checksums (CommitRequest.blocks) are no longer accepted: "
                              "send written flags, the daemon checksums the slots; upgrade the "
                              "engine's tierd")
         names = convert.hashes_from_pb(request.block_hashes)
-        spans = self._store.written_spans(request.lease_id, list(request.written),
-                                          engine_id=engine_id, names=names)
-        checksums = await self._checksums(spans)
-        stored = await run_steps(self._store.commit_steps(request.lease_id, checksums,
-                                                          engine_id=engine_id, names=names))
-        return pb.CommitResponse(stored=stored)
+        return self._store.written_spans(request.lease_id, list(request.written),
+                                         engine_id=engine_id, names=names), names
+
+    async def _publish(self, engine_id: str, request: pb.CommitRequest, names: list[BlockHash],
+                       checksums: list[int | None]) -> int:
+        """Store a Commit's checksummed slots: the blocks that became stored."""
+        return await run_steps(self._store.commit_steps(request.lease_id, checksums,
+                                                        engine_id=engine_id, names=names))
 
     async def Abort(self, request: pb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:

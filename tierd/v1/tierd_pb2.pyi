@@ -226,6 +226,30 @@ class CommitResponse(_message.Message):
     stored: int
     def __init__(self, stored: _Optional[int] = ...) -> None: ...
 
+class CommitManyRequest(_message.Message):
+    __slots__ = ("engine_id", "commits")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    commits: _containers.RepeatedCompositeFieldContainer[CommitRequest]
+    def __init__(self, engine_id: _Optional[str] = ..., commits: _Optional[_Iterable[_Union[CommitRequest, _Mapping]]] = ...) -> None: ...
+
+class CommitOutcome(_message.Message):
+    __slots__ = ("stored", "code", "message")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    code: int
+    message: str
+    def __init__(self, stored: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class CommitManyResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[CommitOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[CommitOutcome, _Mapping]]] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("engine_id", "lease_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]

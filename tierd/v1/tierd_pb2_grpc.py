@@ -75,6 +75,11 @@ class TierdStub:
                 request_serializer=tierd_dot_v1_dot_tierd__pb2.CommitRequest.SerializeToString,
                 response_deserializer=tierd_dot_v1_dot_tierd__pb2.CommitResponse.FromString,
                 _registered_method=True)
+        self.CommitMany = channel.unary_unary(
+                '/tierd.v1.Tierd/CommitMany',
+                request_serializer=tierd_dot_v1_dot_tierd__pb2.CommitManyRequest.SerializeToString,
+                response_deserializer=tierd_dot_v1_dot_tierd__pb2.CommitManyResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tierd.v1.Tierd/Abort',
                 request_serializer=tierd_dot_v1_dot_tierd__pb2.AbortRequest.SerializeToString,
@@ -180,6 +185,14 @@ class TierdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitMany(self, request, context):
+        """Several Commits of one engine in one round trip, each as a Commit of its own, in order: one
+        that fails (its lease ended, a bad flag) is named in its outcome and the others still land.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Frees a reservation's slots without storing anything.
         """
@@ -265,6 +278,11 @@ def add_TierdServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=tierd_dot_v1_dot_tierd__pb2.CommitRequest.FromString,
                     response_serializer=tierd_dot_v1_dot_tierd__pb2.CommitResponse.SerializeToString,
+            ),
+            'CommitMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitMany,
+                    request_deserializer=tierd_dot_v1_dot_tierd__pb2.CommitManyRequest.FromString,
+                    response_serializer=tierd_dot_v1_dot_tierd__pb2.CommitManyResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -509,6 +527,33 @@ class Tierd:
             '/tierd.v1.Tierd/Commit',
             tierd_dot_v1_dot_tierd__pb2.CommitRequest.SerializeToString,
             tierd_dot_v1_dot_tierd__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierd.v1.Tierd/CommitMany',
+            tierd_dot_v1_dot_tierd__pb2.CommitManyRequest.SerializeToString,
+            tierd_dot_v1_dot_tierd__pb2.CommitManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

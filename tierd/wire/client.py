@@ -43,8 +43,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-__all__ = ["AcquiredBlocks", "AsyncTierdClient", "DaemonStats", "EngineHandle", "Located",
-           "ReservedSlots", "TierdClient", "target_for"]
+__all__ = ["AcquiredBlocks", "AsyncTierdClient", "CommitRefused", "DaemonStats", "EngineHandle",
+           "Located", "ReservedSlots", "TierdClient", "target_for"]
 
 DEFAULT_TIMEOUT = 30.0
 """Seconds before a call fails with DEADLINE_EXCEEDED (an Acquire may read from SSD)."""
@@ -133,6 +133,31 @@ class ChannelClosed(grpc.RpcError):  # type: ignore[misc]  # grpc has no type st
         if "closed" not in str(exc).lower():
             raise exc
         return cls(f"the channel to {target} was closed")
+
+
+class CommitRefused(grpc.RpcError):  # type: ignore[misc]
+    """One Commit of a ``commit_many`` that the daemon refused, the others landing: ``code()``
+    and ``details()`` are what that Commit made alone would have failed with."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _outcomes(reply: pb.CommitManyResponse) -> list[int | CommitRefused]:
+    """Each Commit's blocks stored, or its ``CommitRefused``."""
+    return [int(o.stored) if o.code == 0 else
+            CommitRefused(_CODES.get(o.code, grpc.StatusCode.UNKNOWN), o.message)
+            for o in reply.outcomes]
 
 
 class TierdClient:
@@ -275,6 +300,17 @@ class TierdClient:
         the blocks stored, or of the call's ``grpc.RpcError``."""
         return self._future("Commit", _Requests.commit(engine_id, lease_id, written, names),
                             lambda reply: int(reply.stored))
+
+    def commit_many(self, engine_id: str,
+                    commits: Sequence[tuple[str, Sequence[bool], Sequence[BlockHash]]]
+                    ) -> list[int | CommitRefused]:
+        """``commit`` of each (lease id, written, names) in one round trip, in order (at most
+        64): per Commit, the blocks now stored or its own failure (``CommitRefused``); a failure
+        of the call itself raises ``grpc.RpcError`` as ``commit`` does."""
+        reply = self._call("CommitMany", pb.CommitManyRequest(engine_id=engine_id, commits=[
+            _Requests.commit("", lease_id, written, names)
+            for lease_id, written, names in commits]))
+        return _outcomes(reply)
 
     def abort(self, engine_id: str, lease_id: str) -> None:
         """Free a reservation's slots, storing nothing."""

@@ -5,6 +5,13 @@ reuse its blocks at once (the bytes are already in the arena, or, on CUDA, on th
 committer thread waits for the save's ``SaveTicket`` before it commits). The Commit names the
 written slots and the daemon checksums them itself (``core.save.commit``).
 
+Commits are sent together: the first one handed over starts a window of ``WINDOW_SECONDS``, and
+every Commit handed over until it closes goes in the same round trip (``CommitMany``, each
+Commit landing or failing on its own). The daemon then wakes once per window rather than once
+per step, which on a host whose cores the engine's threads fill is time taken from the
+forward pass. A block is visible to lookups at most a window later; ``harvest(wait=True)``
+(and ``close``) closes the window at once.
+
 With TP > 1, a step's Commit is *held* until the scheduler's verdict on that step
 (``TierdConnectorMetadata.verdict``): the blocks of requests some rank failed to load under are
 then committed as not written, so no rank stores what another rank computed on a failed load.
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -30,7 +38,7 @@ import grpc
 from tierd.connector.core.errors import classify, describe
 from tierd.connector.core.link import WARN_EVERY_SECONDS, DaemonLink, Session
 from tierd.connector.core.runner import Runner
-from tierd.connector.core.save import Reservation, commit
+from tierd.connector.core.save import Reservation, commit_many
 from tierd.wire.client import TierdClient
 
 from .cuda_copy import SaveTicket
@@ -39,6 +47,23 @@ from .stats import Counters
 _log = logging.getLogger(__name__)
 
 _Outcome = tuple[int, int, grpc.RpcError | None]  # blocks stored, blocks lost, the error
+
+WINDOW_SECONDS = 0.02
+"""How long the first Commit handed over waits for others to go with it (module doc); well
+inside any write lease, so a Commit never lapses for waiting."""
+
+BATCH = 64
+"""Commits per round trip at most (the daemon's ``CommitMany`` limit)."""
+
+
+@dataclass(slots=True)
+class _Queued:
+    """A Commit handed over, waiting for its window to close."""
+
+    reservation: Reservation
+    written: list[bool]
+    ticket: SaveTicket | None
+    outcome: Future[_Outcome]
 
 
 @dataclass(slots=True)
@@ -66,6 +91,9 @@ class Committer:
         self._futures: list[tuple[Session | None, Future[_Outcome]]] = []
         self._client: TierdClient | None = None
         self._held: list[HeldCommit] = []
+        self._lock = threading.Lock()  # the queue is shared with the committer thread
+        self._queue: list[_Queued] = []
+        self._close_window = threading.Event()
 
     def commit(self, step: int, reservation: Reservation, written: list[bool],
                owners: list[str], ticket: SaveTicket | None) -> None:
@@ -96,7 +124,10 @@ class Committer:
         return left_out
 
     def harvest(self, wait: bool = False) -> None:
-        """Count the outcomes of landed Commits (of all of them, with ``wait``)."""
+        """Count the outcomes of landed Commits (of all of them, with ``wait``: the open window
+        is closed first)."""
+        if wait:
+            self._close_window.set()
         keep: list[tuple[Session | None, Future[_Outcome]]] = []
         for session, future in self._futures:
             if not wait and not future.done():
@@ -143,21 +174,46 @@ class Committer:
 
     def _submit(self, reservation: Reservation, written: list[bool],
                 ticket: SaveTicket | None) -> None:
+        """Queue a Commit; the first of a window also queues the job that sends the window."""
         if self._client is None:
             self._client = self._link.new_client()
-        job = self._runner.submit("commit", functools.partial(
-            _commit, self._client, reservation, written, ticket))
-        assert job is not None, "the commit kind has no limit"
-        self._futures.append((self._link.session, job))
+        outcome: Future[_Outcome] = Future()
+        with self._lock:
+            opens = not self._queue
+            self._queue.append(_Queued(reservation, written, ticket, outcome))
+        if opens:
+            job = self._runner.submit("commit", functools.partial(self._send_window,
+                                                                  self._client))
+            assert job is not None, "the commit kind has no limit"
+        self._futures.append((self._link.session, outcome))
+
+    def _send_window(self, client: TierdClient) -> None:
+        """Committer thread: wait for the window to close, then send its Commits."""
+        self._close_window.wait(WINDOW_SECONDS)
+        with self._lock:
+            queued, self._queue = self._queue, []
+            self._close_window.clear()
+        for start in range(0, len(queued), BATCH):
+            part = queued[start:start + BATCH]
+            try:
+                outcomes = _commit_batch(client, part)
+            except BaseException as exc:  # a bug: its Commits' waiters raise it, not hang
+                for item in queued[start:]:
+                    item.outcome.set_exception(exc)
+                raise
+            for item, outcome in zip(part, outcomes):
+                item.outcome.set_result(outcome)
 
 
-def _commit(client: TierdClient, reservation: Reservation, written: list[bool],
-            ticket: SaveTicket | None) -> _Outcome:
-    """Committer thread: once the save's device copies are in the arena (``ticket``, CUDA),
-    publish the reservation, the daemon checksumming the written slots."""
-    if ticket is not None:
-        ticket.landed.synchronize()
+def _commit_batch(client: TierdClient, batch: list[_Queued]) -> list[_Outcome]:
+    """Committer thread: once each save's device copies are in the arena (its ticket, CUDA),
+    publish the reservations in one round trip, the daemon checksumming the written slots."""
+    for item in batch:
+        if item.ticket is not None:
+            item.ticket.landed.synchronize()
     try:
-        return commit(client, reservation, written), 0, None
+        results = commit_many(client, [(item.reservation, item.written) for item in batch])
     except grpc.RpcError as exc:
-        return 0, sum(written), exc
+        return [(0, sum(item.written), exc) for item in batch]
+    return [(result, 0, None) if isinstance(result, int) else
+            (0, sum(item.written), result) for item, result in zip(batch, results)]

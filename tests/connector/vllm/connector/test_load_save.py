@@ -104,6 +104,33 @@ def test_a_save_is_reserved_before_the_forward_pass(engines: Any, monkeypatch: A
         assert events == ["reserve", "layer", "waited", "layer", "layer", "finish"]
 
 
+def test_the_commits_of_a_window_go_in_one_round_trip(sock: str, engines: Any,
+                                                      monkeypatch: Any) -> None:
+    """Three steps each save a request's 6 blocks within one commit window: their Commits reach
+    the daemon in one CommitMany, every block stored; waiting for the Commits (the counters)
+    closes the window at once rather than at its end."""
+    import tierd.connector.vllm.connector.commits as commits
+
+    monkeypatch.setattr(commits, "WINDOW_SECONDS", 60.0)
+    sent: list[int] = []
+    commit_many = commits.commit_many
+
+    def recorded(client: Any, batch: Any) -> Any:
+        sent.append(len(batch))
+        return commit_many(client, batch)
+
+    monkeypatch.setattr(commits, "commit_many", recorded)
+    a = engines(0)
+    for i in range(3):
+        req = FakeRequest(f"r{i}", prompt(96, salt=i))
+        a.admit(req)
+        a.step([req])
+    began = time.monotonic()
+    assert a.counters() == (0, 0, 18, 0, 0) and usage(sock) == (18, 0)
+    assert time.monotonic() - began < 30.0
+    assert sent == [3]
+
+
 def test_matches_stop_before_last_token_and_after_local_hit(sock: str, engines: Any) -> None:
     """6 blocks stored: a 96-token prompt matches 5, beyond a 2-block local hit 3, beyond 5 none."""
     a, b = engines(0), engines(20)
