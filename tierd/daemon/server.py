@@ -72,6 +72,7 @@ _STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
 """Domain error -> status code, most specific first (the edge's whole error policy)."""
 
 DOMAIN_ERRORS = tuple(kind for kind, _ in _STATUS)
+"""The errors that are a status code, not a bug (``CommitMany`` fails one Commit on them)."""
 
 MAX_DETAILS_CHARS = 1024
 """Longest status message sent: details travel in a trailer, which gRPC caps at 8 KiB."""
@@ -161,8 +162,6 @@ def _refused(outcome: pb.CommitOutcome, exc: Exception) -> None:
     code = status_for(exc)
     assert code is not None, "only domain errors are caught"
     outcome.code, outcome.message = code.value[0], str(exc)[:MAX_DETAILS_CHARS]
-
-"""Threads that checksum the slots of every Commit (the GIL is released)."""
 
 
 class TierdServicer(pb_grpc.TierdServicer):
