@@ -26,7 +26,6 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -35,7 +34,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from tierd.checksum import checksums_at
 from tierd.daemon import why_convert
 from tierd.daemon.arena import OwnedArena, check_room, free_bytes
 from tierd.daemon.arena_owner import new_arena_name, remove_stale_arenas
@@ -43,15 +41,16 @@ from tierd.daemon.auth import Authenticator, TokenTable
 from tierd.daemon.build import Node, build_node
 from tierd.daemon.chunks import run_steps
 from tierd.daemon.cluster_link import ClusterLink
+from tierd.daemon.commit_edge import CommitEdge
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.engine_access import group_id, share
-from tierd.daemon.errors import FailedPrecondition, NotFound, ResourceExhausted, Unauthenticated
+from tierd.daemon.errors import FailedPrecondition, ResourceExhausted, Unauthenticated
 from tierd.daemon.loop_share import LoopShare, LoopShareCollector
 from tierd.daemon.node import NodeConfig, NodeStore
 from tierd.daemon.presence import PresenceFilter
 from tierd.daemon.slots import SlabAllocator
 from tierd.daemon.ssd import SsdStore
-from tierd.types import BlockHash
+from tierd.daemon.status import MAX_DETAILS_CHARS, status_for
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
 from tierd.wire import convert
@@ -61,26 +60,6 @@ from tierd.wire.layout import Layout, namespace_for
 _log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tierd"].full_name  # "tierd.v1.Tierd"
-
-_STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
-    (NotFound, grpc.StatusCode.NOT_FOUND),
-    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
-    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-]
-"""Domain error -> status code, most specific first (the edge's whole error policy)."""
-
-DOMAIN_ERRORS = tuple(kind for kind, _ in _STATUS)
-"""The errors that are a status code, not a bug (``CommitMany`` fails one Commit on them)."""
-
-MAX_DETAILS_CHARS = 1024
-"""Longest status message sent: details travel in a trailer, which gRPC caps at 8 KiB."""
-
-
-def status_for(exc: Exception) -> grpc.StatusCode | None:
-    """The status code of a domain error, or None for anything else (a bug: INTERNAL)."""
-    return next((code for kind, code in _STATUS if isinstance(exc, kind)), None)
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -149,21 +128,6 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return call
 
 
-HASH_THREADS = 2
-"""Threads that checksum the slots of every Commit (the GIL is released)."""
-
-MAX_COMMITS = 64
-"""Commits one CommitMany carries at most."""
-
-
-def _refused(outcome: pb.CommitOutcome, exc: Exception) -> None:
-    """Fill ``outcome`` with the status a Commit failing with the domain error ``exc`` alone
-    would get."""
-    code = status_for(exc)
-    assert code is not None, "only domain errors are caught"
-    outcome.code, outcome.message = code.value[0], str(exc)[:MAX_DETAILS_CHARS]
-
-
 class TierdServicer(pb_grpc.TierdServicer):
     """The Tierd service: one NodeStore call per RPC, conversion at the edge, nothing else."""
 
@@ -177,17 +141,7 @@ class TierdServicer(pb_grpc.TierdServicer):
         self._auth = auth
         self._cluster = cluster
         self._acquire = store.acquire if cluster is None else cluster.acquire
-        # Commits hash the written slots here, off the event loop.
-        self._hashers = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="tierd-hash")
-
-    async def _checksums(self, spans: list[tuple[int, int] | None]) -> list[int | None]:
-        """``checksums_at(spans)``, split over the hashing threads; the loop serves meanwhile."""
-        loop = asyncio.get_running_loop()
-        step = -(-len(spans) // HASH_THREADS) or 1
-        parts = await asyncio.gather(*(loop.run_in_executor(self._hashers, checksums_at,
-                                                            spans[i:i + step])
-                                       for i in range(0, len(spans), step)))
-        return [c for part in parts for c in part]
+        self._commits = CommitEdge(store)
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
         return self._auth.tenant(context.peer(), context.invocation_metadata() or ())
@@ -282,58 +236,12 @@ class TierdServicer(pb_grpc.TierdServicer):
     async def Commit(self, request: pb.CommitRequest,
                      context: grpc.aio.ServicerContext) -> pb.CommitResponse:
         engine_id = self._engine(context, request.engine_id)
-        spans, names = self._written(engine_id, request)
-        return pb.CommitResponse(stored=await self._publish(engine_id, request, names,
-                                                            await self._checksums(spans)))
+        return pb.CommitResponse(stored=await self._commits.commit(engine_id, request))
 
     async def CommitMany(self, request: pb.CommitManyRequest,
                          context: grpc.aio.ServicerContext) -> pb.CommitManyResponse:
-        """Each Commit as ``Commit`` would make it; the written slots of all of them are
-        checksummed in one pass over the hashing threads."""
         engine_id = self._engine(context, request.engine_id)
-        if len(request.commits) > MAX_COMMITS:
-            raise ValueError(f"a CommitMany carries at most {MAX_COMMITS} commits, got "
-                             f"{len(request.commits)}: send the rest in another")
-        outcomes = [pb.CommitOutcome() for _ in request.commits]
-        taken: list[tuple[int, list[BlockHash], int, int]] = []  # index, names, span range
-        spans: list[tuple[int, int] | None] = []
-        for i, item in enumerate(request.commits):
-            try:
-                if item.engine_id not in ("", request.engine_id):
-                    raise ValueError(f"commit {i} names engine {item.engine_id!r}, not the "
-                                     f"request's {request.engine_id!r}: leave it empty")
-                its, names = self._written(engine_id, item)
-            except DOMAIN_ERRORS as exc:  # fails this commit alone
-                _refused(outcomes[i], exc)
-                continue
-            taken.append((i, names, len(spans), len(spans) + len(its)))
-            spans += its
-        checksums = await self._checksums(spans)
-        for i, names, begin, end in taken:
-            try:
-                outcomes[i].stored = await self._publish(engine_id, request.commits[i], names,
-                                                         checksums[begin:end])
-            except DOMAIN_ERRORS as exc:
-                _refused(outcomes[i], exc)
-        return pb.CommitManyResponse(outcomes=outcomes)
-
-    def _written(self, engine_id: str, request: pb.CommitRequest
-                 ) -> tuple[list[tuple[int, int] | None], list[BlockHash]]:
-        """A Commit's written slots as arena spans (None: not written), and its blank slots'
-        names."""
-        if request.blocks:
-            raise ValueError("engine checksums (CommitRequest.blocks) are no longer accepted: "
-                             "send written flags, the daemon checksums the slots; upgrade the "
-                             "engine's tierd")
-        names = convert.hashes_from_pb(request.block_hashes)
-        return self._store.written_spans(request.lease_id, list(request.written),
-                                         engine_id=engine_id, names=names), names
-
-    async def _publish(self, engine_id: str, request: pb.CommitRequest, names: list[BlockHash],
-                       checksums: list[int | None]) -> int:
-        """Store a Commit's checksummed slots: the blocks that became stored."""
-        return await run_steps(self._store.commit_steps(request.lease_id, checksums,
-                                                        engine_id=engine_id, names=names))
+        return await self._commits.commit_many(engine_id, request)
 
     async def Abort(self, request: pb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:

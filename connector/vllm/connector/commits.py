@@ -145,6 +145,8 @@ class Committer:
             self._counters.count("saved_blocks", stored)
             self._counters.count("saved_bytes", stored * self._slot_bytes)
         self._futures = keep
+        if wait:  # every window has been sent: the next one waits its full time
+            self._close_window.clear()
 
     def _warn_lost(self, lost: int, exc: grpc.RpcError) -> None:
         """Count a failed Commit's ``lost`` blocks as lapsed where its lease had ended, and say
