@@ -81,7 +81,9 @@ def test_a_cleared_tier_is_recounted_from_what_is_held(
         pair: tuple[PresenceFilter, PresenceView]) -> None:
     """When the SSD tier goes, the counts are rebuilt from ``held()`` (the DRAM copies)."""
     presence, view = pair
-    dram, ssd = _keys(presence, 4)[:2], _keys(presence, 4)[2:]
+    dram = _keys(presence, 2)
+    taken = {presence.cell(k) for k in dram}  # the filter's secret places keys: no shared cell
+    ssd = [k for k in _keys(presence, 64)[2:] if presence.cell(k) not in taken][:2]
     presence.bind(lambda: list(dram))
     presence.stored(dram, "dram")
     presence.stored(ssd, "ssd")
