@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tierd.checksum import block_checksum
+from tierd.daemon import commit_edge
 from tierd.v1 import tierd_pb2 as pb
 from tierd.wire.client import AsyncTierdClient, CommitRefused
 
@@ -80,6 +81,34 @@ def test_commit_with_written_flags_lets_the_daemon_checksum(daemon: Any, kit: An
         client.release(engine.engine_id, got.lease_id)
         arena.close()
     daemon.check_integrity()
+
+
+@pytest.mark.parametrize("inline_bytes", [commit_edge.INLINE_HASH_BYTES, 0])
+def test_small_and_large_commits_get_the_same_checksums(daemon: Any, kit: Any,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         inline_bytes: int) -> None:
+    """Written slots are checksummed alike on the event loop (a small Commit) and on the
+    hashing threads (``INLINE_HASH_BYTES`` 0: every Commit counts as large), by Commit and by
+    CommitMany."""
+    monkeypatch.setattr(commit_edge, "INLINE_HASH_BYTES", inline_bytes)
+    hashes = kit.chain(5)
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+        arena = kit.attach(engine)
+        reservations = [client.reserve(engine.engine_id, part)
+                        for part in (hashes[:3], hashes[3:4], hashes[4:])]
+        for reserved, part in zip(reservations, (hashes[:3], hashes[3:4], hashes[4:])):
+            for key, slot in zip(part, reserved.slot_ids):
+                assert slot is not None
+                arena.view(engine.geometry.offset(slot), 4096)[:] = kit.block_bytes(key, 4096)
+        first, *rest = reservations
+        assert client.commit(engine.engine_id, first.lease_id, [True] * 3) == 3
+        assert client.commit_many(engine.engine_id,
+                                  [(r.lease_id, [True], ()) for r in rest]) == [1, 1]
+        got = client.acquire(engine.engine_id, hashes)
+        assert got.checksums == [block_checksum(kit.block_bytes(h, 4096)) for h in hashes]
+        client.release(engine.engine_id, got.lease_id)
+        arena.close()
 
 
 def test_blank_slots_are_named_at_commit(daemon: Any, kit: Any) -> None:

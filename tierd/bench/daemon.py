@@ -11,6 +11,13 @@
    memory like the DRAM arena's slots; crash-safe records appended to segments, checksums),
    beside raw sequential disk bandwidth for the same bytes in the same directory
    (``tierd.daemon.ssd.rawdisk.measure_raw_disk``). Target: >= 70% of raw, each direction.
+4. The daemon's CPU time per saving step of a vLLM worker (a Reserve of ``SAVED_BLOCKS`` small
+   blocks, the KV of a small model's step, and its share of a CommitMany carrying the Commits of
+   ``WINDOW_STEPS`` steps, as ``connector.vllm.connector.commits`` sends them), read by the
+   daemon process itself, beside its CPU time per gRPC echo of a Reserve's sizes (the transport
+   alone). On a host where the engine's threads occupy every core this CPU is taken from them.
+   Target: <= 2.5 echoes (the step makes 1.25 calls: tierd's own work at most the transport's).
+   A Commit per step is printed beside it, unjudged.
 
 Noise only ever adds time, so copies keep the best of a few runs. Short by default (~10-20 s).
 """
@@ -24,6 +31,7 @@ import mmap
 import os
 import shutil
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -36,6 +44,10 @@ ECHO_METHOD = "/tierd.bench.Echo/Echo"
 TARGET_LOOKUP = 2.0   # lookup p50 / echo p50 at most
 TARGET_COPY = 0.70    # DRAM copy / memcpy at least
 TARGET_SSD = 0.70     # SSD tier / raw disk at least
+TARGET_SAVE_CPU = 2.5  # daemon CPU of a saving step / of an echo at most
+SAVED_BLOCKS = 3      # blocks a saving step stores
+WINDOW_STEPS = 4      # saving steps whose Commits one CommitMany carries
+CPU_METHOD = "/tierd.bench.Echo/Cpu"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +60,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "measurements; the best of each is kept (3)")
     parser.add_argument("--dir", default=None, help="directory for the SSD part (default: a "
                         "temporary one under the tierd cache dir, on the SSD tier's disk)")
+    parser.add_argument("--save-steps", type=int, default=800, help="saving steps timed in "
+                        "each form, windowed and a Commit per step (800)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--serve-echo", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--arena-bytes", type=int, default=0, help=argparse.SUPPRESS)
@@ -64,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(base, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="tierd-bench-", dir=base)
     sock = os.path.join(tempfile.mkdtemp(prefix="tierd-b"), "d.sock")
-    arena_bytes = _arena_bytes(layout.block_bytes, args.blocks)
+    arena_bytes = (_arena_bytes(layout.block_bytes, args.blocks)
+                   + _arena_bytes(_small_layout().block_bytes, 2 * SAVED_BLOCKS * args.save_steps))
     server = subprocess.Popen([sys.executable, "-m", "tierd.bench.daemon", "--serve-echo", sock,
                                "--arena-bytes", str(arena_bytes)])
     try:
@@ -84,6 +99,15 @@ def _layout(layers: int) -> Any:
                   block_size=16, model_id="bench-daemon@synthetic")
 
 
+def _small_layout() -> Any:
+    """A small model's block (32 tokens, 2 layers of 2 KV heads of 64, bf16: 32 KiB), whose
+    checksums cost next to nothing: a saving step's daemon CPU is the calls' own."""
+    from tierd.wire.layout import Layout
+
+    return Layout(num_layers=2, num_kv_heads=2, head_size=64, dtype="bfloat16", block_size=32,
+                  model_id="bench-daemon-small@synthetic")
+
+
 def _arena_bytes(block_bytes: int, blocks: int) -> int:
     slab = 64 << 20
     per_slab = max(1, slab // block_bytes)
@@ -92,7 +116,8 @@ def _arena_bytes(block_bytes: int, blocks: int) -> int:
 
 async def _serve_with_echo(sock: str, arena_bytes: int) -> None:
     """Child process: a daemon (DRAM only) with the echo service beside Tierd, until SIGTERM.
-    The echo replies with the first 4 request bytes' worth (little-endian) of the request."""
+    The echo replies with the first 4 request bytes' worth (little-endian) of the request;
+    ``Cpu`` with this process's CPU seconds (a float64, little-endian)."""
     import signal
 
     import grpc
@@ -103,8 +128,12 @@ async def _serve_with_echo(sock: str, arena_bytes: int) -> None:
     async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return request[:int.from_bytes(request[:4], "little")]
 
+    async def cpu(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return struct.pack("<d", time.process_time())
+
     handler = grpc.method_handlers_generic_handler(
-        "tierd.bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
+        "tierd.bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo),
+                             "Cpu": grpc.unary_unary_rpc_method_handler(cpu)})
     config = TierdConfig(socket_path=sock, dram_bytes=arena_bytes, slab_bytes=64 << 20,
                          ssd_dir="", maintain_seconds=3600.0)
     daemon = await Daemon.start(config, extra_handlers=[handler])
@@ -141,6 +170,7 @@ def _measure(args: argparse.Namespace, layout: Any, sock: str, workdir: str) -> 
             lookup_ms, echo_ms = _interleaved(
                 lambda: client.lookup(engine.engine_id, hashes),
                 lambda: echo(echo_request, timeout=10), args.calls)
+            save_cpu = _save_cpu_figures(client, channel, args.save_steps)
         got = client.acquire(engine.engine_id, hashes)
         copy = _copy_figures(arena, engine.geometry, got.slot_ids, payloads, args.repeat)
         client.release(engine.engine_id, got.lease_id)
@@ -149,7 +179,8 @@ def _measure(args: argparse.Namespace, layout: Any, sock: str, workdir: str) -> 
     return {"blocks": args.blocks, "block_bytes": layout.block_bytes,
             "lookup_request_bytes": size, "lookup_reply_bytes": reply_len,
             "lookup_p50_ms": _pct(lookup_ms, 50), "lookup_p99_ms": _pct(lookup_ms, 99),
-            "echo_p50_ms": _pct(echo_ms, 50), "echo_p99_ms": _pct(echo_ms, 99), **copy, **ssd}
+            "echo_p50_ms": _pct(echo_ms, 50), "echo_p99_ms": _pct(echo_ms, 99), **save_cpu,
+            **copy, **ssd}
 
 
 def _store(client: Any, engine: Any, arena: Any, hashes: list[Any]) -> list[bytes]:
@@ -163,6 +194,60 @@ def _store(client: Any, engine: Any, arena: Any, hashes: list[Any]) -> list[byte
     stored = client.commit(engine.engine_id, reserved.lease_id, [True] * len(payloads))
     assert stored == len(hashes), f"stored {stored} of {len(hashes)} blocks"
     return payloads
+
+
+def _save_cpu_figures(client: Any, channel: Any, steps: int) -> dict[str, float]:
+    """Daemon CPU microseconds per saving step, windowed (``WINDOW_STEPS`` Commits in one
+    CommitMany) and with a Commit per step, and per echo of a Reserve's request and reply sizes;
+    the three take turns in rounds (so load on the machine hits all alike), after a warm-up."""
+    from tierd.types import BlockHash
+    from tierd.v1 import tierd_pb2 as pb
+
+    engine = client.register_engine(_small_layout(), engine_name="bench-saves")
+    eid = engine.engine_id
+    probe = [BlockHash(bytes(32))] * SAVED_BLOCKS
+    request = pb.ReserveRequest(engine_id=eid, block_hashes=probe).SerializeToString()
+    reply = pb.ReserveResponse(lease_id="x" * 32, seconds_left=30.0, slots=[
+        pb.ReservedSlot(slot_id=1 << 20)] * SAVED_BLOCKS).SerializeToString()
+    echo_request = len(reply).to_bytes(4, "little") + os.urandom(len(request) - 4)
+    echo, cpu = channel.unary_unary(ECHO_METHOD), channel.unary_unary(CPU_METHOD)
+
+    def reserve() -> tuple[str, list[bool], tuple[()]]:
+        got = client.reserve(eid, [BlockHash(os.urandom(32)) for _ in range(SAVED_BLOCKS)])
+        assert None not in got.slot_ids, "the benchmark arena must hold every saved block"
+        return got.lease_id, [True] * SAVED_BLOCKS, ()
+
+    def windowed(n: int) -> None:
+        for _ in range(n // WINDOW_STEPS):
+            stored = client.commit_many(eid, [reserve() for _ in range(WINDOW_STEPS)])
+            assert stored == [SAVED_BLOCKS] * WINDOW_STEPS, f"stored {stored}"
+
+    def per_step(n: int) -> None:
+        for _ in range(n):
+            lease_id, written, _ = reserve()
+            assert client.commit(eid, lease_id, written) == SAVED_BLOCKS
+
+    def echoes(n: int) -> None:
+        for _ in range(n):
+            echo(echo_request, timeout=10)
+
+    def daemon_cpu() -> float:
+        return float(struct.unpack("<d", cpu(b"", timeout=10))[0])
+
+    rounds, warm = 4, 2 * WINDOW_STEPS
+    windowed(warm), per_step(warm), echoes(warm)
+    spent = {"windowed": 0.0, "per_step": 0.0, "echo": 0.0}
+    each = max(WINDOW_STEPS, steps // rounds // WINDOW_STEPS * WINDOW_STEPS)
+    for _ in range(rounds):
+        for name, fn in (("windowed", windowed), ("per_step", per_step), ("echo", echoes)):
+            start = daemon_cpu()
+            fn(each)
+            spent[name] += daemon_cpu() - start
+    client.unregister_engine(eid)
+    calls = rounds * each
+    return {"save_step_cpu_us": spent["windowed"] / calls * 1e6,
+            "save_step_commit_each_cpu_us": spent["per_step"] / calls * 1e6,
+            "echo_cpu_us": spent["echo"] / calls * 1e6}
 
 
 def _interleaved(a: Any, b: Any, calls: int) -> tuple[list[float], list[float]]:
@@ -294,6 +379,8 @@ def _report(f: dict[str, Any], args: argparse.Namespace) -> int:
         ("DRAM arena copy / memcpy", f["dram_copy_gbps"] / f["memcpy_gbps"], ">=", TARGET_COPY),
         ("SSD write / raw write", f["ssd_write_gbps"] / f["raw_write_gbps"], ">=", TARGET_SSD),
         ("SSD read / raw read", f["ssd_read_gbps"] / f["raw_read_gbps"], ">=", TARGET_SSD),
+        ("saving step CPU / echo", f["save_step_cpu_us"] / f["echo_cpu_us"], "<=",
+         TARGET_SAVE_CPU),
     ]
     ok = all(r <= t if op == "<=" else r >= t for _, r, op, t in checks)
     if args.json:
@@ -310,6 +397,9 @@ def _report(f: dict[str, Any], args: argparse.Namespace) -> int:
           f"p99 {f['echo_p99_ms']:.3f} ms")
     print(f"  copy out of DRAM arena    {f['dram_copy_gbps']:.2f} GB/s   memcpy same pieces "
           f"{f['memcpy_gbps']:.2f} GB/s (one contiguous memcpy {f['memcpy_contiguous_gbps']:.2f})")
+    print(f"  daemon CPU per saving step {f['save_step_cpu_us']:.0f} us ({WINDOW_STEPS} steps' "
+          f"Commits in one CommitMany; a Commit each: {f['save_step_commit_each_cpu_us']:.0f} us)"
+          f"   per echo {f['echo_cpu_us']:.0f} us")
     print(f"  SSD tier write / read     {f['ssd_write_gbps']:.2f} / {f['ssd_read_gbps']:.2f} GB/s"
           f"   raw disk {f['raw_write_gbps']:.2f} / {f['raw_read_gbps']:.2f} GB/s")
     for name, ratio, op, target in checks:

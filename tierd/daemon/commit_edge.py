@@ -1,6 +1,7 @@
 """The Commit side of the gRPC edge: ``Commit`` and ``CommitMany`` requests turned into
-``NodeStore`` calls, with each written slot checksummed by the daemon itself on hashing threads
-(the GIL released), so the event loop serves other calls meanwhile.
+``NodeStore`` calls, with each written slot checksummed by the daemon itself: a large Commit on
+hashing threads (the GIL released), so the event loop serves other calls meanwhile; a small one
+on the loop, where waking a thread would cost more than the hashing.
 
 A ``CommitMany`` makes each of its Commits as ``Commit`` would, in order: a Commit that fails
 with a domain error (its lease lapsed, a bad flag) fails alone, named in its outcome with the
@@ -22,7 +23,12 @@ from tierd.v1 import tierd_pb2 as pb
 from tierd.wire import convert
 
 HASH_THREADS = 2
-"""Threads that checksum the slots of every Commit."""
+"""Threads that checksum the slots of a large Commit."""
+
+INLINE_HASH_BYTES = 1 << 20
+"""A Commit whose written slots hold at most this many bytes is checksummed on the event loop
+itself (xxh3 at several GB/s: well under a millisecond), not handed to the hashing threads:
+waking a thread costs more than hashing a few small blocks."""
 
 MAX_COMMITS = 64
 """Commits one CommitMany carries at most."""
@@ -85,7 +91,10 @@ class CommitEdge:
                                          engine_id=engine_id, names=names), names
 
     async def _checksums(self, spans: _Spans) -> list[int | None]:
-        """``checksums_at(spans)``, split over the hashing threads; the loop serves meanwhile."""
+        """``checksums_at(spans)``: on the loop itself up to ``INLINE_HASH_BYTES``, else split
+        over the hashing threads while the loop serves other calls."""
+        if sum(span[1] for span in spans if span is not None) <= INLINE_HASH_BYTES:
+            return checksums_at(spans)
         loop = asyncio.get_running_loop()
         step = -(-len(spans) // HASH_THREADS) or 1
         parts = await asyncio.gather(*(loop.run_in_executor(self._hashers, checksums_at,
