@@ -235,7 +235,8 @@ def _save_cpu_figures(client: Any, channel: Any, steps: int) -> dict[str, float]
         return float(struct.unpack("<d", cpu(b"", timeout=10))[0])
 
     rounds, warm = 4, 2 * WINDOW_STEPS
-    windowed(warm), per_step(warm), echoes(warm)
+    for fn in (windowed, per_step, echoes):
+        fn(warm)
     spent = {"windowed": 0.0, "per_step": 0.0, "echo": 0.0}
     each = max(WINDOW_STEPS, steps // rounds // WINDOW_STEPS * WINDOW_STEPS)
     for _ in range(rounds):
