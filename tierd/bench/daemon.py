@@ -225,7 +225,8 @@ def _save_cpu_figures(client: Any, channel: Any, steps: int) -> dict[str, float]
     def per_step(n: int) -> None:
         for _ in range(n):
             lease_id, written, _ = reserve()
-            assert client.commit(eid, lease_id, written) == SAVED_BLOCKS
+            stored = client.commit(eid, lease_id, written)
+            assert stored == SAVED_BLOCKS, f"stored {stored}"
 
     def echoes(n: int) -> None:
         for _ in range(n):
