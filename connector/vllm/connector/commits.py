@@ -7,7 +7,8 @@ written slots and the daemon checksums them itself (``core.save.commit``).
 
 Commits are sent together: the first one handed over starts a window of ``WINDOW_SECONDS``, and
 every Commit handed over until it closes goes in the same round trip (``CommitMany``, each
-Commit landing or failing on its own). The daemon then wakes once per window rather than once
+Commit landing or failing on its own; one per engine where the daemon restarted within the
+window). The daemon then wakes once per window rather than once
 per step, which on a host whose cores the engine's threads fill is time taken from the
 forward pass. A block is visible to lookups at most a window later; ``harvest(wait=True)``
 (and ``close``) closes the window at once.
@@ -209,13 +210,24 @@ class Committer:
 
 def _commit_batch(client: TierdClient, batch: list[_Queued]) -> list[_Outcome]:
     """Committer thread: once each save's device copies are in the arena (its ticket, CUDA),
-    publish the reservations in one round trip, the daemon checksumming the written slots."""
+    publish the reservations, the daemon checksumming the written slots: one round trip per
+    engine they name (two where the daemon restarted within the window: the old session's and
+    the new one's)."""
     for item in batch:
         if item.ticket is not None:
             item.ticket.landed.synchronize()
-    try:
-        results = commit_many(client, [(item.reservation, item.written) for item in batch])
-    except grpc.RpcError as exc:
-        return [(0, sum(item.written), exc) for item in batch]
-    return [(result, 0, None) if isinstance(result, int) else
-            (0, sum(item.written), result) for item, result in zip(batch, results)]
+    by_engine: dict[str, list[int]] = {}
+    for i, item in enumerate(batch):
+        by_engine.setdefault(item.reservation.engine_id, []).append(i)
+    outcomes: list[_Outcome] = [(0, 0, None)] * len(batch)
+    for indices in by_engine.values():
+        part = [batch[i] for i in indices]
+        try:
+            results: list[int | grpc.RpcError] = list(commit_many(
+                client, [(item.reservation, item.written) for item in part]))
+        except grpc.RpcError as exc:
+            results = [exc] * len(part)
+        for i, item, result in zip(indices, part, results):
+            outcomes[i] = ((result, 0, None) if isinstance(result, int) else
+                           (0, sum(item.written), result))
+    return outcomes

@@ -131,6 +131,31 @@ def test_the_commits_of_a_window_go_in_one_round_trip(sock: str, engines: Any,
     assert sent == [3]
 
 
+def test_a_window_naming_two_engines_commits_each_on_its_own(sock: str) -> None:
+    """A window whose Commits name two engines (the daemon restarted within it: the old
+    session's and the new one's) sends one CommitMany per engine, and every Commit lands."""
+    from concurrent.futures import Future
+
+    import tierd.connector.vllm.connector.commits as commits
+    from tierd.connector.core.save import Reservation
+    from tierd.types import BlockHash
+    from tierd.wire.client import TierdClient
+    from tierd.wire.layout import Layout
+
+    layout = Layout(num_layers=2, num_kv_heads=2, head_size=16, dtype="float16",
+                    block_size=16, model_id="commit-window@test")
+    batch = []
+    with TierdClient(socket_path=sock) as client:
+        for k, name in enumerate(("old", "new")):
+            engine = client.register_engine(layout, engine_name=name)
+            got = client.reserve(engine.engine_id, [BlockHash(bytes([k, i]) * 16)
+                                                    for i in range(2)])
+            batch.append(commits._Queued(Reservation(engine.engine_id, got.lease_id,
+                                                     got.slot_ids, got.already_stored),
+                                         [True, True], None, Future()))
+        assert commits._commit_batch(client, batch) == [(2, 0, None), (2, 0, None)]
+
+
 def test_matches_stop_before_last_token_and_after_local_hit(sock: str, engines: Any) -> None:
     """6 blocks stored: a 96-token prompt matches 5, beyond a 2-block local hit 3, beyond 5 none."""
     a, b = engines(0), engines(20)
