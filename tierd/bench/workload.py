@@ -8,7 +8,9 @@ pressure scenario) and with one that holds everything (``--kv-big``: the fits sc
 tierd arm has its own `tierd serve` (DRAM only, above the working set). Every instance binds
 its OpenMP threads to the same cores (``VLLM_CPU_OMP_THREADS_BIND``, checked in its log: vLLM
 reserves one more core when a KV connector is configured, so left to itself the connector arm
-binds other cores than vLLM alone does).
+binds other cores than vLLM alone does): all but the first by default, and everything else (vLLM's
+API server and scheduler, the client, the daemons) runs on the cores left
+(``tierd.bench.workload_cores``), as vLLM's own default reserves a core for an engine alone.
 
 Cases, each run on its arms in turn, the arms' order rotated every repeat so the host's noise
 falls on all of them:
@@ -20,7 +22,8 @@ falls on all of them:
 - ``chat cC``: the multi-turn chat client of ``tierd.bench.workload_chat``.
 
 A repeat uses new words (a new seed) in every case, the same for every arm, and empties vLLM's
-prefix cache first. Per run: request and output-token throughput, TTFT p50/p90/p99, failures,
+prefix cache first; every run starts after a pause (``QUIET_SECONDS``) that lets the previous
+arm's processes go idle. Per run: request and output-token throughput, TTFT p50/p90/p99, failures,
 vLLM's local and external prefix-hit rates and tierd's hit ratio over the run (the last two
 should agree). Then the targets as ratios of the arms' runs in each repeat, judged on their
 median (``tierd.bench.workload_report.TARGETS``). Run it with ``make bench-workload``.
@@ -57,11 +60,17 @@ from tierd.bench.workload_report import (
 if TYPE_CHECKING:
     from tierd.bench.serve_stack import VllmServe
     from tierd.bench.tierd_serve import TierdServe
+    from tierd.bench.workload_cores import Cores
 
 HELP = ("Many users through real vllm serve: vLLM alone vs vLLM + tierd, a KV cache below the "
         "working set and one that holds it (prefix_repetition, multi-turn chat).")
 
 SEED = 1_000
+
+QUIET_SECONDS = 1.5
+"""Pause before every run: vLLM's engine core and worker poll their queues for a second after
+their last message (its shared-memory queues' busy loop), so a run started at once would share
+the cores with the previous arm's polling."""
 
 
 def _ints(text: str) -> list[int]:
@@ -95,8 +104,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-big", type=int, default=4096,
                         help="KV blocks of the fits scenario (4096)")
     parser.add_argument("--cpus", default=None,
-                        help="cores every vllm serve binds (VLLM_CPU_OMP_THREADS_BIND; all "
-                             "of this host's by default)")
+                        help="cores every vllm serve's OpenMP threads bind "
+                             "(VLLM_CPU_OMP_THREADS_BIND, e.g. 1-3; default: all of this "
+                             "host's but the first)")
+    parser.add_argument("--other-cpus", default=None,
+                        help="cores of everything else: vLLM's API server and scheduler, the "
+                             "client, the daemons (default: the host's cores --cpus leaves, "
+                             "or all where it leaves none)")
     parser.add_argument("--arms", type=lambda t: t.split(","), default=list(ARMS),
                         help="arms to run, comma-separated (all: " + ",".join(ARMS) + ")")
     parser.add_argument("--no-chat", action="store_true", help="skip the chat cases")
@@ -184,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
     from tierd.bench.serve_stack import VllmServe, wait_for
     from tierd.bench.tierd_serve import TierdServe
     from tierd.bench.tiny_llama import build, prompt
+    from tierd.bench.workload_cores import confine_group, confine_process, plan
     from tierd.bench.workload_profile import cpu_seconds
     from tierd.connector.vllm.connector.filtered import REPORT_SECONDS
 
@@ -193,13 +208,13 @@ def run(args: argparse.Namespace) -> int:
 
         py_spy()  # fail before starting anything when it is missing
     profiles: list[str] = []
-    cpus = args.cpus or ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    cores = plan(args.cpus, args.other_cpus)
     model = build(os.path.expanduser("~/.cache/tierd/test-models"), "tiny-llama-v2-seed0", seed=0)
     workdir = tempfile.mkdtemp(prefix="tierd-bw-")
     daemons = {arm: TierdServe(workdir, ["--dram-bytes", "512MiB", "--no-prefault", "--ssd-dir",
                                          ""], socket_path=os.path.join(workdir, f"{arm}.sock"))
                for arm in args.arms if arm.startswith("tierd")}
-    env = {"VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_SERVER_DEV_MODE": "1"}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": cores.bind, "VLLM_SERVER_DEV_MODE": "1"}
     servers = {arm: VllmServe(sys.executable, workdir, model, "tiny", arm,
                               daemons[arm].socket_path if arm in daemons else None,
                               max_model_len=max_len, env=env,
@@ -209,11 +224,14 @@ def run(args: argparse.Namespace) -> int:
     failed = True
     try:
         for daemon in daemons.values():
-            daemon.start()
+            confine_process(daemon.start().pid, cores.others)
         for server in servers.values():
             server.start()
         for server in servers.values():
             server.wait_ready()
+            assert server.process is not None
+            confine_group(server.process.pid, cores)
+        confine_process(os.getpid(), cores.others)  # the client
         binds = {arm: bound_cores(_read(s.log_path)) for arm, s in servers.items()}
         print(f"OpenMP binding (reserve_cpu_num, core ids) per arm: {binds}")
         if len({str(b[1]) if b else None for b in binds.values()}) != 1 or None in binds.values():
@@ -228,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
                 for arm in case.arms[shift:] + case.arms[:shift]:
                     server = servers[arm]
                     wait_for("vLLM's prefix cache emptied", server.reset_prefix_cache, 60)
+                    time.sleep(QUIET_SECONDS)
                     tierd = daemons.get(arm)
                     metrics = server.metrics_text()
                     asked = _tierd_counts(tierd)
@@ -255,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"tierd bench workload: logs kept in {workdir}", file=sys.stderr)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    return _report(args, samples, cases, cpus, profiles)
+    return _report(args, samples, cases, cores, profiles)
 
 
 def _read(path: str) -> str:
@@ -290,11 +309,12 @@ def _profile(cases: list[Case], servers: dict[str, VllmServe], workdir: str,
 
 
 def _report(args: argparse.Namespace, samples: list[Sample], cases: list[Case],
-            cpus: str, profiles: list[str]) -> int:
+            cores: Cores, profiles: list[str]) -> int:
     found = verdicts(samples, {c.name: c.judged for c in cases})
     if args.json:
         print(json.dumps([asdict(s) for s in samples], indent=1))
-    print(f"\nreal vllm serve (vLLM's CPU build, the small Llama, OpenMP on cores {cpus}), "
+    print(f"\nreal vllm serve (vLLM's CPU build, the small Llama, OpenMP on cores {cores.bind}, "
+          f"the rest on {','.join(str(c) for c in cores.others)}), "
           f"medians of {args.repeats} interleaved repeats; KV blocks of 32 tokens: "
           f"small {args.kv_small}, fits {args.kv_big}:")
     with contextlib.suppress(BrokenPipeError):

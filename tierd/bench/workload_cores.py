@@ -1,0 +1,104 @@
+"""Which cores each process of `tierd bench workload` runs on.
+
+vLLM's CPU build runs the forward pass in its worker process, whose OpenMP threads it binds to
+``VLLM_CPU_OMP_THREADS_BIND``; the rest (the API server, the engine core's scheduler, the
+benchmark's client, tierd's daemon) float over every core the host gives, so they preempt the
+OpenMP threads at random and the arms' timings move with whatever else woke up. The bench
+splits the host as vLLM's own default does for an engine alone (one core reserved off the
+OpenMP threads): the forward pass gets ``omp`` and everything else ``others``. On a one-core
+host both are that core.
+
+``confine_group`` moves every thread of a `vllm serve` (its process group) but its worker's (the
+process vLLM bound to ``omp``) to ``others``; ``confine_process`` moves every thread of one
+process (the daemon, the bench itself). Threads started later inherit their creator's cores.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Cores:
+    """``omp``: the cores vLLM's OpenMP threads bind; ``others``: those of every other
+    process and thread the bench starts."""
+
+    omp: list[int]
+    others: list[int]
+
+    @property
+    def bind(self) -> str:
+        """``VLLM_CPU_OMP_THREADS_BIND`` for ``omp``."""
+        return ",".join(str(c) for c in self.omp)
+
+
+def _parse(text: str) -> list[int]:
+    """"0,2-3" -> [0, 2, 3]."""
+    out: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if first:
+            out += range(int(first), int(last or first) + 1)
+    return out
+
+
+def plan(cpus: str | None, others: str | None) -> Cores:
+    """The split for ``--cpus`` and ``--other-cpus`` (each None: the default, every core this
+    process may use but the first for OpenMP, the first for the rest). ValueError naming the
+    flag for a core this process may not use."""
+    allowed = sorted(os.sched_getaffinity(0))
+    omp = _parse(cpus) if cpus else (allowed[1:] or allowed)
+    rest = _parse(others) if others else [c for c in allowed if c not in omp] or allowed
+    for flag, cores in (("--cpus", omp), ("--other-cpus", rest)):
+        if not cores or set(cores) - set(allowed):
+            raise ValueError(f"{flag} names cores {cores}: this host allows {allowed}")
+    return Cores(omp, rest)
+
+
+def confine_process(pid: int, cores: Iterable[int]) -> None:
+    """Every thread of ``pid`` on ``cores`` (threads that exit meanwhile are skipped)."""
+    wanted = set(cores)
+    for tid in _threads(pid):
+        try:
+            os.sched_setaffinity(tid, wanted)
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
+def confine_group(leader: int, cores: Cores) -> int:
+    """Every process of ``leader``'s process group whose main thread is not bound to
+    ``cores.omp`` (a `vllm serve`: all but its worker) onto ``cores.others``; how many
+    processes were moved."""
+    moved = 0
+    for pid in _group(os.getpgid(leader)):
+        try:
+            bound = os.sched_getaffinity(pid) == set(cores.omp)
+        except ProcessLookupError:
+            continue
+        if not bound:
+            confine_process(pid, cores.others)
+            moved += 1
+    return moved
+
+
+def _group(group: int) -> list[int]:
+    """The pids of process group ``group``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(name)) == group:
+                found.append(int(name))
+        except ProcessLookupError:
+            continue
+    return found
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return []
