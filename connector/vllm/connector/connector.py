@@ -196,6 +196,14 @@ class TierdConnector(KVConnectorBase_V1):
                          "pins under the latter, so loads will miss", self._worker.link.layout,
                          looked_up)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Worker: take this step's metadata before its forward pass; send the Reserve of its
+        saves now where no synchronous load comes first (``WorkerSide.begin``: vLLM calls
+        ``start_load_kv`` after the forward pass on such a step)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, TierdConnectorMetadata):
+            self._worker.begin(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Worker: load this step's planned blocks. On CPU synchronous (returns when they are
         in place or reported as errors); on CUDA the copies are queued on a side stream after

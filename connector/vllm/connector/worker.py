@@ -1,6 +1,8 @@
 """The worker half of the vLLM adapter: loads before the forward pass, saves during and after it.
 
-Per step, with the metadata the scheduler half built:
+Per step, with the metadata the scheduler half built (``begin``, vLLM's
+``bind_connector_metadata``, takes it before the forward pass; vLLM calls ``start_load_kv``
+before the forward pass only on a step with a synchronous load, after it otherwise):
 
 * ``load`` (vLLM's ``start_load_kv``): per request, ``core.load.load_leased`` under this rank's
   part of the scheduler's pin (``PinnedRun``: slot ids, checksums and deadline came in the
@@ -22,8 +24,9 @@ Per step, with the metadata the scheduler half built:
   ``streaming.Streams``, which acquires and copies it chunk by chunk on its own thread while the
   daemon reads it; ``finished_loads`` (vLLM's ``get_finished``) reports each ended stream as
   received and its failed blocks as load errors of that same step.
-* saves: ``load`` sends the Reserve of the blocks the step completes without waiting (the
-  daemon answers during the forward pass); ``save_layer`` (vLLM's ``save_kv_layer``) marks each
+* saves: the Reserve of the blocks the step completes goes out without waiting, before the
+  forward pass (the daemon answers during it): at ``begin`` on a step with no synchronous load,
+  at the end of ``load`` on one with (after its loads, which can poison a request's saves); ``save_layer`` (vLLM's ``save_kv_layer``) marks each
   layer as handed over (on CUDA its K/V is gathered then, so the first layer waits for the
   answer). Host KV is copied into the reserved slots at ``finish_save``, every layer at once
   (one native call, ``LayerViews.store``): the forward pass is synchronous there, so a copy per
@@ -56,9 +59,9 @@ gathers each layer on the device; ``finish_save`` queues the D2H copies and the 
 for them on the committer thread, so neither the host nor the next step waits for the
 write-through.
 
-The forward pass between ``load`` and ``finish_save`` is timed when it prefills at least 256
-tokens (the metadata's ``prefill_tokens``; on CUDA with device events): the engine's measured
-prefill speed goes to the daemon (``ReportHotBlocks``) at the first such step and then every 10
+The forward pass (from where the Reserve goes out to ``finish_save``) is timed when it prefills
+at least 256 tokens (the metadata's ``prefill_tokens``; on CUDA with device events): the
+engine's measured prefill speed goes to the daemon (``ReportHotBlocks``) at the first such step and then every 10
 s, so the daemon counts the cache's savings at it (``core.prefill_speed``).
 
 Best effort: a save that fails is a future miss, never an error to vLLM; nothing holds vLLM's
@@ -193,6 +196,7 @@ class WorkerSide:
         self._counters = Counters()
         self._outcomes = Outcomes(self._counters, self.format.slot_bytes, tp_size)
         self._save = _StepSave()
+        self._begun: TierdConnectorMetadata | None = None  # the step ``begin`` took
         self._commits = Committer(self.link, self._counters, self.format.slot_bytes, tp_size,
                                   clock)
         self._device = DevicePath(self.format, kv_bytes,
@@ -208,17 +212,38 @@ class WorkerSide:
 
     # -- loads -------------------------------------------------------------------------------
 
-    def load(self, meta: TierdConnectorMetadata) -> None:
-        """Take the step's metadata: accept saves of requests vLLM is recomputing, then fill
-        every planned block or report it (see the module doc). Blocks until done."""
+    def begin(self, meta: TierdConnectorMetadata) -> None:
+        """vLLM's ``bind_connector_metadata``, before every step's forward pass: take the
+        step's metadata (accept saves of requests vLLM is recomputing; commit the held saves
+        the scheduler's verdict names). A step with no synchronous load sends the Reserve of
+        its saves now and starts the prefill timer: vLLM calls ``start_load_kv`` after the
+        forward pass on such a step. A step with one does both in ``load``, after its loads
+        (a load that fails poisons its request's saves)."""
+        self._begun = meta
         self._outcomes.begin_step(meta)
         if meta.verdict is not None and self._commits.verdict(*meta.verdict):
             self._commits.harvest(wait=True)  # before this step's Reserve of the blocks left out
+        if any(not spec.stream for spec in meta.loads):
+            return
+        if meta.saves:  # its answer comes during the forward pass
+            self._begin_save(meta.saves)
+        self._speed.begin(meta.prefill_tokens)
+
+    def load(self, meta: TierdConnectorMetadata) -> None:
+        """vLLM's ``start_load_kv``: fill every planned block or report it (see the module
+        doc); blocks until done. On a step with synchronous loads (before the forward pass),
+        then send the Reserve of its saves and start the prefill timer."""
+        if self._begun is not meta:
+            self.begin(meta)
+        sync = False
         for spec in meta.loads:
             if spec.stream:
                 self._start_stream(spec)
             else:
+                sync = True
                 self._outcomes.loaded(spec.req_id, spec.block_ids, self._load_one(spec))
+        if not sync:
+            return
         if meta.saves and not self._save.tried:  # its answer comes during the forward pass
             self._begin_save(meta.saves)
         self._speed.begin(meta.prefill_tokens)  # the forward pass starts after this returns

@@ -10,8 +10,10 @@ innermost) of one shared buffer, in several physical orders. Requests carry vLLM
 
     scheduler: get_num_new_matched_tokens -> (allocate) -> update_state_after_alloc
                -> build_connector_meta
-    worker:    bind_connector_metadata -> start_load_kv -> per layer: wait_for_layer_load,
-               (attention writes the layer), save_kv_layer -> wait_for_save -> get_finished
+    worker:    bind_connector_metadata -> start_load_kv (only where the step has a
+               synchronous load: vLLM's ``has_sync_kv_loads``) -> per layer:
+               wait_for_layer_load, (attention writes the layer), save_kv_layer
+               -> start_load_kv (where it has none) -> wait_for_save -> get_finished
                -> get_block_ids_with_load_errors -> get_kv_connector_stats
                -> build_connector_worker_meta -> clear_connector_metadata
     scheduler: update_connector_output (the workers' reports merged); request_finished
@@ -215,9 +217,11 @@ class FakeVllm:
         errors: set[int] = set()
         stats, report = TierdConnectorStats(), None
         finished, self.finished = self.finished, set()
+        sync = any(not spec.stream for spec in meta.loads)  # vLLM's has_sync_kv_loads
         for rank, (worker, kv) in enumerate(zip(self.workers, self.kv)):
             worker.bind_connector_metadata(meta)
-            worker.start_load_kv(None)
+            if sync:
+                worker.start_load_kv(None)
             for layer, (name, tensor) in enumerate(kv.items()):
                 worker.wait_for_layer_load(name)
                 for req, start, end in spans:
@@ -226,6 +230,8 @@ class FakeVllm:
                     blocks = torch.tensor(self.tables[req.request_id])[pos // BS]
                     tensor[blocks, :, pos % BS] = fake_kv(tokens, pos, layer, rank)
                 worker.save_kv_layer(name, tensor, None)
+            if not sync:  # vLLM starts loads after the forward pass when none is synchronous
+                worker.start_load_kv(None)
             worker.wait_for_save()
             assert worker.get_finished(finished) == (None, None)
             errors |= worker.get_block_ids_with_load_errors()
