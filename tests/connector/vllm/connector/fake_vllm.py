@@ -159,6 +159,8 @@ class FakeVllm:
         self.metas: list[TierdConnectorMetadata] = []
         self.logged = TierdConnectorStats()    # get_kv_connector_stats, summed
         self.computed_tokens = 0
+        self.layer_seconds = 0.0
+        """How long each layer's attention takes in the forward pass (a slow model)."""
 
     def admit(self, req: FakeRequest, local_hit: int = 0, shared: Sequence[int] = ()) -> int:
         """vLLM scheduling a waiting request: lookup beyond the local hit (held in ``shared``),
@@ -229,6 +231,7 @@ class FakeVllm:
                     tokens = torch.tensor(req.all_token_ids[start:end], dtype=torch.long)
                     blocks = torch.tensor(self.tables[req.request_id])[pos // BS]
                     tensor[blocks, :, pos % BS] = fake_kv(tokens, pos, layer, rank)
+                time.sleep(self.layer_seconds)
                 worker.save_kv_layer(name, tensor, None)
             if not sync:  # vLLM starts loads after the forward pass when none is synchronous
                 worker.start_load_kv(None)
