@@ -26,9 +26,9 @@ before the forward pass only on a step with a synchronous load, after it otherwi
   received and its failed blocks as load errors of that same step.
 * saves: the Reserve of the blocks the step completes goes out without waiting, before the
   forward pass (the daemon answers during it): at ``begin`` on a step with no synchronous load,
-  at the end of ``load`` on one with (after its loads, which can poison a request's saves); ``save_layer`` (vLLM's ``save_kv_layer``) marks each
-  layer as handed over (on CUDA its K/V is gathered then, so the first layer waits for the
-  answer). Host KV is copied into the reserved slots at ``finish_save``, every layer at once
+  at the end of ``load`` on one with (after its loads, which can poison a request's saves);
+  ``save_layer`` (vLLM's ``save_kv_layer``) marks each layer as handed over (on CUDA its K/V is
+  gathered then, so the first layer waits for the answer). Host KV is copied into the reserved slots at ``finish_save``, every layer at once
   (one native call, ``LayerViews.store``): the forward pass is synchronous there, so a copy per
   layer would only add a call per layer and run of blocks.
   Saves of a request whose load failed, or that sit on a block whose load failed
@@ -61,8 +61,9 @@ write-through.
 
 The forward pass (from where the Reserve goes out to ``finish_save``) is timed when it prefills
 at least 256 tokens (the metadata's ``prefill_tokens``; on CUDA with device events): the
-engine's measured prefill speed goes to the daemon (``ReportHotBlocks``) at the first such step and then every 10
-s, so the daemon counts the cache's savings at it (``core.prefill_speed``).
+engine's measured prefill speed goes to the daemon (``ReportHotBlocks``) at the first such
+step and then every 10 s, so the daemon counts the cache's savings at it
+(``core.prefill_speed``).
 
 Best effort: a save that fails is a future miss, never an error to vLLM; nothing holds vLLM's
 blocks past the step (``get_finished`` has nothing to report: on CUDA a save's gathers are
