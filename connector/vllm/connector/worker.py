@@ -28,9 +28,10 @@ before the forward pass only on a step with a synchronous load, after it otherwi
   forward pass (the daemon answers during it): at ``begin`` on a step with no synchronous load,
   at the end of ``load`` on one with (after its loads, which can poison a request's saves);
   ``save_layer`` (vLLM's ``save_kv_layer``) marks each layer as handed over (on CUDA its K/V is
-  gathered then, so the first layer waits for the answer). Host KV is copied into the reserved slots at ``finish_save``, every layer at once
-  (one native call, ``LayerViews.store``): the forward pass is synchronous there, so a copy per
-  layer would only add a call per layer and run of blocks.
+  gathered then, so the first layer waits for the answer). Host KV is copied into the reserved
+  slots at ``finish_save``, every layer at once (one native call, ``LayerViews.store``): the
+  forward pass is synchronous there, so a copy per layer would only add a call per layer and
+  run of blocks.
   Saves of a request whose load failed, or that sit on a block whose load failed
   (``SaveSpec.depends_on``; failed blocks are kept until the scheduler has seen them), are
   dropped, and that request's saves stay dropped until the scheduler names it in
