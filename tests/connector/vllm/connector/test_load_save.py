@@ -70,7 +70,8 @@ def test_a_finished_request_keeps_its_pin_until_the_workers_report(sock: str,
 
 def test_a_save_is_reserved_before_the_forward_pass(engines: Any, monkeypatch: Any,
                                                     copy_path: str) -> None:
-    """A step that saves sends its Reserve at start_load_kv, before the forward pass, and waits
+    """A step that saves (and loads nothing: vLLM calls start_load_kv after the forward pass)
+    sends its Reserve at bind_connector_metadata, before the forward pass, and waits
     for the answer only where it needs the slots: at wait_for_save for host KV, at the first
     layer on the CUDA path (its gathers)."""
     a = engines(0)
