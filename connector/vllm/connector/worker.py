@@ -198,7 +198,7 @@ class WorkerSide:
         self._counters = Counters()
         self._outcomes = Outcomes(self._counters, self.format.slot_bytes, tp_size)
         self._save = _StepSave()
-        self._begun: TierdConnectorMetadata | None = None  # the step ``begin`` took
+        self._begun: int | None = None  # the step ``begin`` took (``meta.step``), until it ends
         self._commits = Committer(self.link, self._counters, self.format.slot_bytes, tp_size,
                                   clock)
         self._device = DevicePath(self.format, kv_bytes,
@@ -221,13 +221,13 @@ class WorkerSide:
         its saves now and starts the prefill timer: vLLM calls ``start_load_kv`` after the
         forward pass on such a step. A step with one does both in ``load``, after its loads
         (a load that fails poisons its request's saves)."""
-        self._begun = meta
+        self._begun = meta.step
         self._outcomes.begin_step(meta)
         if meta.verdict is not None and self._commits.verdict(*meta.verdict):
             self._commits.harvest(wait=True)  # before this step's Reserve of the blocks left out
         if any(not spec.stream for spec in meta.loads):
             return
-        if meta.saves:  # its answer comes during the forward pass
+        if meta.saves and not self._save.tried:  # its answer comes during the forward pass
             self._begin_save(meta.saves)
         self._speed.begin(meta.prefill_tokens)
 
@@ -235,7 +235,7 @@ class WorkerSide:
         """vLLM's ``start_load_kv``: fill every planned block or report it (see the module
         doc); blocks until done. On a step with synchronous loads (before the forward pass),
         then send the Reserve of its saves and start the prefill timer."""
-        if self._begun is not meta:
+        if self._begun != meta.step:  # vLLM binds every step's metadata first; a caller may not
             self.begin(meta)
         sync = False
         for spec in meta.loads:
@@ -495,6 +495,7 @@ class WorkerSide:
         failure (outcomes are counted when they arrive)."""
         self._speed.end()
         self._report_speed()
+        self._begun = None  # the step ends here
         lease_lost = self._finish_loads() or self._save.lease_lost
         self._commits.harvest()
         pending = self._pending()
