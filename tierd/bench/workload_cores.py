@@ -72,7 +72,7 @@ def confine_group(leader: int, cores: Cores) -> int:
     ``cores.omp`` (a `vllm serve`: all but its worker) onto ``cores.others``; how many
     processes were moved."""
     moved = 0
-    for pid in _group(os.getpgid(leader)):
+    for pid in group_pids(os.getpgid(leader)):
         try:
             bound = os.sched_getaffinity(pid) == set(cores.omp)
         except ProcessLookupError:
@@ -83,8 +83,8 @@ def confine_group(leader: int, cores: Cores) -> int:
     return moved
 
 
-def _group(group: int) -> list[int]:
-    """The pids of process group ``group``."""
+def group_pids(group: int) -> list[int]:
+    """The pids of process group ``group`` (processes that exit meanwhile are left out)."""
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from tierd.bench.serve_stack import VllmServe
+from tierd.bench.workload_cores import group_pids
 
 T = TypeVar("T")
 
@@ -55,20 +56,16 @@ def _processes(server: VllmServe) -> dict[int, tuple[str, list[str]]]:
     """pid -> (process title, the fields of /proc/pid/stat after the name) of every process in
     ``server``'s session (the API server, vLLM's engine core and its workers)."""
     assert server.process is not None, "the server is not running"
-    group = os.getpgid(server.process.pid)
     found = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+    for pid in group_pids(os.getpgid(server.process.pid)):
         try:
-            with open(f"/proc/{name}/stat") as f:
+            with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rpartition(")")[2].split()
-            with open(f"/proc/{name}/cmdline", "rb") as f:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
                 title = f.read().split(b"\0")[0].decode(errors="replace").strip()
         except OSError:  # exited while listed
             continue
-        if int(fields[2]) == group:
-            found[int(name)] = (title, fields)
+        found[pid] = (title, fields)
     return found
 
 
