@@ -48,7 +48,7 @@ def children() -> Iterator[Any]:
 
 def test_the_default_split_leaves_the_first_core_to_everything_else(monkeypatch: Any) -> None:
     """On four cores OpenMP gets 1-3 and the rest 0; flags name either side ("a-b,c"); on one
-    core both share it; a core this process may not use names its flag."""
+    core both share it; a core this process may not use, or a word, names its flag."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert plan(None, None) == Cores([1, 2, 3], [0])
     assert plan("2-3", None) == Cores([2, 3], [0, 1])
@@ -59,6 +59,8 @@ def test_the_default_split_leaves_the_first_core_to_everything_else(monkeypatch:
         plan(None, "7")
     with pytest.raises(ValueError, match="--cpus"):
         plan("1-4", None)
+    with pytest.raises(ValueError, match="--other-cpus takes core ids"):
+        plan(None, "one")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
     assert plan(None, None) == Cores([5], [5])
 

@@ -34,13 +34,18 @@ class Cores:
         return ",".join(str(c) for c in self.omp)
 
 
-def _parse(text: str) -> list[int]:
-    """"0,2-3" -> [0, 2, 3]."""
+def _parse(flag: str, text: str) -> list[int]:
+    """"0,2-3" -> [0, 2, 3] (ValueError naming ``flag`` for anything else)."""
     out: list[int] = []
     for part in text.split(","):
         first, _, last = part.strip().partition("-")
-        if first:
+        if not first:
+            continue
+        try:
             out += range(int(first), int(last or first) + 1)
+        except ValueError:
+            raise ValueError(f"{flag} takes core ids and ranges such as 0,2-3, not "
+                             f"{text!r}") from None
     return out
 
 
@@ -49,8 +54,9 @@ def plan(cpus: str | None, others: str | None) -> Cores:
     process may use but the first for OpenMP, the first for the rest). ValueError naming the
     flag for a core this process may not use."""
     allowed = sorted(os.sched_getaffinity(0))
-    omp = _parse(cpus) if cpus else (allowed[1:] or allowed)
-    rest = _parse(others) if others else [c for c in allowed if c not in omp] or allowed
+    omp = _parse("--cpus", cpus) if cpus else (allowed[1:] or allowed)
+    rest = (_parse("--other-cpus", others) if others else
+            [c for c in allowed if c not in omp] or allowed)
     for flag, cores in (("--cpus", omp), ("--other-cpus", rest)):
         if not cores or set(cores) - set(allowed):
             raise ValueError(f"{flag} names cores {cores}: this host allows {allowed}")
