@@ -23,6 +23,7 @@ The engine-side data path, for reference::
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from types import TracebackType
@@ -35,6 +36,7 @@ from tierd.types import BlockHash, Tier
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
 from tierd.wire import convert
+from tierd.wire.call_threads import CallThreads
 from tierd.wire.layout import Layout
 from tierd.wire.replies import AcquiredBlocks, DaemonStats, EngineHandle, Located, ReservedSlots
 
@@ -48,6 +50,9 @@ __all__ = ["AcquiredBlocks", "AsyncTierdClient", "CommitRefused", "DaemonStats",
 
 DEFAULT_TIMEOUT = 30.0
 """Seconds before a call fails with DEADLINE_EXCEEDED (an Acquire may read from SSD)."""
+
+CALL_THREADS = 16
+"""Calls one ``TierdClient`` has in flight at once without waiting (``*_async``); more queue."""
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
                     ("grpc.max_send_message_length", 64 << 20)]
@@ -173,6 +178,9 @@ class TierdClient:
         self._stub = pb_grpc.TierdStub(self._channel)  # type: ignore[no-untyped-call]
         self._md = _metadata(token)
         self._timeout = timeout
+        self._lock = threading.Lock()
+        self._calls: CallThreads | None = None  # started with the first call sent without waiting
+        self._closed = False
 
     def _call(self, method: str, request: Any) -> Any:
         try:
@@ -231,22 +239,14 @@ class TierdClient:
 
     def _future(self, method: str, request: Any, result: Callable[[Any], T]) -> Future[T]:
         """Send ``request`` without waiting: a future of ``result(reply)`` or of the call's
-        ``grpc.RpcError`` (set on gRPC's thread, which does nothing else for it)."""
-        out: Future[T] = Future()
-        try:
-            call = getattr(self._stub, method).future(request, metadata=self._md,
-                                                      timeout=self._timeout)
-        except ValueError as exc:
-            raise ChannelClosed.of(exc, self.target) from exc
-
-        def done(call: Any) -> None:
-            try:
-                out.set_result(result(call.result()))
-            except Exception as exc:  # an RpcError, or a cancelled call: the future still ends
-                out.set_exception(exc)
-
-        call.add_done_callback(done)
-        return out
+        ``grpc.RpcError``, resolved on one of the client's call threads (``CallThreads``),
+        which does nothing else for it. ``ChannelClosed`` at once after ``close``."""
+        with self._lock:
+            if self._closed:
+                raise ChannelClosed(f"the channel to {self.target} was closed")
+            if self._calls is None:
+                self._calls = CallThreads(CALL_THREADS, "tierd-call")
+            return self._calls.submit(lambda: result(self._call(method, request)))
 
     def release(self, engine_id: str, lease_id: str, *, corrupt_from: int | None = None,
                 served: int | None = None) -> bool:
@@ -357,7 +357,13 @@ class TierdClient:
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
 
     def close(self) -> None:
+        """Close the channel: calls in flight or queued fail (``grpc.RpcError``)."""
+        with self._lock:
+            self._closed = True
+            calls, self._calls = self._calls, None
         self._channel.close()
+        if calls is not None:
+            calls.stop()
 
     def __enter__(self) -> TierdClient:
         return self
