@@ -8,9 +8,10 @@ pressure scenario) and with one that holds everything (``--kv-big``: the fits sc
 tierd arm has its own `tierd serve` (DRAM only, above the working set). Every instance binds
 its OpenMP threads to the same cores (``VLLM_CPU_OMP_THREADS_BIND``, checked in its log: vLLM
 reserves one more core when a KV connector is configured, so left to itself the connector arm
-binds other cores than vLLM alone does): all but the first by default, and everything else (vLLM's
-API server and scheduler, the client, the daemons) runs on the cores left
-(``tierd.bench.workload_cores``), as vLLM's own default reserves a core for an engine alone.
+binds other cores than vLLM alone does): all but the first by default, and the other servers
+(vLLM's API server and scheduler, the daemons) run on the cores left
+(``tierd.bench.workload_cores``), as vLLM's own default reserves a core for an engine alone; the
+client runs anywhere.
 
 Cases, each run on its arms in turn, the arms' order rotated every repeat so the host's noise
 falls on all of them:
@@ -108,9 +109,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "(VLLM_CPU_OMP_THREADS_BIND, e.g. 1-3; default: all of this "
                              "host's but the first)")
     parser.add_argument("--other-cpus", default=None,
-                        help="cores of everything else: vLLM's API server and scheduler, the "
-                             "client, the daemons (default: the host's cores --cpus leaves, "
-                             "or all where it leaves none)")
+                        help="cores of the other servers: vLLM's API server and scheduler, the "
+                             "daemons (default: the host's cores --cpus leaves, or all where it "
+                             "leaves none); the client runs on any core")
     parser.add_argument("--arms", type=lambda t: t.split(","), default=list(ARMS),
                         help="arms to run, comma-separated (all: " + ",".join(ARMS) + ")")
     parser.add_argument("--no-chat", action="store_true", help="skip the chat cases")
@@ -231,7 +232,6 @@ def run(args: argparse.Namespace) -> int:
             server.wait_ready()
             assert server.process is not None
             confine_group(server.process.pid, cores)
-        confine_process(os.getpid(), cores.others)  # the client
         binds = {arm: bound_cores(_read(s.log_path)) for arm, s in servers.items()}
         print(f"OpenMP binding (reserve_cpu_num, core ids) per arm: {binds}")
         if len({str(b[1]) if b else None for b in binds.values()}) != 1 or None in binds.values():
@@ -314,7 +314,7 @@ def _report(args: argparse.Namespace, samples: list[Sample], cases: list[Case],
     if args.json:
         print(json.dumps([asdict(s) for s in samples], indent=1))
     print(f"\nreal vllm serve (vLLM's CPU build, the small Llama, OpenMP on cores {cores.bind}, "
-          f"the rest on {','.join(str(c) for c in cores.others)}), "
+          f"the other servers on {','.join(str(c) for c in cores.others)}, the client on any), "
           f"medians of {args.repeats} interleaved repeats; KV blocks of 32 tokens: "
           f"small {args.kv_small}, fits {args.kv_big}:")
     with contextlib.suppress(BrokenPipeError):

@@ -5,12 +5,15 @@ vLLM's CPU build runs the forward pass in its worker process, whose OpenMP threa
 benchmark's client, tierd's daemon) float over every core the host gives, so they preempt the
 OpenMP threads at random and the arms' timings move with whatever else woke up. The bench
 splits the host as vLLM's own default does for an engine alone (one core reserved off the
-OpenMP threads): the forward pass gets ``omp`` and everything else ``others``. On a one-core
-host both are that core.
+OpenMP threads): the forward pass gets ``omp`` and the servers (vLLM's API server and engine
+core, tierd's daemon) ``others``. On a one-core host both are that core. The benchmark's client
+stays on every core: it stands for users on other machines, and kept on ``others`` beside the
+API server and the engine core's polling loop, it made whole runs of either arm fall to about
+half their throughput at random.
 
 ``confine_group`` moves every thread of a `vllm serve` (its process group) but its worker's (the
 process vLLM bound to ``omp``) to ``others``; ``confine_process`` moves every thread of one
-process (the daemon, the bench itself). Threads started later inherit their creator's cores.
+process (the daemon). Threads started later inherit their creator's cores.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Cores:
     """``omp``: the cores vLLM's OpenMP threads bind; ``others``: those of every other
-    process and thread the bench starts."""
+    server process the bench starts."""
 
     omp: list[int]
     others: list[int]
