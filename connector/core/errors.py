@@ -25,7 +25,7 @@ from typing import Literal
 
 import grpc
 
-from tierd.wire.client import CommitRefused
+from tierd.wire.call_error import CallError
 
 Failure = Literal["lease", "request", "forgotten", "down"]
 """What a failed call means for the session (see the module doc)."""
@@ -39,7 +39,7 @@ _REQUEST = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
 def classify(exc: grpc.RpcError, *, names_lease: bool = False) -> Failure:
     """What ``exc`` means; ``names_lease``: the call named a lease or reservation (Release,
     Commit, Abort), so NOT_FOUND means that lease ended, not that the engine was forgotten."""
-    code = exc.code() if isinstance(exc, (grpc.Call, CommitRefused)) else None
+    code = exc.code() if isinstance(exc, (grpc.Call, CallError)) else None
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return "lease"
     if code == grpc.StatusCode.NOT_FOUND:
@@ -51,6 +51,6 @@ def classify(exc: grpc.RpcError, *, names_lease: bool = False) -> Failure:
 
 def describe(exc: BaseException) -> str:
     """``CODE: details`` of a gRPC error, ``Type: message`` of anything else (for logs)."""
-    if isinstance(exc, (grpc.Call, CommitRefused)):
+    if isinstance(exc, (grpc.Call, CallError)):
         return f"{exc.code().name}: {exc.details()}"
     return f"{type(exc).__name__}: {exc}"

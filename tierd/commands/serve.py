@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 HELP = "Run the node daemon (DRAM + SSD tiers, gRPC on a Unix socket) until SIGTERM."
 
-_BOOL_KEYS = ("allow_remote", "insight_hooks", "prefault", "remote_tier")
+_BOOL_KEYS = ("allow_remote", "insight_hooks", "lane", "prefault", "remote_tier")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

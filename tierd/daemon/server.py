@@ -1,6 +1,7 @@
 """The gRPC edge of the node daemon: thin servicers over ``NodeStore``, one error-mapping
-interceptor, health + reflection, Unix-socket (and optional TCP) listeners, the background
-maintenance pass, and graceful shutdown.
+interceptor, health + reflection, Unix-socket (and optional TCP) listeners, the lane beside the
+Unix socket (``lane_server``: the engines' calls through the same interceptor, without gRPC's
+per-call cost), the background maintenance pass, and graceful shutdown.
 
 Servicers hold no logic: each resolves the caller's tenant, checks the engine id belongs to it,
 converts the request (``convert``), calls one ``NodeStore`` method and converts the result back.
@@ -45,6 +46,7 @@ from tierd.daemon.commit_edge import CommitEdge
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.engine_access import group_id, share
 from tierd.daemon.errors import FailedPrecondition, ResourceExhausted, Unauthenticated
+from tierd.daemon.lane_server import LaneServer
 from tierd.daemon.loop_share import LoopShare, LoopShareCollector
 from tierd.daemon.node import NodeConfig, NodeStore
 from tierd.daemon.presence import PresenceFilter
@@ -55,6 +57,7 @@ from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
 from tierd.wire import convert
 from tierd.wire.arena import ShmArena
+from tierd.wire.lane import lane_path, request_type
 from tierd.wire.layout import Layout, namespace_for
 
 _log = logging.getLogger(__name__)
@@ -86,11 +89,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler is None or handler.unary_unary is None:
             return handler
         return grpc.unary_unary_rpc_method_handler(
-            self._guard(details.method, handler.unary_unary, handler.request_deserializer),
+            self.guard(details.method, handler.unary_unary, handler.request_deserializer),
             request_deserializer=None, response_serializer=handler.response_serializer)
 
-    def _guard(self, method: str, behavior: Callable[..., Any],
-               parse: Callable[[bytes], Any] | None) -> Callable[..., Awaitable[Any]]:
+    def guard(self, method: str, behavior: Callable[..., Any],
+              parse: Callable[[bytes], Any] | None) -> Callable[..., Awaitable[Any]]:
+        """``behavior`` (a unary method named ``method``, its request parsed by ``parse``) as
+        this interceptor runs it: (serialized request, context) -> reply; errors end in
+        ``context.abort``. The lane runs its calls through it too (``lane_server``)."""
         name = method.rsplit("/", 1)[-1]
 
         async def run(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
@@ -358,6 +364,10 @@ class Daemon:
         self._stopped = False
         self.loop_share: LoopShare | None = None
         """Each tenant's share of the event loop (set by ``start``)."""
+        self.lane: LaneServer | None = None
+        """The lane's server (``tierd.wire.lane``), None without one (set by ``start``)."""
+        self.lane_path: str | None = None
+        """Where the lane listens, None without one."""
 
     @classmethod
     async def start(cls, config: TierdConfig,
@@ -403,9 +413,10 @@ class Daemon:
         auth = Authenticator(tokens, config.default_tenant, config.admin_token)
         loop_share = LoopShare(config.loop_share_wait_seconds)
         store.metrics.registry.register(LoopShareCollector(loop_share))
+        interceptor = ErrorInterceptor(lambda m, s: latency.labels(m).observe(s), loop_share,
+                                       lambda context: _tenant_or_none(auth, context))
         server = grpc.aio.server(
-            interceptors=[ErrorInterceptor(lambda m, s: latency.labels(m).observe(s), loop_share,
-                                           lambda context: _tenant_or_none(auth, context))],
+            interceptors=[interceptor],
             options=[("grpc.max_receive_message_length", config.max_message_bytes),
                      ("grpc.max_send_message_length", config.max_message_bytes),
                      ("grpc.so_reuseport", 0)])
@@ -432,10 +443,21 @@ class Daemon:
         tcp_port = None
         if config.tcp_port is not None:
             tcp_port = server.add_insecure_port(f"{_bracket(config.tcp_host)}:{config.tcp_port}")
+        lane = None
+        path = lane_path(config.socket_path) if config.socket_path and config.lane else None
+        if path is not None:
+            _claim_socket(path)
+            lane = LaneServer(lambda name: interceptor.guard(
+                f"/{SERVICE_NAME}/{name}", getattr(servicer, name), request_type(name).FromString),
+                config.max_message_bytes)
+            await lane.start(path)
+            if config.engine_group:
+                share(path, gid)
         await server.start()
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
         daemon = cls(config, arena, store, server, health, tcp_port, cluster, presence)
+        daemon.lane, daemon.lane_path = lane, path if lane is not None else None
         daemon.loop_share = loop_share
         daemon._tasks.append(asyncio.create_task(daemon._every(
             config.maintain_seconds, daemon.maintain, "maintain pass")))
@@ -461,7 +483,8 @@ class Daemon:
                   f"{config.ssd_dir} bound {format_bytes(config.ssd_bytes)}, write-behind "
                   + (f"{config.write_behind_seconds:g} s" if config.write_behind_seconds
                      else "off") if ssd is not None else "off",
-                  f"unix:{config.socket_path}" if config.socket_path else "",
+                  f"unix:{config.socket_path}" + (" (and its lane)" if lane is not None else "")
+                  if config.socket_path else "",
                   f" tcp {config.tcp_host}:{tcp_port}" if tcp_port is not None else "",
                   f" metrics http://{config.metrics_host}:{daemon.metrics_port}/metrics"
                   if daemon.metrics_port is not None else "")
@@ -497,6 +520,8 @@ class Daemon:
             return
         self._stopped = True
         await self._health.enter_graceful_shutdown()
+        if self.lane is not None:
+            await self.lane.stop()
         await self._server.stop(grace)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
@@ -514,8 +539,9 @@ class Daemon:
             self.presence.close()
         self.arena.close()
         self.arena.unlink()
-        if self.config.socket_path and os.path.exists(self.config.socket_path):
-            os.unlink(self.config.socket_path)
+        for path in (self.config.socket_path, self.lane_path):
+            if path and os.path.exists(path):
+                os.unlink(path)
         _log.info("tierd stopped: arena and socket removed")
 
 

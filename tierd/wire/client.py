@@ -1,12 +1,15 @@
 """Clients of the node daemon: ``TierdClient`` (blocking) and ``AsyncTierdClient`` (asyncio).
 
 Each holds one gRPC channel and makes exactly one round trip per method call, whatever the
-number of blocks. Inputs and outputs are plain Python values (``Layout``, ``BlockHash`` lists,
-the frozen results of ``tierd.wire.convert``); no protobuf type reaches the caller.
+number of blocks. ``TierdClient`` on a Unix socket sends its calls over the daemon's lane
+instead where it has one (``tierd.wire.lane``: the same calls without gRPC's per-call cost).
+Inputs and outputs are plain Python values (``Layout``, ``BlockHash`` lists, the frozen results
+of ``tierd.wire.convert``); no protobuf type reaches the caller.
 
-Errors are ``grpc.RpcError`` (sync) / ``grpc.aio.AioRpcError`` (async) carrying the precise status
-code (``.code()``) and message (``.details()``) the daemon chose: INVALID_ARGUMENT, NOT_FOUND,
-FAILED_PRECONDITION, RESOURCE_EXHAUSTED, UNAUTHENTICATED; UNAVAILABLE when no daemon listens.
+Errors are ``grpc.RpcError`` (sync; ``call_error.CallError`` over the lane) /
+``grpc.aio.AioRpcError`` (async) carrying the precise status code (``.code()``) and message
+(``.details()``) the daemon chose: INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION,
+RESOURCE_EXHAUSTED, UNAUTHENTICATED; UNAVAILABLE when no daemon listens.
 
 The engine-side data path, for reference::
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from types import TracebackType
@@ -36,7 +40,10 @@ from tierd.types import BlockHash, Tier
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
 from tierd.wire import convert
+from tierd.wire.call_error import CallError
 from tierd.wire.call_threads import CallThreads
+from tierd.wire.lane import lane_path
+from tierd.wire.lane_client import LaneClient, LaneRefused
 from tierd.wire.layout import Layout
 from tierd.wire.replies import AcquiredBlocks, DaemonStats, EngineHandle, Located, ReservedSlots
 
@@ -50,6 +57,9 @@ __all__ = ["AcquiredBlocks", "AsyncTierdClient", "CommitRefused", "DaemonStats",
 
 DEFAULT_TIMEOUT = 30.0
 """Seconds before a call fails with DEADLINE_EXCEEDED (an Acquire may read from SSD)."""
+
+LANE_RETRY_SECONDS = 5.0
+"""How long a client whose daemon had no lane calls over gRPC before it looks again."""
 
 CALL_THREADS = 16
 """Calls one ``TierdClient`` has in flight at once without waiting (``*_async``); more queue."""
@@ -140,19 +150,9 @@ class ChannelClosed(grpc.RpcError):  # type: ignore[misc]  # grpc has no type st
         return cls(f"the channel to {target} was closed")
 
 
-class CommitRefused(grpc.RpcError):  # type: ignore[misc]
+class CommitRefused(CallError):
     """One Commit of a ``commit_many`` that the daemon refused, the others landing: ``code()``
     and ``details()`` are what that Commit made alone would have failed with."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -166,28 +166,61 @@ def _outcomes(reply: pb.CommitManyResponse) -> list[int | CommitRefused]:
 
 
 class TierdClient:
-    """Blocking client over one channel. Thread-safe (gRPC channels are). Use as a context
-    manager or call ``close``."""
+    """Blocking client over one channel (and the daemon's lane). Thread-safe (gRPC channels and
+    ``LaneClient`` are). Use as a context manager or call ``close``."""
 
     def __init__(self, *, socket_path: str | None = None, address: str | None = None,
-                 token: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+                 token: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 lane: bool = True) -> None:
         """Connect lazily to ``address`` ("host:port", needs ``token``) or the Unix socket
-        ``socket_path`` (default socket if neither is given). Nothing is sent until a call."""
+        ``socket_path`` (default socket if neither is given). Nothing is sent until a call.
+        On a Unix socket, calls go over the daemon's lane where it has one (``lane``: False
+        keeps every call on gRPC); a daemon without one is asked again after
+        ``LANE_RETRY_SECONDS``."""
         self.target = target_for(socket_path, address)
         self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.TierdStub(self._channel)  # type: ignore[no-untyped-call]
         self._md = _metadata(token)
+        self._token = token
         self._timeout = timeout
         self._lock = threading.Lock()
         self._calls: CallThreads | None = None  # started with the first call sent without waiting
         self._closed = False
+        self._lane_path = (lane_path(self.target.removeprefix("unix:"))
+                           if lane and self.target.startswith("unix:") else None)
+        self._lane: LaneClient | None = None
+        self._lane_asked = -LANE_RETRY_SECONDS  # monotonic time of the last look for the lane
+
+    @property
+    def on_lane(self) -> bool:
+        """Whether calls go over the daemon's lane now (``tierd.wire.lane``)."""
+        return self._lane is not None
 
     def _call(self, method: str, request: Any) -> Any:
+        if self._closed:
+            raise ChannelClosed(f"the channel to {self.target} was closed")
+        lane = self._lane if self._lane is not None else self._find_lane()
+        if lane is not None:
+            try:
+                return lane.call(method, request)
+            except LaneRefused:
+                pass  # the lane has its most connections open: this call goes over gRPC
         try:
             return getattr(self._stub, method)(request, metadata=self._md,
                                                timeout=self._timeout)
         except ValueError as exc:
             raise ChannelClosed.of(exc, self.target) from exc
+
+    def _find_lane(self) -> LaneClient | None:
+        """The daemon's lane if it has one (looked for at most every ``LANE_RETRY_SECONDS``)."""
+        if self._lane_path is None or time.monotonic() < self._lane_asked + LANE_RETRY_SECONDS:
+            return None
+        with self._lock:
+            if self._lane is None and not self._closed and (
+                    time.monotonic() >= self._lane_asked + LANE_RETRY_SECONDS):
+                self._lane_asked = time.monotonic()
+                self._lane = LaneClient.open(self._lane_path, self._token, self._timeout)
+            return self._lane
 
     def register_engine(self, layout: Layout, engine_name: str = "") -> EngineHandle:
         """Register ``layout``; returns the engine id, arena and slot geometry to use."""
@@ -357,11 +390,14 @@ class TierdClient:
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
 
     def close(self) -> None:
-        """Close the channel: calls in flight or queued fail (``grpc.RpcError``)."""
+        """Close the channel and the lane: calls in flight or queued fail (``grpc.RpcError``)."""
         with self._lock:
             self._closed = True
             calls, self._calls = self._calls, None
+            lane = self._lane
         self._channel.close()
+        if lane is not None:
+            lane.close()
         if calls is not None:
             calls.stop()
 

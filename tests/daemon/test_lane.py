@@ -1,0 +1,242 @@
+"""The lane (``tierd.wire.lane``) against a real daemon: the same answers, errors, tenants and
+metrics as gRPC; bad frames end only their own connection; a full lane, a daemon without one
+and a daemon gone behave as a demanding caller expects."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+from typing import Any
+
+import grpc
+import pytest
+
+from tierd.connector.core.errors import classify
+from tierd.daemon.config import TierdConfig
+from tierd.daemon.server import Daemon
+from tierd.wire import lane as lane_module
+from tierd.wire.client import TierdClient
+from tierd.wire.lane import HELLO, LENGTH, lane_path
+
+
+def _frame(body: bytes) -> bytes:
+    return LENGTH.pack(len(body)) + body
+
+
+def _read(conn: socket.socket) -> bytes:
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = conn.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("closed")
+            data += chunk
+        return data
+    return exactly(LENGTH.unpack(exactly(LENGTH.size))[0])
+
+
+def _raw(daemon: Any, hello: bytes = HELLO) -> socket.socket:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(10)
+    conn.connect(daemon.daemon.lane_path)
+    conn.sendall(_frame(hello))
+    return conn
+
+
+def _closed(conn: socket.socket) -> bool:
+    try:
+        return conn.recv(1) == b""
+    except ConnectionError:
+        return True
+
+
+def _session(client: TierdClient, kit: Any) -> list[Any]:
+    """What an engine does in a session (store, look up, pin, release, reserve blank, abort),
+    as plain values."""
+    engine = client.register_engine(kit.layout, engine_name="lane")
+    arena = kit.attach(engine)
+    hashes = kit.chain(3)
+    stored = kit.store_blocks(client, engine, arena, hashes)
+    arena.close()
+    got = client.acquire(engine.engine_id, hashes + kit.chain(1, seed=9), hold=True)
+    probe = client.probe(engine.engine_id, hashes)
+    blank = client.reserve_blank_async(engine.engine_id, 2).result(timeout=10)
+    client.abort(engine.engine_id, blank.lease_id)
+    return [stored, client.lookup(engine.engine_id, hashes), got.num_blocks, got.checksums,
+            client.release(engine.engine_id, got.lease_id, served=3), probe.num_blocks,
+            client.release(engine.engine_id, probe.lease_id), len(blank.slot_ids),
+            [(e.engine_name, e.hbm_blocks) for e in client.stats().engines]]
+
+
+def test_calls_go_over_the_lane_with_the_answers_of_grpc(make_daemon: Any, kit: Any,
+                                                        workdir: str) -> None:
+    """The same session over the lane and over gRPC, each on a fresh daemon: the same answers;
+    the lane's calls are counted in the daemon's latency metric as gRPC's are."""
+    answers = {}
+    for lane in (True, False):
+        daemon = make_daemon(socket_path=os.path.join(workdir, f"{lane}.sock"),
+                             ssd_dir=os.path.join(workdir, f"ssd-{lane}"))
+        with TierdClient(socket_path=daemon.config.socket_path, timeout=10, lane=lane) as client:
+            answers[lane] = _session(client, kit)
+            assert client.on_lane is lane
+        text = daemon.daemon.store.metrics.registry.get_sample_value(
+            "tierd_rpc_latency_seconds_count", {"method": "Reserve"})
+        assert text == 2  # store_blocks' Reserve and the blank one
+    assert answers[True] == answers[False]
+    assert answers[True][0] == 3 and answers[True][2] == 3
+
+
+def test_errors_carry_the_codes_and_details_of_grpc(daemon: Any, kit: Any) -> None:
+    """An unknown engine, a malformed request and a refused Reserve fail over the lane with
+    the status code and details gRPC gives, and the connector classifies them alike."""
+    with daemon.client() as lane, TierdClient(socket_path=daemon.config.socket_path, timeout=10,
+                                              lane=False) as rpc:
+        engine = lane.register_engine(kit.layout)
+        calls = [lambda c: c.lookup("no-such-engine", kit.chain(1)),
+                 lambda c: c.reserve(engine.engine_id, [b"short"]),
+                 lambda c: c.commit(engine.engine_id, "no-such-lease", [True])]
+        for call in calls:
+            seen = []
+            for client in (lane, rpc):
+                with pytest.raises(grpc.RpcError) as info:
+                    call(client)
+                seen.append((info.value.code(), info.value.details(), classify(info.value)))
+            assert seen[0] == seen[1]
+        assert lane.on_lane and not rpc.on_lane
+
+
+def test_tenants_over_the_lane_are_those_of_their_tokens(make_daemon: Any, kit: Any,
+                                                        workdir: str) -> None:
+    """A token in the hello makes the caller that tenant: another tenant's blocks are misses
+    and its engine NOT_FOUND; an unknown token is UNAUTHENTICATED."""
+    tokens = os.path.join(workdir, "tokens.toml")
+    with open(tokens, "w") as f:
+        f.write('"token-a" = "team-a"\n')
+    daemon = make_daemon(token_file=tokens)
+    hashes = kit.chain(2)
+    with daemon.client(token="token-a") as a, daemon.client() as default, \
+            daemon.client(token="wrong") as wrong:
+        engine_a = kit.engine_storing(a, hashes)
+        assert a.lookup(engine_a.engine_id, hashes) == ["dram"] * 2
+        engine_d = default.register_engine(kit.layout)
+        assert default.lookup(engine_d.engine_id, hashes) == []
+        with pytest.raises(grpc.RpcError) as info:
+            default.lookup(engine_a.engine_id, hashes)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as info:
+            wrong.register_engine(kit.layout)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert a.on_lane and default.on_lane and wrong.on_lane
+        assert {row.tenant for row in a.stats().tenants} >= {"team-a"}
+
+
+def test_bad_frames_end_only_their_own_connection(daemon: Any, kit: Any) -> None:
+    """A wrong hello or one over max_message_bytes (the connection closed), a call over it
+    (RESOURCE_EXHAUSTED, as gRPC answers, the connection kept), a call of no method (answered
+    INVALID_ARGUMENT, then closed) and a request that does not parse (INVALID_ARGUMENT, kept):
+    each ends at most its own connection, and a client's calls go on being answered."""
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+        wrong = _raw(daemon, hello=b"GET / HTTP/1.1")
+        assert _closed(wrong)
+        big = _raw(daemon)
+        assert _read(big) == b"\0"
+        big.sendall(_frame(b"\x06Lookup" + bytes(daemon.config.max_message_bytes)))
+        reply = _read(big)
+        assert reply[0] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert b"max_message_bytes" in reply
+        big.sendall(_frame(b"\x05Stats"))  # the same connection still answers
+        assert _read(big)[0] == 0
+        huge = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        huge.settimeout(10)
+        huge.connect(daemon.daemon.lane_path)
+        huge.sendall(LENGTH.pack(daemon.config.max_message_bytes + 1) + HELLO)
+        assert _closed(huge)
+        nothing = _raw(daemon)
+        assert _read(nothing) == b"\0"
+        nothing.sendall(_frame(b"\x04Nope"))
+        reply = _read(nothing)
+        assert reply[0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert b"no method 'Nope'" in reply
+        assert _closed(nothing)
+        garbled = _raw(daemon)
+        assert _read(garbled) == b"\0"
+        garbled.sendall(_frame(b"\x06Lookup" + b"\xff\xff\xff"))
+        reply = _read(garbled)
+        assert reply[0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert b"malformed Lookup request" in reply
+        garbled.sendall(_frame(b"\x05Stats"))  # the same connection still answers
+        assert _read(garbled)[0] == 0
+        for conn in (wrong, big, huge, nothing, garbled):
+            conn.close()
+        assert client.lookup(engine.engine_id, kit.chain(1)) == []
+        assert client.on_lane
+
+
+def test_a_full_lane_sends_new_callers_over_grpc(daemon: Any, kit: Any) -> None:
+    """Past the lane's most connections a new connection's hello is refused
+    (RESOURCE_EXHAUSTED): a client then calls over gRPC and is answered; once connections
+    close, the next client is on the lane again."""
+    daemon.daemon.lane._max_connections = 1
+    holder = _raw(daemon)
+    assert _read(holder) == b"\0"
+    refused = _raw(daemon)
+    reply = _read(refused)
+    assert reply[0] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and _closed(refused)
+    with daemon.client() as client:
+        assert client.register_engine(kit.layout).engine_id
+        assert not client.on_lane
+    holder.close()
+    refused.close()
+    with daemon.client() as client:
+        client.stats()
+        assert client.on_lane
+
+
+def test_a_daemon_without_the_lane_is_called_over_grpc(make_daemon: Any, kit: Any) -> None:
+    """``lane = false``: no lane socket, and clients call over gRPC."""
+    daemon = make_daemon(lane=False)
+    assert daemon.daemon.lane is None
+    assert not os.path.exists(daemon.config.socket_path + ".lane")
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+        assert client.lookup(engine.engine_id, kit.chain(1)) == []
+        assert not client.on_lane
+
+
+def test_a_daemon_gone_is_unavailable_and_its_lane_socket_removed(workdir: str,
+                                                                  kit: Any) -> None:
+    """A client on the lane of a daemon that stopped: its next call is UNAVAILABLE (the
+    connector drops the session, as for gRPC), and the stopped daemon left no lane socket."""
+    config = TierdConfig(socket_path=os.path.join(workdir, "gone.sock"), dram_bytes=16 << 20,
+                         slab_bytes=64 << 10, prefault=False, ssd_dir="")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        daemon = asyncio.run_coroutine_threadsafe(Daemon.start(config), loop).result(timeout=60)
+        path = daemon.lane_path
+        assert path == config.socket_path + ".lane" and os.path.exists(path)
+        with TierdClient(socket_path=config.socket_path, timeout=10) as client:
+            engine = client.register_engine(kit.layout)
+            assert client.on_lane
+            asyncio.run_coroutine_threadsafe(daemon.stop(grace=0.5), loop).result(timeout=60)
+            assert not os.path.exists(path)
+            with pytest.raises(grpc.RpcError) as info:
+                client.lookup(engine.engine_id, kit.chain(1))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert classify(info.value) == "down"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+def test_a_socket_path_too_long_for_a_lane_has_none() -> None:
+    """The lane's path must fit a Unix socket; where it would not, there is no lane."""
+    short = "/tmp/t.sock"
+    assert lane_path(short) == short + ".lane"
+    long = "/tmp/" + "d" * (lane_module.MAX_PATH - len("/tmp/") - len(".sock") - 2) + ".sock"
+    assert len(long) <= lane_module.MAX_PATH and lane_path(long) is None

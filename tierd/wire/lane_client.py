@@ -1,0 +1,150 @@
+"""``LaneClient``: a blocking client's calls over the daemon's lane (``tierd.wire.lane``).
+
+Each call takes an idle connection (or opens one), sends the call, reads its reply and puts the
+connection back: one connection per call in flight, at most ``KEEP_IDLE`` kept idle. An idle
+connection the daemon closed meanwhile (it restarted) refuses the call's first bytes: the call
+is then sent once on a new connection, as gRPC's channel reconnects. A call that
+fails in transport (the daemon gone, a deadline passed) closes its connection and raises a
+``CallError`` with the code gRPC would have given (UNAVAILABLE, DEADLINE_EXCEEDED); an error
+the daemon answered carries the daemon's own code and details. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any
+
+import grpc
+
+from .call_error import CallError
+from .lane import CODES, HELLO, LENGTH, reply_type
+
+KEEP_IDLE = 8
+"""Idle connections kept for the next calls; more are closed when their call ends."""
+
+
+class LaneRefused(Exception):
+    """The daemon refused a new lane connection (it has its most open): make the call over
+    gRPC."""
+
+
+class LaneClient:
+    """Calls over the lane at ``path`` with ``token`` (module doc)."""
+
+    def __init__(self, path: str, token: str | None, timeout: float) -> None:
+        self.path, self._timeout = path, timeout
+        self._hello = _frame(HELLO + (token or "").encode())
+        self._lock = threading.Lock()
+        self._idle: list[socket.socket] = []
+        self._closed = False
+
+    @classmethod
+    def open(cls, path: str, token: str | None, timeout: float) -> LaneClient | None:
+        """A client whose first connection is open, or None where nothing listens at ``path``
+        (no lane: a daemon without one, or none at all)."""
+        lane = cls(path, token, timeout)
+        try:
+            lane._idle.append(lane._connect())
+        except (OSError, LaneRefused):
+            return None
+        return lane
+
+    def call(self, method: str, request: Any) -> Any:
+        """The reply of the service's ``method`` to ``request`` (a ``CallError`` if it
+        failed; ``LaneRefused`` if it needed a new connection and the daemon refused one)."""
+        name = method.encode()
+        frame = _frame(bytes((len(name),)) + name + request.SerializeToString())
+        conn, reused = self._take()
+        try:
+            try:
+                conn.sendall(frame)
+            except (BrokenPipeError, ConnectionResetError):
+                if not reused:
+                    raise
+                conn.close()  # an idle connection the daemon closed (it restarted): nothing
+                conn = self._connect()  # was sent, so send it once more on a new one
+                conn.sendall(frame)
+            reply = _read_frame(conn)
+        except TimeoutError:
+            conn.close()
+            raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"no answer to {method} from {self.path} within "
+                            f"{self._timeout:g} s") from None
+        except OSError as exc:
+            conn.close()
+            raise CallError(grpc.StatusCode.UNAVAILABLE,
+                            f"the lane {self.path} failed during {method}: {exc}") from None
+        self._give_back(conn)
+        if not reply:
+            raise CallError(grpc.StatusCode.INTERNAL, f"an empty reply to {method}")
+        if reply[0] != 0:
+            raise CallError(CODES.get(reply[0], grpc.StatusCode.UNKNOWN),
+                            reply[1:].decode(errors="replace"))
+        return reply_type(method).FromString(reply[1:])
+
+    def close(self) -> None:
+        """Close every idle connection; calls in flight close theirs when they end."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def _take(self) -> tuple[socket.socket, bool]:
+        """A connection for a call, and whether it was an idle one (kept from an earlier call)."""
+        with self._lock:
+            if self._closed:
+                raise CallError(grpc.StatusCode.UNAVAILABLE, f"the lane {self.path} was closed")
+            if self._idle:
+                return self._idle.pop(), True
+        try:
+            return self._connect(), False
+        except OSError as exc:
+            raise CallError(grpc.StatusCode.UNAVAILABLE,
+                            f"cannot reach the lane {self.path}: {exc}") from None
+
+    def _give_back(self, conn: socket.socket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < KEEP_IDLE:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _connect(self) -> socket.socket:
+        """A new connection, its hello answered; ``LaneRefused`` where the daemon has its most
+        lane connections open."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.settimeout(self._timeout)
+            conn.connect(self.path)
+            conn.sendall(self._hello)
+            answer = _read_frame(conn)
+        except OSError:
+            conn.close()
+            raise
+        if answer != b"\0":
+            conn.close()
+            raise LaneRefused(answer[1:].decode(errors="replace"))
+        return conn
+
+
+def _frame(body: bytes) -> bytes:
+    return LENGTH.pack(len(body)) + body
+
+
+def _read_frame(conn: socket.socket) -> bytes:
+    """One frame's body; ``ConnectionError`` where the daemon closed the connection first."""
+    head = _read_exactly(conn, LENGTH.size)
+    return _read_exactly(conn, LENGTH.unpack(head)[0])
+
+
+def _read_exactly(conn: socket.socket, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = conn.recv(min(left, 1 << 20))
+        if not chunk:
+            raise ConnectionError("the daemon closed the connection")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
