@@ -50,7 +50,8 @@ def _engine(socket_path: str, groups: list[int]) -> subprocess.CompletedProcess[
         os.setgroups({groups!r}); os.setgid({NOBODY}); os.setuid({NOBODY})
         link = DaemonLink(settings, layout, attach=True, presence=True)
         up = link.connect()
-        print("up" if up else "down", link.session.presence is not None if up else "")
+        print("up" if up else "down", link.session.presence is not None if up else "",
+              link.session.client.on_lane if up else "")
         link.close()
     """)
     return subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True,
@@ -67,19 +68,21 @@ def test_engine_group_must_exist() -> None:
 
 @needs_root
 def test_group_engine_connects_and_attaches(make_daemon: Any, workdir: str) -> None:
-    """Socket, arena and filter are 0660 of the engine group; an engine of another user with
-    that group registers and maps both; the SSD directory stays the daemon's."""
+    """Socket, lane, arena and filter are 0660 of the engine group; an engine of another user
+    with that group registers (over the lane) and maps both; the SSD directory stays the
+    daemon's."""
     sockdir = os.path.join(workdir, "run")
     os.makedirs(sockdir, mode=0o755)
     os.chmod(workdir, 0o755)
     running = make_daemon(engine_group=str(GID), socket_path=os.path.join(sockdir, "t.sock"))
     arena = running.daemon.arena
     assert _mode(running.config.socket_path) == (0o660, GID)
+    assert _mode(running.config.socket_path + ".lane") == (0o660, GID)
     assert _mode(arena.path) == (0o660, GID)
     assert _mode(arena.path + "-presence") == (0o660, GID)
     assert _mode(running.config.ssd_dir)[1] != GID
     result = _engine(running.config.socket_path, [GID])
-    assert result.stdout.split() == ["up", "True"], result.stderr
+    assert result.stdout.split() == ["up", "True", "True"], result.stderr
 
 
 @needs_root

@@ -1,8 +1,9 @@
-"""`tierd bench daemon`: the daemon's three paths, each beside its physical limit, in one run.
+"""`tierd bench daemon`: the daemon's paths, each beside its physical limit, in one run.
 
-1. Lookup round trip of a 128-block chain over the Unix socket, beside a gRPC echo whose request
-   and reply have the same sizes, served by the same daemon process through the same server and
-   interceptor (the daemon runs in a child process, as in production). Target: p50 <= 2x echo.
+1. Lookup round trip of a 128-block chain over gRPC on the Unix socket, beside a gRPC echo whose
+   request and reply have the same sizes, served by the same daemon process through the same
+   server and interceptor (the daemon runs in a child process, as in production).
+   Target: p50 <= 2x echo.
 2. Engine-side copy of the acquired blocks out of the shared-memory DRAM arena, beside a plain
    memcpy of the same bytes in the same block-sized pieces between private buffers.
    Target: >= 70% of memcpy.
@@ -18,6 +19,9 @@
    alone). On a host where the engine's threads occupy every core this CPU is taken from them.
    Target: <= 2.5 echoes (the step makes 1.25 calls: tierd's own work at most the transport's).
    A Commit per step is printed beside it, unjudged.
+5. The lane (``tierd.wire.lane``, how engines on the node call): the lookup of 1. and the
+   windowed saving step of 4. over the lane, beside the same over gRPC (1. to 4. call over gRPC
+   alone). Targets: lookup p50 <= 0.5x gRPC's, the saving step's daemon CPU <= 0.5x gRPC's.
 
 Noise only ever adds time, so copies keep the best of a few runs. Short by default (~10-20 s).
 """
@@ -45,6 +49,7 @@ TARGET_LOOKUP = 2.0   # lookup p50 / echo p50 at most
 TARGET_COPY = 0.70    # DRAM copy / memcpy at least
 TARGET_SSD = 0.70     # SSD tier / raw disk at least
 TARGET_SAVE_CPU = 2.5  # daemon CPU of a saving step / of an echo at most
+TARGET_LANE = 0.5     # lane / gRPC at most: lookup p50, saving step daemon CPU
 SAVED_BLOCKS = 3      # blocks a saving step stores
 WINDOW_STEPS = 4      # saving steps whose Commits one CommitMany carries
 CPU_METHOD = "/tierd.bench.Echo/Cpu"
@@ -151,7 +156,8 @@ def _measure(args: argparse.Namespace, layout: Any, sock: str, workdir: str) -> 
     from tierd.wire.client import TierdClient
 
     hashes = [BlockHash(os.urandom(32)) for _ in range(args.blocks)]
-    with TierdClient(socket_path=sock) as client:
+    with TierdClient(socket_path=sock, lane=False) as client, \
+            TierdClient(socket_path=sock) as lane:
         client.wait_ready(timeout=120)
         engine = client.register_engine(layout, engine_name="bench")
         from tierd.wire.arena import ShmArena
@@ -167,10 +173,12 @@ def _measure(args: argparse.Namespace, layout: Any, sock: str, workdir: str) -> 
         echo_request = reply_len.to_bytes(4, "little") + os.urandom(size - 4)
         with grpc.insecure_channel(f"unix:{sock}") as channel:
             echo = channel.unary_unary(ECHO_METHOD)
-            lookup_ms, echo_ms = _interleaved(
-                lambda: client.lookup(engine.engine_id, hashes),
-                lambda: echo(echo_request, timeout=10), args.calls)
-            save_cpu = _save_cpu_figures(client, channel, args.save_steps)
+            lookup_ms, echo_ms, lane_ms = _interleaved(
+                [lambda: client.lookup(engine.engine_id, hashes),
+                 lambda: echo(echo_request, timeout=10),
+                 lambda: lane.lookup(engine.engine_id, hashes)], args.calls)
+            assert lane.on_lane and not client.on_lane, "the lane must be up, gRPC apart"
+            save_cpu = _save_cpu_figures(client, lane, channel, args.save_steps)
         got = client.acquire(engine.engine_id, hashes)
         copy = _copy_figures(arena, engine.geometry, got.slot_ids, payloads, args.repeat)
         client.release(engine.engine_id, got.lease_id)
@@ -179,7 +187,9 @@ def _measure(args: argparse.Namespace, layout: Any, sock: str, workdir: str) -> 
     return {"blocks": args.blocks, "block_bytes": layout.block_bytes,
             "lookup_request_bytes": size, "lookup_reply_bytes": reply_len,
             "lookup_p50_ms": _pct(lookup_ms, 50), "lookup_p99_ms": _pct(lookup_ms, 99),
-            "echo_p50_ms": _pct(echo_ms, 50), "echo_p99_ms": _pct(echo_ms, 99), **save_cpu,
+            "echo_p50_ms": _pct(echo_ms, 50), "echo_p99_ms": _pct(echo_ms, 99),
+            "lane_lookup_p50_ms": _pct(lane_ms, 50), "lane_lookup_p99_ms": _pct(lane_ms, 99),
+            **save_cpu,
             **copy, **ssd}
 
 
@@ -196,10 +206,11 @@ def _store(client: Any, engine: Any, arena: Any, hashes: list[Any]) -> list[byte
     return payloads
 
 
-def _save_cpu_figures(client: Any, channel: Any, steps: int) -> dict[str, float]:
+def _save_cpu_figures(client: Any, lane: Any, channel: Any, steps: int) -> dict[str, float]:
     """Daemon CPU microseconds per saving step, windowed (``WINDOW_STEPS`` Commits in one
-    CommitMany) and with a Commit per step, and per echo of a Reserve's request and reply sizes;
-    the three take turns in rounds (so load on the machine hits all alike), after a warm-up."""
+    CommitMany) and with a Commit per step, per echo of a Reserve's request and reply sizes
+    (``client``: over gRPC), and per windowed saving step over the lane (``lane``); the four take
+    turns in rounds (so load on the machine hits all alike), after a warm-up."""
     from tierd.types import BlockHash
     from tierd.v1 import tierd_pb2 as pb
 
@@ -212,15 +223,18 @@ def _save_cpu_figures(client: Any, channel: Any, steps: int) -> dict[str, float]
     echo_request = len(reply).to_bytes(4, "little") + os.urandom(len(request) - 4)
     echo, cpu = channel.unary_unary(ECHO_METHOD), channel.unary_unary(CPU_METHOD)
 
-    def reserve() -> tuple[str, list[bool], tuple[()]]:
-        got = client.reserve(eid, [BlockHash(os.urandom(32)) for _ in range(SAVED_BLOCKS)])
+    def reserve(caller: Any = client) -> tuple[str, list[bool], tuple[()]]:
+        got = caller.reserve(eid, [BlockHash(os.urandom(32)) for _ in range(SAVED_BLOCKS)])
         assert None not in got.slot_ids, "the benchmark arena must hold every saved block"
         return got.lease_id, [True] * SAVED_BLOCKS, ()
 
-    def windowed(n: int) -> None:
+    def windowed(n: int, caller: Any = client) -> None:
         for _ in range(n // WINDOW_STEPS):
-            stored = client.commit_many(eid, [reserve() for _ in range(WINDOW_STEPS)])
+            stored = caller.commit_many(eid, [reserve(caller) for _ in range(WINDOW_STEPS)])
             assert stored == [SAVED_BLOCKS] * WINDOW_STEPS, f"stored {stored}"
+
+    def on_lane(n: int) -> None:
+        windowed(n, lane)
 
     def per_step(n: int) -> None:
         for _ in range(n):
@@ -236,12 +250,14 @@ def _save_cpu_figures(client: Any, channel: Any, steps: int) -> dict[str, float]
         return float(struct.unpack("<d", cpu(b"", timeout=10))[0])
 
     rounds, warm = 4, 2 * WINDOW_STEPS
-    for fn in (windowed, per_step, echoes):
+    forms = (("windowed", windowed), ("per_step", per_step), ("echo", echoes),
+             ("lane", on_lane))
+    for _, fn in forms:
         fn(warm)
-    spent = {"windowed": 0.0, "per_step": 0.0, "echo": 0.0}
+    spent = {name: 0.0 for name, _ in forms}
     each = max(WINDOW_STEPS, steps // rounds // WINDOW_STEPS * WINDOW_STEPS)
     for _ in range(rounds):
-        for name, fn in (("windowed", windowed), ("per_step", per_step), ("echo", echoes)):
+        for name, fn in forms:
             start = daemon_cpu()
             fn(each)
             spent[name] += daemon_cpu() - start
@@ -249,23 +265,23 @@ def _save_cpu_figures(client: Any, channel: Any, steps: int) -> dict[str, float]
     calls = rounds * each
     return {"save_step_cpu_us": spent["windowed"] / calls * 1e6,
             "save_step_commit_each_cpu_us": spent["per_step"] / calls * 1e6,
-            "echo_cpu_us": spent["echo"] / calls * 1e6}
+            "echo_cpu_us": spent["echo"] / calls * 1e6,
+            "lane_save_step_cpu_us": spent["lane"] / calls * 1e6}
 
 
-def _interleaved(a: Any, b: Any, calls: int) -> tuple[list[float], list[float]]:
-    """Time ``a`` and ``b`` alternately (so load on the machine hits both alike), after a warm-up;
-    milliseconds per call."""
+def _interleaved(fns: list[Any], calls: int) -> list[list[float]]:
+    """Time each of ``fns`` in turn (so load on the machine hits all alike), after a warm-up;
+    milliseconds per call of each."""
     for _ in range(max(20, calls // 10)):
-        a()
-        b()
-    ta: list[float] = []
-    tb: list[float] = []
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(calls):
-        for fn, out in ((a, ta), (b, tb)):
+        for fn, out in zip(fns, times):
             start = time.perf_counter_ns()
             fn()
             out.append((time.perf_counter_ns() - start) / 1e6)
-    return ta, tb
+    return times
 
 
 def _pct(values: list[float], q: int) -> float:
@@ -383,6 +399,10 @@ def _report(f: dict[str, Any], args: argparse.Namespace) -> int:
         ("SSD read / raw read", f["ssd_read_gbps"] / f["raw_read_gbps"], ">=", TARGET_SSD),
         ("saving step CPU / echo", f["save_step_cpu_us"] / f["echo_cpu_us"], "<=",
          TARGET_SAVE_CPU),
+        ("lane / gRPC, lookup p50", f["lane_lookup_p50_ms"] / f["lookup_p50_ms"], "<=",
+         TARGET_LANE),
+        ("lane / gRPC, saving CPU", f["lane_save_step_cpu_us"] / f["save_step_cpu_us"], "<=",
+         TARGET_LANE),
     ]
     ok = all(r <= t if op == "<=" else r >= t for _, r, op, t in checks)
     if args.json:
@@ -393,15 +413,18 @@ def _report(f: dict[str, Any], args: argparse.Namespace) -> int:
     mib = f["block_bytes"] / (1 << 20)
     print(f"{f['blocks']} blocks of {mib:.2f} MiB; lookup request {f['lookup_request_bytes']} B, "
           f"reply {f['lookup_reply_bytes']} B")
-    print(f"  lookup over Unix socket   p50 {f['lookup_p50_ms']:.3f} ms  p99 "
+    print(f"  lookup over gRPC          p50 {f['lookup_p50_ms']:.3f} ms  p99 "
           f"{f['lookup_p99_ms']:.3f} ms")
     print(f"  gRPC echo, same sizes     p50 {f['echo_p50_ms']:.3f} ms  "
           f"p99 {f['echo_p99_ms']:.3f} ms")
+    print(f"  lookup over the lane      p50 {f['lane_lookup_p50_ms']:.3f} ms  p99 "
+          f"{f['lane_lookup_p99_ms']:.3f} ms")
     print(f"  copy out of DRAM arena    {f['dram_copy_gbps']:.2f} GB/s   memcpy same pieces "
           f"{f['memcpy_gbps']:.2f} GB/s (one contiguous memcpy {f['memcpy_contiguous_gbps']:.2f})")
     print(f"  daemon CPU per saving step {f['save_step_cpu_us']:.0f} us ({WINDOW_STEPS} steps' "
           f"Commits in one CommitMany; a Commit each: {f['save_step_commit_each_cpu_us']:.0f} us)"
-          f"   per echo {f['echo_cpu_us']:.0f} us")
+          f"   per echo {f['echo_cpu_us']:.0f} us; over the lane "
+          f"{f['lane_save_step_cpu_us']:.0f} us")
     print(f"  SSD tier write / read     {f['ssd_write_gbps']:.2f} / {f['ssd_read_gbps']:.2f} GB/s"
           f"   raw disk {f['raw_write_gbps']:.2f} / {f['raw_read_gbps']:.2f} GB/s")
     for name, ratio, op, target in checks:
