@@ -234,6 +234,42 @@ def test_a_daemon_gone_is_unavailable_and_its_lane_socket_removed(workdir: str,
         loop.close()
 
 
+def test_a_client_kept_across_a_daemon_restart_reaches_the_new_daemon(workdir: str,
+                                                                       kit: Any) -> None:
+    """A client whose idle lane connections belong to a daemon that stopped: once a new daemon
+    serves the same socket, its next call reaches it on a new connection (NOT_FOUND for the old
+    engine, as gRPC's reconnected channel gives), and it registers there."""
+    config = TierdConfig(socket_path=os.path.join(workdir, "again.sock"), dram_bytes=16 << 20,
+                         slab_bytes=64 << 10, prefault=False, ssd_dir="")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def run(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=60)
+
+    try:
+        first = run(Daemon.start(config))
+        with TierdClient(socket_path=config.socket_path, timeout=10) as client:
+            engine = client.register_engine(kit.layout)
+            assert client.on_lane
+            run(first.stop(grace=0.5))
+            second = run(Daemon.start(config))
+            try:
+                with pytest.raises(grpc.RpcError) as info:
+                    client.lookup(engine.engine_id, kit.chain(1))
+                assert info.value.code() == grpc.StatusCode.NOT_FOUND
+                again = client.register_engine(kit.layout)
+                assert client.lookup(again.engine_id, kit.chain(1)) == []
+                assert client.on_lane
+            finally:
+                run(second.stop(grace=0.5))
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
 def test_a_socket_path_too_long_for_a_lane_has_none() -> None:
     """The lane's path must fit a Unix socket; where it would not, there is no lane."""
     short = "/tmp/t.sock"
