@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -28,6 +29,9 @@ _log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 1024
 """Lane connections at once, all engines together (a client opens one per call in flight)."""
+
+WARN_EVERY_SECONDS = 60.0
+"""At most one warning this often about refused connections (with the count since the last)."""
 
 Guarded = Callable[[bytes, Any], Awaitable[Any]]
 """A servicer method under the guard: (serialized request, context) -> reply message."""
@@ -70,16 +74,12 @@ class LaneServer:
         self._max_bytes, self._max_connections = max_message_bytes, max_connections
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self._server: asyncio.Server | None = None
+        self._refused, self._warned_at = 0, -WARN_EVERY_SECONDS
 
     async def start(self, path: str) -> None:
         """Listen at ``path`` (the caller removed any stale file there)."""
         self._server = await asyncio.start_unix_server(self._serve, path,
                                                        limit=self._max_bytes + LENGTH.size)
-
-    @property
-    def connections(self) -> int:
-        """Connections open now."""
-        return len(self._connections)
 
     async def stop(self, grace: float = 2.0) -> None:
         """Stop listening and close every connection; calls in flight get ``grace`` seconds to
@@ -105,8 +105,13 @@ class LaneServer:
             if hello is None or not hello.startswith(HELLO):
                 raise _BadFrame("the first frame is not a lane hello (tierd-lane/1)")
             if len(self._connections) > self._max_connections:
-                _log.warning("lane: refused a connection, %d open (the most); that call goes "
-                             "over gRPC", self._max_connections)
+                self._refused += 1
+                if time.monotonic() >= self._warned_at + WARN_EVERY_SECONDS:
+                    self._warned_at = time.monotonic()
+                    _log.warning("lane: %d connections refused since the last warning, %d open "
+                                 "(the most); their calls go over gRPC", self._refused,
+                                 self._max_connections)
+                    self._refused = 0
                 await self._send(writer, _error(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                                 "the lane has its most connections open"))
                 return
