@@ -270,6 +270,27 @@ def test_a_client_kept_across_a_daemon_restart_reaches_the_new_daemon(workdir: s
         loop.close()
 
 
+def test_a_forked_child_never_reads_its_parents_replies(daemon: Any, kit: Any) -> None:
+    """A client used, then the process forked: parent and child call at once, each on its own
+    connections, and every answer is the caller's own (a shared connection would hand one the
+    other's replies)."""
+    with daemon.client() as client:
+        engine = kit.engine_storing(client, kit.chain(3))
+        assert client.lookup(engine.engine_id, kit.chain(3)) == ["dram"] * 3  # a kept connection
+        child = os.fork()
+        if child == 0:  # the child: its own chain length, 200 times; never back into pytest
+            code = 2
+            try:
+                code = 0 if all(client.lookup(engine.engine_id, kit.chain(3)[:1]) == ["dram"]
+                                for _ in range(200)) else 1
+            finally:
+                os._exit(code)
+        answers = [client.lookup(engine.engine_id, kit.chain(3)) for _ in range(200)]
+        _, status = os.waitpid(child, 0)
+        assert answers == [["dram"] * 3] * 200
+        assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_a_socket_path_too_long_for_a_lane_has_none() -> None:
     """The lane's path must fit a Unix socket; where it would not, there is no lane."""
     short = "/tmp/t.sock"

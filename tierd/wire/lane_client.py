@@ -3,7 +3,9 @@
 Each call takes an idle connection (or opens one), sends the call, reads its reply and puts the
 connection back: one connection per call in flight, at most ``KEEP_IDLE`` kept idle. An idle
 connection the daemon closed meanwhile (it restarted) refuses the call's first bytes: the call
-is then sent once on a new connection, as gRPC's channel reconnects. A call that
+is then sent once on a new connection, as gRPC's channel reconnects. A process forked from
+one that used the client opens connections of its own: two processes never read one
+connection's replies. A call that
 fails in transport (the daemon gone, a deadline passed) closes its connection and raises a
 ``CallError`` with the code gRPC would have given (UNAVAILABLE, DEADLINE_EXCEEDED); an error
 the daemon answered carries the daemon's own code and details. Thread-safe.
@@ -11,6 +13,7 @@ the daemon answered carries the daemon's own code and details. Thread-safe.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from typing import Any
@@ -37,6 +40,7 @@ class LaneClient:
         self._hello = _frame(HELLO + (token or "").encode())
         self._lock = threading.Lock()
         self._idle: list[socket.socket] = []
+        self._pid = os.getpid()  # the process whose connections ``_idle`` holds
         self._closed = False
 
     @classmethod
@@ -96,6 +100,8 @@ class LaneClient:
         with self._lock:
             if self._closed:
                 raise CallError(grpc.StatusCode.UNAVAILABLE, f"the lane {self.path} was closed")
+            if self._pid != os.getpid():  # a forked child: its parent's connections stay theirs
+                self._idle, self._pid = [], os.getpid()
             if self._idle:
                 return self._idle.pop(), True
         try:
@@ -106,7 +112,7 @@ class LaneClient:
 
     def _give_back(self, conn: socket.socket) -> None:
         with self._lock:
-            if not self._closed and len(self._idle) < KEEP_IDLE:
+            if not self._closed and len(self._idle) < KEEP_IDLE and self._pid == os.getpid():
                 self._idle.append(conn)
                 return
         conn.close()
