@@ -5,6 +5,7 @@ and a daemon gone behave as a demanding caller expects."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 import threading
@@ -234,11 +235,13 @@ def test_a_daemon_gone_is_unavailable_and_its_lane_socket_removed(workdir: str,
         loop.close()
 
 
-def test_a_client_kept_across_a_daemon_restart_reaches_the_new_daemon(workdir: str,
-                                                                       kit: Any) -> None:
+@pytest.mark.parametrize("lane_again", [True, False], ids=["with-lane", "without-lane"])
+def test_a_client_kept_across_a_daemon_restart_reaches_the_new_daemon(
+        workdir: str, kit: Any, lane_again: bool) -> None:
     """A client whose idle lane connections belong to a daemon that stopped: once a new daemon
-    serves the same socket, its next call reaches it on a new connection (NOT_FOUND for the old
-    engine, as gRPC's reconnected channel gives), and it registers there."""
+    serves the same socket, its next call reaches it (NOT_FOUND for the old engine, as gRPC's
+    reconnected channel gives) on a new lane connection, or over gRPC where the new daemon has
+    no lane, and it registers there."""
     config = TierdConfig(socket_path=os.path.join(workdir, "again.sock"), dram_bytes=16 << 20,
                          slab_bytes=64 << 10, prefault=False, ssd_dir="")
     loop = asyncio.new_event_loop()
@@ -254,14 +257,14 @@ def test_a_client_kept_across_a_daemon_restart_reaches_the_new_daemon(workdir: s
             engine = client.register_engine(kit.layout)
             assert client.on_lane
             run(first.stop(grace=0.5))
-            second = run(Daemon.start(config))
+            second = run(Daemon.start(dataclasses.replace(config, lane=lane_again)))
             try:
                 with pytest.raises(grpc.RpcError) as info:
                     client.lookup(engine.engine_id, kit.chain(1))
                 assert info.value.code() == grpc.StatusCode.NOT_FOUND
                 again = client.register_engine(kit.layout)
                 assert client.lookup(again.engine_id, kit.chain(1)) == []
-                assert client.on_lane
+                assert client.on_lane is lane_again
             finally:
                 run(second.stop(grace=0.5))
     finally:

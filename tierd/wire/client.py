@@ -43,7 +43,7 @@ from tierd.wire import convert
 from tierd.wire.call_error import CallError
 from tierd.wire.call_threads import CallThreads
 from tierd.wire.lane import lane_path
-from tierd.wire.lane_client import LaneClient, LaneRefused
+from tierd.wire.lane_client import LaneClient, LaneGone, LaneRefused
 from tierd.wire.layout import Layout
 from tierd.wire.replies import AcquiredBlocks, DaemonStats, EngineHandle, Located, ReservedSlots
 
@@ -175,8 +175,8 @@ class TierdClient:
         """Connect lazily to ``address`` ("host:port", needs ``token``) or the Unix socket
         ``socket_path`` (default socket if neither is given). Nothing is sent until a call.
         On a Unix socket, calls go over the daemon's lane where it has one (``lane``: False
-        keeps every call on gRPC); a daemon without one is asked again after
-        ``LANE_RETRY_SECONDS``."""
+        keeps every call on gRPC); without one (none found, or none reachable any more) calls
+        go over gRPC, and the lane is looked for again after ``LANE_RETRY_SECONDS``."""
         self.target = target_for(socket_path, address)
         self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.TierdStub(self._channel)  # type: ignore[no-untyped-call]
@@ -205,6 +205,11 @@ class TierdClient:
                 return lane.call(method, request)
             except LaneRefused:
                 pass  # the lane has its most connections open: this call goes over gRPC
+            except LaneGone:  # no lane now: gRPC, and a look for one again later
+                with self._lock:
+                    if self._lane is lane:
+                        self._lane, self._lane_asked = None, time.monotonic()
+                lane.close()
         try:
             return getattr(self._stub, method)(request, metadata=self._md,
                                                timeout=self._timeout)

@@ -3,12 +3,16 @@
 Each call takes an idle connection (or opens one), sends the call, reads its reply and puts the
 connection back: one connection per call in flight, at most ``KEEP_IDLE`` kept idle. An idle
 connection the daemon closed meanwhile (it restarted) refuses the call's first bytes: the call
-is then sent once on a new connection, as gRPC's channel reconnects. A process forked from
-one that used the client opens connections of its own: two processes never read one
-connection's replies. A call that
-fails in transport (the daemon gone, a deadline passed) closes its connection and raises a
-``CallError`` with the code gRPC would have given (UNAVAILABLE, DEADLINE_EXCEEDED); an error
-the daemon answered carries the daemon's own code and details. Thread-safe.
+is then sent once on a new connection, as gRPC's channel reconnects. A process forked from one
+that used the client opens connections of its own: two processes never read one connection's
+replies.
+
+A call that needs a new connection and cannot have one is not sent: ``LaneRefused`` (the daemon
+has its most lane connections open) or ``LaneGone`` (nothing listens at the lane's path), and
+``TierdClient`` makes it over gRPC. A call that fails in transport once sent (the daemon gone, a
+deadline passed) closes its connection and raises a ``CallError`` with the code gRPC would have
+given (UNAVAILABLE, DEADLINE_EXCEEDED); an error the daemon answered carries the daemon's own
+code and details. Thread-safe.
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ KEEP_IDLE = 8
 class LaneRefused(Exception):
     """The daemon refused a new lane connection (it has its most open): make the call over
     gRPC."""
+
+
+class LaneGone(CallError):
+    """No new lane connection could be made (UNAVAILABLE): nothing listens at the lane's path
+    now (the daemon is gone, or came back without a lane). The call was not sent."""
 
 
 class LaneClient:
@@ -56,7 +65,8 @@ class LaneClient:
 
     def call(self, method: str, request: Any) -> Any:
         """The reply of the service's ``method`` to ``request`` (a ``CallError`` if it
-        failed; ``LaneRefused`` if it needed a new connection and the daemon refused one)."""
+        failed; ``LaneRefused`` or ``LaneGone``, the call not sent, if it needed a new
+        connection and the daemon refused one or none could be made)."""
         name = method.encode()
         frame = _frame(bytes((len(name),)) + name + request.SerializeToString())
         conn, reused = self._take()
@@ -67,7 +77,7 @@ class LaneClient:
                 if not reused:
                     raise
                 conn.close()  # an idle connection the daemon closed (it restarted): nothing
-                conn = self._connect()  # was sent, so send it once more on a new one
+                conn = self._new()  # was sent, so send it once more on a new one
                 conn.sendall(frame)
             reply = _read_frame(conn)
         except TimeoutError:
@@ -104,11 +114,15 @@ class LaneClient:
                 self._idle, self._pid = [], os.getpid()
             if self._idle:
                 return self._idle.pop(), True
+        return self._new(), False
+
+    def _new(self) -> socket.socket:
+        """``_connect``, its failure a ``LaneGone``."""
         try:
-            return self._connect(), False
+            return self._connect()
         except OSError as exc:
-            raise CallError(grpc.StatusCode.UNAVAILABLE,
-                            f"cannot reach the lane {self.path}: {exc}") from None
+            raise LaneGone(grpc.StatusCode.UNAVAILABLE,
+                           f"cannot reach the lane {self.path}: {exc}") from None
 
     def _give_back(self, conn: socket.socket) -> None:
         with self._lock:
