@@ -445,6 +445,10 @@ class Daemon:
             tcp_port = server.add_insecure_port(f"{_bracket(config.tcp_host)}:{config.tcp_port}")
         lane = None
         path = lane_path(config.socket_path) if config.socket_path and config.lane else None
+        if config.socket_path and config.lane and path is None:
+            _log.warning("no lane: %s.lane would be longer than a Unix socket path may be (107 "
+                         "bytes); engines call over gRPC. Shorten socket_path",
+                         config.socket_path)
         if path is not None:
             _claim_socket(path)
             lane = LaneServer(lambda name: interceptor.guard(
