@@ -147,13 +147,17 @@ def test_daemon_down_is_a_miss_then_it_comes_back(daemon: TierdServe,
 
 
 def test_concurrent_engines(daemon: TierdServe, models: tuple[str, str]) -> None:
-    """Four engines back up and prefetch their own prompts (a shared first half) at once from
-    four threads: every prefetch is byte-exact, nothing stays pinned."""
+    """Four engines back up their own prompts (a shared first half) at once from four threads,
+    then each prefetches another's, at once: every prefetch is byte-exact, nothing stays pinned.
+    The prefetches wait for every backup: a shared page that one engine's backup found another
+    engine writing counts as stored for it, and is visible once that other engine's Commit
+    lands."""
     extra = tierd_extra(daemon.socket_path, models[0])
     engines = [Engine(extra) for _ in range(4)]
     shared = TOKENS[:4 * PAGE]
     prompts = [shared + [(i * 101 + n) % 997 for n in range(4 * PAGE)] for i in range(4)]
     errors: list[BaseException] = []
+    backed_up = threading.Barrier(4, timeout=120)
 
     def run(i: int) -> None:
         try:
@@ -161,6 +165,7 @@ def test_concurrent_engines(daemon: TierdServe, models: tuple[str, str]) -> None
             before = engines[i].pages(indices)
             done = engines[i].backup(prompts[i], indices)
             assert done == len(prompts[i])
+            backed_up.wait()
             reader = engines[(i + 1) % 4]
             hit, loaded, got = reader.prefetch(f"c{i}", prompts[i])
             assert (hit, loaded) == (len(prompts[i]), len(prompts[i]))
@@ -168,6 +173,7 @@ def test_concurrent_engines(daemon: TierdServe, models: tuple[str, str]) -> None
             assert pages[4:] == before[4:]  # the shared half may come from another writer
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
+            backed_up.abort()  # the others do not wait for a backup that failed
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     try:
