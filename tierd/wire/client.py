@@ -40,7 +40,7 @@ from tierd.types import BlockHash, Tier
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
 from tierd.wire import convert
-from tierd.wire.call_error import CallError
+from tierd.wire.call_error import CallError, code_of
 from tierd.wire.call_threads import CallThreads
 from tierd.wire.lane import lane_path
 from tierd.wire.lane_client import LaneClient, LaneGone, LaneRefused
@@ -155,13 +155,10 @@ class CommitRefused(CallError):
     and ``details()`` are what that Commit made alone would have failed with."""
 
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
 def _outcomes(reply: pb.CommitManyResponse) -> list[int | CommitRefused]:
     """Each Commit's blocks stored, or its ``CommitRefused``."""
     return [int(o.stored) if o.code == 0 else
-            CommitRefused(_CODES.get(o.code, grpc.StatusCode.UNKNOWN), o.message)
+            CommitRefused(code_of(o.code), o.message)
             for o in reply.outcomes]
 
 

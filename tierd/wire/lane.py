@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 import struct
 
-import grpc
 from google.protobuf.message import Message
 
 from tierd.v1 import tierd_pb2 as pb
@@ -43,9 +42,6 @@ MAX_PATH = 107
 LENGTH = struct.Struct("<I")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Tierd"]
-
-CODES = {code.value[0]: code for code in grpc.StatusCode}
-"""Status codes by number."""
 
 
 def lane_path(socket_path: str) -> str | None:

@@ -24,8 +24,8 @@ from typing import Any
 
 import grpc
 
-from .call_error import CallError
-from .lane import CODES, HELLO, LENGTH, reply_type
+from .call_error import CallError, code_of
+from .lane import HELLO, LENGTH, reply_type
 
 KEEP_IDLE = 8
 """Idle connections kept for the next calls; more are closed when their call ends."""
@@ -93,7 +93,7 @@ class LaneClient:
         if not reply:
             raise CallError(grpc.StatusCode.INTERNAL, f"an empty reply to {method}")
         if reply[0] != 0:
-            raise CallError(CODES.get(reply[0], grpc.StatusCode.UNKNOWN),
+            raise CallError(code_of(reply[0]),
                             reply[1:].decode(errors="replace"))
         return reply_type(method).FromString(reply[1:])
 
