@@ -5,13 +5,13 @@ smaller than the working set, through real `vllm serve` (vLLM's CPU build, the s
 Four `vllm serve` instances (``tierd.bench.workload_report.ARMS``): vLLM alone and vLLM +
 TierdConnector, each with a KV cache well below the working set (``--kv-small`` blocks: the
 pressure scenario) and with one that holds everything (``--kv-big``: the fits scenario); each
-tierd arm has its own `tierd serve` (DRAM only, above the working set). Every instance binds
-its OpenMP threads to the same cores (``VLLM_CPU_OMP_THREADS_BIND``, checked in its log: vLLM
-reserves one more core when a KV connector is configured, so left to itself the connector arm
-binds other cores than vLLM alone does): all but the first by default, and the other servers
-(vLLM's API server and scheduler, the daemons) run on the cores left
-(``tierd.bench.workload_cores``), as vLLM's own default reserves a core for an engine alone; the
-client runs anywhere.
+tierd arm has its own `tierd serve` (DRAM only, above the working set, its arena prefaulted at
+start as by default). Every instance binds its OpenMP threads to the same cores
+(``VLLM_CPU_OMP_THREADS_BIND``, checked in its log: vLLM reserves one more core when a KV
+connector is configured, so left to itself the connector arm binds other cores than vLLM alone
+does): all but the first by default, and the other servers (vLLM's API server and scheduler, the
+daemons) run on the cores left (``tierd.bench.workload_cores``), as vLLM's own default reserves
+a core for an engine alone; the client runs anywhere.
 
 Cases, each run on its arms in turn, the arms' order rotated every repeat so the host's noise
 falls on all of them:
@@ -212,8 +212,10 @@ def run(args: argparse.Namespace) -> int:
     cores = plan(args.cpus, args.other_cpus)
     model = build(os.path.expanduser("~/.cache/tierd/test-models"), "tiny-llama-v2-seed0", seed=0)
     workdir = tempfile.mkdtemp(prefix="tierd-bw-")
-    daemons = {arm: TierdServe(workdir, ["--dram-bytes", "512MiB", "--no-prefault", "--ssd-dir",
-                                         ""], socket_path=os.path.join(workdir, f"{arm}.sock"))
+    # DRAM only, each arena prefaulted at start as the daemon's default does: a page first
+    # touched by a save would otherwise fault in vLLM's worker, on the forward pass's core.
+    daemons = {arm: TierdServe(workdir, ["--dram-bytes", "512MiB", "--ssd-dir", ""],
+                               socket_path=os.path.join(workdir, f"{arm}.sock"))
                for arm in args.arms if arm.startswith("tierd")}
     env = {"VLLM_CPU_OMP_THREADS_BIND": cores.bind, "VLLM_SERVER_DEV_MODE": "1"}
     servers = {arm: VllmServe(sys.executable, workdir, model, "tiny", arm,
