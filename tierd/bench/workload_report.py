@@ -210,9 +210,21 @@ class Verdict:
         """None when the target has no limit."""
         if self.target.limit is None:
             return None
-        if self.target.at_least:
-            return self.median >= self.target.limit
-        return self.median <= self.target.limit
+        return self._meets(self.median)
+
+    @property
+    def straddled(self) -> bool:
+        """Some repeat's ratio meets the limit and another's misses it: the host's noise
+        between repeats is larger than the margin, so this run cannot settle the verdict
+        (more repeats, or a quieter host, can)."""
+        if self.target.limit is None:
+            return False
+        return len({self._meets(r) for r in self.ratios}) == 2
+
+    def _meets(self, ratio: float) -> bool:
+        limit = self.target.limit
+        assert limit is not None, "a shown ratio has no limit"
+        return ratio >= limit if self.target.at_least else ratio <= limit
 
 
 def group(target: Target) -> str:
@@ -278,6 +290,7 @@ def verdict_lines(found: Sequence[Verdict]) -> list[str]:
             mark = ""
         else:
             sign = ">=" if t.at_least else "<="
-            mark = f" (limit {sign} {t.limit}) -> {'met' if v.met else 'MISSED'}"
+            mark = (f" (limit {sign} {t.limit}) -> {'met' if v.met else 'MISSED'}"
+                    + (", the repeats straddle the limit" if v.straddled else ""))
         lines.append(f"  {v.case:<24} {t.what}: {v.median:.2f} [{spread}]{mark}")
     return lines
