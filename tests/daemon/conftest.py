@@ -201,11 +201,13 @@ async def make_rig(tmp_path: Path) -> AsyncIterator[MakeRig]:
 
     def make(ssd_dir: str | None = None, ssd_bytes: int = SSD,
              listener: TierListener | None = None, **config: Any) -> Rig:
+        node_config = NodeConfig(**config)
+        node_config.validate()  # a bad config raises before the arena exists
         arena = OwnedArena.create(f"tierd-test-{os.getpid()}-{secrets.token_hex(4)}", ARENA,
                                 prefault=False)
         ssd = SsdStore(ssd_dir or tmp_path / "ssd", ssd_bytes, io_threads=2)
         clock = FakeClock()
-        node = NodeStore(arena, SlabAllocator(ARENA, SLAB), ssd, NodeConfig(**config),
+        node = NodeStore(arena, SlabAllocator(ARENA, SLAB), ssd, node_config,
                          clock=clock, listener=listener)
         node.open()
         rig = Rig(node, arena, ssd, clock, node.register_engine("default", LAYOUT, "eng"))
