@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 
-from tierd.bench.workload_cores import Cores, confine_group, confine_process, plan
+from tierd.bench.workload_cores import (
+    Cores,
+    confine_group,
+    confine_process,
+    lower_group,
+    lower_priority,
+    plan,
+)
 
 # A child that starts a second thread, says so, then sleeps; BOUND binds itself first, as vLLM
 # binds its worker to the OpenMP cores.
@@ -27,6 +34,10 @@ time.sleep(60)
 
 def _threads_cores(pid: int) -> list[set[int]]:
     return [os.sched_getaffinity(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")]
+
+
+def _threads_nice(pid: int) -> list[int]:
+    return [os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")]
 
 
 @pytest.fixture
@@ -105,3 +116,33 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except ProcessLookupError:
         return None
+
+
+def test_every_thread_of_a_process_is_lowered(children: Any) -> None:
+    """A child with two threads: both end at the niceness given, above this process's."""
+    nice = os.getpriority(os.PRIO_PROCESS, 0) + 3
+    child = children()
+    lower_priority(child.pid, nice)
+    assert _threads_nice(child.pid) == [nice, nice]
+
+
+def test_a_group_lowers_the_processes_of_the_titles_named() -> None:
+    """A process group with two ``sleep`` processes (titles as vLLM's engine core has its own)
+    and a Python child: only the two sleeps are lowered."""
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    leader = subprocess.Popen(
+        ["sh", "-c", f'sleep 60 & sleep 60 & "{sys.executable}" -c "$0" & wait', CHILD],
+        stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert leader.stdout is not None and leader.stdout.readline() == b"up\n"
+        group = [int(p) for p in os.listdir("/proc")
+                 if p.isdigit() and _pgid(int(p)) == leader.pid]
+        assert lower_group(leader.pid, ("sleep",), mine + 4) == 2
+        for pid in group:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                sleeps = f.read().startswith(b"sleep")
+            assert _threads_nice(pid) == [mine + 4 if sleeps else mine] * \
+                len(os.listdir(f"/proc/{pid}/task"))
+    finally:
+        os.killpg(leader.pid, 9)
+        leader.wait()

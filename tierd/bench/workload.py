@@ -11,7 +11,9 @@ start as by default). Every instance binds its OpenMP threads to the same cores
 connector is configured, so left to itself the connector arm binds other cores than vLLM alone
 does): all but the first by default, and the other servers (vLLM's API server and scheduler, the
 daemons) run on the cores left (``tierd.bench.workload_cores``), as vLLM's own default reserves
-a core for an engine alone; the client runs anywhere.
+a core for an engine alone; the client runs anywhere. On those cores vLLM's engine core and the
+daemons run at a lower priority than the API server, so the engine core's polling seldom starves
+it (``workload_cores``: that made whole runs of any arm fall to about half their throughput).
 
 Cases, each run on its arms in turn, the arms' order rotated every repeat so the host's noise
 falls on all of them:
@@ -201,7 +203,14 @@ def run(args: argparse.Namespace) -> int:
     from tierd.bench.serve_stack import VllmServe, wait_for
     from tierd.bench.tierd_serve import TierdServe
     from tierd.bench.tiny_llama import build, prompt
-    from tierd.bench.workload_cores import confine_group, confine_process, plan
+    from tierd.bench.workload_cores import (
+        ENGINE_CORE,
+        confine_group,
+        confine_process,
+        lower_group,
+        lower_priority,
+        plan,
+    )
     from tierd.bench.workload_profile import cpu_seconds
     from tierd.connector.vllm.connector.filtered import REPORT_SECONDS
 
@@ -229,13 +238,19 @@ def run(args: argparse.Namespace) -> int:
     failed = True
     try:
         for daemon in daemons.values():
-            confine_process(daemon.start().pid, cores.others)
+            started = daemon.start().pid
+            confine_process(started, cores.others)
+            lower_priority(started)
         for server in servers.values():
             server.start()
         for server in servers.values():
             server.wait_ready()
             assert server.process is not None
             confine_group(server.process.pid, cores)
+            lowered = lower_group(server.process.pid)
+            if lowered != 1:
+                raise AssertionError(f"{server.engine}'s vllm serve has {lowered} "
+                                     f"{ENGINE_CORE} processes, not one; see {workdir}")
         binds = {arm: bound_cores(_read(s.log_path)) for arm, s in servers.items()}
         print(f"OpenMP binding (reserve_cpu_num, core ids) per arm: {binds}")
         if len({str(b[1]) if b else None for b in binds.values()}) != 1 or None in binds.values():

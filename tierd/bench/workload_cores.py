@@ -14,13 +14,29 @@ half their throughput at random.
 ``confine_group`` moves every thread of a `vllm serve` (its process group) but its worker's (the
 process vLLM bound to ``omp``) to ``others``; ``confine_process`` moves every thread of one
 process (the daemon). Threads started later inherit their creator's cores.
+
+On ``others`` the API server shares a core with the engine core, which polls for its worker's
+answer in a busy loop while a step runs, and with tierd's daemon. At equal priority that loop
+can starve the API server: requests then reach the engine a few at a time, every step runs a
+handful of them and sends the API server more messages per token, and the run stays in that
+state to its end, at about half the throughput the same arm makes otherwise, in whichever arm
+it strikes. ``lower_priority`` gives the engine core (``lower_group``, by its process title)
+and the daemon niceness ``BACKEND_NICE``, in every arm alike: the API server takes the core
+whenever it has work, and they have it whenever it waits. Threads started later inherit their
+creator's niceness.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+
+BACKEND_NICE = 10
+"""Niceness of vLLM's engine cores and tierd's daemons under the bench (module doc)."""
+
+ENGINE_CORE = "VLLM::EngineCore"
+"""The process title of vLLM's engine core (its scheduler)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +106,32 @@ def confine_group(leader: int, cores: Cores) -> int:
             confine_process(pid, cores.others)
             moved += 1
     return moved
+
+
+def lower_priority(pid: int, nice: int = BACKEND_NICE) -> None:
+    """Every thread of ``pid`` at niceness ``nice`` (threads that exit meanwhile are skipped)."""
+    for tid in _threads(pid):
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
+def lower_group(leader: int, titles: Collection[str] = (ENGINE_CORE,),
+                nice: int = BACKEND_NICE) -> int:
+    """``lower_priority`` of every process of ``leader``'s process group whose title (the first
+    word of its command line) is one of ``titles``; how many there were."""
+    lowered = 0
+    for pid in group_pids(os.getpgid(leader)):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0].decode(errors="replace").strip()
+        except OSError:  # exited while listed
+            continue
+        if title.split(" ")[0] in titles:
+            lower_priority(pid, nice)
+            lowered += 1
+    return lowered
 
 
 def group_pids(group: int) -> list[int]:

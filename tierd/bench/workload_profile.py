@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from tierd.bench.serve_stack import VllmServe
-from tierd.bench.workload_cores import group_pids
+from tierd.bench.workload_cores import ENGINE_CORE, group_pids
 
 T = TypeVar("T")
 
 LOOPS = {"scheduler": "run_busy_loop", "worker": "worker_busy_loop"}
 """vLLM's process kind -> the frame of its main loop (samples outside it are idle threads)."""
-PROCESSES = {"VLLM::EngineCore": "scheduler", "VLLM::Worker": "worker"}
+PROCESSES = {ENGINE_CORE: "scheduler", "VLLM::Worker": "worker"}
 HOOK = "TierdConnector."
 
 
