@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 
 from tierd.connector.core.link import DaemonLink
 from tierd.connector.core.runner import Runner
@@ -26,40 +27,59 @@ reports)."""
 
 class FilteredLookups:
     """Tokens of filtered lookups not yet reported; each report is a ``release`` job on the
-    scheduler side's runner. Thread-safe: a timer thread sends."""
+    scheduler side's runner, queued by a reporter thread of its own, started once at the first
+    count (one thread per report would make vLLM's scheduler thread wait for each to start).
+    Thread-safe."""
 
     def __init__(self, link: DaemonLink, runner: Runner, seconds: float = REPORT_SECONDS) -> None:
         self._link, self._runner, self.seconds = link, runner, seconds
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._tokens = 0
-        self._timer: threading.Timer | None = None
+        self._due: float | None = None  # when the tokens counted so far are to be reported
+        self._reporter: threading.Thread | None = None
         self._closed = False
 
     def add(self, tokens: int) -> None:
         """Count ``tokens`` more; they are reported within ``seconds``."""
-        with self._lock:
+        with self._cond:
             self._tokens += tokens
-            if self._timer is None and not self._closed:
-                self._timer = threading.Timer(self.seconds, self.send)
-                self._timer.daemon = True
-                self._timer.start()
+            if self._due is not None or self._closed:
+                return
+            self._due = time.monotonic() + self.seconds
+            if self._reporter is None:
+                self._reporter = threading.Thread(target=self._report, daemon=True,
+                                                  name="tierd-filtered")
+                self._reporter.start()
+            else:
+                self._cond.notify()
 
     def send(self) -> None:
         """Queue the report of every token counted so far (none: nothing is sent)."""
-        with self._lock:
+        with self._cond:
             self._send()
 
     def close(self) -> None:
-        """Queue the last report; nothing is sent after (call before stopping the runner)."""
-        with self._lock:
+        """Queue the last report; nothing is sent after (call before stopping the runner). The
+        reporter thread ends."""
+        with self._cond:
             self._send()
             self._closed = True
+            self._cond.notify()
+
+    def _report(self) -> None:
+        """Reporter thread: send each batch when it is due, until closed."""
+        with self._cond:
+            while not self._closed:
+                left = None if self._due is None else self._due - time.monotonic()
+                if left is not None and left <= 0:
+                    self._send()
+                else:
+                    self._cond.wait(left)
 
     def _send(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()  # a no-op from the timer's own thread, which is ending
-            self._timer = None
+        self._due = None
         tokens, self._tokens = self._tokens, 0
         if tokens and not self._closed:  # queued under the lock: never after ``close``
             self._runner.submit("release", functools.partial(report_filtered, self._link,
                                                              tokens))
+
