@@ -82,4 +82,3 @@ class FilteredLookups:
         if tokens and not self._closed:  # queued under the lock: never after ``close``
             self._runner.submit("release", functools.partial(report_filtered, self._link,
                                                              tokens))
-

@@ -4,6 +4,7 @@ from tierd, and what is never loaded or saved twice."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -346,6 +347,28 @@ def test_a_certain_miss_is_counted_within_the_report_period_without_another_step
     while _dram_query_tokens(sock) == before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _dram_query_tokens(sock) == before + 96
+
+
+def test_each_period_s_certain_misses_are_counted_by_one_reporter_thread(
+        sock: str, engines: Any) -> None:
+    """Two certain misses, the second after the first one's report landed: each is counted
+    within ``REPORT_SECONDS`` with no further step, and one reporter thread sent both (none is
+    started per report: starting one makes vLLM's scheduler thread wait for it)."""
+    from tierd.connector.vllm.connector.filtered import REPORT_SECONDS
+
+    a = engines(0)
+    filtered = a.scheduler._scheduler._filtered
+    before = _dram_query_tokens(sock)
+    reporters = []
+    for salt, counted in ((15, 96), (16, 2 * 96)):
+        assert a.prefill(FakeRequest(f"m{salt}", prompt(100, salt=salt))) == (0, set())
+        deadline = time.monotonic() + REPORT_SECONDS + 10.0  # the period, and a slow host's slack
+        while _dram_query_tokens(sock) < before + counted and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _dram_query_tokens(sock) == before + counted
+        reporters.append(filtered._reporter)
+    assert reporters[0] is reporters[1] and reporters[0].is_alive()
+    assert not any(isinstance(t, threading.Timer) for t in threading.enumerate())
 
 
 def test_a_lookup_done_within_lookup_wait_is_answered_at_the_first_ask(sock: str,
