@@ -196,6 +196,36 @@ def test_a_full_lane_sends_new_callers_over_grpc(daemon: Any, kit: Any) -> None:
         assert client.on_lane
 
 
+def test_a_call_sent_now_is_answered_when_its_reply_is_read(workdir: str, kit: Any) -> None:
+    """``reserve_sent`` over the lane: other calls go on while its reply is unread, the reply
+    read later is the reservation, and no call thread is started. Once the daemon is gone, one is
+    UNAVAILABLE."""
+    config = TierdConfig(socket_path=os.path.join(workdir, "sent.sock"), dram_bytes=16 << 20,
+                         slab_bytes=64 << 10, prefault=False, ssd_dir="")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        daemon = asyncio.run_coroutine_threadsafe(Daemon.start(config), loop).result(timeout=60)
+        with TierdClient(socket_path=config.socket_path, timeout=10) as client:
+            engine = client.register_engine(kit.layout)
+            assert client.on_lane
+            sent = client.reserve_sent(engine.engine_id, kit.chain(3))
+            assert client.lookup(engine.engine_id, kit.chain(3)) == []  # beside it
+            reserved = sent.result()
+            assert len([s for s in reserved.slot_ids if s is not None]) == 3
+            client.abort(engine.engine_id, reserved.lease_id)
+            assert client._calls is None
+            asyncio.run_coroutine_threadsafe(daemon.stop(grace=0.5), loop).result(timeout=60)
+            with pytest.raises(grpc.RpcError) as info:
+                client.reserve_sent(engine.engine_id, kit.chain(2, seed=5)).result()
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
 def test_a_daemon_without_the_lane_is_called_over_grpc(make_daemon: Any, kit: Any) -> None:
     """``lane = false``: no lane socket, and clients call over gRPC."""
     daemon = make_daemon(lane=False)

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import grpc
 
@@ -43,7 +43,7 @@ from tierd.wire import convert
 from tierd.wire.call_error import CallError, code_of
 from tierd.wire.call_threads import CallThreads
 from tierd.wire.lane import lane_path
-from tierd.wire.lane_client import LaneClient, LaneGone, LaneRefused
+from tierd.wire.lane_client import LaneCall, LaneClient, LaneGone, LaneRefused
 from tierd.wire.layout import Layout
 from tierd.wire.replies import AcquiredBlocks, DaemonStats, EngineHandle, Located, ReservedSlots
 
@@ -51,6 +51,24 @@ if TYPE_CHECKING:
     from tierd.daemon.why import Variant, WhyAnswer
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Sent(Protocol[T_co]):
+    """A call sent without waiting: ``result()`` is its answer, or raises its
+    ``grpc.RpcError`` (a ``Future`` is one)."""
+
+    def result(self) -> T_co: ...
+
+
+class _LaneSent(Generic[T]):
+    """A call sent on the lane (``LaneCall``), its reply turned into ``T`` once read."""
+
+    def __init__(self, call: LaneCall, convert: Callable[[Any], T]) -> None:
+        self._call, self._convert = call, convert
+
+    def result(self) -> T:
+        return self._convert(self._call.result())
 
 __all__ = ["AcquiredBlocks", "AsyncTierdClient", "CommitRefused", "DaemonStats", "EngineHandle",
            "Located", "ReservedSlots", "TierdClient", "target_for"]
@@ -202,16 +220,20 @@ class TierdClient:
                 return lane.call(method, request)
             except LaneRefused:
                 pass  # the lane has its most connections open: this call goes over gRPC
-            except LaneGone:  # no lane now: gRPC, and a look for one again later
-                with self._lock:
-                    if self._lane is lane:
-                        self._lane, self._lane_asked = None, time.monotonic()
-                lane.close()
+            except LaneGone:
+                self._lane_gone(lane)
         try:
             return getattr(self._stub, method)(request, metadata=self._md,
                                                timeout=self._timeout)
         except ValueError as exc:
             raise ChannelClosed.of(exc, self.target) from exc
+
+    def _lane_gone(self, lane: LaneClient) -> None:
+        """No lane now: calls go over gRPC, and the lane is looked for again later."""
+        with self._lock:
+            if self._lane is lane:
+                self._lane, self._lane_asked = None, time.monotonic()
+        lane.close()
 
     def _find_lane(self) -> LaneClient | None:
         """The daemon's lane if it has one (looked for at most every ``LANE_RETRY_SECONDS``)."""
@@ -283,6 +305,24 @@ class TierdClient:
                 self._calls = CallThreads(CALL_THREADS, "tierd-call")
             return self._calls.submit(lambda: result(self._call(method, request)))
 
+    def _sent(self, method: str, request: Any, result: Callable[[Any], T]) -> Sent[T]:
+        """Send ``request`` now from this thread, without waiting: its answer ``result(reply)``
+        (or its ``grpc.RpcError``) is read at ``result()`` by the thread that calls it, with no
+        other thread involved (``LaneCall``), so a caller with work to do meanwhile wakes no
+        thread twice for the call. Without the lane (or a full one): ``_future``. A call that
+        failed in transport on the lane raises its ``grpc.RpcError`` here or at ``result()``."""
+        if self._closed:
+            raise ChannelClosed(f"the channel to {self.target} was closed")
+        lane = self._lane if self._lane is not None else self._find_lane()
+        if lane is not None:
+            try:
+                return _LaneSent(lane.send(method, request), result)
+            except LaneRefused:
+                pass
+            except LaneGone:
+                self._lane_gone(lane)
+        return self._future(method, request, result)
+
     def release(self, engine_id: str, lease_id: str, *, corrupt_from: int | None = None,
                 served: int | None = None) -> bool:
         """Unpin an acquired prefix. ``corrupt_from``: index of the first block whose checksum
@@ -312,6 +352,12 @@ class TierdClient:
         abort the reservation it resolves to (or let it lapse)."""
         return self._future("Reserve", _Requests.reserve(engine_id, hashes, 0),
                             convert.reserved_from_pb)
+
+    def reserve_sent(self, engine_id: str, hashes: Sequence[BlockHash]) -> Sent[ReservedSlots]:
+        """``reserve_async`` whose answer is read by the thread that takes it (``_sent``); the
+        lease as ``reserve_async``'s."""
+        return self._sent("Reserve", _Requests.reserve(engine_id, hashes, 0),
+                          convert.reserved_from_pb)
 
     def reserve_blank_async(self, engine_id: str, count: int) -> Future[ReservedSlots]:
         """Reserve ``count`` blank slots (fewer where no room could be made), to be named at

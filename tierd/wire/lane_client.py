@@ -5,7 +5,9 @@ connection back: one connection per call in flight, at most ``KEEP_IDLE`` kept i
 connection the daemon closed meanwhile (it restarted) refuses the call's first bytes: the call
 is then sent once on a new connection, as gRPC's channel reconnects. A process forked from one
 that used the client opens connections of its own: two processes never read one connection's
-replies.
+replies. ``send`` splits a call in two: sent now, its reply read later by whichever thread
+wants it (``LaneCall.result``), the connection the call's until then; a caller with other work
+meanwhile needs no second thread to wait for the answer.
 
 A call that needs a new connection and cannot have one is not sent: ``LaneRefused`` (the daemon
 has its most lane connections open) or ``LaneGone`` (nothing listens at the lane's path), and
@@ -67,6 +69,13 @@ class LaneClient:
         """The reply of the service's ``method`` to ``request`` (a ``CallError`` if it
         failed; ``LaneRefused`` or ``LaneGone``, the call not sent, if it needed a new
         connection and the daemon refused one or none could be made)."""
+        return self.send(method, request).result()
+
+    def send(self, method: str, request: Any) -> LaneCall:
+        """Send the call now, from this thread, and return at once: its reply is read by
+        ``LaneCall.result`` on whichever thread wants it (no other thread takes part; the
+        connection stays with the call until then). Errors as ``call``'s: ``LaneRefused`` or
+        ``LaneGone`` here (not sent), a ``CallError`` here or from ``result``."""
         name = method.encode()
         frame = _frame(bytes((len(name),)) + name + request.SerializeToString())
         conn, reused = self._take()
@@ -79,23 +88,19 @@ class LaneClient:
                 conn.close()  # an idle connection the daemon closed (it restarted): nothing
                 conn = self._new()  # was sent, so send it once more on a new one
                 conn.sendall(frame)
-            reply = _read_frame(conn)
-        except TimeoutError:
-            conn.close()
-            raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"no answer to {method} from {self.path} within "
-                            f"{self._timeout:g} s") from None
         except OSError as exc:
-            conn.close()
-            raise CallError(grpc.StatusCode.UNAVAILABLE,
-                            f"the lane {self.path} failed during {method}: {exc}") from None
-        self._give_back(conn)
-        if not reply:
-            raise CallError(grpc.StatusCode.INTERNAL, f"an empty reply to {method}")
-        if reply[0] != 0:
-            raise CallError(code_of(reply[0]),
-                            reply[1:].decode(errors="replace"))
-        return reply_type(method).FromString(reply[1:])
+            raise self._failed(conn, method, exc) from None
+        return LaneCall(self, conn, method)
+
+    def _failed(self, conn: socket.socket, method: str, exc: OSError) -> CallError:
+        """The ``CallError`` of a call that failed in transport (its connection closed)."""
+        conn.close()
+        if isinstance(exc, TimeoutError):
+            return CallError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"no answer to {method} from {self.path} within "
+                             f"{self._timeout:g} s")
+        return CallError(grpc.StatusCode.UNAVAILABLE,
+                         f"the lane {self.path} failed during {method}: {exc}")
 
     def close(self) -> None:
         """Close every idle connection; calls in flight close theirs when they end."""
@@ -147,6 +152,28 @@ class LaneClient:
             conn.close()
             raise LaneRefused(answer[1:].decode(errors="replace"))
         return conn
+
+
+class LaneCall:
+    """A call sent on one of ``lane``'s connections, its reply not read yet (``send``)."""
+
+    def __init__(self, lane: LaneClient, conn: socket.socket, method: str) -> None:
+        self._lane, self._conn, self._method = lane, conn, method
+
+    def result(self) -> Any:
+        """The reply, read now (waiting for it up to the client's timeout), or its
+        ``CallError``; the connection goes back to the client. Once only."""
+        method = self._method
+        try:
+            reply = _read_frame(self._conn)
+        except OSError as exc:
+            raise self._lane._failed(self._conn, method, exc) from None
+        self._lane._give_back(self._conn)
+        if not reply:
+            raise CallError(grpc.StatusCode.INTERNAL, f"an empty reply to {method}")
+        if reply[0] != 0:
+            raise CallError(code_of(reply[0]), reply[1:].decode(errors="replace"))
+        return reply_type(method).FromString(reply[1:])
 
 
 def _frame(body: bytes) -> bytes:

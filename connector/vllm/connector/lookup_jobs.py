@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -32,10 +32,18 @@ class Reply:
     counted: bool                  # the daemon counted this job as the request's lookup
     stream: bool = False           # a hit with SSD blocks handed to the workers, nothing pinned
     arenas: list[str] = field(default_factory=list)  # per rank: the arena of its Acquire's slots
+    answered: float = 0.0          # clock time the job ended
 
 
 def ask(links: Sequence[DaemonLink], wanted: list[BlockHash], known_tiers: list[Tier] | None,
         *, stream: bool, clock: Callable[[], float] = time.monotonic) -> Reply:
+    """``_ask``, its reply stamped with the clock time it ended (``Reply.answered``)."""
+    return replace(_ask(links, wanted, known_tiers, stream=stream, clock=clock),
+                   answered=clock())
+
+
+def _ask(links: Sequence[DaemonLink], wanted: list[BlockHash], known_tiers: list[Tier] | None,
+         *, stream: bool, clock: Callable[[], float]) -> Reply:
     """The lookup job of ``wanted`` (``links[r]``: TP rank ``r``'s registration). With
     ``known_tiers`` None: rank 0's Probe (a hold) of the leading DRAM run, counted by the daemon
     as the request's lookup and naming the tiers of the held blocks after the run, then the same run

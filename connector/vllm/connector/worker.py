@@ -26,7 +26,10 @@ before the forward pass only on a step with a synchronous load, after it otherwi
   received and its failed blocks as load errors of that same step.
 * saves: the Reserve of the blocks the step completes goes out without waiting, before the
   forward pass (the daemon answers during it): at ``begin`` on a step with no synchronous load,
-  at the end of ``load`` on one with (after its loads, which can poison a request's saves);
+  at the end of ``load`` on one with (after its loads, which can poison a request's saves). It
+  is sent from this thread and its answer read here when the slots are needed
+  (``TierdClient.reserve_sent``): no helper thread has to run on the forward pass's core, where
+  it would wait for the forward pass and the answer with it;
   ``save_layer`` (vLLM's ``save_kv_layer``) marks each layer as handed over (on CUDA its K/V is
   gathered then, so the first layer waits for the answer). Host KV is copied into the reserved
   slots at ``finish_save``, every layer at once (one native call, ``LayerViews.store``): the
@@ -76,7 +79,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -89,6 +91,7 @@ from tierd.connector.core.load import Sink, load_leased, start_load
 from tierd.connector.core.prefill_speed import DeviceEvent, PrefillSpeed
 from tierd.connector.core.save import Reservation, abort, reservation_of
 from tierd.types import BlockHash
+from tierd.wire.client import Sent
 from tierd.wire.replies import ReservedSlots
 
 from ..config import TierdVllmConfig
@@ -137,7 +140,7 @@ class _Asked:
     """A step's Reserve in flight, and what its answer is for."""
 
     session: Session
-    reply: Future[ReservedSlots]
+    reply: Sent[ReservedSlots]
     asked: float                        # clock time it was sent (its lease runs from here)
     block_ids: list[int]                # vLLM block of each hash asked for
     owners: list[str]                   # per hash asked for, the request it belongs to
@@ -421,7 +424,7 @@ class WorkerSide:
         self._count(counts, "dropped_blocks", len(block_ids) - len(hashes))
         asked = self._clock()
         try:
-            reply = session.client.reserve_async(session.engine_id, hashes)
+            reply = session.client.reserve_sent(session.engine_id, hashes)
         except grpc.RpcError as exc:  # the channel closed under it
             self.link.failed(exc, session)
             self._count(counts, "dropped_blocks", len(hashes))

@@ -79,12 +79,12 @@ def test_a_save_is_reserved_before_the_forward_pass(engines: Any, monkeypatch: A
     connector = a.workers[0]
     client = connector._worker.link.client
     events: list[str] = []
-    reserve_async, save_kv_layer = client.reserve_async, connector.save_kv_layer
+    reserve_sent, save_kv_layer = client.reserve_sent, connector.save_kv_layer
     wait_for_save = connector.wait_for_save
 
     def reserve(*args: Any, **kwargs: Any) -> Any:
         events.append("reserve")
-        reply = reserve_async(*args, **kwargs)
+        reply = reserve_sent(*args, **kwargs)
         result = reply.result
 
         def waited(*args: Any, **kwargs: Any) -> Any:
@@ -93,7 +93,7 @@ def test_a_save_is_reserved_before_the_forward_pass(engines: Any, monkeypatch: A
         reply.result = waited
         return reply
 
-    monkeypatch.setattr(client, "reserve_async", reserve)
+    monkeypatch.setattr(client, "reserve_sent", reserve)
     monkeypatch.setattr(connector, "save_kv_layer",
                         lambda *args: (events.append("layer"), save_kv_layer(*args))[1])
     monkeypatch.setattr(connector, "wait_for_save",
@@ -104,6 +104,17 @@ def test_a_save_is_reserved_before_the_forward_pass(engines: Any, monkeypatch: A
         assert events == ["reserve", "layer", "layer", "layer", "finish", "waited"]
     else:
         assert events == ["reserve", "layer", "waited", "layer", "layer", "finish"]
+
+
+def test_a_saves_reserve_is_answered_to_the_worker_thread_itself(engines: Any) -> None:
+    """Over the lane, a step's Reserve is sent from the worker's thread and its answer read
+    there: the blocks are stored and the worker's client never started a call thread (one
+    would have to run on the forward pass's core to send the call and to take its answer)."""
+    a = engines(0)
+    client = a.workers[0]._worker.link.client
+    a.prefill(FakeRequest("a", prompt(100)))
+    assert a.counters() == (0, 0, 6, 0, 0)
+    assert client.on_lane and client._calls is None
 
 
 def test_the_commits_of_a_window_go_in_one_round_trip(sock: str, engines: Any,
@@ -386,6 +397,45 @@ def test_a_lookup_done_within_lookup_wait_is_answered_at_the_first_ask(sock: str
     assert ask(eager.scheduler, req, 0) == (96, False)
     for conn, name in ((waiting.scheduler, "w"), (eager.scheduler, "e")):
         assert conn.request_finished(FakeRequest(name, prompt(100)), []) == (False, None)
+
+
+def test_a_lookup_that_would_hold_the_running_requests_longer_than_a_step_is_not_waited_for(
+        sock: str, engines: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every Probe takes 0.2 s and ``lookup_wait_seconds`` is 1. Until the lookups' latency and
+    the steps' period are measured, the first ask waits and answers the hit. Then, with two
+    requests running and steps a few milliseconds apart, the first ask of a new hit answers None
+    at once (waiting would hold three requests 0.2 s each; not waiting costs the new one a
+    step), and a later ask the hit; with no request running, the first ask waits again."""
+    from tierd.wire.client import TierdClient
+
+    a, b = engines(0), engines(20, lookup_wait_seconds=1.0)
+    a.prefill(FakeRequest("a", prompt(100)))
+    real_probe = TierdClient.probe
+
+    def slow(client: TierdClient, engine_id: str, hashes: Any, **flags: Any) -> Any:
+        time.sleep(0.2)
+        return real_probe(client, engine_id, hashes, **flags)
+
+    monkeypatch.setattr(TierdClient, "probe", slow)
+    running = [FakeRequest(f"r{i}", prompt(100)) for i in range(2)]
+    for req in running:  # latency measured, no step yet: both waited for
+        assert b.scheduler.get_num_new_matched_tokens(req, 0) == (96, False)
+        b.admit(req)
+    for _ in range(3):
+        b.step(running)
+    late = FakeRequest("late", prompt(100))
+    start = time.perf_counter()
+    assert b.scheduler.get_num_new_matched_tokens(late, 0) == (None, False)
+    assert time.perf_counter() - start < 0.1
+    assert ask(b.scheduler, late, 0) == (96, False)
+    for req in running:
+        b.finish(req)
+    for _ in range(3):
+        b.step([])
+    alone = FakeRequest("alone", prompt(100))
+    assert b.scheduler.get_num_new_matched_tokens(alone, 0) == (96, False)
+    for req in (late, alone):
+        assert b.scheduler.request_finished(req, []) == (False, None)
 
 
 def test_a_slow_daemon_answers_none_at_once_then_the_hit(sock: str, engines: Any,
