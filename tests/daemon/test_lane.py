@@ -5,10 +5,12 @@ and a daemon gone behave as a demanding caller expects."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import socket
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -51,6 +53,25 @@ def _closed(conn: socket.socket) -> bool:
         return conn.recv(1) == b""
     except ConnectionError:
         return True
+
+
+@contextlib.contextmanager
+def _stoppable(workdir: str, name: str) -> Iterator[tuple[Daemon, TierdConfig, Callable[[], None]]]:
+    """A daemon on an event loop of a thread of its own, its config, and a function that stops it
+    (the daemon gone under its clients)."""
+    config = TierdConfig(socket_path=os.path.join(workdir, f"{name}.sock"), dram_bytes=16 << 20,
+                         slab_bytes=64 << 10, prefault=False, ssd_dir="")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        daemon = asyncio.run_coroutine_threadsafe(Daemon.start(config), loop).result(timeout=60)
+        yield daemon, config, lambda: asyncio.run_coroutine_threadsafe(
+            daemon.stop(grace=0.5), loop).result(timeout=60)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
 
 
 def _session(client: TierdClient, kit: Any) -> list[Any]:
@@ -200,30 +221,20 @@ def test_a_call_sent_now_is_answered_when_its_reply_is_read(workdir: str, kit: A
     """``reserve_sent`` over the lane: other calls go on while its reply is unread, the reply
     read later is the reservation, and no call thread is started. Once the daemon is gone, one is
     UNAVAILABLE."""
-    config = TierdConfig(socket_path=os.path.join(workdir, "sent.sock"), dram_bytes=16 << 20,
-                         slab_bytes=64 << 10, prefault=False, ssd_dir="")
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        daemon = asyncio.run_coroutine_threadsafe(Daemon.start(config), loop).result(timeout=60)
-        with TierdClient(socket_path=config.socket_path, timeout=10) as client:
-            engine = client.register_engine(kit.layout)
-            assert client.on_lane
-            sent = client.reserve_sent(engine.engine_id, kit.chain(3))
-            assert client.lookup(engine.engine_id, kit.chain(3)) == []  # beside it
-            reserved = sent.result()
-            assert len([s for s in reserved.slot_ids if s is not None]) == 3
-            client.abort(engine.engine_id, reserved.lease_id)
-            assert client._calls is None
-            asyncio.run_coroutine_threadsafe(daemon.stop(grace=0.5), loop).result(timeout=60)
-            with pytest.raises(grpc.RpcError) as info:
-                client.reserve_sent(engine.engine_id, kit.chain(2, seed=5)).result()
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
+    with _stoppable(workdir, "sent") as (_, config, stop), \
+            TierdClient(socket_path=config.socket_path, timeout=10) as client:
+        engine = client.register_engine(kit.layout)
+        assert client.on_lane
+        sent = client.reserve_sent(engine.engine_id, kit.chain(3))
+        assert client.lookup(engine.engine_id, kit.chain(3)) == []  # beside it
+        reserved = sent.result()
+        assert len([s for s in reserved.slot_ids if s is not None]) == 3
+        client.abort(engine.engine_id, reserved.lease_id)
+        assert client._calls is None
+        stop()
+        with pytest.raises(grpc.RpcError) as info:
+            client.reserve_sent(engine.engine_id, kit.chain(2, seed=5)).result()
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def test_a_daemon_without_the_lane_is_called_over_grpc(make_daemon: Any, kit: Any) -> None:
@@ -241,28 +252,18 @@ def test_a_daemon_gone_is_unavailable_and_its_lane_socket_removed(workdir: str,
                                                                   kit: Any) -> None:
     """A client on the lane of a daemon that stopped: its next call is UNAVAILABLE (the
     connector drops the session, as for gRPC), and the stopped daemon left no lane socket."""
-    config = TierdConfig(socket_path=os.path.join(workdir, "gone.sock"), dram_bytes=16 << 20,
-                         slab_bytes=64 << 10, prefault=False, ssd_dir="")
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        daemon = asyncio.run_coroutine_threadsafe(Daemon.start(config), loop).result(timeout=60)
+    with _stoppable(workdir, "gone") as (daemon, config, stop):
         path = daemon.lane_path
         assert path == config.socket_path + ".lane" and os.path.exists(path)
         with TierdClient(socket_path=config.socket_path, timeout=10) as client:
             engine = client.register_engine(kit.layout)
             assert client.on_lane
-            asyncio.run_coroutine_threadsafe(daemon.stop(grace=0.5), loop).result(timeout=60)
+            stop()
             assert not os.path.exists(path)
             with pytest.raises(grpc.RpcError) as info:
                 client.lookup(engine.engine_id, kit.chain(1))
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             assert classify(info.value) == "down"
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
 
 
 @pytest.mark.parametrize("lane_again", [True, False], ids=["with-lane", "without-lane"])

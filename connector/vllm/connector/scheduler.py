@@ -57,6 +57,7 @@ from tierd.types import BlockHash, Namespace, Tier, make_key
 
 from .filtered import FilteredLookups
 from .lookup_jobs import Reply, ask, end_leases, reply_of
+from .lookup_wait import LookupWait
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 from .pins import Pin
 
@@ -107,17 +108,6 @@ blocks are staged) and releases."""
 MAX_QUEUED_LOOKUPS = 4096
 """Lookups queued beyond this are answered "no match" (the request computes its prefix)."""
 
-STEP_WAIT_ASKS = 4
-"""A scheduler step waits for new lookups at most this many times ``lookup_wait_seconds`` in
-all (the budget resets at each ``build``)."""
-
-SMOOTHING = 0.2
-"""Weight of the newest measurement in the running averages of the lookups' latency and of the
-steps' period (``SchedulerSide._worth_waiting``)."""
-
-IDLE_SECONDS = 1.0
-"""A gap between two steps longer than this is an idle engine, not a step's period."""
-
 
 class SchedulerSide:
     """State of the scheduler-side connector. Called from vLLM's scheduler thread only; the
@@ -137,11 +127,7 @@ class SchedulerSide:
         self._links = list(links)
         self._stream = stream
         self._clock = clock
-        self._lookup_wait = lookup_wait
-        self._wait_left = lookup_wait * STEP_WAIT_ASKS  # of this step's budget (``build``)
-        self._lookup_s: float | None = None       # lookups' latency, queued to answered
-        self._step_s: float | None = None         # steps' period (``build`` to ``build``)
-        self._built_at: float | None = None       # clock time of the last ``build``
+        self._wait = LookupWait(lookup_wait)
         self._runner = Runner(LOOKUP_THREADS, "tierd-scheduler", ("lookup", "release"),
                               limits={"lookup": MAX_QUEUED_LOOKUPS})
         self._filtered = FilteredLookups(links[0], self._runner)
@@ -176,8 +162,8 @@ class SchedulerSide:
         starts a step later): a new lookup is answered at once if its job finishes within
         ``lookup_wait`` seconds (one round trip usually does), and no step waits more than
         ``STEP_WAIT_ASKS`` times that in all, so a slow daemon costs the scheduler thread a
-        bounded few milliseconds per step. It waits only where waiting costs the engine less
-        than starting the request a step later (``_worth_waiting``).
+        bounded few milliseconds per step; it waits only where that costs the engine less than
+        starting the request a step later (``lookup_wait.LookupWait``).
 
         The first ask of a request queues one lookup job: a Probe (a hold) of the leading DRAM
         run that the daemon also counts as the request's lookup (one round trip; with TP > 1 the
@@ -231,27 +217,16 @@ class SchedulerSide:
         if counting:  # a later job for this request (its local hit moved meanwhile) counts none
             self._counted.add(req_id)
         asking = _Asking(start, end, wanted, job, counting, self._clock())
-        if self._wait_left > 0 and self._worth_waiting():
+        timeout = self._wait.timeout(len(self._tracked))
+        if timeout > 0:
             began = time.monotonic()
-            wait([job], min(self._lookup_wait, self._wait_left))
-            self._wait_left -= time.monotonic() - began
+            wait([job], timeout)
+            self._wait.waited(time.monotonic() - began)
             if job.done():
                 held = self._settle(req_id, asking)
                 return (start + held) * bs - num_computed_tokens if held else 0
         self._asking[req_id] = asking
         return None
-
-    def _worth_waiting(self) -> bool:
-        """Whether waiting for a new lookup costs the engine less than starting its request a
-        step later. While the scheduler thread waits, no step runs: every request vLLM runs
-        (those it allocated blocks to and has not finished) waits as long, and so does the new
-        one, so the expected wait (the lookups' recent latency) times those requests must stay
-        under one step (the steps' recent period), which is what not waiting costs the new
-        request. True while either is not measured yet, and when no other request runs."""
-        running = len(self._tracked)
-        if self._lookup_s is None or self._step_s is None or running == 0:
-            return True
-        return self._lookup_s * (running + 1) < self._step_s
 
     def _certain_miss(self, first: BlockHash) -> bool:
         """Whether the daemon's presence filter (rank 0's session) says it holds no copy of
@@ -303,7 +278,7 @@ class SchedulerSide:
         call failed; the blocks held (0 if some rank holds none or failed: leases released)."""
         reply = reply_of(asking.job)
         if reply.answered:
-            self._lookup_s = _average(self._lookup_s, reply.answered - asking.submitted)
+            self._wait.answered(reply.answered - asking.submitted)
         if asking.counting and not reply.counted:  # it failed: the next ask counts
             self._counted.discard(req_id)
         if reply.tiers is None:
@@ -449,11 +424,7 @@ class SchedulerSide:
     def build(self, scheduler_output: Any) -> TierdConnectorMetadata:
         """This step's plan; forgets the loads it hands out. Reads ``scheduler_output`` only."""
         self._sweep()
-        self._wait_left = self._lookup_wait * STEP_WAIT_ASKS
-        now = self._clock()
-        if self._built_at is not None and now - self._built_at < IDLE_SECONDS:
-            self._step_s = _average(self._step_s, now - self._built_at)
-        self._built_at = now
+        self._wait.step(self._clock())
         loads, self._loads = self._loads, []
         # Saves may sit on this step's loads and on loads of earlier steps whose report has
         # not arrived yet (async scheduling: a local hit on blocks still being checked).
@@ -604,7 +575,3 @@ def _scheduled(scheduler_output: Any) -> Iterator[tuple[str, list[int] | None, b
         groups = cached.new_block_ids[i]
         yield req_id, (list(groups[0]) if groups else None), req_id in resumed_ids
 
-
-def _average(average: float | None, value: float) -> float:
-    """The running average ``average`` (None: none yet) with ``value`` added (``SMOOTHING``)."""
-    return value if average is None else average + SMOOTHING * (value - average)
