@@ -123,15 +123,21 @@ def lower_group(leader: int, titles: Collection[str] = (ENGINE_CORE,),
     word of its command line) is one of ``titles``; how many there were."""
     lowered = 0
     for pid in group_pids(os.getpgid(leader)):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                title = f.read().split(b"\0")[0].decode(errors="replace").strip()
-        except OSError:  # exited while listed
-            continue
-        if title.split(" ")[0] in titles:
+        if process_title(pid) in titles:
             lower_priority(pid, nice)
             lowered += 1
     return lowered
+
+
+def process_title(pid: int) -> str | None:
+    """The title of process ``pid`` (the first word of its command line, as vLLM sets it:
+    ``VLLM::EngineCore``); None if it has exited."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            first = f.read().split(b"\0")[0].decode(errors="replace").strip()
+    except OSError:
+        return None
+    return first.split(" ")[0]
 
 
 def group_pids(group: int) -> list[int]:

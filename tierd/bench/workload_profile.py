@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from tierd.bench.serve_stack import VllmServe
-from tierd.bench.workload_cores import ENGINE_CORE, group_pids
+from tierd.bench.workload_cores import ENGINE_CORE, group_pids, process_title
 
 T = TypeVar("T")
 
@@ -61,11 +61,11 @@ def _processes(server: VllmServe) -> dict[int, tuple[str, list[str]]]:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rpartition(")")[2].split()
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                title = f.read().split(b"\0")[0].decode(errors="replace").strip()
         except OSError:  # exited while listed
             continue
-        found[pid] = (title, fields)
+        title = process_title(pid)
+        if title is not None:
+            found[pid] = (title, fields)
     return found
 
 

@@ -212,28 +212,35 @@ class TierdClient:
         return self._lane is not None
 
     def _call(self, method: str, request: Any) -> Any:
-        if self._closed:
-            raise ChannelClosed(f"the channel to {self.target} was closed")
-        lane = self._lane if self._lane is not None else self._find_lane()
-        if lane is not None:
-            try:
-                return lane.call(method, request)
-            except LaneRefused:
-                pass  # the lane has its most connections open: this call goes over gRPC
-            except LaneGone:
-                self._lane_gone(lane)
+        reply = self._on_lane(lambda lane: lane.call(method, request))
+        if reply is not None:
+            return reply
         try:
             return getattr(self._stub, method)(request, metadata=self._md,
                                                timeout=self._timeout)
         except ValueError as exc:
             raise ChannelClosed.of(exc, self.target) from exc
 
-    def _lane_gone(self, lane: LaneClient) -> None:
-        """No lane now: calls go over gRPC, and the lane is looked for again later."""
-        with self._lock:
-            if self._lane is lane:
-                self._lane, self._lane_asked = None, time.monotonic()
-        lane.close()
+    def _on_lane(self, use: Callable[[LaneClient], T]) -> T | None:
+        """``use(lane)`` where the daemon has a lane that takes the call; None where the call
+        is to go over gRPC: no lane, or one with its most connections open (``LaneRefused``),
+        or none any more (``LaneGone``: looked for again later). ``ChannelClosed`` after
+        ``close``."""
+        if self._closed:
+            raise ChannelClosed(f"the channel to {self.target} was closed")
+        lane = self._lane if self._lane is not None else self._find_lane()
+        if lane is None:
+            return None
+        try:
+            return use(lane)
+        except LaneRefused:
+            return None
+        except LaneGone:
+            with self._lock:
+                if self._lane is lane:
+                    self._lane, self._lane_asked = None, time.monotonic()
+            lane.close()
+            return None
 
     def _find_lane(self) -> LaneClient | None:
         """The daemon's lane if it has one (looked for at most every ``LANE_RETRY_SECONDS``)."""
@@ -311,17 +318,8 @@ class TierdClient:
         other thread involved (``LaneCall``), so a caller with work to do meanwhile wakes no
         thread twice for the call. Without the lane (or a full one): ``_future``. A call that
         failed in transport on the lane raises its ``grpc.RpcError`` here or at ``result()``."""
-        if self._closed:
-            raise ChannelClosed(f"the channel to {self.target} was closed")
-        lane = self._lane if self._lane is not None else self._find_lane()
-        if lane is not None:
-            try:
-                return _LaneSent(lane.send(method, request), result)
-            except LaneRefused:
-                pass
-            except LaneGone:
-                self._lane_gone(lane)
-        return self._future(method, request, result)
+        sent = self._on_lane(lambda lane: _LaneSent(lane.send(method, request), result))
+        return sent if sent is not None else self._future(method, request, result)
 
     def release(self, engine_id: str, lease_id: str, *, corrupt_from: int | None = None,
                 served: int | None = None) -> bool:

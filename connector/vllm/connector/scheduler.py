@@ -161,9 +161,9 @@ class SchedulerSide:
         lookup: it keeps the request waiting and asks again at its next step, so the request
         starts a step later): a new lookup is answered at once if its job finishes within
         ``lookup_wait`` seconds (one round trip usually does), and no step waits more than
-        ``STEP_WAIT_ASKS`` times that in all, so a slow daemon costs the scheduler thread a
-        bounded few milliseconds per step; it waits only where that costs the engine less than
-        starting the request a step later (``lookup_wait.LookupWait``).
+        ``lookup_wait.STEP_WAIT_ASKS`` times that in all, so a slow daemon costs the scheduler
+        thread a bounded few milliseconds per step; it waits only where that costs the engine
+        less than starting the request a step later (``lookup_wait.LookupWait``).
 
         The first ask of a request queues one lookup job: a Probe (a hold) of the leading DRAM
         run that the daemon also counts as the request's lookup (one round trip; with TP > 1 the
@@ -574,4 +574,3 @@ def _scheduled(scheduler_output: Any) -> Iterator[tuple[str, list[int] | None, b
     for i, req_id in enumerate(cached.req_ids):
         groups = cached.new_block_ids[i]
         yield req_id, (list(groups[0]) if groups else None), req_id in resumed_ids
-
