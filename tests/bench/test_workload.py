@@ -5,7 +5,9 @@ hook (structure, never a timing)."""
 
 from __future__ import annotations
 
+import math
 import threading
+from dataclasses import asdict, replace
 
 import pytest
 
@@ -20,11 +22,13 @@ from tierd.bench.workload_report import (
     from_latencies,
     medians,
     percentile,
+    phase_lines,
     table,
     tierd_hit_rate,
     verdict_lines,
     verdicts,
     vllm_hit_rates,
+    vllm_phases,
 )
 
 RESULT = {"duration": 10.0, "completed": 95, "failed": 1, "num_prompts": 96,
@@ -77,6 +81,35 @@ def test_hit_rates_are_counter_deltas() -> None:
     assert vllm_hit_rates(after, after) == (None, None)
     assert tierd_hit_rate((100, 10), (700, 310)) == 0.5
     assert tierd_hit_rate((0, 0), (0, 0)) is None
+
+
+def _phases(queue: float, prefill: float, decode: float, requests: int, steps: int) -> str:
+    """vLLM's /metrics text with its per-request phase histograms (seconds summed over
+    ``requests``, split over two label sets) and its steps (``iteration_tokens_total``)."""
+    lines = []
+    for engine, share in (("0", 0.5), ("1", 0.5)):
+        labels = f'{{engine="{engine}",model_name="tiny"}}'
+        for name, seconds in (("request_queue_time", queue), ("request_prefill_time", prefill),
+                              ("request_decode_time", decode),
+                              ("e2e_request_latency", queue + prefill + decode)):
+            lines += [f"vllm:{name}_seconds_sum{labels} {seconds * share}",
+                      f"vllm:{name}_seconds_count{labels} {requests * share}",
+                      f'vllm:{name}_seconds_bucket{{le="+Inf",engine="{engine}"}} {requests}']
+        lines += [f"vllm:iteration_tokens_total_sum{labels} {steps * 7 * share}",
+                  f"vllm:iteration_tokens_total_count{labels} {steps * share}"]
+    return "\n".join(lines) + "\n"
+
+
+def test_vllms_phases_are_per_request_means_of_histogram_deltas() -> None:
+    """Over a run that finished 10 requests in 40 steps, waiting 0.05 s, prefilling 0.2 s and
+    decoding 0.6 s in all: 5, 20 and 60 ms per request and 4 steps each, whatever the
+    histograms held before (buckets are not sums); nothing finished: NaN."""
+    before = _phases(1.0, 2.0, 3.0, 100, 300)
+    after = _phases(1.05, 2.2, 3.6, 110, 340)
+    got = asdict(vllm_phases(before, after))
+    assert got == pytest.approx({"queue_ms": 5.0, "prefill_ms": 20.0, "decode_ms": 60.0,
+                                 "steps_per_request": 4.0})
+    assert all(math.isnan(v) for v in asdict(vllm_phases(after, after)).values())
 
 
 def test_the_bound_cores_are_read_from_vllms_log() -> None:
@@ -153,6 +186,26 @@ def test_medians_and_the_table() -> None:
     assert len(lines) == 1 + 5
     row = next(x for x in lines if "vLLM+tierd, small KV" in x and x.startswith("prefix 1024"))
     assert row.count(" 50%/ 40%/ 41%") == 3
+
+
+def test_phase_lines_give_each_compared_pair_its_median_difference() -> None:
+    """tierd with a small cache queued 1, 3 and 2 ms longer per request than vLLM with a cache
+    that fits (median +2.0), decoded 10 ms longer in each repeat, in 5 steps to 4: one line per
+    pair of arms a target compares that ran in the case (the gain's pair too), none for pairs
+    that did not run."""
+    slower = {0: 1.0, 1: 3.0, 2: 2.0}
+    samples = [replace(s, timing=replace(
+        s.timing, queue_ms=slower[s.repeat] if s.arm == "tierd-small" else 0.0,
+        prefill_ms=10.0, decode_ms=70.0 if s.arm == "tierd-small" else 60.0,
+        steps_per_request=5.0 if s.arm == "tierd-small" else 4.0)) for s in _samples()]
+    lines = phase_lines(samples)
+    pressure = [x for x in lines if "vLLM+tierd, small KV - vLLM alone, KV fits" in x]
+    assert len(pressure) == 1 and pressure[0].startswith("  prefix 1024 c4")
+    assert "queue +2.0, prefill +0.0, decode +10.0 ms per request" in pressure[0]
+    assert pressure[0].endswith("steps per request 5.0 vs 4.0")
+    assert sum("vLLM alone, small KV" in x for x in lines) == 2  # the gain, both cases
+    assert not any("KV fits - " in x for x in lines)  # tierd-big did not run
+    assert len(lines) == 3
 
 
 def test_chat_users_take_turns_one_at_a_time_until_every_turn_ran() -> None:

@@ -49,6 +49,17 @@ def counter(text: str, name: str) -> float:
     return total
 
 
+def histogram(text: str, name: str) -> tuple[float, float]:
+    """(sum, count) of Prometheus histogram ``name`` over its label sets in the exposition
+    ``text``."""
+    total = [0.0, 0.0]
+    for line in text.splitlines():
+        for i, suffix in enumerate(("_sum", "_count")):
+            if line.startswith(name + suffix + "{") or line.startswith(name + suffix + " "):
+                total[i] += float(line.rsplit(" ", 1)[1])
+    return total[0], total[1]
+
+
 def stack_daemon(workdir: str) -> TierdServe:
     """The stack's `tierd serve` (not started) on ``workdir/tierd.sock``: 256 MiB of DRAM and
     1 GiB of SSD in ``workdir/ssd``, kept across restarts (a SIGTERM writes DRAM blocks to SSD;

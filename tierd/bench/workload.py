@@ -28,10 +28,15 @@ A repeat uses new words (a new seed) in every case, the same for every arm, and 
 prefix cache first; every run starts after a pause (``QUIET_SECONDS``) that lets the previous
 arm's processes go idle. Per run: request and output-token throughput, TTFT p50/p90/p99, failures,
 vLLM's local and external prefix-hit rates and tierd's hit ratio over the run (the last two
-should agree). Then the targets as ratios of the arms' runs in each repeat, judged on their
-median (``tierd.bench.workload_report.TARGETS``); a target some of whose repeats meet its limit
-and others miss it is marked as straddled: the host's noise between repeats exceeds the margin,
-and this run does not settle it. Run it with ``make bench-workload``.
+should agree), and vLLM's own per-request means of the time a request waits to be scheduled,
+takes to its first token and from there to its last, with the engine's steps per request. Then
+the targets as ratios of the arms' runs in each repeat, judged on their median
+(``tierd.bench.workload_report.TARGETS``); a target some of whose repeats meet its limit and
+others miss it is marked as straddled: the host's noise between repeats exceeds the margin, and
+this run does not settle it. Beside them, for each pair of arms a target compares, how much
+longer the first arm's requests spent in each of those phases: where a missed target's time
+went (a lookup answered "not yet" adds queueing; a cost every step pays, decoding). Run it with
+``make bench-workload``.
 """
 
 from __future__ import annotations
@@ -55,11 +60,13 @@ from tierd.bench.workload_report import (
     Sample,
     Timing,
     bound_cores,
+    phase_lines,
     table,
     tierd_hit_rate,
     verdict_lines,
     verdicts,
     vllm_hit_rates,
+    vllm_phases,
 )
 
 if TYPE_CHECKING:
@@ -272,8 +279,10 @@ def run(args: argparse.Namespace) -> int:
                     pid = tierd.process.pid if tierd is not None and tierd.process else None
                     cpu = cpu_seconds(server, pid)
                     timing = case.drive(server, SEED + 100 * repeat + index)
-                    timing = replace(timing, cpu_seconds=cpu_seconds(server, pid) - cpu)
-                    local, external = vllm_hit_rates(metrics, server.metrics_text())
+                    after = server.metrics_text()
+                    timing = replace(timing, cpu_seconds=cpu_seconds(server, pid) - cpu,
+                                     **asdict(vllm_phases(metrics, after)))
+                    local, external = vllm_hit_rates(metrics, after)
                     if tierd is not None:  # the last commits and filtered lookups land
                         time.sleep(REPORT_SECONDS + 0.5)  # off the request path
                     hits = HitRates(local, external, tierd_hit_rate(asked, _tierd_counts(tierd)))
@@ -343,6 +352,11 @@ def _report(args: argparse.Namespace, samples: list[Sample], cases: list[Case],
               f"judged where the small cache ({args.kv_small} blocks) holds every running "
               "request, fits everywhere:")
         for line in verdict_lines(found):
+            print(line)
+        print("where the arms' requests differ (vLLM's own per-request means: waiting to be "
+              "scheduled, scheduled to first token, first to last token; medians over the "
+              "repeats):")
+        for line in phase_lines(samples):
             print(line)
         if profiles:
             print("where vLLM + tierd spends its loops (py-spy, one more run each; shares of "

@@ -7,12 +7,13 @@ verdicts. Pure functions of their inputs (no vLLM, no servers): ``make test`` ch
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tierd.bench.serve_stack import counter
+from tierd.bench.serve_stack import counter, histogram
 
 ARMS = ("vllm-small", "tierd-small", "vllm-big", "tierd-big")
 """vLLM alone and vLLM + tierd, each with a KV cache well below the working set ("small",
@@ -40,6 +41,16 @@ class Timing:
     """CPU time the arm's processes used over the run (vLLM's and its daemon's): other load on
     the host moves it less than the wall-clock figures, though still (vLLM's OpenMP threads
     spin at their barriers while a descheduled peer catches up)."""
+
+    queue_ms: float = math.nan
+    """vLLM's own per-request means over the run (``vllm_phases``): waiting to be scheduled
+    (a lookup answered "not yet" keeps a request here a step longer), ..."""
+    prefill_ms: float = math.nan
+    """... from scheduled to the first token (a load runs in that step), ..."""
+    decode_ms: float = math.nan
+    """... and from the first token to the last (every step's cost, for every request)."""
+    steps_per_request: float = math.nan
+    """Engine steps per finished request."""
 
     @property
     def cpu_ms_per_request(self) -> float:
@@ -161,6 +172,39 @@ def vllm_hit_rates(before: str, after: str) -> tuple[float | None, float | None]
                   delta("vllm:external_prefix_cache_queries")))
 
 
+PHASES = {"queue_ms": "vllm:request_queue_time_seconds",
+          "prefill_ms": "vllm:request_prefill_time_seconds",
+          "decode_ms": "vllm:request_decode_time_seconds"}
+"""``Phases`` and ``Timing`` field -> the vLLM histogram (seconds per request) it is the mean
+of."""
+
+
+@dataclass(frozen=True)
+class Phases:
+    """vLLM's own per-request means over a run (``Timing``'s fields of the same names)."""
+
+    queue_ms: float
+    prefill_ms: float
+    decode_ms: float
+    steps_per_request: float
+
+
+def vllm_phases(before: str, after: str) -> Phases:
+    """vLLM's own per-request means between two of its ``/metrics`` expositions, in ms, and its
+    engine steps per finished request (NaN where no request finished)."""
+    def delta(name: str) -> tuple[float, float]:
+        (sum_after, count_after), (sum_before, count_before) = (histogram(after, name),
+                                                                histogram(before, name))
+        return sum_after - sum_before, count_after - count_before
+    def ms(name: str) -> float:
+        seconds, count = delta(name)
+        return seconds * 1e3 / count if count > 0 else math.nan
+    finished = delta("vllm:e2e_request_latency_seconds")[1]
+    steps = delta("vllm:iteration_tokens_total")[1]
+    return Phases(ms(PHASES["queue_ms"]), ms(PHASES["prefill_ms"]), ms(PHASES["decode_ms"]),
+                  steps / finished if finished > 0 else math.nan)
+
+
 def tierd_hit_rate(before: tuple[int, int], after: tuple[int, int]) -> float | None:
     """tierd's hit ratio between two (query tokens, hit tokens) readings of its stats."""
     return _rate(after[1] - before[1], after[0] - before[0])
@@ -261,14 +305,40 @@ def verdicts(samples: Sequence[Sample], judged: Mapping[str, Collection[str]]
     return out
 
 
+def phase_lines(samples: Sequence[Sample]) -> list[str]:
+    """Per case and pair of arms a target compares: how much longer (or shorter) a request of
+    the first arm spent in each of vLLM's phases than one of the second, and both arms' steps
+    per request (medians over the repeats of each repeat's difference)."""
+    runs = {(s.case, s.arm, s.repeat): s.timing for s in samples}
+    repeats = sorted({s.repeat for s in samples})
+    pairs = list(dict.fromkeys((t.numerator, t.denominator) for t in TARGETS))
+    lines = []
+    for case in dict.fromkeys(s.case for s in samples):
+        for top_arm, bottom_arm in pairs:
+            both = [(runs[case, top_arm, r], runs[case, bottom_arm, r]) for r in repeats
+                    if (case, top_arm, r) in runs and (case, bottom_arm, r) in runs]
+            if not both:
+                continue
+            parts = [f"{field.removesuffix('_ms')} " + format(statistics.median(
+                getattr(a, field) - getattr(b, field) for a, b in both), "+.1f")
+                for field in PHASES]
+            steps = [statistics.median(t.steps_per_request for t in side) for side in zip(*both)]
+            lines.append(f"  {case:<24} {ARM_TITLES[top_arm]} - {ARM_TITLES[bottom_arm]}: "
+                         f"{', '.join(parts)} ms per request; steps per request "
+                         f"{steps[0]:.1f} vs {steps[1]:.1f}")
+    return lines
+
+
 def _pct(value: float | None) -> str:
     return "   -" if value is None else f"{value * 100:3.0f}%"
 
 
 def table(samples: Sequence[Sample]) -> list[str]:
-    """One line per (case, arm): medians over the repeats, hit rates of each repeat."""
+    """One line per (case, arm): medians over the repeats (vLLM's per-request phases in ms),
+    hit rates of each repeat."""
     lines = [f"{'case':<24} {'arm':<22} {'req/s':>6} {'tok/s':>7} {'TTFT p50':>9} "
-             f"{'p90':>8} {'p99':>8} {'CPU/req':>8} {'fail':>4}  hit rates per repeat: "
+             f"{'p90':>8} {'p99':>8} {'CPU/req':>8} {'queue/prefill/decode':>20} {'fail':>4}  "
+             "hit rates per repeat: "
              "vLLM local / vLLM external / tierd"]
     med = medians(samples)
     for (case, arm), t in med.items():
@@ -277,7 +347,9 @@ def table(samples: Sequence[Sample]) -> list[str]:
         failed = sum(s.timing.failed for s in samples if (s.case, s.arm) == (case, arm))
         lines.append(f"{case:<24} {ARM_TITLES.get(arm, arm):<22} {t.request_throughput:6.2f} "
                      f"{t.output_throughput:7.1f} {t.ttft_p50_ms:7.0f}ms {t.ttft_p90_ms:6.0f}ms "
-                     f"{t.ttft_p99_ms:6.0f}ms {t.cpu_ms_per_request:6.0f}ms {failed:4d}  {hits}")
+                     f"{t.ttft_p99_ms:6.0f}ms {t.cpu_ms_per_request:6.0f}ms "
+                     f"{t.queue_ms:5.1f}/{t.prefill_ms:5.1f}/{t.decode_ms:5.1f}ms "
+                     f"{failed:4d}  {hits}")
     return lines
 
 
