@@ -43,12 +43,12 @@ class Timing:
     spin at their barriers while a descheduled peer catches up)."""
 
     queue_ms: float = math.nan
-    """vLLM's own per-request means over the run (``vllm_phases``): waiting to be scheduled
-    (a lookup answered "not yet" keeps a request here a step longer), ..."""
+    """vLLM's own mean per request (``vllm_phases``, as the three below): waiting to be
+    scheduled (a lookup answered "not yet" keeps a request here a step longer)."""
     prefill_ms: float = math.nan
-    """... from scheduled to the first token (a load runs in that step), ..."""
+    """From scheduled to the first token (a load runs in that step)."""
     decode_ms: float = math.nan
-    """... and from the first token to the last (every step's cost, for every request)."""
+    """From the first token to the last (a cost every step pays lands here)."""
     steps_per_request: float = math.nan
     """Engine steps per finished request."""
 
