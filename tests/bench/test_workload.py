@@ -5,6 +5,7 @@ hook (structure, never a timing)."""
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 from dataclasses import asdict, replace
@@ -17,6 +18,7 @@ from tierd.bench.workload_report import (
     HitRates,
     Sample,
     Timing,
+    as_json,
     bound_cores,
     from_bench_serve,
     from_latencies,
@@ -110,6 +112,17 @@ def test_vllms_phases_are_per_request_means_of_histogram_deltas() -> None:
     assert got == pytest.approx({"queue_ms": 5.0, "prefill_ms": 20.0, "decode_ms": 60.0,
                                  "steps_per_request": 4.0})
     assert all(math.isnan(v) for v in asdict(vllm_phases(after, after)).values())
+
+
+def test_a_run_is_strict_json_with_its_missing_figures_as_null() -> None:
+    """A run where nothing finished has NaN phases: ``--json`` writes them as null, and the
+    text parses as strict JSON; the other figures are kept."""
+    run = Sample("prefix 1024 c4", "tierd-small", 0, Timing(0, 4, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0),
+                 HitRates(None, 0.5, None))
+    text = json.dumps(as_json(run))
+    back = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in {text}"))
+    assert back["timing"]["queue_ms"] is None and back["timing"]["failed"] == 4
+    assert back["hits"]["external"] == 0.5 and back["arm"] == "tierd-small"
 
 
 def test_the_bound_cores_are_read_from_vllms_log() -> None:

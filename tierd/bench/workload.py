@@ -59,6 +59,7 @@ from tierd.bench.workload_report import (
     HitRates,
     Sample,
     Timing,
+    as_json,
     bound_cores,
     phase_lines,
     table,
@@ -340,7 +341,7 @@ def _report(args: argparse.Namespace, samples: list[Sample], cases: list[Case],
             cores: Cores, profiles: list[str]) -> int:
     found = verdicts(samples, {c.name: c.judged for c in cases})
     if args.json:
-        print(json.dumps([asdict(s) for s in samples], indent=1))
+        print(json.dumps([as_json(s) for s in samples], indent=1))
     print(f"\nreal vllm serve (vLLM's CPU build, the small Llama, OpenMP on cores {cores.bind}, "
           f"the other servers on {','.join(str(c) for c in cores.others)}, the client on any), "
           f"medians of {args.repeats} interleaved repeats; KV blocks of 32 tokens: "

@@ -11,7 +11,7 @@ import math
 import re
 import statistics
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from tierd.bench.serve_stack import counter, histogram
 
@@ -327,6 +327,15 @@ def phase_lines(samples: Sequence[Sample]) -> list[str]:
                          f"{', '.join(parts)} ms per request; steps per request "
                          f"{steps[0]:.1f} vs {steps[1]:.1f}")
     return lines
+
+
+def as_json(sample: Sample) -> dict[str, object]:
+    """``sample`` as JSON values (``--json``): a figure that is NaN (no request finished) as
+    null, which strict JSON readers take."""
+    run = asdict(sample)
+    run["timing"] = {name: None if isinstance(value, float) and math.isnan(value) else value
+                     for name, value in run["timing"].items()}
+    return run
 
 
 def _pct(value: float | None) -> str:
