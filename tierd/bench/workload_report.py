@@ -1,8 +1,9 @@
 """The figures of `tierd bench workload`, apart from the servers that produce them: one run's
 numbers read from `vllm bench serve`'s result JSON or the chat client's latencies, vLLM's and
-tierd's hit rates from counter deltas, the cores vLLM's log says it bound, and the summary:
-medians over the repeats of every (case, arm), the ratios the targets name with their
-verdicts. Pure functions of their inputs (no vLLM, no servers): ``make test`` checks them.
+tierd's hit rates from counter deltas, vLLM's per-request phases from its histograms' deltas, the
+cores vLLM's log says it bound, and the summary: medians over the repeats of every (case, arm),
+the ratios the targets name with their verdicts, and where the compared arms' requests differ.
+Pure functions of their inputs (no vLLM, no servers): ``make test`` checks them.
 """
 
 from __future__ import annotations
