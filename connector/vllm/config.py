@@ -44,6 +44,12 @@ class TierdVllmConfig(ClientSettings):
     (one daemon round trip, usually about a millisecond) before answering "not yet", which
     starts the request one engine step later; a step waits at most 4 times this in all. 0:
     never waits (every lookup then costs a step)."""
+    answer_from_filter: bool = True
+    """TierdConnector only, host KV with one TP rank and vLLM's ``kv_load_failure_policy``
+    "recompute": a new request whose blocks the daemon's presence filter reads as maybe in DRAM
+    is answered at once, with no round trip on vLLM's scheduler thread; the worker pins and
+    verifies those blocks as it loads them, and vLLM recomputes any it could not load. false:
+    every such hit is pinned by a lookup first (``lookup_wait_seconds``)."""
     workers: int = 2
     """TierdTier only: threads that run its store and load jobs (copies and daemon calls)."""
     max_queued_stores: int = 32
@@ -72,7 +78,7 @@ class TierdVllmConfig(ClientSettings):
     def validate(self) -> None:
         """Raise ``ValueError`` naming the fix for a value out of range."""
         self.validate_client()
-        for name in ("load", "save"):
+        for name in ("load", "save", "answer_from_filter"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("workers", "max_queued_stores"):

@@ -63,6 +63,26 @@ def test_counts_copies_per_tier_and_ignores_hbm(
     assert not view.may_hold(seen)
 
 
+def test_a_cell_tells_whether_a_copy_may_be_in_dram(
+        pair: tuple[PresenceFilter, PresenceView]) -> None:
+    """A key with only an SSD copy may be held but is not in DRAM; with a DRAM copy too, or
+    only one, it may be in DRAM; once its DRAM copy goes, its SSD copy still counts."""
+    presence, view = pair
+    key = _keys(presence, 1)[0]
+    seen = presence.filter_key(key)
+    presence.stored([key], "ssd")
+    assert (view.may_hold(seen), view.may_be_in_dram(seen)) == (True, False)
+    presence.stored([key], "dram")
+    assert (view.may_hold(seen), view.may_be_in_dram(seen)) == (True, True)
+    presence.removed([key], "dram")
+    assert (view.may_hold(seen), view.may_be_in_dram(seen)) == (True, False)
+    presence.removed([key], "ssd")
+    presence.stored([key], "dram")
+    assert (view.may_hold(seen), view.may_be_in_dram(seen)) == (True, True)
+    presence.removed([key], "dram")
+    assert (view.may_hold(seen), view.may_be_in_dram(seen)) == (False, False)
+
+
 def test_a_saturated_counter_stays_maybe(pair: tuple[PresenceFilter, PresenceView]) -> None:
     """300 keys of one cell: past 255 the counter sticks, so removing them all leaves "maybe"
     (a round trip, never a false "absent")."""
@@ -71,6 +91,10 @@ def test_a_saturated_counter_stays_maybe(pair: tuple[PresenceFilter, PresenceVie
     presence.stored(keys, "dram")
     presence.removed(keys, "dram")
     assert view.may_hold(presence.filter_key(keys[0]))
+    assert view.may_be_in_dram(presence.filter_key(keys[0]))
+    ssd = _keys(presence, 20, cell=7)  # 20 SSD copies pass 254: in DRAM "maybe" too
+    presence.stored(ssd, "ssd")
+    assert view.may_be_in_dram(presence.filter_key(ssd[0]))
     other = _keys(presence, 2, cell=6)
     presence.stored(other, "dram")
     presence.removed(other[:1], "dram")
@@ -115,7 +139,8 @@ def test_stale_filters_of_dead_daemons_are_removed(tmp_path: Path) -> None:
 
 def test_daemon_filter_tracks_commits_and_demotions(make_daemon: Any, kit: Any) -> None:
     """Over a real socket: the engine maps the filter RegisterEngine names; a chain is absent
-    until committed, present in DRAM and after demotion to SSD."""
+    until committed, present in DRAM and after demotion to SSD, where it no longer reads as in
+    DRAM."""
     daemon = make_daemon(dram_high_watermark=1e-9, dram_low_watermark=1e-9)
     hashes = kit.chain(4)
     with daemon.client() as client:
@@ -126,13 +151,18 @@ def test_daemon_filter_tracks_commits_and_demotions(make_daemon: Any, kit: Any) 
         def present() -> list[bool]:
             return [view.may_hold(NamespacedKey(engine.namespace + h)) for h in hashes]
 
+        def in_dram() -> list[bool]:
+            return [view.may_be_in_dram(NamespacedKey(engine.namespace + h)) for h in hashes]
+
         assert present() == [False] * 4
         arena = kit.attach(engine)
         assert kit.store_blocks(client, engine, arena, hashes[:3]) == 3
         assert present() == [True, True, True, False]
+        assert in_dram() == [True, True, True, False]
         daemon.maintain()
         assert client.lookup(engine.engine_id, hashes[:3]) == ["ssd"] * 3
         assert present() == [True, True, True, False]
+        assert in_dram() == [False] * 4
         arena.close()
 
 

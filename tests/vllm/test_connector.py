@@ -4,6 +4,7 @@ KV tensors from vLLM's allocator in every layout, a real `tierd serve`."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any
 
@@ -18,6 +19,10 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 PROMPT = [(i * 37 + 11) % 997 for i in range(6 * BLOCK + 5)]  # 6 full blocks and a tail
+
+PINNED = {"answer_from_filter": False}
+"""Extra config of an engine whose hits are pinned by a lookup first (never answered from the
+presence filter): the subject of the tests of the pin between lookup and load."""
 LAYOUTS = list(KVCacheLayout)
 
 
@@ -167,12 +172,17 @@ def test_lookup_reports_hit_sources_to_vllm(model_dir: str, daemon: Daemon) -> N
 
 
 @pytest.mark.parametrize("daemon", ["no-ssd-small"], indirect=True)
-def test_hit_stays_pinned_between_lookup_and_load(model_dir: str, daemon: Daemon) -> None:
-    """Another engine floods the DRAM tier (4 MiB, no SSD) between the scheduler's lookup and
-    the worker's load: the pinned hit is not evicted, so it loads in full. (The arena is small
-    so the flood ends well inside the 30 s lease: a lapsed lease is another test's subject.)"""
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "from-filter"])
+def test_a_hit_evicted_between_lookup_and_load(model_dir: str, daemon: Daemon,
+                                               pinned: bool) -> None:
+    """Another engine floods the DRAM tier (4 MiB, no SSD) between the scheduler's answer and
+    the worker's load. A hit pinned by a lookup is not evicted, so it loads in full. A hit
+    answered from the presence filter is not pinned until the worker's Probe, which finds it
+    gone: vLLM recomputes it and samples the same tokens. (The arena is small so the flood ends
+    well inside the 30 s lease: a lapsed lease is another test's subject.)"""
     first = Engine.start(vllm_config(model_dir, daemon.socket_path))
-    second = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path,
+                                      extra=PINNED if pinned else None))
     flood = Engine.start(vllm_config(model_dir, daemon.socket_path), num_blocks=4096)
 
     def evict_everything(engine: Engine, out: object) -> None:
@@ -189,12 +199,60 @@ def test_hit_stays_pinned_between_lookup_and_load(model_dir: str, daemon: Daemon
         want = first.run([make_request("a", PROMPT)])["a"]
         second.between = evict_everything
         assert second.run([make_request("b", PROMPT)])["b"] == want
-        assert second.worker.worker_counters.data["loaded_blocks"] == 6
+        loaded = second.worker.worker_counters.data["loaded_blocks"]
+        assert (loaded, bool(second.invalid_reported)) == ((6, False) if pinned else (0, True))
         assert daemon.pinned_blocks() == 0
     finally:
         first.close()
         second.close()
         flood.close()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_hit_in_dram_is_answered_from_the_filter_and_pinned_by_the_worker(
+        model_dir: str, daemon: Daemon, monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+    """B asks for the 6 blocks A stored: vLLM's first ask is answered with the hit, and the
+    request loads the 6 blocks and samples A's tokens; the lease is released after the load.
+    With "recompute" the hit is answered from the presence filter (it reads the blocks as in
+    DRAM): the one Probe of the request is the worker's, not the scheduler's. With "fail" (a
+    failed load would fail the request) the scheduler pins the hit by its own Probe first."""
+    from tierd.wire.client import TierdClient
+
+    first = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path, policy=policy))
+    try:
+        want = first.run([make_request("a", PROMPT)])["a"]
+        probes: list[tuple[str, str]] = []
+        for name in ("probe", "probe_async"):
+            def spy(client: TierdClient, *args: Any, name: str = name,
+                    real: Any = getattr(TierdClient, name), **flags: Any) -> Any:
+                probes.append((name, threading.current_thread().name))
+                return real(client, *args, **flags)
+
+            monkeypatch.setattr(TierdClient, name, spy)
+        answers: list[Any] = []
+        lookup = second.connector.get_num_new_matched_tokens
+
+        def recorded(request: Any, num_computed: int) -> Any:
+            answers.append(lookup(request, num_computed))
+            return answers[-1]
+
+        second.connector.get_num_new_matched_tokens = recorded
+        assert second.run([make_request("b", PROMPT)])["b"] == want
+        assert answers[0] == (6 * BLOCK, False) and not second.invalid_reported
+        by_scheduler = probes[0][1].startswith("tierd-scheduler")
+        if policy == "recompute":
+            assert [name for name, _ in probes] == ["probe_async"] and not by_scheduler
+        else:
+            assert [name for name, _ in probes] == ["probe"] and by_scheduler
+        assert second.worker.worker_counters.data["loaded_blocks"] == 6
+        deadline = time.monotonic() + 10.0  # the release goes out without waiting
+        while daemon.pinned_blocks() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert daemon.pinned_blocks() == 0
+    finally:
+        first.close()
+        second.close()
 
 
 @pytest.mark.parametrize(("policy", "async_scheduling"),
@@ -211,7 +269,7 @@ def test_a_load_whose_pin_ran_out_is_recomputed_or_fails(model_dir: str, daemon:
     want = baseline(model_dir, daemon, longer)
     first = Engine.start(vllm_config(model_dir, daemon.socket_path))
     second = Engine.start(vllm_config(model_dir, daemon.socket_path, policy=policy,
-                                      async_scheduling=async_scheduling))
+                                      async_scheduling=async_scheduling, extra=PINNED))
     try:
         first.run([make_request("a", PROMPT[:6 * BLOCK + 1])])
         expired = expire_first_load(second)
@@ -245,7 +303,7 @@ def test_daemon_restart_between_lookup_and_load_still_loads_the_pinned_blocks(
     longer = PROMPT[:6 * BLOCK] + [(i * 3 + 2) % 991 for i in range(2 * BLOCK + 3)]
     want = baseline(model_dir, daemon, longer)
     first = Engine.start(vllm_config(model_dir, daemon.socket_path))
-    second = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path, extra=PINNED))
     try:
         first.run([make_request("a", PROMPT[:6 * BLOCK + 1])])
         restarted = restart_before_first_load(second, daemon)
@@ -269,7 +327,7 @@ def test_failed_load_of_a_shared_block_drops_other_requests_saves(model_dir: str
     want_a = baseline(model_dir, daemon, prefix + tail_a)
     want_b = baseline(model_dir, daemon, prefix + tail_b)
     first = Engine.start(vllm_config(model_dir, daemon.socket_path))
-    second = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path, extra=PINNED))
     try:
         first.run([make_request("a", prefix + [1])])
         expired = expire_first_load(second)
@@ -316,7 +374,7 @@ def test_aborted_request_releases_its_pin(model_dir: str, daemon: Daemon) -> Non
     from vllm.v1.request import RequestStatus
 
     first = Engine.start(vllm_config(model_dir, daemon.socket_path))
-    second = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    second = Engine.start(vllm_config(model_dir, daemon.socket_path, extra=PINNED))
     try:
         first.run([make_request("a", PROMPT)])
         second.scheduler.add_request(make_request("b", PROMPT))

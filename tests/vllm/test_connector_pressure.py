@@ -6,8 +6,10 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -51,9 +53,10 @@ def test_waiting_requests_are_looked_up_once(model_dir: str, daemon: Daemon,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """B's KV cache holds two requests at a time: a long miss runs first, four prompts A
     stored and four misses wait behind it, and vLLM asks for the first waiting one at every
-    step. The daemon is asked (and counts) each request once, in one Probe and no Lookup, or
-    not at all where its presence filter rules the chain out (the tokens then reported within
-    half a second, or when the run drains the scheduler side): its query tokens stay within
+    step. The daemon is asked (and counts) each request once, in one Probe (the scheduler's, or
+    the worker's for a hit answered from the presence filter) and no Lookup, or not at all
+    where the filter rules the chain out (the tokens then reported within half a second, or
+    when the run drains the scheduler side): its query tokens stay within
     vLLM's own connector queries, and its hit ratio is vLLM's external hit rate within 5
     percentage points; the requests still load their hits."""
     a = Engine.start(vllm_config(model_dir, daemon.socket_path))
@@ -62,14 +65,13 @@ def test_waiting_requests_are_looked_up_once(model_dir: str, daemon: Daemon,
     try:
         a.run([make_request(f"a{i}", p) for i, p in enumerate(stored)])
         counted_asks: list[int] = []
-        real_probe = TierdClient.probe
+        for name in ("probe", "probe_async"):  # the scheduler's Probe, and a worker's
+            def counted(client: TierdClient, engine_id: str, hashes: list[bytes], *,
+                        real: Any = getattr(TierdClient, name), **flags: Any) -> Any:
+                counted_asks.append(len(hashes))
+                return real(client, engine_id, hashes, **flags)
 
-        def counted(client: TierdClient, engine_id: str, hashes: list[bytes],
-                    **flags: Any) -> Any:
-            counted_asks.append(len(hashes))
-            return real_probe(client, engine_id, hashes, **flags)
-
-        monkeypatch.setattr(TierdClient, "probe", counted)
+            monkeypatch.setattr(TierdClient, name, counted)
         lookups: list[int] = []
         real_lookup = TierdClient.lookup
         monkeypatch.setattr(TierdClient, "lookup", lambda client, engine_id, hashes: (
@@ -158,18 +160,26 @@ SLOW = 1.0
 """Seconds every Acquire of the slow daemon takes."""
 
 
+@pytest.mark.parametrize("from_filter", [False, True], ids=["pinned", "from-filter"])
 def test_a_slow_daemon_never_blocks_the_scheduler(model_dir: str, daemon: Daemon,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every Probe takes ``SLOW`` seconds (a daemon under load): vLLM's lookup answers None
-    within ``lookup_wait_seconds`` at every step while the job waits, then the hit (6 blocks)
-    once it has come; no lookup and no ``schedule()`` waits for the daemon; the daemon is asked
-    (and counts) the request once however many steps asked; the request loads its hit and
-    samples A's tokens."""
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  from_filter: bool) -> None:
+    """Every Probe takes ``SLOW`` seconds (a daemon under load); no lookup and no
+    ``schedule()`` waits for the daemon, the daemon is asked (and counts) the request once
+    however many steps asked, and the request samples A's tokens. A hit pinned by a lookup:
+    vLLM's lookup answers None within ``lookup_wait_seconds`` at every step while the job
+    waits, then the hit (6 blocks), which loads. A hit answered from the presence filter: the
+    first ask answers it at once; the worker's Probe is not answered within
+    ``worker.PROBE_WAIT_SECONDS``, so the forward pass waits no longer and vLLM recomputes
+    the blocks; the late Probe's lease is released when it comes; and for a while after, a new
+    hit is pinned by a lookup first (answered None while that lookup waits), and loads."""
     a = Engine.start(vllm_config(model_dir, daemon.socket_path))
-    b = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    b = Engine.start(vllm_config(model_dir, daemon.socket_path,
+                                 extra={"answer_from_filter": from_filter}))
     stored = prompt(7)
     try:
         want = a.run([make_request("a", stored)])["a"]
+        later = a.run([make_request("a2", prompt(8))])["a2"]
         real_probe = TierdClient.probe
         counted_asks: list[int] = []
 
@@ -178,7 +188,20 @@ def test_a_slow_daemon_never_blocks_the_scheduler(model_dir: str, daemon: Daemon
             time.sleep(SLOW)
             return real_probe(client, engine_id, hashes, **flags)
 
+        def slow_async(client: TierdClient, *args: Any, **flags: Any) -> Future[Any]:
+            reply: Future[Any] = Future()
+
+            def answer() -> None:
+                try:
+                    reply.set_result(slow(client, *args, **flags))
+                except Exception as exc:  # noqa: BLE001  # handed to the waiter
+                    reply.set_exception(exc)
+
+            threading.Thread(target=answer, daemon=True).start()
+            return reply
+
         monkeypatch.setattr(TierdClient, "probe", slow)
+        monkeypatch.setattr(TierdClient, "probe_async", slow_async)
         answers: list[tuple[Any, float]] = []
         lookup = b.connector.get_num_new_matched_tokens
 
@@ -201,12 +224,24 @@ def test_a_slow_daemon_never_blocks_the_scheduler(model_dir: str, daemon: Daemon
         b.scheduler.schedule = timed_schedule  # type: ignore[method-assign]
         assert b.run([make_request("b", stored)], max_steps=50_000)["b"] == want
         said = [answer for answer, _ in answers]
-        assert said[0] == (None, False) and said[-1] == (6 * BLOCK, False)
-        assert said[:-1] == [(None, False)] * (len(said) - 1) and len(said) > 10
         assert max(seconds for _, seconds in answers) < SLOW / 4
         assert max(steps) < SLOW / 2
-        assert counted_asks == [6]
-        assert b.worker.worker_counters.data["loaded_blocks"] == 6
+        assert counted_asks[:1] == [6]
+        if not from_filter:
+            assert said[0] == (None, False) and said[-1] == (6 * BLOCK, False)
+            assert said[:-1] == [(None, False)] * (len(said) - 1) and len(said) > 10
+            assert b.worker.worker_counters.data["loaded_blocks"] == 6
+        else:
+            assert said[0] == (6 * BLOCK, False) and b.invalid_reported
+            assert b.worker.worker_counters.data["loaded_blocks"] == 0
+            answers.clear()
+            assert b.run([make_request("b2", prompt(8))], max_steps=50_000)["b2"] == later
+            assert answers[0][0] == (None, False) and answers[-1][0] == (6 * BLOCK, False)
+            assert b.worker.worker_counters.data["loaded_blocks"] == 6
+            assert counted_asks == [6, 6]
+        deadline = time.monotonic() + SLOW + 10.0  # a late Probe's lease is released later
+        while daemon.pinned_blocks() and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert daemon.pinned_blocks() == 0
     finally:
         a.close()

@@ -8,19 +8,22 @@ is told only its own namespace's prefix (``RegisterEngine``'s ``namespace``), so
 another tenant, which can map the same file, cannot compute which cell holds a given block of
 this tenant: the unkeyed namespace (blake2b of the tenant name and layout) is public knowledge,
 the prefix is not. What it can still see is that some cell changed. The daemon keeps, per cell,
-the number of DRAM and SSD copies of the keys that map to it: the filter is a ``TierListener``
-of the tier index, so it changes exactly when the index does, on the event loop, before the
-call that caused the change returns. A counter that reaches 255
-stays there (it can no longer count down, so it stays "maybe").
+the copies of the keys that map to it, a DRAM copy as 1 and an SSD copy as ``SSD_WEIGHT``
+(``tierd.wire.presence``), so a cell also tells whether one of them may be in DRAM: the filter
+is a ``TierListener`` of the tier index, so it changes exactly when the index does, on the event
+loop, before the call that caused the change returns. A counter that would pass 254 stays at
+255 (it can no longer count down, so it stays "maybe", in DRAM too).
 
 An engine reads the cell of the first block it would ask the daemon for. 0 means the node holds
 no copy of that block, so an Acquire would pin nothing: the engine skips the round trip and
 counts the lookup itself (sent with its next Reserve, so the node's hit ratio still counts it).
-Anything else means "maybe", and the Acquire answers. A collision or a saturated counter only
-costs a round trip; a read racing a store (0 read just as the block lands) is a miss that could
-have hit, i.e. a recompute. Neither can make an engine use wrong KV: every load still verifies
-its checksums (invariant 2). Tenants: see the prefix above; a count says nothing an Acquire
-would not (and less: it is shared by every key of the cell).
+Anything else means "maybe", and the Acquire answers. Where every block of a hit reads "maybe
+in DRAM", the vLLM connector answers vLLM at once and its worker pins the blocks as it loads
+them (``tierd.connector.vllm.connector.scheduler``). A collision or a saturated counter only
+costs a round trip or a recompute; a read racing a store (0 read just as the block lands) is a
+miss that could have hit, i.e. a recompute. Neither can make an engine use wrong KV: every load
+still pins and verifies its blocks (invariant 2). Tenants: see the prefix above; a count says
+nothing an Acquire would not (and less: it is shared by every key of the cell).
 
 Only without the remote tier: there, an Acquire that misses locally may fetch from the cluster,
 so the daemon publishes no filter and engines always ask.
@@ -40,7 +43,7 @@ from tierd.daemon.arena import OwnedArena
 from tierd.types import Namespace, NamespacedKey, Tier
 from tierd.wire.arena import ShmArena
 from tierd.wire.layout import NAMESPACE_LEN
-from tierd.wire.presence import cell_of, check_cells
+from tierd.wire.presence import SATURATED, SSD_WEIGHT, cell_of, check_cells
 
 if TYPE_CHECKING:
     from tierd.daemon.listeners import Payload
@@ -48,8 +51,7 @@ if TYPE_CHECKING:
 SUFFIX = "-presence"
 """Appended to the arena's file name to name the filter's file (same directory)."""
 
-_SATURATED = 255
-_COUNTED: frozenset[Tier] = frozenset(("dram", "ssd"))  # HBM blocks are not acquirable here
+_WEIGHTS: dict[Tier, int] = {"dram": 1, "ssd": SSD_WEIGHT}  # HBM blocks are not acquirable here
 
 
 _PREFIXES_KEPT = 4096  # namespaces whose prefix is cached (tenants x layouts: a handful)
@@ -111,26 +113,28 @@ class PresenceFilter:
     # -- TierListener --------------------------------------------------------------------------
 
     def stored(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
-        if tier not in _COUNTED:
+        weight = _WEIGHTS.get(tier)
+        if weight is None:
             return
         counts, mask, fkey = self._counts, self.cells - 1, self.filter_key
         for key in keys:
             cell = xxhash.xxh3_64_intdigest(fkey(key)) & mask
-            if counts[cell] != _SATURATED:
-                counts[cell] += 1
+            counts[cell] = min(counts[cell] + weight, SATURATED)
 
     def removed(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
-        if tier not in _COUNTED:
+        weight = _WEIGHTS.get(tier)
+        if weight is None:
             return
         counts, mask, fkey = self._counts, self.cells - 1, self.filter_key
         for key in keys:
             cell = xxhash.xxh3_64_intdigest(fkey(key)) & mask
-            if counts[cell] not in (0, _SATURATED):
-                counts[cell] -= 1
+            if weight <= counts[cell] != SATURATED:  # else it stays "maybe"
+                counts[cell] -= weight
 
     def cleared(self, tier: Tier) -> None:
-        """A whole tier went (the SSD turned unhealthy): recount what is still held."""
-        if tier not in _COUNTED:
+        """A whole tier went (the SSD turned unhealthy): recount what is still held (each copy
+        as a DRAM copy: a "maybe in DRAM" too many costs a recompute at most)."""
+        if tier not in _WEIGHTS:
             return
         self._counts[:] = bytes(self.cells)
         self.stored(list(self._held()), "dram")

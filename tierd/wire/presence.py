@@ -7,6 +7,13 @@ import xxhash
 
 from tierd.wire.arena import ShmArena
 
+SSD_WEIGHT = 16
+"""What an SSD copy adds to its cell (a DRAM copy adds 1): a cell whose count is not a multiple
+of it, or is ``SATURATED``, may hold a DRAM copy."""
+
+SATURATED = 255
+"""A counter that would pass 254 stays here: "maybe", in DRAM too."""
+
 
 def cell_of(filter_key: bytes, cells: int) -> int:
     """The counter of a filter key (``prefix || block hash``) among ``cells`` (a power of two)."""
@@ -34,4 +41,10 @@ class PresenceView:
         ``filter_key``: the engine's ``namespace`` from RegisterEngine (its filter prefix)
         followed by the block hash."""
         return self._counts[xxhash.xxh3_64_intdigest(filter_key) & (self.cells - 1)] != 0
+
+    def may_be_in_dram(self, filter_key: bytes) -> bool:
+        """False if the node held no DRAM copy of the block when last counted (it may still
+        hold an SSD copy): ``may_hold`` narrowed to DRAM."""
+        count = self._counts[xxhash.xxh3_64_intdigest(filter_key) & (self.cells - 1)]
+        return count % SSD_WEIGHT != 0 or count == SATURATED
 

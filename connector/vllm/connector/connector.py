@@ -131,11 +131,16 @@ class TierdConnector(KVConnectorBase_V1):
                      for rank in range(size)]
             for link in links:
                 link.connect()
-            # Host KV: SSD hits stream (asynchronous loads); CUDA KV: they are staged.
+            # Host KV: SSD hits stream (asynchronous loads); CUDA KV: they are staged. A hit
+            # answered from the filter may fail its load: only where vLLM then recomputes.
             device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
+            recompute = getattr(self._kv_transfer_config, "kv_load_failure_policy",
+                                "fail") == "recompute"
             self._scheduler = SchedulerSide(links, load=self._config.load,
                                             save=self._config.save, stream=device == "cpu",
-                                            lookup_wait=self._config.lookup_wait_seconds)
+                                            lookup_wait=self._config.lookup_wait_seconds,
+                                            from_filter=self._config.answer_from_filter
+                                            and recompute)
 
     @property
     def _model_id(self) -> str:

@@ -37,13 +37,17 @@ class LoadSpec:
     that pin, which its worker loads under (none: each worker acquires the blocks itself).
     ``stream``: a hit with SSD blocks that vLLM loads asynchronously: not pinned by the
     scheduler; each worker acquires it chunk by chunk and copies each chunk as the daemon has
-    read it (``streaming``), then reports the request through ``get_finished``."""
+    read it (``streaming``), then reports the request through ``get_finished``. ``probe``: a
+    hit the scheduler answered from the presence filter, not pinned: the worker pins it by a
+    Probe (the request's counted lookup; its leading DRAM run only, no disk read) and reports
+    every block after that run as a load error."""
 
     req_id: str
     block_ids: list[int]
     block_hashes: list[bytes]
     stream: bool = False
     pinned: list[PinnedRun] = field(default_factory=list)
+    probe: bool = False
 
 
 @dataclass(frozen=True, slots=True)

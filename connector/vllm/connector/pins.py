@@ -34,6 +34,8 @@ class Pin:
     """Per rank: (arena, its Acquire, deadline), what its worker loads under; empty: the workers
     acquire the blocks themselves."""
     handed: bool = False           # the workers were told to load under ``runs``
+    probed: bool = False           # answered from the presence filter: no leases, the
+    #                                worker pins it by a Probe as it loads it
 
     @property
     def deadline(self) -> float:

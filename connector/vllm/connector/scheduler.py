@@ -2,7 +2,12 @@
 
 Metadata only (no KV bytes), and never waiting for the daemon: every daemon call runs as a job
 (``lookup_jobs``) on a ``core.runner.Runner`` and the lookup answers None ("asked, not answered
-yet", vLLM's asynchronous lookup) until its job is done. Per request scheduled from the waiting
+yet", vLLM's asynchronous lookup) until its job is done. With host KV and one TP rank
+(``answer_from_filter``), a new request whose blocks the daemon's presence filter reads as
+maybe in DRAM makes no call at all: the hit is answered at once, not pinned here, and the
+worker pins it by a Probe (the request's counted lookup) as it loads it, so a block gone since
+is a load error that vLLM recomputes; after such a failed load, hits are pinned by a lookup
+first for ``FILTER_BACKOFF_SECONDS``. Otherwise, per request scheduled from the waiting
 queue, one lookup job: a Probe (a hold) of the leading DRAM run that the daemon also counts as
 the request's lookup (once per request, as vLLM counts its own prefix-cache queries; it names the
 tiers of the held blocks after the run, for vLLM's hit-source stats), and the same run acquired
@@ -105,6 +110,10 @@ LOOKUP_THREADS = 4
 """Runner threads of the scheduler side: lookups (one daemon round trip each, more when SSD
 blocks are staged) and releases."""
 
+FILTER_BACKOFF_SECONDS = 10.0
+"""After a load of a hit answered from the presence filter fails (its blocks were gone, or the
+worker's Probe was not answered in time), new hits are pinned by a lookup first for this long."""
+
 MAX_QUEUED_LOOKUPS = 4096
 """Lookups queued beyond this are answered "no match" (the request computes its prefix)."""
 
@@ -117,15 +126,19 @@ class SchedulerSide:
     one looked up)."""
 
     def __init__(self, links: Sequence[DaemonLink], *, load: bool, save: bool,
-                 stream: bool = False, lookup_wait: float = 0.0,
+                 stream: bool = False, lookup_wait: float = 0.0, from_filter: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``stream``: hand hits with SSD blocks to the workers as asynchronous loads (host
         KV: the workers copy each chunk as the daemon reads it); else stage them (CUDA).
         ``lookup_wait``: seconds a new lookup may take before the ask answers "not yet"
-        (``lookup_wait_seconds``)."""
+        (``lookup_wait_seconds``). ``from_filter``: answer a hit the presence filter reads as
+        in DRAM at once, the workers pinning it as they load it (``answer_from_filter``;
+        host KV and one TP rank only)."""
         assert links, "need one link per TP rank"
         self._links = list(links)
         self._stream = stream
+        self._from_filter = from_filter and stream and len(links) == 1
+        self._filter_off_until = 0.0                # answers from the filter resume then
         self._clock = clock
         self._wait = LookupWait(lookup_wait)
         self._runner = Runner(LOOKUP_THREADS, "tierd-scheduler", ("lookup", "release"),
@@ -209,6 +222,18 @@ class SchedulerSide:
             self._filtered.add(len(wanted) * bs)
             self._answers[req_id] = _Answer(start, 0, end)
             return 0
+        vouched = self._dram_run(wanted) if known_tiers is None and self._from_filter and \
+            self._clock() >= self._filter_off_until else 0
+        if vouched:  # the worker's Probe counts these blocks; the rest is counted here
+            self._counted.add(req_id)
+            self._filtered.add((len(wanted) - vouched) * bs)
+            session = self._links[0].session
+            assert session is not None, "the filter vouched with no session"
+            fresh = self._clock() + session.engine.lease_seconds / 2
+            self._pins[req_id] = Pin(start, wanted[:vouched], ["dram"] * vouched, [],
+                                     fresh_until=fresh, probed=True)
+            self._answers[req_id] = _Answer(start, vouched, end)
+            return (start + vouched) * bs - num_computed_tokens
         job = self._runner.submit("lookup", functools.partial(
             ask, self._links, wanted, known_tiers, stream=self._stream, clock=self._clock))
         if job is None:
@@ -227,6 +252,20 @@ class SchedulerSide:
                 return (start + held) * bs - num_computed_tokens if held else 0
         self._asking[req_id] = asking
         return None
+
+    def _dram_run(self, wanted: list[BlockHash]) -> int:
+        """How many leading blocks of ``wanted`` the presence filter (rank 0's session) reads
+        as maybe in the daemon's DRAM; 0 without a filter, or where the block after that run
+        may be on SSD (a lookup hands that on as a streamed load)."""
+        session = self._links[0].session
+        if session is None or session.presence is None:
+            return 0
+        namespace, presence = Namespace(session.engine.namespace), session.presence
+        for i, block in enumerate(wanted):
+            key = make_key(namespace, block)
+            if not presence.may_be_in_dram(key):
+                return 0 if presence.may_hold(key) else i
+        return len(wanted)
 
     def _certain_miss(self, first: BlockHash) -> bool:
         """Whether the daemon's presence filter (rank 0's session) says it holds no copy of
@@ -414,7 +453,8 @@ class SchedulerSide:
             pin.handed = bool(pin.runs) and not pin.stream
             self._loads.append(LoadSpec(req_id, pin.block_ids, [bytes(h) for h in pin.hashes],
                                         stream=pin.stream,
-                                        pinned=pin.pinned_runs(count) if pin.handed else []))
+                                        pinned=pin.pinned_runs(count) if pin.handed else [],
+                                        probe=pin.probed))
         tracked = self._tracked.get(req_id)
         if tracked is None:
             self._tracked[req_id] = _Tracked(request, next_save=start + count)
@@ -491,6 +531,8 @@ class SchedulerSide:
             if pin is None:
                 continue
             first = next((i for i, b in enumerate(pin.block_ids) if b in failed), None)
+            if first is not None and pin.probed:  # the filter vouched wrongly or the daemon
+                self._filter_off_until = self._clock() + FILTER_BACKOFF_SECONDS  # was slow
             if first is not None:
                 pin.failed_from = min(first, pin.failed_from if pin.failed_from is not None
                                       else first)

@@ -137,11 +137,13 @@ def ask(connector: TierdConnector, req: FakeRequest, local_hit: int) -> tuple[in
 class FakeVllm:
     """One vLLM instance: the scheduler-side connector, one worker-side connector per TP rank
     (each with its own KV buffer in physical ``order``), a block allocator (``first_block``
-    keeps two instances' block ids apart) and each request's block table."""
+    keeps two instances' block ids apart) and each request's block table. Its hits are pinned
+    by a lookup first unless ``answer_from_filter=True`` is passed (the scenarios here are
+    those of the pin; the real vLLM suite covers hits answered from the presence filter)."""
 
     def __init__(self, socket_path: str, first_block: int, order: str = "LBHNC", tp: int = 1,
                  num_blocks: int = 64, **extra: Any) -> None:
-        extra = {"socket_path": socket_path, **extra}
+        extra = {"socket_path": socket_path, "answer_from_filter": False, **extra}
         self.config = fake_config(extra, tp)
         self.scheduler = TierdConnector(self.config, KVConnectorRole.SCHEDULER)
         _OPEN.add(self)
