@@ -226,7 +226,8 @@ class SchedulerSide:
             self._clock() >= self._filter_off_until else 0
         if vouched:  # the worker's Probe counts these blocks; the rest is counted here
             self._counted.add(req_id)
-            self._filtered.add((len(wanted) - vouched) * bs)
+            if vouched < len(wanted):
+                self._filtered.add((len(wanted) - vouched) * bs)
             session = self._links[0].session
             assert session is not None, "the filter vouched with no session"
             fresh = self._clock() + session.engine.lease_seconds / 2
