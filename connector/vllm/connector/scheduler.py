@@ -268,6 +268,15 @@ class SchedulerSide:
                 return 0 if presence.may_hold(key) else i
         return len(wanted)
 
+    def _filter_failed(self) -> None:
+        """A hit answered from the presence filter failed its load (the filter read a block as
+        in DRAM that was not, or the daemon did not answer the worker's Probe in time): pin new
+        hits by a lookup first for ``FILTER_BACKOFF_SECONDS``."""
+        if self._clock() >= self._filter_off_until:
+            _log.info("tierd: a hit answered from the presence filter failed its load; new hits "
+                      "are looked up first for %.0f s", FILTER_BACKOFF_SECONDS)
+        self._filter_off_until = self._clock() + FILTER_BACKOFF_SECONDS
+
     def _certain_miss(self, first: BlockHash) -> bool:
         """Whether the daemon's presence filter (rank 0's session) says it holds no copy of
         ``first``, the first block asked for (so none of the chain after it)."""
@@ -532,8 +541,8 @@ class SchedulerSide:
             if pin is None:
                 continue
             first = next((i for i, b in enumerate(pin.block_ids) if b in failed), None)
-            if first is not None and pin.probed:  # the filter vouched wrongly or the daemon
-                self._filter_off_until = self._clock() + FILTER_BACKOFF_SECONDS  # was slow
+            if first is not None and pin.probed:
+                self._filter_failed()
             if first is not None:
                 pin.failed_from = min(first, pin.failed_from if pin.failed_from is not None
                                       else first)
