@@ -19,11 +19,11 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 PROMPT = [(i * 37 + 11) % 997 for i in range(6 * BLOCK + 5)]  # 6 full blocks and a tail
+LAYOUTS = list(KVCacheLayout)
 
 PINNED = {"answer_from_filter": False}
 """Extra config of an engine whose hits are pinned by a lookup first (never answered from the
 presence filter): the subject of the tests of the pin between lookup and load."""
-LAYOUTS = list(KVCacheLayout)
 
 
 def baseline(model_dir: str, daemon: Daemon, prompt: list[int], tp: int = 1) -> list[int]:
