@@ -170,7 +170,7 @@ def test_a_slow_daemon_never_blocks_the_scheduler(model_dir: str, daemon: Daemon
     vLLM's lookup answers None within ``lookup_wait_seconds`` at every step while the job
     waits, then the hit (6 blocks), which loads. A hit answered from the presence filter: the
     first ask answers it at once; the worker's Probe is not answered within
-    ``worker.PROBE_WAIT_SECONDS``, so the forward pass waits no longer and vLLM recomputes
+    ``probed.PROBE_WAIT_SECONDS``, so the forward pass waits no longer and vLLM recomputes
     the blocks; the late Probe's lease is released when it comes; and for a while after, a new
     hit is pinned by a lookup first (answered None while that lookup waits), and loads."""
     a = Engine.start(vllm_config(model_dir, daemon.socket_path))

@@ -7,7 +7,7 @@ yet", vLLM's asynchronous lookup) until its job is done. With host KV and one TP
 maybe in DRAM makes no call at all: the hit is answered at once, not pinned here, and the
 worker pins it by a Probe (the request's counted lookup) as it loads it, so a block gone since
 is a load error that vLLM recomputes; after such a failed load, hits are pinned by a lookup
-first for ``FILTER_BACKOFF_SECONDS``. Otherwise, per request scheduled from the waiting
+first for a while (``filter_reads``). Otherwise, per request scheduled from the waiting
 queue, one lookup job: a Probe (a hold) of the leading DRAM run that the daemon also counts as
 the request's lookup (once per request, as vLLM counts its own prefix-cache queries; it names the
 tiers of the held blocks after the run, for vLLM's hit-source stats), and the same run acquired
@@ -58,8 +58,9 @@ from typing import Any
 
 from tierd.connector.core.link import DaemonLink
 from tierd.connector.core.runner import Runner
-from tierd.types import BlockHash, Namespace, Tier, make_key
+from tierd.types import BlockHash, Tier
 
+from .filter_reads import FilterReads
 from .filtered import FilteredLookups
 from .lookup_jobs import Reply, ask, end_leases, reply_of
 from .lookup_wait import LookupWait
@@ -110,10 +111,6 @@ LOOKUP_THREADS = 4
 """Runner threads of the scheduler side: lookups (one daemon round trip each, more when SSD
 blocks are staged) and releases."""
 
-FILTER_BACKOFF_SECONDS = 10.0
-"""After a load of a hit answered from the presence filter fails (its blocks were gone, or the
-worker's Probe was not answered in time), new hits are pinned by a lookup first for this long."""
-
 MAX_QUEUED_LOOKUPS = 4096
 """Lookups queued beyond this are answered "no match" (the request computes its prefix)."""
 
@@ -137,9 +134,9 @@ class SchedulerSide:
         assert links, "need one link per TP rank"
         self._links = list(links)
         self._stream = stream
-        self._from_filter = from_filter and stream and len(links) == 1
-        self._filter_off_until = 0.0                # answers from the filter resume then
         self._clock = clock
+        self._presence = FilterReads(links[0], clock=clock,
+                                     dram_hits=from_filter and stream and len(links) == 1)
         self._wait = LookupWait(lookup_wait)
         self._runner = Runner(LOOKUP_THREADS, "tierd-scheduler", ("lookup", "release"),
                               limits={"lookup": MAX_QUEUED_LOOKUPS})
@@ -217,13 +214,12 @@ class SchedulerSide:
         if req_id in self._counted:  # asked before: Acquires alone, counted nothing
             seen = {before.start + i: t for i, t in enumerate(before.tiers)} if before else {}
             known_tiers = [seen.get(start + i, "dram") for i in range(len(wanted))]
-        if known_tiers is None and self._certain_miss(wanted[0]):
+        if known_tiers is None and self._presence.certain_miss(wanted[0]):
             self._counted.add(req_id)  # counted on the daemon within REPORT_SECONDS
             self._filtered.add(len(wanted) * bs)
             self._answers[req_id] = _Answer(start, 0, end)
             return 0
-        vouched = self._dram_run(wanted) if known_tiers is None and self._from_filter and \
-            self._clock() >= self._filter_off_until else 0
+        vouched = self._presence.dram_run(wanted) if known_tiers is None else 0
         if vouched:  # the worker's Probe counts these blocks; the rest is counted here
             self._counted.add(req_id)
             if vouched < len(wanted):
@@ -253,36 +249,6 @@ class SchedulerSide:
                 return (start + held) * bs - num_computed_tokens if held else 0
         self._asking[req_id] = asking
         return None
-
-    def _dram_run(self, wanted: list[BlockHash]) -> int:
-        """How many leading blocks of ``wanted`` the presence filter (rank 0's session) reads
-        as maybe in the daemon's DRAM; 0 without a filter, or where the block after that run
-        may be on SSD (a lookup hands that on as a streamed load)."""
-        session = self._links[0].session
-        if session is None or session.presence is None:
-            return 0
-        namespace, presence = Namespace(session.engine.namespace), session.presence
-        for i, block in enumerate(wanted):
-            key = make_key(namespace, block)
-            if not presence.may_be_in_dram(key):
-                return 0 if presence.may_hold(key) else i
-        return len(wanted)
-
-    def _filter_failed(self) -> None:
-        """A hit answered from the presence filter failed its load (the filter read a block as
-        in DRAM that was not, or the daemon did not answer the worker's Probe in time): pin new
-        hits by a lookup first for ``FILTER_BACKOFF_SECONDS``."""
-        if self._clock() >= self._filter_off_until:
-            _log.info("tierd: a hit answered from the presence filter failed its load; new hits "
-                      "are looked up first for %.0f s", FILTER_BACKOFF_SECONDS)
-        self._filter_off_until = self._clock() + FILTER_BACKOFF_SECONDS
-
-    def _certain_miss(self, first: BlockHash) -> bool:
-        """Whether the daemon's presence filter (rank 0's session) says it holds no copy of
-        ``first``, the first block asked for (so none of the chain after it)."""
-        session = self._links[0].session
-        return session is not None and session.presence is not None and \
-            not session.presence.may_hold(make_key(Namespace(session.engine.namespace), first))
 
     def _end(self, request: Any, start: int) -> int:
         """The end of the block range to ask the daemon for from ``start``: the full blocks
@@ -542,7 +508,7 @@ class SchedulerSide:
                 continue
             first = next((i for i, b in enumerate(pin.block_ids) if b in failed), None)
             if first is not None and pin.probed:
-                self._filter_failed()
+                self._presence.failed()
             if first is not None:
                 pin.failed_from = min(first, pin.failed_from if pin.failed_from is not None
                                       else first)

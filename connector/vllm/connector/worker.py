@@ -14,7 +14,7 @@ before the forward pass only on a step with a synchronous load, after it otherwi
   since) is not used: the worker Acquires the blocks itself and releases them after the copy.
   A hit the scheduler answered from the presence filter (``LoadSpec.probe``) carries no pin:
   the worker Probes it (its leading DRAM run pinned, no disk read), waiting at most
-  ``PROBE_WAIT_SECONDS``, copies it under that lease and releases it without waiting.
+  ``probed.PROBE_WAIT_SECONDS``, copies it under that lease and releases it without waiting.
   Without the native helper (no C compiler), or with layers not in one buffer: verify every
   slot, then one strided copy per run of verified blocks, all layers at once. Synchronous: the
   forward pass that reads them starts after it returns.
@@ -79,33 +79,23 @@ ordered before the next step's work on vLLM's stream, so the blocks are free at 
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import cast
 
 import grpc
 import torch
 
-from tierd.connector.core.lease import (
-    Lease,
-    Release,
-    acquire,
-    probe_async,
-    release_async,
-    releaser,
-)
+from tierd.connector.core.lease import Lease, Release, acquire, releaser
 from tierd.connector.core.link import DaemonLink, Session
 from tierd.connector.core.load import Sink, load_leased, start_load
 from tierd.connector.core.prefill_speed import DeviceEvent, PrefillSpeed
 from tierd.connector.core.save import Reservation, abort, reservation_of
 from tierd.types import BlockHash
 from tierd.wire.client import Sent
-from tierd.wire.replies import AcquiredBlocks, ReservedSlots
+from tierd.wire.replies import ReservedSlots
 
 from ..config import TierdVllmConfig
 from .commits import Committer
@@ -113,15 +103,12 @@ from .device_path import DevicePath
 from .kv_tensors import Run, SlotFormat, byte_view, runs, slot_format
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 from .outcomes import Outcomes
+from .probed import probe_run, release_later
 from .sinks import DeviceLoads, LayerViews
 from .stats import Counters, TierdConnectorStats
 from .streaming import StreamedLoad, Streams
 
 _log = logging.getLogger(__name__)
-
-PROBE_WAIT_SECONDS = 0.05
-"""How long a load waits for the Probe of a hit the scheduler answered from the presence filter
-(one round trip, usually a millisecond or two) before it gives up and vLLM recomputes."""
 
 
 @dataclass(slots=True)
@@ -320,10 +307,10 @@ class WorkerSide:
             lease = Lease(session.engine_id, "", pinned.slot_ids, pinned.checksums,
                           pinned.deadline)
         elif spec.probe:
-            got = self._probe(session, hashes)
+            got = probe_run(self.link, session, hashes, self._clock)
             if got is None:
                 return 0
-            lease, release = got, self._release_later(session)
+            lease, release = got, release_later(session, self._release_for(session))
         else:
             try:
                 lease = acquire(session.client, session.engine_id, hashes, clock=self._clock)
@@ -348,44 +335,6 @@ class WorkerSide:
             _log.warning("tierd: block %d of %s failed its checksum; vLLM recomputes from there",
                          done.verified, spec.req_id)
         return done.placed
-
-    def _probe(self, session: Session, hashes: list[BlockHash]) -> Lease | None:
-        """Pin the leading DRAM run of a hit the scheduler answered from the presence filter
-        (``lease.probe_async``: the daemon counts the request's lookup); None if the daemon
-        failed or did not answer within ``PROBE_WAIT_SECONDS`` (the forward pass waits no
-        longer: vLLM recomputes the blocks; a late answer's lease is released when it comes)."""
-        try:
-            pending = probe_async(session.client, session.engine_id, hashes, clock=self._clock)
-        except grpc.RpcError as exc:
-            self.link.failed(exc, session)
-            return None
-        try:
-            return Lease.of(session.engine_id, pending.reply.result(PROBE_WAIT_SECONDS),
-                            pending.asked)
-        except grpc.RpcError as exc:
-            self.link.failed(exc, session)
-        except TimeoutError:
-            _log.warning("tierd: the daemon did not answer a load's Probe within %.0f ms; vLLM "
-                         "recomputes its %d blocks", PROBE_WAIT_SECONDS * 1e3, len(hashes))
-            pending.reply.add_done_callback(functools.partial(_release_late, session))
-        return None
-
-    def _release_later(self, session: Session) -> Release:
-        """Release leases of ``session`` without waiting (the copy's validity rests on the
-        lease's deadline); one naming a corrupt block at once, so the daemon drops that copy
-        before this engine's next Reserve could skip it as held."""
-        now = self._release_for(session)
-
-        def later(lease: Lease, corrupt_from: int | None) -> bool | None:
-            if corrupt_from is not None:
-                return now(lease, corrupt_from)
-            if lease.num_blocks:
-                try:
-                    release_async(session.client, lease)
-                except grpc.RpcError:  # the channel closed: the lease ends at its deadline
-                    pass
-            return None
-        return later
 
     def _release_for(self, session: Session) -> Release:
         """Release leases of ``session`` now; one of a session the link has dropped is gone."""
@@ -627,13 +576,6 @@ class WorkerSide:
         self._commits.close()
         self._device.close()
         self.link.close()
-
-
-def _release_late(session: Session, reply: Future[AcquiredBlocks]) -> None:
-    """Release the lease of a Probe answered after its load gave up on it (on a call thread)."""
-    if reply.exception() is None and reply.result().num_blocks:
-        with contextlib.suppress(grpc.RpcError):  # else it ends at its deadline
-            session.client.release_async(session.engine_id, reply.result().lease_id)
 
 
 def _kept(lease: Lease, corrupt_from: int | None) -> None:
