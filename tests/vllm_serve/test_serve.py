@@ -178,3 +178,30 @@ def test_preemption_under_a_small_kv_cache_leaves_no_pins(stack: Any) -> None:
             window = answer.tokens[at:at + 16]
             assert same_or_near_tie(window, want.tokens), (at, window, want.tokens)
     no_pins(stack)
+
+
+def test_the_workload_benchs_stop_tokens_give_each_prompt_its_own_output_length(
+        stack: Any) -> None:
+    """`tierd bench workload`'s requests (``workload_output.Output``): no stop token among a
+    reply's least tokens, then it ends at its first stop token (kept in the text) or at its
+    most, so the lengths differ between prompts; the same prompt gets the same reply (greedy)."""
+    from tierd.bench.tiny_llama import SPECIAL
+    from tierd.bench.workload_output import Output
+
+    output = Output(most=16, least=4, stop_every=8)
+    stops = set(output.stop_tokens())
+    lengths = []
+    for seed in range(12):
+        text = prompt(2 * BLOCK, seed=next(_FRESH))
+        reply = stack.a.timed(text, output.most, ignore_eos=True,
+                              sampling=output.sampling())[1].split()
+        ids = [int(word[1:]) + len(SPECIAL) for word in reply]
+        assert output.least < len(ids) <= output.most, reply
+        assert not stops & set(ids[:output.least]), reply
+        early = [i for i, t in enumerate(ids) if t in stops]
+        assert len(ids) == (early[0] + 1 if early else output.most), reply
+        lengths.append(len(ids))
+        if seed == 0:
+            assert stack.a.timed(text, output.most, ignore_eos=True,
+                                 sampling=output.sampling())[1].split() == reply
+    assert len(set(lengths)) >= 3, lengths

@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM's CPU build: run `make test-vllm-serve`")
 
 from tierd.bench.serve_stack import VllmServe  # noqa: E402
+from tierd.bench.workload_output import Output  # noqa: E402
 from tierd.bench.workload_serve import bench_serve_argv  # noqa: E402
 
 pytestmark = [pytest.mark.vllm_serve]
@@ -17,13 +18,15 @@ pytestmark = [pytest.mark.vllm_serve]
 def test_vllms_parser_reads_the_prefix_repetition_run() -> None:
     """The argv of one run parses with `vllm bench serve`'s parser into a prefix_repetition run
     of the local model, at most 4 requests in flight, TTFT percentiles 50/90/99 saved to the
-    named file, no warm-up and no ready-check request."""
+    named file, no warm-up and no ready-check request; every request at most 16 tokens out,
+    ended early by a stop token once it has 4."""
     from vllm.benchmarks.serve import add_cli_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     server = VllmServe("python", "/tmp", "/models/tiny", "tiny", "vllm-small", None, port=8123)
     argv = bench_serve_argv(server, "/models/tiny", "/tmp/out/run.json", seed=1100,
-                            concurrency=4, prefix_len=1024, suffix_len=64, output_len=16,
+                            concurrency=4, prefix_len=1024, suffix_len=64,
+                            output=Output(most=16, least=4, stop_every=8),
                             prefixes=24, prompts=96)
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
@@ -38,3 +41,29 @@ def test_vllms_parser_reads_the_prefix_repetition_run() -> None:
     assert (args.metric_percentiles, args.save_result) == ("50,90,99", True)
     assert (args.result_dir, args.result_filename) == ("/tmp/out", "run.json")
     assert args.num_warmups == 0 and args.ready_check_timeout_sec == 0
+    stops = args.extra_body["stop_token_ids"]
+    assert args.extra_body["min_tokens"] == 4 and stops == list(range(3, 2048, 8))
+    assert args.extra_body["include_stop_str_in_output"]
+
+
+def test_fixed_output_lengths_add_no_request_body() -> None:
+    """With no stop tokens (``--stop-every 0``) every request generates exactly its most."""
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    server = VllmServe("python", "/tmp", "/models/tiny", "tiny", "vllm-small", None, port=8123)
+    argv = bench_serve_argv(server, "/models/tiny", "/tmp/out/run.json", seed=1100,
+                            concurrency=4, prefix_len=1024, suffix_len=64,
+                            output=Output(most=16, least=4, stop_every=0),
+                            prefixes=24, prompts=96)
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(argv)
+    assert args.extra_body is None and args.prefix_repetition_output_len == 16
+
+
+@pytest.mark.parametrize("most,least,every", [(0, 0, 8), (16, 17, 8), (16, 4, -1)])
+def test_output_lengths_that_cannot_work_name_the_flags(most: int, least: int,
+                                                         every: int) -> None:
+    with pytest.raises(ValueError, match="--output-min"):
+        Output(most, least, every)

@@ -159,12 +159,13 @@ class VllmServe:
         """The greedy text of a streamed completion (every chunk read to ``[DONE]``)."""
         return self.timed(prompt, max_tokens)[1]
 
-    def timed(self, prompt: str, max_tokens: int = 8, ignore_eos: bool = False
-              ) -> tuple[float, str]:
+    def timed(self, prompt: str, max_tokens: int = 8, ignore_eos: bool = False,
+              sampling: dict[str, object] | None = None) -> tuple[float, str]:
         """(seconds to the first streamed token, the greedy text) of a completion
-        (``ignore_eos``: exactly ``max_tokens`` tokens)."""
+        (``ignore_eos``: exactly ``max_tokens`` tokens, unless ``sampling``, more of vLLM's
+        sampling parameters, names stop tokens)."""
         start = time.perf_counter()
-        conn, response = self._stream(prompt, max_tokens, ignore_eos)
+        conn, response = self._stream(prompt, max_tokens, ignore_eos, sampling)
         first: float | None = None
         text = []
         try:
@@ -245,11 +246,13 @@ class VllmServe:
         return Greedy(choice["prompt_token_ids"],
                       list(zip(logprobs["tokens"], logprobs["top_logprobs"])))
 
-    def _stream(self, prompt: str, max_tokens: int, ignore_eos: bool = False
+    def _stream(self, prompt: str, max_tokens: int, ignore_eos: bool = False,
+                sampling: dict[str, object] | None = None
                 ) -> tuple[http.client.HTTPConnection, Any]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
         body = json.dumps({"model": self.name, "prompt": prompt, "max_tokens": max_tokens,
-                           "temperature": 0, "stream": True, "ignore_eos": ignore_eos})
+                           "temperature": 0, "stream": True, "ignore_eos": ignore_eos,
+                           **(sampling or {})})
         conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         response = conn.getresponse()
         assert response.status == 200, response.read()[:500]

@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from tierd.bench.workload_chat import ChatShape
+from tierd.bench.workload_output import Output
 from tierd.bench.workload_report import (
     ARMS,
     HitRates,
@@ -101,7 +102,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "first concurrency (256,2048)")
     parser.add_argument("--suffix-len", type=int, default=64,
                         help="prefix_repetition: tokens after the prefix (64)")
-    parser.add_argument("--output-len", type=int, default=16, help="tokens generated (16)")
+    parser.add_argument("--output-len", type=int, default=24,
+                        help="tokens a request generates at most (24)")
+    parser.add_argument("--output-min", type=int, default=8,
+                        help="tokens a request generates before a stop token may end it (8)")
+    parser.add_argument("--stop-every", type=int, default=8,
+                        help="every this-many-th word is a stop token, so output lengths "
+                             "differ per prompt, 15 tokens on average by default (8; 0: every "
+                             "request generates --output-len tokens)")
     parser.add_argument("--prefixes", type=int, default=24,
                         help="prefix_repetition: distinct prefixes (24)")
     parser.add_argument("--prompts-per-prefix", type=int, default=4,
@@ -158,6 +166,7 @@ def _cases(args: argparse.Namespace, model: str, workdir: str) -> list[Case]:
 
     cases = []
     small = ("vllm-small", "tierd-small")
+    output = Output(args.output_len, args.output_min, args.stop_every)
     shape = ChatShape(args.chat_users, args.chat_turns, args.chat_system, args.chat_message,
                       args.output_len)
     lens = [args.prefix_len] + [p for p in args.gain_prefix_lens if p != args.prefix_len]
@@ -166,7 +175,7 @@ def _cases(args: argparse.Namespace, model: str, workdir: str) -> list[Case]:
             def drive(server, seed, c=c, p=p):  # type: ignore[no-untyped-def]
                 return prefix_repetition(server, model, workdir, seed=seed, concurrency=c,
                                          prefix_len=p, suffix_len=args.suffix_len,
-                                         output_len=args.output_len, prefixes=args.prefixes,
+                                         output=output, prefixes=args.prefixes,
                                          prompts=args.prefixes * args.prompts_per_prefix)
             main = p == args.prefix_len
             request = p + args.suffix_len + args.output_len
@@ -174,7 +183,7 @@ def _cases(args: argparse.Namespace, model: str, workdir: str) -> list[Case]:
                               judge(request, c) if main else frozenset(), drive))
     for c in [] if args.no_chat else args.concurrency[:1]:
         cases.append(Case(f"chat c{c}", ARMS, judge(shape.longest_prompt() + args.output_len, c),
-                          lambda server, seed, c=c: run_chat(server, shape, c, seed)))
+                          lambda server, seed, c=c: run_chat(server, shape, output, c, seed)))
     picked = [Case(c.name, tuple(a for a in c.arms if a in args.arms), c.judged, c.drive)
               for c in cases]
     return [c for c in picked if c.arms]
@@ -184,6 +193,7 @@ def _check(args: argparse.Namespace) -> int:
     """The longest prompt a case sends (ValueError naming the flag when a size cannot work)."""
     if args.repeats < 1 or not args.concurrency or min(args.concurrency) < 1:
         raise ValueError("need --repeats >= 1 and --concurrency of clients >= 1")
+    Output(args.output_len, args.output_min, args.stop_every)  # ValueError naming the flags
     if not args.arms or set(args.arms) - set(ARMS):
         raise ValueError(f"--arms takes some of {','.join(ARMS)}, not {','.join(args.arms)}")
     longest = max([args.prefix_len, *args.gain_prefix_lens]) + args.suffix_len

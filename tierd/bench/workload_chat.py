@@ -4,11 +4,12 @@ message and the reply the server gave to it), the users interleaved at random.
 
 ``concurrency`` workers each take a user whose previous turn has finished (chosen at random
 among them), send the whole history plus a new user message as one streamed greedy completion
-of exactly ``reply_tokens`` tokens, append the message and the reply to that user's history and
-put the user back. A user's next turn therefore reuses the KV of its whole history, after the
-turns of others that ran in between (the reuse gap grows with ``users``). The words of the
-system prompt and of every message come from ``seed``; replies come from the model (greedy:
-the same for every arm). A failed turn ends its user's conversation and is counted.
+(as long as ``tierd.bench.workload_output.Output`` lets it run, at most ``reply_tokens``),
+append the message and the reply to that user's history and put the user back. A user's next
+turn therefore reuses the KV of its whole history, after the turns of others that ran in
+between (the reuse gap grows with ``users``). The words of the system prompt and of every
+message come from ``seed``; replies come from the model (greedy: the same for every arm). A
+failed turn ends its user's conversation and is counted.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 from tierd.bench.serve_stack import VllmServe
 from tierd.bench.tiny_llama import prompt
+from tierd.bench.workload_output import Output
 from tierd.bench.workload_report import Timing, from_latencies
 
 
@@ -33,6 +35,7 @@ class ChatShape:
     user_tokens: int
     """Tokens of each user message."""
     reply_tokens: int
+    """Tokens of a reply at most."""
 
     def longest_prompt(self) -> int:
         """Tokens of the last turn's prompt (the history before it and its message)."""
@@ -89,13 +92,19 @@ class _Users:
             self.lock.notify_all()
 
 
-def run_chat(server: VllmServe, shape: ChatShape, concurrency: int, seed: int) -> Timing:
-    """Run every conversation to its end against ``server``; the client's figures."""
+def run_chat(server: VllmServe, shape: ChatShape, output: Output, concurrency: int,
+             seed: int) -> Timing:
+    """Run every conversation to its end against ``server``, every reply as long as ``output``
+    (at most ``shape.reply_tokens``); the client's figures."""
+    if output.most != shape.reply_tokens:
+        raise ValueError(f"replies of at most {output.most} tokens in a chat shaped for "
+                         f"{shape.reply_tokens}")
     if shape.users < concurrency:
         raise ValueError(f"--chat-users ({shape.users}) must be at least the concurrency "
                          f"({concurrency}): a user has one turn running at a time")
     users = _Users(shape, seed)
     ttfts: list[float] = []
+    generated = [0]
     failures = [0]
     record = threading.Lock()
 
@@ -104,7 +113,8 @@ def run_chat(server: VllmServe, shape: ChatShape, concurrency: int, seed: int) -
             with users.lock:
                 text = users.history[user] + " " + users.message(user)
             try:
-                ttft, reply = server.timed(text, shape.reply_tokens, ignore_eos=True)
+                ttft, reply = server.timed(text, shape.reply_tokens, ignore_eos=True,
+                                           sampling=output.sampling())
             except (OSError, AssertionError, http.client.HTTPException, ValueError):
                 with record:
                     failures[0] += 1
@@ -112,6 +122,7 @@ def run_chat(server: VllmServe, shape: ChatShape, concurrency: int, seed: int) -
                 continue
             with record:
                 ttfts.append(ttft)
+                generated[0] += len(reply.split())  # one token a word
             users.give_back(user, f"{text} {reply.strip()}")
 
     start = time.perf_counter()
@@ -121,4 +132,4 @@ def run_chat(server: VllmServe, shape: ChatShape, concurrency: int, seed: int) -
     for t in threads:
         t.join()
     duration = time.perf_counter() - start
-    return from_latencies(ttfts, len(ttfts) * shape.reply_tokens, failures[0], duration)
+    return from_latencies(ttfts, generated[0], failures[0], duration)
