@@ -96,9 +96,7 @@ def run_chat(server: VllmServe, shape: ChatShape, output: Output, concurrency: i
              seed: int) -> Timing:
     """Run every conversation to its end against ``server``, every reply as long as ``output``
     (at most ``shape.reply_tokens``); the client's figures."""
-    if output.most != shape.reply_tokens:
-        raise ValueError(f"replies of at most {output.most} tokens in a chat shaped for "
-                         f"{shape.reply_tokens}")
+    assert output.most == shape.reply_tokens, "the chat is sized for its longest replies"
     if shape.users < concurrency:
         raise ValueError(f"--chat-users ({shape.users}) must be at least the concurrency "
                          f"({concurrency}): a user has one turn running at a time")

@@ -18,6 +18,8 @@ from tierd.bench.tiny_llama import SPECIAL, VOCAB
 
 @dataclass(frozen=True)
 class Output:
+    """The output lengths of a run's requests (module doc)."""
+
     most: int
     """Tokens a request generates at most (its ``max_tokens``)."""
     least: int
