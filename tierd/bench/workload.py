@@ -25,12 +25,13 @@ falls on all of them:
 - ``chat cC``: the multi-turn chat client of ``tierd.bench.workload_chat``.
 
 A repeat uses new words (a new seed) in every case, the same for every arm, and empties vLLM's
-prefix cache first; every run starts after a pause (``QUIET_SECONDS``) that lets the previous
-arm's processes go idle. Per run: request and output-token throughput, TTFT p50/p90/p99, failures,
-vLLM's local and external prefix-hit rates and tierd's hit ratio over the run (the last two
-should agree), and vLLM's own per-request means of the time a request waits to be scheduled,
-takes to its first token and from there to its last, with the engine's steps per request. Then
-the targets as ratios of the arms' runs in each repeat, judged on their median
+prefix cache first; every run starts the same time after the one before it, whichever arm that
+was (a tierd arm's last Commits land meanwhile, then ``QUIET_SECONDS`` more let the previous
+arm's processes go idle). Per run: request and output-token throughput, TTFT p50/p90/p99,
+failures, vLLM's local and external prefix-hit rates and tierd's hit ratio over the run (the
+last two should agree), and vLLM's own per-request means of the time a request waits to be
+scheduled, takes to its first token and from there to its last, with the engine's steps per
+request. Then the targets as ratios of the arms' runs in each repeat, judged on their median
 (``tierd.bench.workload_report.TARGETS``); a target some of whose repeats meet its limit and
 others miss it is marked as straddled: the host's noise between repeats exceeds the margin, and
 this run does not settle it. Beside them, for each pair of arms a target compares, how much
@@ -294,8 +295,10 @@ def run(args: argparse.Namespace) -> int:
                     timing = replace(timing, cpu_seconds=cpu_seconds(server, pid) - cpu,
                                      **asdict(vllm_phases(metrics, after)))
                     local, external = vllm_hit_rates(metrics, after)
-                    if tierd is not None:  # the last commits and filtered lookups land
-                        time.sleep(REPORT_SECONDS + 0.5)  # off the request path
+                    # a tierd arm's last Commits and filtered lookups land off the request
+                    # path meanwhile; every arm waits alike, so each run follows the one
+                    # before it after the same pause
+                    time.sleep(REPORT_SECONDS + 0.5)
                     hits = HitRates(local, external, tierd_hit_rate(asked, _tierd_counts(tierd)))
                     samples.append(Sample(case.name, arm, repeat, timing, hits))
                     print(f"  repeat {repeat + 1} {case.name:<16} {arm:<12} "
