@@ -131,18 +131,19 @@ def test_a_step_slower_than_the_write_lease_still_saves(model_dir: str,
 def test_a_commit_that_lands_after_its_lease_is_a_warning(
         model_dir: str, short_lease: Daemon, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
-    """The committer thread is held up past the write lease (the step itself was fast): the
-    daemon refuses the Commit, and the 6 lost blocks are a WARNING and counted as dropped and
-    lapsed, never lost silently."""
+    """The Commit goes out after the write lease ended (the step itself was fast; whichever
+    thread sends it is held up): the daemon refuses it, and the 6 lost blocks are a WARNING and
+    counted as dropped and lapsed, never lost silently."""
     import tierd.connector.vllm.connector.commits as commits
 
-    real_commit = commits._commit_batch
+    def late(real: Any) -> Any:
+        def call(*args: Any) -> Any:
+            time.sleep(LEASE + 0.5)
+            return real(*args)
+        return call
 
-    def late(*args: Any) -> Any:
-        time.sleep(LEASE + 0.5)
-        return real_commit(*args)
-
-    monkeypatch.setattr(commits, "_commit_batch", late)
+    monkeypatch.setattr(commits, "_landed", late(commits._landed))
+    monkeypatch.setattr(commits.Committer, "_send_now", late(commits.Committer._send_now))
     a = Engine.start(vllm_config(model_dir, short_lease.socket_path))
     try:
         with caplog.at_level(logging.WARNING, logger="tierd.connector.vllm.connector.commits"):

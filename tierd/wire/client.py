@@ -56,9 +56,12 @@ T_co = TypeVar("T_co", covariant=True)
 
 class Sent(Protocol[T_co]):
     """A call sent without waiting: ``result()`` is its answer, or raises its
-    ``grpc.RpcError`` (a ``Future`` is one)."""
+    ``grpc.RpcError`` (a ``Future`` is one); ``done()`` whether ``result()`` would return at
+    once (its reply is in)."""
 
     def result(self) -> T_co: ...
+
+    def done(self) -> bool: ...
 
 
 class _LaneSent(Generic[T]):
@@ -69,6 +72,9 @@ class _LaneSent(Generic[T]):
 
     def result(self) -> T:
         return self._convert(self._call.result())
+
+    def done(self) -> bool:
+        return self._call.done()
 
 __all__ = ["AcquiredBlocks", "AsyncTierdClient", "CommitRefused", "DaemonStats", "EngineHandle",
            "Located", "ReservedSlots", "TierdClient", "target_for"]
@@ -133,6 +139,13 @@ class _Requests:
                names: Sequence[BlockHash]) -> pb.CommitRequest:
         return pb.CommitRequest(engine_id=engine_id, lease_id=lease_id, written=list(written),
                                 block_hashes=names)
+
+    @staticmethod
+    def commit_many(engine_id: str,
+                    commits: Sequence[tuple[str, Sequence[bool], Sequence[BlockHash]]]
+                    ) -> pb.CommitManyRequest:
+        return pb.CommitManyRequest(engine_id=engine_id, commits=[
+            _Requests.commit("", lease_id, written, names) for lease_id, written, names in commits])
 
     @staticmethod
     def locate(engine_id: str | None, hashes: Sequence[BlockHash],
@@ -386,10 +399,14 @@ class TierdClient:
         """``commit`` of each (lease id, written, names) in one round trip, in order (at most
         64): per Commit, the blocks now stored or its own failure (``CommitRefused``); a failure
         of the call itself raises ``grpc.RpcError`` as ``commit`` does."""
-        reply = self._call("CommitMany", pb.CommitManyRequest(engine_id=engine_id, commits=[
-            _Requests.commit("", lease_id, written, names)
-            for lease_id, written, names in commits]))
-        return _outcomes(reply)
+        return _outcomes(self._call("CommitMany", _Requests.commit_many(engine_id, commits)))
+
+    def commit_many_sent(self, engine_id: str,
+                         commits: Sequence[tuple[str, Sequence[bool], Sequence[BlockHash]]]
+                         ) -> Sent[list[int | CommitRefused]]:
+        """``commit_many`` sent now from this thread without waiting (``reserve_sent``'s way):
+        its outcomes are read by the thread that calls ``result()``."""
+        return self._sent("CommitMany", _Requests.commit_many(engine_id, commits), _outcomes)
 
     def abort(self, engine_id: str, lease_id: str) -> None:
         """Free a reservation's slots, storing nothing."""

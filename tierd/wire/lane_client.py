@@ -20,6 +20,7 @@ code and details. Thread-safe.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import threading
 from typing import Any
@@ -159,6 +160,12 @@ class LaneCall:
 
     def __init__(self, lane: LaneClient, conn: socket.socket, method: str) -> None:
         self._lane, self._conn, self._method = lane, conn, method
+
+    def done(self) -> bool:
+        """Whether the reply has begun to arrive (``result`` would not wait for the daemon)."""
+        poller = select.poll()  # not select.select: an engine may hold fds past FD_SETSIZE
+        poller.register(self._conn, select.POLLIN)
+        return bool(poller.poll(0))
 
     def result(self) -> Any:
         """The reply, read now (waiting for it up to the client's timeout), or its

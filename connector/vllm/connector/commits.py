@@ -1,23 +1,29 @@
-"""``Committer``: a worker's Commits, in order, off the engine thread.
+"""``Committer``: a worker's Commits, sent at its next step (or by a thread of its own).
 
 ``finish_save`` (vLLM's ``wait_for_save``) hands the step's Commit over and returns: vLLM may
 reuse its blocks at once (the bytes are already in the arena, or, on CUDA, on their way: the
 committer thread waits for the save's ``SaveTicket`` before it commits). The Commit names the
 written slots and the daemon checksums them itself (``core.save.commit``).
 
-Commits are sent together: the first one handed over starts a window of ``WINDOW_SECONDS``, and
-every Commit handed over until it closes goes in the same round trip (``CommitMany``, each
-Commit landing or failing on its own; one per engine where the daemon restarted within the
-window). The daemon then wakes once per window rather than once
-per step, which on a host whose cores the engine's threads fill is time taken from the
-forward pass. A block is visible to lookups at most a window later; ``harvest(wait=True)``
-(and ``close``) closes the window at once.
+Commits are sent at the start of the worker's next step (``send``, from ``begin``): vLLM's
+scheduler has just handed that step to the workers and waits for it, so the daemon's work on the
+Commits (and on the step's Reserve, sent beside them) falls where the host's other core has the
+least to do, rather than at a moment its scheduler or API server is busy; the engine thread
+sends them without waiting and reads their outcomes at a later hook once they are in, so no
+other thread wakes for them. All Commits handed over since the last step go in one round trip
+(``CommitMany``, each Commit landing or failing on its own; one per engine where the daemon
+restarted in between); a Commit whose device copies are still in flight (CUDA) waits for a
+later step. Where no step sends a Commit within ``WINDOW_SECONDS`` of its handover (the engine
+went idle), the committer thread lands it: a
+block is visible to lookups at most about a window after its step. The committer thread looks
+every window while Commits come and parks after ``IDLE_POLLS`` empty looks (the next Commit
+wakes it). ``harvest(wait=True)`` (and ``close``) lands every Commit at once.
 
 With TP > 1, a step's Commit is *held* until the scheduler's verdict on that step
 (``TierdConnectorMetadata.verdict``): the blocks of requests some rank failed to load under are
 then committed as not written, so no rank stores what another rank computed on a failed load.
 
-The committer thread only returns outcomes; ``harvest`` applies them (counters, a failed call
+Outcomes, read by either thread, are applied by ``harvest`` (counters, a failed call
 through ``DaemonLink.failed``) on the engine thread. A failed Commit loses its blocks: never
 silently. They count as ``dropped_blocks`` (and ``lapsed_blocks`` where the write lease had
 ended, a step slower than the lease), with a WARNING (at most one a minute, with the count
@@ -26,21 +32,19 @@ since the last).
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
 from tierd.connector.core.errors import classify, describe
 from tierd.connector.core.link import WARN_EVERY_SECONDS, DaemonLink, Session
-from tierd.connector.core.runner import Runner
 from tierd.connector.core.save import Reservation, commit_many
-from tierd.wire.client import TierdClient
+from tierd.wire.client import CommitRefused, Sent, TierdClient
 
 from .cuda_copy import SaveTicket
 from .stats import Counters
@@ -50,8 +54,11 @@ _log = logging.getLogger(__name__)
 _Outcome = tuple[int, int, grpc.RpcError | None]  # blocks stored, blocks lost, the error
 
 WINDOW_SECONDS = 0.02
-"""How long the first Commit handed over waits for others to go with it (module doc); well
-inside any write lease, so a Commit never lapses for waiting."""
+"""How long a Commit no step has sent waits before the committer thread lands it (module doc);
+well inside any write lease, so a Commit never lapses for waiting."""
+
+IDLE_POLLS = 50
+"""Empty looks (a second at ``WINDOW_SECONDS``) before the committer thread parks."""
 
 BATCH = 64
 """Commits per round trip at most (the daemon's ``CommitMany`` limit)."""
@@ -59,12 +66,13 @@ BATCH = 64
 
 @dataclass(slots=True)
 class _Queued:
-    """A Commit handed over, waiting for its window to close."""
+    """A Commit handed over, waiting to be sent."""
 
     reservation: Reservation
     written: list[bool]
     ticket: SaveTicket | None
     outcome: Future[_Outcome]
+    at: float                           # when it was handed over
 
 
 @dataclass(slots=True)
@@ -79,8 +87,8 @@ class HeldCommit:
 
 
 class Committer:
-    """One worker's Commits (see the module doc). Engine thread only, but ``submit``ted
-    Commits run on a thread of their own over a channel of their own."""
+    """One worker's Commits (see the module doc). Engine thread only, but the Commits it does
+    not send itself go out on a thread of their own over a channel of their own."""
 
     def __init__(self, link: DaemonLink, counters: Counters, slot_bytes: int,
                  tp_size: int, clock: Callable[[], float] = time.monotonic) -> None:
@@ -88,13 +96,16 @@ class Committer:
         self._tp_size, self._clock = tp_size, clock
         self._lost = 0                  # blocks lost since the last WARNING
         self._warned = -WARN_EVERY_SECONDS
-        self._runner = Runner(1, "tierd-commit", ("commit",))  # one thread: Commits in order
         self._futures: list[tuple[Session | None, Future[_Outcome]]] = []
-        self._client: TierdClient | None = None
+        self._client: TierdClient | None = None  # the committer thread's
         self._held: list[HeldCommit] = []
-        self._lock = threading.Lock()  # the queue is shared with the committer thread
+        self._sent: list[tuple[Sent[list[int | CommitRefused]], list[_Queued]]] = []
+        self._cond = threading.Condition()  # the queue is shared with the committer thread
         self._queue: list[_Queued] = []
-        self._close_window = threading.Event()
+        self._parked = False            # the thread waits for a Commit (the queue stayed empty)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="tierd-commit", daemon=True)
+        self._thread.start()
 
     def commit(self, step: int, reservation: Reservation, written: list[bool],
                owners: list[str], ticket: SaveTicket | None) -> None:
@@ -124,11 +135,31 @@ class Committer:
         self._held = keep
         return left_out
 
+    def send(self) -> None:
+        """At the start of a step (vLLM has just handed it to the workers, so its scheduler
+        waits): send the Commits handed over so far, from this thread without waiting
+        (``TierdClient.commit_many_sent``); ``harvest`` reads their outcomes once they are in.
+        A Commit whose device copies are still in flight (CUDA), and every one after it, waits
+        for the next step (or the committer thread)."""
+        with self._cond:
+            ready = next((i for i, item in enumerate(self._queue)
+                          if item.ticket is not None and not item.ticket.landed.query()),
+                         len(self._queue))
+            queued, self._queue = self._queue[:ready], self._queue[ready:]
+        if queued:
+            self._send_now(queued)
+
     def harvest(self, wait: bool = False) -> None:
-        """Count the outcomes of landed Commits (of all of them, with ``wait``: the open window
-        is closed first)."""
+        """Count the outcomes of landed Commits (of all of them, with ``wait``: those not sent
+        yet are sent first, from this thread)."""
         if wait:
-            self._close_window.set()
+            with self._cond:
+                queued, self._queue = self._queue, []
+            for item in queued:
+                if item.ticket is not None:
+                    item.ticket.landed.synchronize()
+            self._send_now(queued)
+        self._read_sent(wait)
         keep: list[tuple[Session | None, Future[_Outcome]]] = []
         for session, future in self._futures:
             if not wait and not future.done():
@@ -146,8 +177,40 @@ class Committer:
             self._counters.count("saved_blocks", stored)
             self._counters.count("saved_bytes", stored * self._slot_bytes)
         self._futures = keep
-        if wait:  # every window has been sent: the next one waits its full time
-            self._close_window.clear()
+
+    def _send_now(self, queued: list[_Queued]) -> None:
+        """Send ``queued`` (device copies landed) from this thread without waiting: one
+        CommitMany per engine and ``BATCH``; without a session they go back to the committer
+        thread, whose call fails them as any call to a daemon that is down."""
+        session = self._link.session
+        if session is None:  # the committer thread's call fails them, off this thread
+            with self._cond:
+                self._queue[:0] = [replace(item, at=-WINDOW_SECONDS) for item in queued]
+                self._cond.notify()
+            return
+        for batch in _batches(queued):
+            try:
+                sent = session.client.commit_many_sent(batch[0].reservation.engine_id, [
+                    (item.reservation.lease_id, item.written, ()) for item in batch])
+            except grpc.RpcError as exc:
+                _settle(batch, exc)
+                continue
+            self._sent.append((sent, batch))
+
+    def _read_sent(self, wait: bool) -> None:
+        """Read the outcomes of the Commits this thread sent whose answers are in (all, with
+        ``wait``), into their futures."""
+        keep = []
+        for sent, batch in self._sent:
+            if not wait and not sent.done():
+                keep.append((sent, batch))
+                continue
+            try:
+                results: list[int | CommitRefused] | grpc.RpcError = sent.result()
+            except grpc.RpcError as exc:
+                results = exc
+            _settle(batch, results)
+        self._sent = keep
 
     def _warn_lost(self, lost: int, exc: grpc.RpcError) -> None:
         """Count a failed Commit's ``lost`` blocks as lapsed where its lease had ended, and say
@@ -171,63 +234,89 @@ class Committer:
         self._counters.count("dropped_blocks", sum(sum(h.written) for h in self._held))
         self._held = []
         self.harvest(wait=True)
-        self._runner.stop(self._link.timeout_seconds + 1.0)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(self._link.timeout_seconds + 1.0)
         if self._client is not None:
             self._client.close()
 
     def _submit(self, reservation: Reservation, written: list[bool],
                 ticket: SaveTicket | None) -> None:
-        """Queue a Commit; the first of a window also queues the job that sends the window."""
-        if self._client is None:
-            self._client = self._link.new_client()
+        """Queue a Commit for the next step's ``send`` (or the committer thread's window)."""
         outcome: Future[_Outcome] = Future()
-        with self._lock:
-            opens = not self._queue
-            self._queue.append(_Queued(reservation, written, ticket, outcome))
-        if opens:
-            job = self._runner.submit("commit", functools.partial(self._send_window,
-                                                                  self._client))
-            assert job is not None, "the commit kind has no limit"
+        with self._cond:
+            self._queue.append(_Queued(reservation, written, ticket, outcome, time.monotonic()))
+            if self._parked:
+                self._cond.notify()
         self._futures.append((self._link.session, outcome))
 
-    def _send_window(self, client: TierdClient) -> None:
-        """Committer thread: wait for the window to close, then send its Commits."""
-        self._close_window.wait(WINDOW_SECONDS)
-        with self._lock:
-            queued, self._queue = self._queue, []
-            self._close_window.clear()
-        for start in range(0, len(queued), BATCH):
-            part = queued[start:start + BATCH]
+    def _committer_client(self) -> TierdClient:
+        if self._client is None:
+            self._client = self._link.new_client()
+        return self._client
+
+    def _loop(self) -> None:
+        """Committer thread: every ``WINDOW_SECONDS`` while Commits come, land those the
+        engine thread has not sent within a window of their handover (the engine went idle, or
+        their device copies were in flight); parked after ``IDLE_POLLS`` empty looks."""
+        idle = 0
+        while True:
+            with self._cond:
+                if self._stopping:
+                    return
+                if not self._queue and idle >= IDLE_POLLS:
+                    self._parked = True
+                    self._cond.wait()
+                    self._parked, idle = False, 0
+                    continue
+                self._cond.wait(WINDOW_SECONDS)
+                if not self._queue:
+                    idle += 1
+                    continue
+                idle = 0
+                if time.monotonic() - self._queue[0].at < WINDOW_SECONDS:
+                    continue
+                queued, self._queue = self._queue, []
             try:
-                outcomes = _commit_batch(client, part)
+                _landed(self._committer_client(), queued)
             except BaseException as exc:  # a bug: its Commits' waiters raise it, not hang
-                for item in queued[start:]:
-                    item.outcome.set_exception(exc)
+                for item in queued:
+                    if not item.outcome.done():
+                        item.outcome.set_exception(exc)
                 raise
-            for item, outcome in zip(part, outcomes):
-                item.outcome.set_result(outcome)
 
 
-def _commit_batch(client: TierdClient, batch: list[_Queued]) -> list[_Outcome]:
+def _batches(queued: list[_Queued]) -> list[list[_Queued]]:
+    """``queued`` by engine (two where the daemon restarted in between), at most ``BATCH``
+    Commits each, in order within each engine."""
+    by_engine: dict[str, list[_Queued]] = {}
+    for item in queued:
+        by_engine.setdefault(item.reservation.engine_id, []).append(item)
+    return [part[i:i + BATCH] for part in by_engine.values() for i in range(0, len(part), BATCH)]
+
+
+def _settle(batch: list[_Queued], results: list[int | CommitRefused] | grpc.RpcError) -> None:
+    """Resolve each Commit of ``batch`` with its outcome (``results``: per Commit, or the
+    failure of the whole call)."""
+    for i, item in enumerate(batch):
+        result = results if isinstance(results, grpc.RpcError) else results[i]
+        item.outcome.set_result((result, 0, None) if isinstance(result, int) else
+                                (0, sum(item.written), result))
+
+
+def _landed(client: TierdClient, queued: list[_Queued]) -> list[_Outcome]:
     """Committer thread: once each save's device copies are in the arena (its ticket, CUDA),
     publish the reservations, the daemon checksumming the written slots: one round trip per
-    engine they name (two where the daemon restarted within the window: the old session's and
-    the new one's)."""
-    for item in batch:
+    engine and ``BATCH``. Returns each Commit's outcome, in order."""
+    for item in queued:
         if item.ticket is not None:
             item.ticket.landed.synchronize()
-    by_engine: dict[str, list[int]] = {}
-    for i, item in enumerate(batch):
-        by_engine.setdefault(item.reservation.engine_id, []).append(i)
-    outcomes: list[_Outcome] = [(0, 0, None)] * len(batch)
-    for indices in by_engine.values():
-        part = [batch[i] for i in indices]
+    for batch in _batches(queued):
         try:
-            results: list[int | grpc.RpcError] = list(commit_many(
-                client, [(item.reservation, item.written) for item in part]))
+            results: list[int | CommitRefused] | grpc.RpcError = list(commit_many(
+                client, [(item.reservation, item.written) for item in batch]))
         except grpc.RpcError as exc:
-            results = [exc] * len(part)
-        for i, item, result in zip(indices, part, results):
-            outcomes[i] = ((result, 0, None) if isinstance(result, int) else
-                           (0, sum(item.written), result))
-    return outcomes
+            results = exc
+        _settle(batch, results)
+    return [item.outcome.result() for item in queued]

@@ -13,8 +13,9 @@ could not be loaded are returned by ``get_block_ids_with_load_errors`` in the sa
 recomputes them with ``kv_load_failure_policy: recompute``), and nothing computed on top of them
 is saved. A hit still on SSD answers ``None`` (not yet) while the daemon stages it, so vLLM's
 scheduler never waits for a disk. Saves are copied out of vLLM's KV within their step (the
-Commit lands on a committer thread), so ``request_finished`` returns ``(False, None)``. A daemon
-that is down (at start or later) means 0 matches and no saves, never an exception.
+Commit lands at the next step or from a committer thread), so ``request_finished`` returns
+``(False, None)``. A daemon that is down (at start or later) means 0 matches and no saves, never
+an exception.
 """
 
 from __future__ import annotations
@@ -232,8 +233,8 @@ class TierdConnector(KVConnectorBase_V1):
             self._worker.save_layer(layer_name, meta.saves)
 
     def wait_for_save(self) -> None:
-        """Worker: hand this step's Commit to the committer thread and return; the bytes are in
-        the arena already, so vLLM may reuse its blocks at once."""
+        """Worker: hand this step's Commit over (sent at the next step) and return; the bytes
+        are in the arena already, so vLLM may reuse its blocks at once."""
         if self._worker is not None:
             self._worker.finish_save()
 

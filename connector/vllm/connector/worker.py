@@ -43,16 +43,17 @@ before the forward pass only on a step with a synchronous load, after it otherwi
   dropped, and that request's saves stay dropped until the scheduler names it in
   ``recomputing``: nothing computed on wrong KV is stored.
 * ``finish_save`` (``wait_for_save``): takes the Reserve's answer (waiting only if it is not
-  in yet), copies host KV into the slots, hands the step's Commit to the committer thread
-  (``commits.Committer``) and returns: vLLM may reuse its blocks at once (the bytes are in the
-  arena). The Commit names the written slots and the daemon checksums them
-  itself (in its own process, so the engine's part of a store is the copy out of its KV), and
-  the blocks become visible to other engines only whole, when it lands. If some layer never
-  arrived, Abort instead. A step that outlasted half of its write lease (a slow forward pass) is
-  *re-offered* first: a fresh Reserve, into which every layer is copied from vLLM's blocks (they
-  hold the step's KV until it ends; on CUDA gathered again), the old reservation aborted, so a
-  slow step does not lose its saves to a lapsed lease (``reoffered_blocks``); a Commit that
-  still finds its lease ended is a WARNING and ``lapsed_blocks`` (``commits``).
+  in yet), copies host KV into the slots, hands the step's Commit over (``commits.Committer``:
+  sent at the next step's ``begin``, beside its Reserve) and returns: vLLM may reuse its blocks
+  at once (the bytes are in the arena). The Commit names the written slots and the daemon
+  checksums them itself (in its own process, so the engine's part of a store is the copy out of
+  its KV), and the blocks become visible to other engines only whole, when it lands. If some
+  layer never arrived, Abort instead. A step that outlasted half of its write lease (a slow
+  forward pass) is *re-offered* first: a fresh Reserve, into which every layer is copied from
+  vLLM's blocks (they hold the step's KV until it ends; on CUDA gathered again), the old
+  reservation aborted, so a slow step does not lose its saves to a lapsed lease
+  (``reoffered_blocks``); a Commit that still finds its lease ended is a WARNING and
+  ``lapsed_blocks`` (``commits``).
 
 On CUDA (vLLM's KV tensors on a GPU) the copies go through ``cuda_copy.DeviceTransfer`` over
 the arena, registered as pinned memory at attach (``device_path.DevicePath``): a load is queued on
@@ -62,9 +63,9 @@ forward pass's stream wait for each layer; at ``finish_save`` (or ``take_load_er
 whichever vLLM calls first), once the DMAs have read the slots, the worker's own leases are
 released, and a lease found expired then makes its blocks load errors and drops the step's
 saves. A save
-gathers each layer on the device; ``finish_save`` queues the D2H copies and the Commit waits
-for them on the committer thread, so neither the host nor the next step waits for the
-write-through.
+gathers each layer on the device; ``finish_save`` queues the D2H copies, and the Commit goes
+out once they have landed (at a later step's ``begin``, or from the committer thread), so neither
+the host nor the next step waits for the write-through.
 
 The forward pass (from where the Reserve goes out to ``finish_save``) is timed when it prefills
 at least 256 tokens (the metadata's ``prefill_tokens``; on CUDA with device events): the
@@ -232,6 +233,7 @@ class WorkerSide:
         self._outcomes.begin_step(meta)
         if meta.verdict is not None and self._commits.verdict(*meta.verdict):
             self._commits.harvest(wait=True)  # before this step's Reserve of the blocks left out
+        self._commits.send()  # while vLLM's scheduler waits for this step
         if any(not spec.stream for spec in meta.loads):
             return
         if meta.saves and not self._save.tried:  # its answer comes during the forward pass
@@ -501,7 +503,7 @@ class WorkerSide:
         return new
 
     def finish_save(self) -> None:
-        """Hand this step's Commit to the committer thread, or Abort the reservation if a layer
+        """Hand this step's Commit over (``commits``), or Abort the reservation if a layer
         is missing. A step that outlasted half of its write lease is re-offered first
         (``_reoffer``). Returns without waiting for the daemon; never raises for a daemon
         failure (outcomes are counted when they arrive)."""

@@ -117,31 +117,66 @@ def test_a_saves_reserve_is_answered_to_the_worker_thread_itself(engines: Any) -
     assert client.on_lane and client._calls is None
 
 
-def test_the_commits_of_a_window_go_in_one_round_trip(sock: str, engines: Any,
-                                                      monkeypatch: Any) -> None:
-    """Three steps each save a request's 6 blocks within one commit window: their Commits reach
-    the daemon in one CommitMany, every block stored; waiting for the Commits (the counters)
-    closes the window at once rather than at its end."""
+def test_a_steps_commit_goes_out_with_the_next_step_from_the_workers_thread(
+        sock: str, engines: Any, monkeypatch: Any) -> None:
+    """Three steps each save a request's 6 blocks: each step's Commit is sent by the worker's
+    own thread when the next step begins (one CommitMany each), the last one when the counters
+    are taken (waiting lands every Commit at once); the committer thread sends none, and every
+    block is stored."""
     import tierd.connector.vllm.connector.commits as commits
+    from tierd.wire.client import TierdClient
 
     monkeypatch.setattr(commits, "WINDOW_SECONDS", 60.0)
-    sent: list[int] = []
-    commit_many = commits.commit_many
+    by_thread: list[int] = []
+    by_worker: list[int] = []
+    commit_many, sent = commits.commit_many, TierdClient.commit_many_sent
 
-    def recorded(client: Any, batch: Any) -> Any:
-        sent.append(len(batch))
+    def on_thread(client: Any, batch: Any) -> Any:
+        by_thread.append(len(batch))
         return commit_many(client, batch)
 
-    monkeypatch.setattr(commits, "commit_many", recorded)
+    def on_worker(self: Any, engine_id: str, batch: Any) -> Any:
+        by_worker.append(len(batch))
+        return sent(self, engine_id, batch)
+
+    monkeypatch.setattr(commits, "commit_many", on_thread)
+    monkeypatch.setattr(TierdClient, "commit_many_sent", on_worker)
     a = engines(0)
     for i in range(3):
         req = FakeRequest(f"r{i}", prompt(96, salt=i))
         a.admit(req)
         a.step([req])
+        assert by_worker == [1] * i
     began = time.monotonic()
     assert a.counters() == (0, 0, 18, 0, 0) and usage(sock) == (18, 0)
     assert time.monotonic() - began < 30.0
-    assert sent == [3]
+    assert by_worker == [1, 1, 1] and by_thread == []
+
+
+def test_a_commit_no_step_sends_is_landed_by_the_committer_thread(
+        sock: str, engines: Any, monkeypatch: Any) -> None:
+    """The engine goes idle after a saving step: no step sends its Commit, so the committer
+    thread lands it within a few windows, with nothing asked of the worker meanwhile."""
+    import tierd.connector.vllm.connector.commits as commits
+
+    monkeypatch.setattr(commits, "WINDOW_SECONDS", 0.05)
+    by_thread: list[int] = []
+    commit_many = commits.commit_many
+
+    def on_thread(client: Any, batch: Any) -> Any:
+        by_thread.append(len(batch))
+        return commit_many(client, batch)
+
+    monkeypatch.setattr(commits, "commit_many", on_thread)
+    a = engines(0)
+    req = FakeRequest("idle", prompt(96))
+    a.admit(req)
+    a.step([req])
+    deadline = time.monotonic() + 30.0
+    while usage(sock) != (6, 0) and time.monotonic() < deadline:  # reserved slots are pinned
+        time.sleep(0.01)
+    assert usage(sock) == (6, 0) and by_thread == [1]
+    assert a.counters() == (0, 0, 6, 0, 0)
 
 
 def test_a_window_naming_two_engines_commits_each_on_its_own(sock: str) -> None:
@@ -165,8 +200,8 @@ def test_a_window_naming_two_engines_commits_each_on_its_own(sock: str) -> None:
                                                     for i in range(2)])
             batch.append(commits._Queued(Reservation(engine.engine_id, got.lease_id,
                                                      got.slot_ids, got.already_stored),
-                                         [True, True], None, Future()))
-        assert commits._commit_batch(client, batch) == [(2, 0, None), (2, 0, None)]
+                                         [True, True], None, Future(), 0.0))
+        assert commits._landed(client, batch) == [(2, 0, None), (2, 0, None)]
 
 
 def test_matches_stop_before_last_token_and_after_local_hit(sock: str, engines: Any) -> None:
