@@ -10,6 +10,7 @@ import dataclasses
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,8 +21,9 @@ from tierd.connector.core.errors import classify
 from tierd.daemon.config import TierdConfig
 from tierd.daemon.server import Daemon
 from tierd.wire import lane as lane_module
-from tierd.wire.client import TierdClient
+from tierd.wire.client import CommitRefused, TierdClient
 from tierd.wire.lane import HELLO, LENGTH, lane_path
+from tierd.wire.lane_client import LaneCall
 
 
 def _frame(body: bytes) -> bytes:
@@ -235,6 +237,33 @@ def test_a_call_sent_now_is_answered_when_its_reply_is_read(workdir: str, kit: A
         with pytest.raises(grpc.RpcError) as info:
             client.reserve_sent(engine.engine_id, kit.chain(2, seed=5)).result()
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_commits_sent_now_say_when_their_answer_is_in(daemon: Any, kit: Any) -> None:
+    """``commit_many_sent`` over the lane: ``done()`` turns True once the daemon has answered
+    (the Commits have landed: a lookup finds the blocks), and ``result()`` then reads each
+    Commit's outcome without waiting; a lapsed lease fails its own Commit only. A call whose
+    reply has not begun to arrive is not done."""
+    mine, theirs = socket.socketpair()
+    with mine, theirs:
+        call = LaneCall(None, mine, "CommitMany")  # type: ignore[arg-type]  # result() unused
+        assert not call.done()
+        theirs.sendall(LENGTH.pack(1) + b"\0")
+        assert call.done()
+    with daemon.client() as client:
+        engine = client.register_engine(kit.layout)
+        first = client.reserve(engine.engine_id, kit.chain(3))
+        second = client.reserve(engine.engine_id, kit.chain(2, seed=7))
+        client.abort(engine.engine_id, second.lease_id)
+        sent = client.commit_many_sent(engine.engine_id, [
+            (first.lease_id, [True] * 3, ()), (second.lease_id, [True] * 2, ())])
+        deadline = time.monotonic() + 10
+        while not sent.done() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert sent.done() and client.on_lane
+        stored, refused = sent.result()
+        assert stored == 3 and isinstance(refused, CommitRefused)
+        assert client.lookup(engine.engine_id, kit.chain(3)) == ["dram"] * 3
 
 
 def test_a_daemon_without_the_lane_is_called_over_grpc(make_daemon: Any, kit: Any) -> None:

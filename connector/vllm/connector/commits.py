@@ -1,9 +1,9 @@
 """``Committer``: a worker's Commits, sent at its next step (or by a thread of its own).
 
 ``finish_save`` (vLLM's ``wait_for_save``) hands the step's Commit over and returns: vLLM may
-reuse its blocks at once (the bytes are already in the arena, or, on CUDA, on their way: the
-committer thread waits for the save's ``SaveTicket`` before it commits). The Commit names the
-written slots and the daemon checksums them itself (``core.save.commit``).
+reuse its blocks at once (the bytes are already in the arena, or, on CUDA, on their way: a Commit
+goes out only once its save's ``SaveTicket`` has landed). The Commit names the written slots and
+the daemon checksums them itself (``core.save.commit``).
 
 Commits are sent at the start of the worker's next step (``send``, from ``begin``): vLLM's
 scheduler has just handed that step to the workers and waits for it, so the daemon's work on the
@@ -14,10 +14,10 @@ other thread wakes for them. All Commits handed over since the last step go in o
 (``CommitMany``, each Commit landing or failing on its own; one per engine where the daemon
 restarted in between); a Commit whose device copies are still in flight (CUDA) waits for a
 later step. Where no step sends a Commit within ``WINDOW_SECONDS`` of its handover (the engine
-went idle), the committer thread lands it: a
-block is visible to lookups at most about a window after its step. The committer thread looks
-every window while Commits come and parks after ``IDLE_POLLS`` empty looks (the next Commit
-wakes it). ``harvest(wait=True)`` (and ``close``) lands every Commit at once.
+went idle), the committer thread lands it: a block is visible to lookups at most about a window
+after its step. The committer thread looks every window while Commits come and parks after
+``IDLE_POLLS`` empty looks (the next Commit wakes it). ``harvest(wait=True)`` (and ``close``)
+lands every Commit at once.
 
 With TP > 1, a step's Commit is *held* until the scheduler's verdict on that step
 (``TierdConnectorMetadata.verdict``): the blocks of requests some rank failed to load under are
