@@ -44,6 +44,7 @@ import grpc
 from tierd.connector.core.errors import classify, describe
 from tierd.connector.core.link import WARN_EVERY_SECONDS, DaemonLink, Session
 from tierd.connector.core.save import Reservation, commit_many
+from tierd.wire.call_error import CallError
 from tierd.wire.client import CommitRefused, Sent, TierdClient
 
 from .cuda_copy import SaveTicket
@@ -99,7 +100,7 @@ class Committer:
         self._futures: list[tuple[Session | None, Future[_Outcome]]] = []
         self._client: TierdClient | None = None  # the committer thread's
         self._held: list[HeldCommit] = []
-        self._sent: list[tuple[Sent[list[int | CommitRefused]], list[_Queued]]] = []
+        self._sent: list[tuple[Sent[list[int | CommitRefused]], list[_Queued], float]] = []
         self._cond = threading.Condition()  # the queue is shared with the committer thread
         self._queue: list[_Queued] = []
         self._parked = False            # the thread waits for a Commit (the queue stayed empty)
@@ -195,20 +196,28 @@ class Committer:
             except grpc.RpcError as exc:
                 _settle(batch, exc)
                 continue
-            self._sent.append((sent, batch))
+            self._sent.append((sent, batch, time.monotonic()))
 
     def _read_sent(self, wait: bool) -> None:
         """Read the outcomes of the Commits this thread sent whose answers are in (all, with
-        ``wait``), into their futures."""
+        ``wait``), into their futures. One unanswered for the link's ``timeout_seconds`` fails
+        (DEADLINE_EXCEEDED) without being waited for: a daemon that hangs holds no more than
+        that many seconds of them."""
         keep = []
-        for sent, batch in self._sent:
+        timeout = self._link.timeout_seconds
+        for sent, batch, at in self._sent:
+            results: list[int | CommitRefused] | grpc.RpcError
             if not wait and not sent.done():
-                keep.append((sent, batch))
-                continue
-            try:
-                results: list[int | CommitRefused] | grpc.RpcError = sent.result()
-            except grpc.RpcError as exc:
-                results = exc
+                if time.monotonic() - at < timeout:
+                    keep.append((sent, batch, at))
+                    continue
+                results = CallError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"no answer to CommitMany within {timeout:g} s")
+            else:
+                try:
+                    results = sent.result()
+                except grpc.RpcError as exc:
+                    results = exc
             _settle(batch, results)
         self._sent = keep
 

@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Any
 
+import grpc
 import pytest
 import torch
 from fake_vllm import FakeRequest, ask, prompt, usage
@@ -177,6 +178,38 @@ def test_a_commit_no_step_sends_is_landed_by_the_committer_thread(
         time.sleep(0.01)
     assert usage(sock) == (6, 0) and by_thread == [1]
     assert a.counters() == (0, 0, 6, 0, 0)
+
+
+def test_a_commit_the_daemon_never_answers_fails_after_the_timeout(engines: Any) -> None:
+    """A Commit the worker sent whose answer never comes (a daemon that hangs) is not waited
+    for: once the link's timeout has passed it fails (its blocks dropped) and is forgotten, so
+    no unanswered call piles up."""
+    from concurrent.futures import Future
+
+    import tierd.connector.vllm.connector.commits as commits
+    from tierd.connector.core.save import Reservation
+
+    class Silent:
+        def done(self) -> bool:
+            return False
+
+        def result(self) -> Any:
+            raise AssertionError("a Commit that is not done is never waited for")
+
+    a = engines(0)
+    committer = a.workers[0]._worker._commits
+    item = commits._Queued(Reservation("e", "lease", [1, 2], [False, False]), [True, True],
+                           None, Future(), 0.0)
+    committer._sent.append((Silent(), [item], time.monotonic()))
+    committer._futures.append((None, item.outcome))
+    committer.harvest()
+    assert not item.outcome.done() and len(committer._sent) == 1
+    committer._sent[0] = (Silent(), [item], time.monotonic() - a.workers[0]._worker.link
+                          .timeout_seconds)
+    committer.harvest()
+    assert committer._sent == [] and item.outcome.done()
+    stored, lost, exc = item.outcome.result()
+    assert (stored, lost) == (0, 2) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def test_a_window_naming_two_engines_commits_each_on_its_own(sock: str) -> None:
