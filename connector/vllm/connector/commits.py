@@ -7,13 +7,13 @@ the daemon checksums them itself (``core.save.commit``).
 
 Commits are sent at the start of the worker's next step (``send``, from ``begin``): vLLM's
 scheduler has just handed that step to the workers and waits for it, so the daemon's work on the
-Commits (and on the step's Reserve, sent beside them) falls where the host's other core has the
-least to do, rather than at a moment its scheduler or API server is busy; the engine thread
-sends them without waiting and reads their outcomes at a later hook once they are in, so no
-other thread wakes for them. All Commits handed over since the last step go in one round trip
-(``CommitMany``, each Commit landing or failing on its own; one per engine where the daemon
-restarted in between); a Commit whose device copies are still in flight (CUDA) waits for a
-later step. Where no step sends a Commit within ``WINDOW_SECONDS`` of its handover (the engine
+Commits (and on the step's Reserve, if it saves, sent right after) falls where the host's other
+core has the least to do, rather than at a moment its scheduler or API server is busy; the
+engine thread sends them without waiting and reads their outcomes at a later hook once they are
+in, so no other thread wakes for them. All Commits handed over since the last step go in one
+round trip (``CommitMany``, each Commit landing or failing on its own; one per engine where the
+daemon restarted in between); a Commit whose device copies are still in flight (CUDA) waits for
+a later step. Where no step sends a Commit within ``WINDOW_SECONDS`` of its handover (the engine
 went idle), the committer thread lands it: a block is visible to lookups at most about a window
 after its step. The committer thread looks every window while Commits come and parks after
 ``IDLE_POLLS`` empty looks (the next Commit wakes it). ``harvest(wait=True)`` (and ``close``)

@@ -44,7 +44,7 @@ before the forward pass only on a step with a synchronous load, after it otherwi
   ``recomputing``: nothing computed on wrong KV is stored.
 * ``finish_save`` (``wait_for_save``): takes the Reserve's answer (waiting only if it is not
   in yet), copies host KV into the slots, hands the step's Commit over (``commits.Committer``:
-  sent at the next step's ``begin``, beside its Reserve) and returns: vLLM may reuse its blocks
+  sent at the next step's ``begin``, before its Reserve) and returns: vLLM may reuse its blocks
   at once (the bytes are in the arena). The Commit names the written slots and the daemon
   checksums them itself (in its own process, so the engine's part of a store is the copy out of
   its KV), and the blocks become visible to other engines only whole, when it lands. If some
