@@ -266,6 +266,38 @@ def test_commits_sent_now_say_when_their_answer_is_in(daemon: Any, kit: Any) -> 
         assert client.lookup(engine.engine_id, kit.chain(3)) == ["dram"] * 3
 
 
+def test_a_probe_sent_now_pins_until_its_release_sent_now(daemon: Any, kit: Any) -> None:
+    """``done(timeout)`` waits at most that long for an answer, and says so as soon as it
+    comes; ``abandon`` closes the call's connection. Against a real daemon: ``probe_sent``
+    pins the stored run, read by this thread with no call thread started; ``release_sent``
+    ends that lease (a second Release of it is NOT_FOUND); a Probe abandoned unread still
+    reaches the daemon, and the client's next calls go on over the lane."""
+    mine, theirs = socket.socketpair()
+    with mine, theirs:
+        call = LaneCall(None, mine, "Probe")  # type: ignore[arg-type]  # result() unused
+        start = time.monotonic()
+        assert not call.done(0.05) and time.monotonic() - start >= 0.04
+        answer = threading.Timer(0.05, lambda: theirs.sendall(LENGTH.pack(1) + b"\0"))
+        answer.start()
+        assert call.done(10.0) and time.monotonic() - start < 5.0
+        answer.join()
+        call.abandon()
+        assert mine.fileno() == -1
+    with daemon.client() as client:
+        engine = kit.engine_storing(client, kit.chain(3))
+        sent = client.probe_sent(engine.engine_id, kit.chain(3))
+        assert sent.done(10.0)
+        pinned = sent.result()
+        assert pinned.num_blocks == 3 and client.on_lane and client._calls is None
+        assert client.release_sent(engine.engine_id, pinned.lease_id).result() is False
+        with pytest.raises(grpc.RpcError) as info:
+            client.release(engine.engine_id, pinned.lease_id)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        client.probe_sent(engine.engine_id, kit.chain(3)).abandon()
+        assert client.lookup(engine.engine_id, kit.chain(3)) == ["dram"] * 3
+        assert client.on_lane and client._calls is None
+
+
 def test_a_daemon_without_the_lane_is_called_over_grpc(make_daemon: Any, kit: Any) -> None:
     """``lane = false``: no lane socket, and clients call over gRPC."""
     daemon = make_daemon(lane=False)

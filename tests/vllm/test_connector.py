@@ -223,7 +223,7 @@ def test_a_hit_in_dram_is_answered_from_the_filter_and_pinned_by_the_worker(
     try:
         want = first.run([make_request("a", PROMPT)])["a"]
         probes: list[tuple[str, str]] = []
-        for name in ("probe", "probe_async"):
+        for name in ("probe", "probe_sent"):
             def spy(client: TierdClient, *args: Any, name: str = name,
                     real: Any = getattr(TierdClient, name), **flags: Any) -> Any:
                 probes.append((name, threading.current_thread().name))
@@ -241,8 +241,11 @@ def test_a_hit_in_dram_is_answered_from_the_filter_and_pinned_by_the_worker(
         assert second.run([make_request("b", PROMPT)])["b"] == want
         assert answers[0] == (6 * BLOCK, False) and not second.invalid_reported
         by_scheduler = probes[0][1].startswith("tierd-scheduler")
-        if policy == "recompute":
-            assert [name for name, _ in probes] == ["probe_async"] and not by_scheduler
+        if policy == "recompute":  # sent and read by the worker's own thread, as its Release
+            assert [name for name, _ in probes] == ["probe_sent"] and not by_scheduler
+            assert not probes[0][1].startswith("tierd-")
+            assert second.worker._worker is not None
+            assert second.worker._worker.link.client._calls is None
         else:
             assert [name for name, _ in probes] == ["probe"] and by_scheduler
         assert second.worker.worker_counters.data["loaded_blocks"] == 6

@@ -18,7 +18,7 @@ pytest.importorskip("vllm", reason="needs real vLLM: run `make test-vllm`")
 
 from harness import BLOCK, Daemon, Engine, make_request, vllm_config  # noqa: E402
 
-from tierd.wire.client import TierdClient  # noqa: E402
+from tierd.wire.client import Sent, TierdClient, _FutureSent  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -65,7 +65,7 @@ def test_waiting_requests_are_looked_up_once(model_dir: str, daemon: Daemon,
     try:
         a.run([make_request(f"a{i}", p) for i, p in enumerate(stored)])
         counted_asks: list[int] = []
-        for name in ("probe", "probe_async"):  # the scheduler's Probe, and a worker's
+        for name in ("probe", "probe_sent"):  # the scheduler's Probe, and a worker's
             def counted(client: TierdClient, engine_id: str, hashes: list[bytes], *,
                         real: Any = getattr(TierdClient, name), **flags: Any) -> Any:
                 counted_asks.append(len(hashes))
@@ -189,20 +189,20 @@ def test_a_slow_daemon_never_blocks_the_scheduler(model_dir: str, daemon: Daemon
             time.sleep(SLOW)
             return real_probe(client, engine_id, hashes, **flags)
 
-        def slow_async(client: TierdClient, *args: Any, **flags: Any) -> Future[Any]:
+        def slow_sent(client: TierdClient, *args: Any) -> Sent[Any]:
             reply: Future[Any] = Future()
 
             def answer() -> None:
                 try:
-                    reply.set_result(slow(client, *args, **flags))
+                    reply.set_result(slow(client, *args))
                 except Exception as exc:  # noqa: BLE001  # handed to the waiter
                     reply.set_exception(exc)
 
             threading.Thread(target=answer, daemon=True).start()
-            return reply
+            return _FutureSent(reply)
 
         monkeypatch.setattr(TierdClient, "probe", slow)
-        monkeypatch.setattr(TierdClient, "probe_async", slow_async)
+        monkeypatch.setattr(TierdClient, "probe_sent", slow_sent)
         answers: list[tuple[Any, float]] = []
         lookup = b.connector.get_num_new_matched_tokens
 

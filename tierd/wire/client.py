@@ -29,7 +29,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -56,12 +56,15 @@ T_co = TypeVar("T_co", covariant=True)
 
 class Sent(Protocol[T_co]):
     """A call sent without waiting: ``result()`` is its answer, or raises its
-    ``grpc.RpcError`` (a ``Future`` is one); ``done()`` whether ``result()`` would return at
-    once (its reply is in)."""
+    ``grpc.RpcError``; ``done(timeout)`` whether ``result()`` would return at once (its reply
+    is in), waiting at most ``timeout`` seconds for it; ``abandon()`` gives up on an answer
+    nobody will read (a lane connection waiting for it is closed)."""
 
     def result(self) -> T_co: ...
 
-    def done(self) -> bool: ...
+    def done(self, timeout: float = 0.0) -> bool: ...
+
+    def abandon(self) -> None: ...
 
 
 class _LaneSent(Generic[T]):
@@ -73,8 +76,27 @@ class _LaneSent(Generic[T]):
     def result(self) -> T:
         return self._convert(self._call.result())
 
-    def done(self) -> bool:
-        return self._call.done()
+    def done(self, timeout: float = 0.0) -> bool:
+        return self._call.done(timeout)
+
+    def abandon(self) -> None:
+        self._call.abandon()
+
+
+class _FutureSent(Generic[T]):
+    """A call made on one of the client's call threads (``_future``), as a ``Sent``."""
+
+    def __init__(self, future: Future[T]) -> None:
+        self._future = future
+
+    def result(self) -> T:
+        return self._future.result()
+
+    def done(self, timeout: float = 0.0) -> bool:
+        return bool(wait([self._future], timeout).done)
+
+    def abandon(self) -> None:
+        pass  # its call thread reads the answer
 
 __all__ = ["AcquiredBlocks", "AsyncTierdClient", "CommitRefused", "DaemonStats", "EngineHandle",
            "Located", "ReservedSlots", "TierdClient", "target_for"]
@@ -314,16 +336,34 @@ class TierdClient:
         return self._future("Probe", _Requests.probe(engine_id, hashes, hold),
                             convert.acquired_from_pb)
 
+    def probe_sent(self, engine_id: str, hashes: Sequence[BlockHash]) -> Sent[AcquiredBlocks]:
+        """``probe`` sent now from this thread without waiting (``reserve_sent``'s way): the
+        thread that waits for the pin reads it, with no call thread woken for it; release the
+        lease it resolves to as ``acquire_async``'s (``abandon`` one not waited for does not)."""
+        return self._sent("Probe", _Requests.probe(engine_id, hashes, False),
+                          convert.acquired_from_pb)
+
+    def when_answered(self, sent: Sent[T], then: Callable[[Sent[T]], None]) -> None:
+        """Run ``then(sent)`` on one of the client's call threads (``CallThreads``): for a call
+        sent by a thread that stopped waiting for it (``then`` reads its answer, waiting for it
+        if need be)."""
+        self._submit(lambda: then(sent))
+
     def _future(self, method: str, request: Any, result: Callable[[Any], T]) -> Future[T]:
         """Send ``request`` without waiting: a future of ``result(reply)`` or of the call's
         ``grpc.RpcError``, resolved on one of the client's call threads (``CallThreads``),
         which does nothing else for it. ``ChannelClosed`` at once after ``close``."""
+        return self._submit(lambda: result(self._call(method, request)))
+
+    def _submit(self, job: Callable[[], T]) -> Future[T]:
+        """Queue ``job`` on the client's call threads (started at the first one);
+        ``ChannelClosed`` after ``close``."""
         with self._lock:
             if self._closed:
                 raise ChannelClosed(f"the channel to {self.target} was closed")
             if self._calls is None:
                 self._calls = CallThreads(CALL_THREADS, "tierd-call")
-            return self._calls.submit(lambda: result(self._call(method, request)))
+            return self._calls.submit(job)
 
     def _sent(self, method: str, request: Any, result: Callable[[Any], T]) -> Sent[T]:
         """Send ``request`` now from this thread, without waiting: its answer ``result(reply)``
@@ -332,7 +372,7 @@ class TierdClient:
         thread twice for the call. Without the lane (or a full one): ``_future``. A call that
         failed in transport on the lane raises its ``grpc.RpcError`` here or at ``result()``."""
         sent = self._on_lane(lambda lane: _LaneSent(lane.send(method, request), result))
-        return sent if sent is not None else self._future(method, request, result)
+        return sent if sent is not None else _FutureSent(self._future(method, request, result))
 
     def release(self, engine_id: str, lease_id: str, *, corrupt_from: int | None = None,
                 served: int | None = None) -> bool:
@@ -348,6 +388,11 @@ class TierdClient:
         """``release`` without waiting: a future of its result (or of its ``grpc.RpcError``)."""
         return self._future("Release", _Requests.release(engine_id, lease_id, corrupt_from),
                             lambda reply: bool(reply.dropped))
+
+    def release_sent(self, engine_id: str, lease_id: str) -> Sent[bool]:
+        """``release`` sent now from this thread without waiting (``reserve_sent``'s way)."""
+        return self._sent("Release", _Requests.release(engine_id, lease_id, None),
+                          lambda reply: bool(reply.dropped))
 
     def reserve(self, engine_id: str, hashes: Sequence[BlockHash], *,
                 filtered_query_tokens: int = 0) -> ReservedSlots:

@@ -19,6 +19,7 @@ code and details. Thread-safe.
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import socket
@@ -161,11 +162,16 @@ class LaneCall:
     def __init__(self, lane: LaneClient, conn: socket.socket, method: str) -> None:
         self._lane, self._conn, self._method = lane, conn, method
 
-    def done(self) -> bool:
-        """Whether the reply has begun to arrive (``result`` would not wait for the daemon)."""
+    def done(self, timeout: float = 0.0) -> bool:
+        """Whether the reply has begun to arrive (``result`` would not wait for the daemon),
+        waiting at most ``timeout`` seconds for it."""
         poller = select.poll()  # not select.select: an engine may hold fds past FD_SETSIZE
         poller.register(self._conn, select.POLLIN)
-        return bool(poller.poll(0))
+        return bool(poller.poll(math.ceil(max(0.0, timeout) * 1e3)))
+
+    def abandon(self) -> None:
+        """Give up on the reply: the connection is closed (the daemon's answer goes nowhere)."""
+        self._conn.close()
 
     def result(self) -> Any:
         """The reply, read now (waiting for it up to the client's timeout), or its

@@ -104,7 +104,7 @@ from .device_path import DevicePath
 from .kv_tensors import Run, SlotFormat, byte_view, runs, slot_format
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 from .outcomes import Outcomes
-from .probed import probe_run, release_later
+from .probed import Unread, probe_run, release_later
 from .sinks import DeviceLoads, LayerViews
 from .stats import Counters, TierdConnectorStats
 from .streaming import StreamedLoad, Streams
@@ -209,6 +209,7 @@ class WorkerSide:
         self._begun: int | None = None  # the step ``begin`` took (``meta.step``), until it ends
         self._commits = Committer(self.link, self._counters, self.format.slot_bytes, tp_size,
                                   clock)
+        self._unread = Unread(self.link.timeout_seconds)  # probed loads' Releases
         self._device = DevicePath(self.format, kv_bytes,
                                   kv_bytes[0].is_cuda if device_path is None else device_path)
         self._streaming = _Streaming(self._host.with_threads(1))  # the forward pass keeps the rest
@@ -234,6 +235,7 @@ class WorkerSide:
         if meta.verdict is not None and self._commits.verdict(*meta.verdict):
             self._commits.harvest(wait=True)  # before this step's Reserve of the blocks left out
         self._commits.send()  # while vLLM's scheduler waits for this step
+        self._unread.reap()
         if any(not spec.stream for spec in meta.loads):
             return
         if meta.saves and not self._save.tried:  # its answer comes during the forward pass
@@ -312,7 +314,8 @@ class WorkerSide:
             got = probe_run(self.link, session, hashes, self._clock)
             if got is None:
                 return 0
-            lease, release = got, release_later(session, self._release_for(session))
+            lease, release = got, release_later(session, self._release_for(session),
+                                                self._unread)
         else:
             try:
                 lease = acquire(session.client, session.engine_id, hashes, clock=self._clock)
@@ -576,6 +579,7 @@ class WorkerSide:
         if self._streaming.streams is not None:
             self._streaming.streams.close()
         self._commits.close()
+        self._unread.close()
         self._device.close()
         self.link.close()
 
