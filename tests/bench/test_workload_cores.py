@@ -27,7 +27,7 @@ import os, sys, threading, time
 if len(sys.argv) > 1:
     os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(",")})
 threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
-print("up", flush=True)
+os.write(1, b"up\\n")  # one write: two children's lines never interleave
 time.sleep(60)
 """
 

@@ -247,6 +247,7 @@ class Engine:
         report reaches the scheduler's connector, as vLLM's executor hands it over."""
         outputs = []
         for w in self.workers:
+            w.handle_preemptions(out.kv_connector_metadata)
             w.bind_connector_metadata(out.kv_connector_metadata)
             w.start_load_kv(None)
             w.wait_for_save()
@@ -316,9 +317,10 @@ class Engine:
 
     def _forward(self, out: Any) -> ModelRunnerOutput:
         """Run one scheduled step through every rank's worker connector in vLLM's model-runner
-        order (bind, start_load_kv, per-layer save_kv_layer, wait_for_save, reports, clear) and
-        merge the ranks' outputs with vLLM's KVOutputAggregator."""
+        order (handle_preemptions, bind, start_load_kv, per-layer save_kv_layer, wait_for_save,
+        reports, clear) and merge the ranks' outputs with vLLM's KVOutputAggregator."""
         for w in self.workers:
+            w.handle_preemptions(out.kv_connector_metadata)
             w.bind_connector_metadata(out.kv_connector_metadata)
             w.start_load_kv(None)
         spans = [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs]

@@ -214,7 +214,8 @@ def test_a_hit_in_dram_is_answered_from_the_filter_and_pinned_by_the_worker(
     """B asks for the 6 blocks A stored: vLLM's first ask is answered with the hit, and the
     request loads the 6 blocks and samples A's tokens; the lease is released after the load.
     With "recompute" the hit is answered from the presence filter (it reads the blocks as in
-    DRAM): the one Probe of the request is the worker's, not the scheduler's. With "fail" (a
+    DRAM): the one Probe of the request is the worker's, not the scheduler's, sent at
+    ``handle_preemptions`` (before vLLM prepares the step and binds its metadata). With "fail" (a
     failed load would fail the request) the scheduler pins the hit by its own Probe first."""
     from tierd.wire.client import TierdClient
 
@@ -230,6 +231,9 @@ def test_a_hit_in_dram_is_answered_from_the_filter_and_pinned_by_the_worker(
                 return real(client, *args, **flags)
 
             monkeypatch.setattr(TierdClient, name, spy)
+        bind = second.worker.bind_connector_metadata
+        monkeypatch.setattr(second.worker, "bind_connector_metadata", lambda meta: (
+            probes.append(("bind", "")) if meta.loads else None, bind(meta))[1])
         answers: list[Any] = []
         lookup = second.connector.get_num_new_matched_tokens
 
@@ -241,13 +245,13 @@ def test_a_hit_in_dram_is_answered_from_the_filter_and_pinned_by_the_worker(
         assert second.run([make_request("b", PROMPT)])["b"] == want
         assert answers[0] == (6 * BLOCK, False) and not second.invalid_reported
         by_scheduler = probes[0][1].startswith("tierd-scheduler")
-        if policy == "recompute":  # sent and read by the worker's own thread, as its Release
-            assert [name for name, _ in probes] == ["probe_sent"] and not by_scheduler
+        if policy == "recompute":  # sent at the step's first hook by the worker's own thread
+            assert [name for name, _ in probes] == ["probe_sent", "bind"] and not by_scheduler
             assert not probes[0][1].startswith("tierd-")
             assert second.worker._worker is not None
             assert second.worker._worker.link.client._calls is None
         else:
-            assert [name for name, _ in probes] == ["probe"] and by_scheduler
+            assert [name for name, _ in probes] == ["probe", "bind"] and by_scheduler
         assert second.worker.worker_counters.data["loaded_blocks"] == 6
         deadline = time.monotonic() + 10.0  # the release goes out without waiting
         while daemon.pinned_blocks() and time.monotonic() < deadline:

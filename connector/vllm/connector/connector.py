@@ -202,13 +202,21 @@ class TierdConnector(KVConnectorBase_V1):
                          "pins under the latter, so loads will miss", self._worker.link.layout,
                          looked_up)
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Worker: the step's first hook, before vLLM prepares its inputs: send what the step
+        will wait for (the Probes of its probed loads, the Reserve of its saves where no
+        synchronous load comes first) and the last steps' Commits (``WorkerSide.begin``), so
+        the daemon answers meanwhile. Saves never outlive their step, so preempted requests
+        hold nothing here."""
+        if self._worker is not None and isinstance(kv_connector_metadata, TierdConnectorMetadata):
+            self._worker.begin(kv_connector_metadata)
+
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
-        """Worker: take this step's metadata before its forward pass; send the Reserve of its
-        saves now where no synchronous load comes first (``WorkerSide.begin``: vLLM calls
-        ``start_load_kv`` after the forward pass on such a step)."""
+        """Worker: take this step's metadata right before its forward pass (``begin`` if
+        ``handle_preemptions`` did not; ``WorkerSide.bound``)."""
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, TierdConnectorMetadata):
-            self._worker.begin(connector_metadata)
+            self._worker.bound(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Worker: load this step's planned blocks. On CPU synchronous (returns when they are

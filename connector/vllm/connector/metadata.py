@@ -49,6 +49,12 @@ class LoadSpec:
     pinned: list[PinnedRun] = field(default_factory=list)
     probe: bool = False
 
+    def pin_of(self, rank: int, arena: str) -> PinnedRun | None:
+        """Rank ``rank``'s part of the scheduler's pin where it lies in ``arena`` (one made in
+        another arena, before the daemon restarted, is not usable)."""
+        pinned = self.pinned[rank] if rank < len(self.pinned) else None
+        return pinned if pinned is not None and pinned.arena == arena else None
+
 
 @dataclass(frozen=True, slots=True)
 class SaveSpec:

@@ -1,9 +1,11 @@
 """A worker's load of a hit the scheduler answered from the presence filter (``LoadSpec.probe``):
-no pin came with it, so the worker pins the blocks itself by one Probe just before its copy
-(``probe_run``) and releases them without waiting (``release_later``). Both calls are sent from
-the worker's own thread (``TierdClient.probe_sent``, ``release_sent``): the Probe's answer is
-read by the thread that waits for it, and the Release's at the worker's next step (``Unread``),
-so no call thread wakes on the forward pass's core for them."""
+no pin came with it, so the worker pins the blocks itself by one Probe (``Probes``) and releases
+them after its copy without waiting (``release_later``). The Probe goes out at the step's first
+hook (vLLM's ``handle_preemptions``, before it prepares the step's inputs), so the daemon answers
+while vLLM does that work, and is waited for at the load. Both calls are sent from the worker's
+own thread (``TierdClient.probe_sent``, ``release_sent``): the Probe's answer is read by the
+thread that waits for it, and the Release's at the worker's next step (``Unread``), so no call
+thread wakes on the forward pass's core for them."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -27,24 +30,64 @@ PROBE_WAIT_SECONDS = 0.05
 (one round trip, usually a millisecond or two) before it gives up and vLLM recomputes."""
 
 
-def probe_run(link: DaemonLink, session: Session, hashes: list[BlockHash],
-              clock: Callable[[], float]) -> Lease | None:
-    """Pin the leading DRAM run of ``hashes`` (a Probe: the daemon counts the request's
-    lookup; nothing is read from disk); None if the daemon failed or did not answer within
-    ``PROBE_WAIT_SECONDS`` (the forward pass waits no longer: vLLM recomputes the blocks; a
-    late answer's lease is released when it comes, on one of the client's call threads)."""
-    asked = clock()
-    try:
-        pending = session.client.probe_sent(session.engine_id, hashes)
-        if not pending.done(PROBE_WAIT_SECONDS):
-            _log.warning("tierd: the daemon did not answer a load's Probe within %.0f ms; vLLM "
-                         "recomputes its %d blocks", PROBE_WAIT_SECONDS * 1e3, len(hashes))
-            session.client.when_answered(pending, _release_late(session))
+@dataclass(frozen=True, slots=True)
+class _Probing:
+    """A Probe sent, its answer not read yet."""
+
+    session: Session
+    pending: Sent[AcquiredBlocks]
+    asked: float                        # clock time it was sent (its lease runs from here)
+
+
+class Probes:
+    """The Probes of a step's probed loads: sent ahead (``send``) and taken at the load
+    (``lease``). Engine thread only."""
+
+    def __init__(self, link: DaemonLink, clock: Callable[[], float]) -> None:
+        self._link, self._clock = link, clock
+        self._sent: dict[str, _Probing] = {}
+
+    def send(self, session: Session, req_id: str, hashes: list[BlockHash]) -> None:
+        """Send the Probe of ``req_id``'s load now (a failed send leaves it to ``lease``)."""
+        asked = self._clock()
+        try:
+            self._sent[req_id] = _Probing(session, session.client.probe_sent(
+                session.engine_id, hashes), asked)
+        except grpc.RpcError as exc:
+            self._link.failed(exc, session)
+
+    def lease(self, session: Session, req_id: str, hashes: list[BlockHash]) -> Lease | None:
+        """Pin the leading DRAM run of ``hashes`` by the Probe sent for ``req_id`` (one sent
+        now if none was, or one of another session): the daemon counts the request's lookup;
+        nothing is read from disk. None if the daemon failed or did not answer within
+        ``PROBE_WAIT_SECONDS`` (the forward pass waits no longer: vLLM recomputes the blocks;
+        a late answer's lease is released when it comes, on one of the client's call
+        threads)."""
+        probing = self._sent.pop(req_id, None)
+        if probing is not None and probing.session is not session:
+            _drop(probing)
+            probing = None
+        if probing is None:
+            self.send(session, req_id, hashes)
+            probing = self._sent.pop(req_id, None)
+            if probing is None:
+                return None
+        try:
+            if probing.pending.done(PROBE_WAIT_SECONDS):
+                return Lease.of(session.engine_id, probing.pending.result(), probing.asked)
+        except grpc.RpcError as exc:
+            self._link.failed(exc, session)
             return None
-        return Lease.of(session.engine_id, pending.result(), asked)
-    except grpc.RpcError as exc:
-        link.failed(exc, session)
-    return None
+        _log.warning("tierd: the daemon did not answer a load's Probe within %.0f ms; vLLM "
+                     "recomputes its %d blocks", PROBE_WAIT_SECONDS * 1e3, len(hashes))
+        _drop(probing)
+        return None
+
+    def drop_all(self) -> None:
+        """Give up on the Probes no load took (their leases released when they come)."""
+        for probing in self._sent.values():
+            _drop(probing)
+        self._sent = {}
 
 
 class Unread:
@@ -98,11 +141,13 @@ def release_later(session: Session, now: Release, unread: Unread) -> Release:
     return later
 
 
-def _release_late(session: Session) -> Callable[[Sent[AcquiredBlocks]], None]:
-    """Release the lease of a Probe answered after its load gave up on it (on a call thread)."""
+def _drop(probing: _Probing) -> None:
+    """Release the lease of a Probe whose load gave up on it once it is answered (on one of
+    the client's call threads)."""
     def release(pending: Sent[AcquiredBlocks]) -> None:
         with contextlib.suppress(grpc.RpcError):  # failed, or the lease ends at its deadline
             reply = pending.result()
             if reply.num_blocks:
-                session.client.release(session.engine_id, reply.lease_id)
-    return release
+                probing.session.client.release(probing.session.engine_id, reply.lease_id)
+    with contextlib.suppress(grpc.RpcError):  # the channel closed: it ends at its deadline
+        probing.session.client.when_answered(probing.pending, release)

@@ -1,8 +1,9 @@
 """The worker half of the vLLM adapter: loads before the forward pass, saves during and after it.
 
-Per step, with the metadata the scheduler half built (``begin``, vLLM's
-``bind_connector_metadata``, takes it before the forward pass; vLLM calls ``start_load_kv``
-before the forward pass only on a step with a synchronous load, after it otherwise):
+Per step, with the metadata the scheduler half built (``begin`` takes it at vLLM's
+``handle_preemptions``, before vLLM prepares the step's inputs, and sends what the step will
+wait for; vLLM calls ``start_load_kv`` before the forward pass only on a step with a
+synchronous load, after it otherwise):
 
 * ``load`` (vLLM's ``start_load_kv``): per request, ``core.load.load_leased`` under this rank's
   part of the scheduler's pin (``PinnedRun``: slot ids, checksums and deadline came in the
@@ -13,8 +14,9 @@ before the forward pass only on a step with a synchronous load, after it otherwi
   threads). A pin made in another arena than the one this worker maps (the daemon restarted
   since) is not used: the worker Acquires the blocks itself and releases them after the copy.
   A hit the scheduler answered from the presence filter (``LoadSpec.probe``) carries no pin:
-  the worker Probes it (its leading DRAM run pinned, no disk read), waiting at most
-  ``probed.PROBE_WAIT_SECONDS``, copies it under that lease and releases it without waiting.
+  its Probe (the leading DRAM run pinned, no disk read) goes out at ``begin``; the load waits
+  for it at most ``probed.PROBE_WAIT_SECONDS``, copies under that lease and releases it
+  without waiting.
   Without the native helper (no C compiler), or with layers not in one buffer: verify every
   slot, then one strided copy per run of verified blocks, all layers at once. Synchronous: the
   forward pass that reads them starts after it returns.
@@ -29,15 +31,12 @@ before the forward pass only on a step with a synchronous load, after it otherwi
   received and its failed blocks as load errors of that same step.
 * saves: the Reserve of the blocks the step completes goes out without waiting, before the
   forward pass (the daemon answers during it): at ``begin`` on a step with no synchronous load,
-  at the end of ``load`` on one with (after its loads, which can poison a request's saves). It
-  is sent from this thread and its answer read here when the slots are needed
-  (``TierdClient.reserve_sent``): no helper thread has to run on the forward pass's core, where
-  it would wait for the forward pass and the answer with it;
-  ``save_layer`` (vLLM's ``save_kv_layer``) marks each layer as handed over (on CUDA its K/V is
-  gathered then, so the first layer waits for the answer). Host KV is copied into the reserved
-  slots at ``finish_save``, every layer at once (one native call, ``LayerViews.store``): the
-  forward pass is synchronous there, so a copy per layer would only add a call per layer and
-  run of blocks.
+  at the end of ``load`` on one with (after its loads, which can poison a request's saves),
+  sent and its answer read by this thread (``TierdClient.reserve_sent``: no helper thread runs
+  on the forward pass's core); ``save_layer`` (vLLM's ``save_kv_layer``) marks each layer as
+  handed over (on CUDA its K/V is gathered then, so the first layer waits for the answer).
+  Host KV is copied into the reserved slots at ``finish_save``, every layer at once (one
+  native call, ``LayerViews.store``): the forward pass is synchronous there.
   Saves of a request whose load failed, or that sit on a block whose load failed
   (``SaveSpec.depends_on``; failed blocks are kept until the scheduler has seen them), are
   dropped, and that request's saves stay dropped until the scheduler names it in
@@ -56,18 +55,17 @@ before the forward pass only on a step with a synchronous load, after it otherwi
   ``lapsed_blocks`` (``commits``).
 
 On CUDA (vLLM's KV tensors on a GPU) the copies go through ``cuda_copy.DeviceTransfer`` over
-the arena, registered as pinned memory at attach (``device_path.DevicePath``): a load is queued on
-a side stream after the
-checksums and ``start_load_kv`` returns; ``wait_layer`` (``wait_for_layer_load``) makes the
-forward pass's stream wait for each layer; at ``finish_save`` (or ``take_load_errors``,
-whichever vLLM calls first), once the DMAs have read the slots, the worker's own leases are
-released, and a lease found expired then makes its blocks load errors and drops the step's
-saves. A save
-gathers each layer on the device; ``finish_save`` queues the D2H copies, and the Commit goes
-out once they have landed (at a later step's ``begin``, or from the committer thread), so neither
-the host nor the next step waits for the write-through.
+the arena, registered as pinned memory at attach (``device_path.DevicePath``): a load is queued
+on a side stream after the checksums and ``start_load_kv`` returns; ``wait_layer``
+(``wait_for_layer_load``) makes the forward pass's stream wait for each layer; at
+``finish_save`` (or ``take_load_errors``, whichever vLLM calls first), once the DMAs have read
+the slots, the worker's own leases are released, and a lease found expired then makes its
+blocks load errors and drops the step's saves. A save gathers each layer on the device;
+``finish_save`` queues the D2H copies, and the Commit goes out once they have landed (at a
+later step's ``begin``, or from the committer thread): neither the host nor the next step waits.
 
-The forward pass (from where the Reserve goes out to ``finish_save``) is timed when it prefills
+The forward pass (from ``bind_connector_metadata``, or the end of the step's synchronous loads,
+to ``finish_save``) is timed when it prefills
 at least 256 tokens (the metadata's ``prefill_tokens``; on CUDA with device events): the
 engine's measured prefill speed goes to the daemon (``ReportHotBlocks``) at the first such
 step and then every 10 s, so the daemon counts the cache's savings at it
@@ -93,78 +91,22 @@ from tierd.connector.core.lease import Lease, Release, acquire, releaser
 from tierd.connector.core.link import DaemonLink, Session
 from tierd.connector.core.load import Sink, load_leased, start_load
 from tierd.connector.core.prefill_speed import DeviceEvent, PrefillSpeed
-from tierd.connector.core.save import Reservation, abort, reservation_of
+from tierd.connector.core.save import abort, reservation_of
 from tierd.types import BlockHash
-from tierd.wire.client import Sent
-from tierd.wire.replies import ReservedSlots
 
 from ..config import TierdVllmConfig
 from .commits import Committer
 from .device_path import DevicePath
-from .kv_tensors import Run, SlotFormat, byte_view, runs, slot_format
+from .kv_tensors import SlotFormat, byte_view, runs, slot_format
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 from .outcomes import Outcomes
-from .probed import Unread, probe_run, release_later
-from .sinks import DeviceLoads, LayerViews
+from .probed import Probes, Unread, release_later
+from .sinks import LayerViews
 from .stats import Counters, TierdConnectorStats
+from .step_save import Asked, PendingSave, StepSave
 from .streaming import StreamedLoad, Streams
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _PendingSave:
-    """One step's reservation while the layers are being copied into it."""
-
-    reservation: Reservation
-    targets: list[tuple[int, int]]      # (index in the reservation, slot byte offset)
-    block_runs: list[Run]
-    owners: list[str]                   # per target, the request it belongs to
-    renew_at: float                     # half its lease gone: re-offered at ``finish_save``
-    counts: list[tuple[str, int]]       # what reserving it counted (undone if re-offered)
-    device: DeviceLoads | None = None   # CUDA: its transfer holds the open save
-
-    def written(self) -> list[bool]:
-        """The Commit's written flags: True where a slot was reserved (and every layer copied
-        into it); the daemon checksums those slots itself."""
-        out = [False] * len(self.reservation.slot_ids)
-        for index, _ in self.targets:
-            out[index] = True
-        return out
-
-    def owner_of_each(self) -> list[str]:
-        """Per reserved block, the request it belongs to ("" for one without a slot)."""
-        out = [""] * len(self.reservation.slot_ids)
-        for (index, _), req_id in zip(self.targets, self.owners):
-            out[index] = req_id
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class _Asked:
-    """A step's Reserve in flight, and what its answer is for."""
-
-    session: Session
-    reply: Sent[ReservedSlots]
-    asked: float                        # clock time it was sent (its lease runs from here)
-    block_ids: list[int]                # vLLM block of each hash asked for
-    owners: list[str]                   # per hash asked for, the request it belongs to
-    counts: list[tuple[str, int]]       # what the save counted so far
-
-
-@dataclass(slots=True)
-class _StepSave:
-    """This step's save: ``tried`` once its saves were taken and their Reserve sent (``asked``
-    until answered, then ``pending``: None if it failed or nothing is to be written);
-    ``layers``: those handed over by ``save_layer``; ``lease_lost``: the step's saves are
-    dropped."""
-
-    tried: bool = False
-    asked: _Asked | None = None
-    pending: _PendingSave | None = None
-    layers: set[int] = field(default_factory=set)
-    lease_lost: bool = False            # a lease of this step's (CUDA) loads ran out
-    saves: list[SaveSpec] = field(default_factory=list)  # the step's accepted saves
 
 
 @dataclass(slots=True)
@@ -205,11 +147,12 @@ class WorkerSide:
         self.link.connect()
         self._counters = Counters()
         self._outcomes = Outcomes(self._counters, self.format.slot_bytes, tp_size)
-        self._save = _StepSave()
+        self._save = StepSave()
         self._begun: int | None = None  # the step ``begin`` took (``meta.step``), until it ends
         self._commits = Committer(self.link, self._counters, self.format.slot_bytes, tp_size,
                                   clock)
         self._unread = Unread(self.link.timeout_seconds)  # probed loads' Releases
+        self._probes = Probes(self.link, clock)
         self._device = DevicePath(self.format, kv_bytes,
                                   kv_bytes[0].is_cuda if device_path is None else device_path)
         self._streaming = _Streaming(self._host.with_threads(1))  # the forward pass keeps the rest
@@ -224,30 +167,44 @@ class WorkerSide:
     # -- loads -------------------------------------------------------------------------------
 
     def begin(self, meta: TierdConnectorMetadata) -> None:
-        """vLLM's ``bind_connector_metadata``, before every step's forward pass: take the
-        step's metadata (accept saves of requests vLLM is recomputing; commit the held saves
-        the scheduler's verdict names). A step with no synchronous load sends the Reserve of
-        its saves now and starts the prefill timer: vLLM calls ``start_load_kv`` after the
-        forward pass on such a step. A step with one does both in ``load``, after its loads
-        (a load that fails poisons its request's saves)."""
+        """The step's first hook (vLLM's ``handle_preemptions``, before it prepares the step's
+        inputs; else ``bind_connector_metadata``); once per step: take the step's metadata
+        (accept saves of requests vLLM is recomputing; commit the held saves the scheduler's
+        verdict names), send the Commits handed over since the last step and the Probes of
+        the step's probed loads. A step with no synchronous load sends the Reserve of its
+        saves now (vLLM calls ``start_load_kv`` after the forward pass on such a step); one
+        with a synchronous load does it in ``load``, after its loads (a load that fails
+        poisons its request's saves)."""
+        if self._begun == meta.step:
+            return
         self._begun = meta.step
         self._outcomes.begin_step(meta)
         if meta.verdict is not None and self._commits.verdict(*meta.verdict):
             self._commits.harvest(wait=True)  # before this step's Reserve of the blocks left out
         self._commits.send()  # while vLLM's scheduler waits for this step
         self._unread.reap()
+        session = self.link.session
+        for spec in meta.loads:
+            if (spec.probe and not spec.stream and spec.block_ids and session is not None
+                    and spec.pin_of(self._rank, session.engine.arena_name) is None):
+                self._probes.send(session, spec.req_id, [BlockHash(h) for h in spec.block_hashes])
         if any(not spec.stream for spec in meta.loads):
             return
         if meta.saves and not self._save.tried:  # its answer comes during the forward pass
             self._begin_save(meta.saves)
-        self._speed.begin(meta.prefill_tokens)
+
+    def bound(self, meta: TierdConnectorMetadata) -> None:
+        """vLLM's ``bind_connector_metadata``, right before the forward pass: ``begin`` if no
+        hook did; on a step with no synchronous load, start the prefill timer."""
+        self.begin(meta)
+        if all(spec.stream for spec in meta.loads):
+            self._speed.begin(meta.prefill_tokens)
 
     def load(self, meta: TierdConnectorMetadata) -> None:
         """vLLM's ``start_load_kv``: fill every planned block or report it (see the module
         doc); blocks until done. On a step with synchronous loads (before the forward pass),
         then send the Reserve of its saves and start the prefill timer."""
-        if self._begun != meta.step:  # vLLM binds every step's metadata first; a caller may not
-            self.begin(meta)
+        self.begin(meta)  # vLLM binds every step's metadata first; a caller may not
         sync = False
         for spec in meta.loads:
             if spec.stream:
@@ -255,6 +212,7 @@ class WorkerSide:
             else:
                 sync = True
                 self._outcomes.loaded(spec.req_id, spec.block_ids, self._load_one(spec))
+        self._probes.drop_all()
         if not sync:
             return
         if meta.saves and not self._save.tried:  # its answer comes during the forward pass
@@ -304,14 +262,14 @@ class WorkerSide:
             return 0
         session = self.link.session
         assert session is not None and session.slots is not None
-        pinned = spec.pinned[self._rank] if self._rank < len(spec.pinned) else None
+        pinned = spec.pin_of(self._rank, session.engine.arena_name)
         release: Release = _kept
         hashes = [BlockHash(h) for h in spec.block_hashes]
-        if pinned is not None and pinned.arena == session.engine.arena_name:
+        if pinned is not None:
             lease = Lease(session.engine_id, "", pinned.slot_ids, pinned.checksums,
                           pinned.deadline)
         elif spec.probe:
-            got = probe_run(self.link, session, hashes, self._clock)
+            got = self._probes.lease(session, spec.req_id, hashes)
             if got is None:
                 return 0
             lease, release = got, release_later(session, self._release_for(session),
@@ -406,7 +364,7 @@ class WorkerSide:
         step.saves = self._outcomes.accepted(saves)
         step.asked = self._ask(step.saves)
 
-    def _pending(self) -> _PendingSave | None:
+    def _pending(self) -> PendingSave | None:
         """This step's reservation, waiting for the Reserve's answer if it is still in flight."""
         step = self._save
         if step.asked is not None:
@@ -414,12 +372,12 @@ class WorkerSide:
             step.pending = self._settle(asked)
         return step.pending
 
-    def _reserve(self, saves: list[SaveSpec]) -> _PendingSave | None:
+    def _reserve(self, saves: list[SaveSpec]) -> PendingSave | None:
         """Reserve slots for the accepted ``saves`` and wait for them (``_ask``, ``_settle``)."""
         asked = self._ask(saves)
         return None if asked is None else self._settle(asked)
 
-    def _ask(self, saves: list[SaveSpec]) -> _Asked | None:
+    def _ask(self, saves: list[SaveSpec]) -> Asked | None:
         """Send the Reserve of the accepted ``saves``' blocks (cut to the daemon's
         ``max_blocks_per_request``) without waiting. None if there is nothing to ask or no
         daemon (the blocks counted as dropped)."""
@@ -443,9 +401,9 @@ class WorkerSide:
             self.link.failed(exc, session)
             self._count(counts, "dropped_blocks", len(hashes))
             return None
-        return _Asked(session, reply, asked, block_ids[:len(hashes)], owners, counts)
+        return Asked(session, reply, asked, block_ids[:len(hashes)], owners, counts)
 
-    def _settle(self, asked: _Asked) -> _PendingSave | None:
+    def _settle(self, asked: Asked) -> PendingSave | None:
         """Wait for ``asked``'s answer and lay out its copy: the reserved slots' offsets, the
         runs of vLLM blocks to copy; on CUDA open the device save. None if the Reserve failed
         or its session was dropped since (the blocks counted as dropped)."""
@@ -470,7 +428,7 @@ class WorkerSide:
             kept = device.transfer.open_save(block_runs)
             self._count(counts, "dropped_blocks", len(targets) - kept)
             targets = targets[:kept]
-        return _PendingSave(reservation, targets, block_runs,
+        return PendingSave(reservation, targets, block_runs,
                             [asked.owners[i] for i, _ in targets],
                             asked.asked + reservation.seconds_left / 2, counts, device=device)
 
@@ -480,7 +438,7 @@ class WorkerSide:
         self._counters.count(name, amount)
         counts.append((name, amount))
 
-    def _reoffer(self, old: _PendingSave, saves: list[SaveSpec]) -> _PendingSave | None:
+    def _reoffer(self, old: PendingSave, saves: list[SaveSpec]) -> PendingSave | None:
         """The step outlasted half of its write lease, so its Commit might land after the lease
         ended and store nothing: abort that reservation, reserve anew and take every layer again
         from vLLM's blocks (they hold this step's KV until the step ends). The old reservation's
@@ -516,7 +474,7 @@ class WorkerSide:
         lease_lost = self._finish_loads() or self._save.lease_lost
         self._commits.harvest()
         pending = self._pending()
-        step, self._save = self._save, _StepSave()
+        step, self._save = self._save, StepSave()
         complete = len(step.layers) == len(self.format.layer_names)
         if (pending is not None and not lease_lost and self._clock() >= pending.renew_at
                 and complete):
@@ -579,6 +537,7 @@ class WorkerSide:
         if self._streaming.streams is not None:
             self._streaming.streams.close()
         self._commits.close()
+        self._probes.drop_all()
         self._unread.close()
         self._device.close()
         self.link.close()

@@ -10,8 +10,8 @@ innermost) of one shared buffer, in several physical orders. Requests carry vLLM
 
     scheduler: get_num_new_matched_tokens -> (allocate) -> update_state_after_alloc
                -> build_connector_meta
-    worker:    bind_connector_metadata -> start_load_kv (only where the step has a
-               synchronous load: vLLM's ``has_sync_kv_loads``) -> per layer:
+    worker:    handle_preemptions -> bind_connector_metadata -> start_load_kv (only where
+               the step has a synchronous load: vLLM's ``has_sync_kv_loads``) -> per layer:
                wait_for_layer_load, (attention writes the layer), save_kv_layer
                -> start_load_kv (where it has none) -> wait_for_save -> get_finished
                -> get_block_ids_with_load_errors -> get_kv_connector_stats
@@ -223,6 +223,7 @@ class FakeVllm:
         finished, self.finished = self.finished, set()
         sync = any(not spec.stream for spec in meta.loads)  # vLLM's has_sync_kv_loads
         for rank, (worker, kv) in enumerate(zip(self.workers, self.kv)):
+            worker.handle_preemptions(meta)
             worker.bind_connector_metadata(meta)
             if sync:
                 worker.start_load_kv(None)

@@ -1,11 +1,18 @@
-"""``probed.Unread``: the answers of Releases sent without waiting are read at the worker's next
-step once in, and one the daemon never answers is given up on after the timeout."""
+"""``probed``: Probes sent ahead of their loads, and the answers of Releases sent without
+waiting, read at the worker's next step once in (one the daemon never answers is given up on
+after the timeout)."""
 
 from __future__ import annotations
 
-import grpc
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
 
-from tierd.connector.vllm.connector.probed import Unread
+import grpc
+from fake_vllm import FakeRequest, prompt, usage
+
+from tierd.connector.vllm.connector.probed import Probes, Unread
 from tierd.wire.call_error import CallError
 
 
@@ -48,3 +55,34 @@ def test_answers_are_read_once_in_and_the_unanswered_abandoned_after_the_timeout
     unread.add(late)  # type: ignore[arg-type]
     unread.close()
     assert late.abandoned and not late.read and len(unread) == 0
+
+
+def test_probes_no_load_took_are_released_once_answered(sock: str, engines: Any) -> None:
+    """A Probe sent ahead of its load pins the stored run; one whose load never came (given up
+    on by ``drop_all``) has its lease released once its answer is in, by a call thread; one
+    sent under another session is not used (a fresh one is sent)."""
+    a, b = engines(0), engines(20)
+    request = FakeRequest("a", prompt(100))
+    a.prefill(request)
+    hashes = request.block_hashes[:6]
+    worker = b.workers[0]._worker
+    session = worker.link.session
+    probes = Probes(worker.link, time.monotonic)
+    probes.send(session, "x", hashes)
+    _until(lambda: usage(sock) == (6, 6))
+    probes.drop_all()
+    _until(lambda: usage(sock) == (6, 0))
+    probes.send(session, "y", hashes)
+    elsewhere = dataclasses.replace(session)  # as if the link reconnected meanwhile
+    lease = probes.lease(elsewhere, "y", hashes)
+    assert lease is not None and lease.num_blocks == 6
+    _until(lambda: usage(sock) == (6, 6))  # the new lease; the first one's released
+    elsewhere.client.release(lease.engine_id, lease.lease_id)
+    _until(lambda: usage(sock) == (6, 0))
+
+
+def _until(check: Callable[[], bool], seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "never came"
+        time.sleep(0.01)

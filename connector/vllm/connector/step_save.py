@@ -1,0 +1,72 @@
+"""One step's save in a vLLM worker, as ``worker.WorkerSide`` carries it from the Reserve sent
+before the forward pass to the Commit handed over at ``wait_for_save``: ``Asked`` (the Reserve
+in flight), ``PendingSave`` (its answer, laid out for the copy) and ``StepSave`` (the step's
+whole save state)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tierd.connector.core.link import Session
+from tierd.connector.core.save import Reservation
+from tierd.wire.client import Sent
+from tierd.wire.replies import ReservedSlots
+
+from .kv_tensors import Run
+from .metadata import SaveSpec
+from .sinks import DeviceLoads
+
+
+@dataclass(slots=True)
+class PendingSave:
+    """One step's reservation while the layers are being copied into it."""
+
+    reservation: Reservation
+    targets: list[tuple[int, int]]      # (index in the reservation, slot byte offset)
+    block_runs: list[Run]
+    owners: list[str]                   # per target, the request it belongs to
+    renew_at: float                     # half its lease gone: re-offered at ``finish_save``
+    counts: list[tuple[str, int]]       # what reserving it counted (undone if re-offered)
+    device: DeviceLoads | None = None   # CUDA: its transfer holds the open save
+
+    def written(self) -> list[bool]:
+        """The Commit's written flags: True where a slot was reserved (and every layer copied
+        into it); the daemon checksums those slots itself."""
+        out = [False] * len(self.reservation.slot_ids)
+        for index, _ in self.targets:
+            out[index] = True
+        return out
+
+    def owner_of_each(self) -> list[str]:
+        """Per reserved block, the request it belongs to ("" for one without a slot)."""
+        out = [""] * len(self.reservation.slot_ids)
+        for (index, _), req_id in zip(self.targets, self.owners):
+            out[index] = req_id
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """A step's Reserve in flight, and what its answer is for."""
+
+    session: Session
+    reply: Sent[ReservedSlots]
+    asked: float                        # clock time it was sent (its lease runs from here)
+    block_ids: list[int]                # vLLM block of each hash asked for
+    owners: list[str]                   # per hash asked for, the request it belongs to
+    counts: list[tuple[str, int]]       # what the save counted so far
+
+
+@dataclass(slots=True)
+class StepSave:
+    """This step's save: ``tried`` once its saves were taken and their Reserve sent (``asked``
+    until answered, then ``pending``: None if it failed or nothing is to be written);
+    ``layers``: those handed over by ``save_layer``; ``lease_lost``: the step's saves are
+    dropped."""
+
+    tried: bool = False
+    asked: Asked | None = None
+    pending: PendingSave | None = None
+    layers: set[int] = field(default_factory=set)
+    lease_lost: bool = False            # a lease of this step's (CUDA) loads ran out
+    saves: list[SaveSpec] = field(default_factory=list)  # the step's accepted saves
