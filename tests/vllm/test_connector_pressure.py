@@ -172,8 +172,10 @@ def test_a_slow_daemon_never_blocks_the_scheduler(model_dir: str, daemon: Daemon
     waits, then the hit (6 blocks), which loads. A hit answered from the presence filter: the
     first ask answers it at once; the worker's Probe is not answered within
     ``probed.PROBE_WAIT_SECONDS``, so the forward pass waits no longer and vLLM recomputes
-    the blocks; the late Probe's lease is released when it comes; and for a while after, a new
-    hit is pinned by a lookup first (answered None while that lookup waits), and loads."""
+    the blocks; the late Probe's lease is released when it comes. One such failure changes
+    nothing (the next hit is answered from the filter, and fails too); after the second, a new
+    hit is pinned by a lookup first for a while (answered None while that lookup waits), and
+    loads."""
     a = Engine.start(vllm_config(model_dir, daemon.socket_path))
     b = Engine.start(vllm_config(model_dir, daemon.socket_path,
                                  extra={"answer_from_filter": from_filter}))
@@ -181,6 +183,7 @@ def test_a_slow_daemon_never_blocks_the_scheduler(model_dir: str, daemon: Daemon
     try:
         want = a.run([make_request("a", stored)])["a"]
         later = a.run([make_request("a2", prompt(8))])["a2"]
+        again = a.run([make_request("a3", prompt(9))])["a3"]
         real_probe = TierdClient.probe
         counted_asks: list[int] = []
 
@@ -232,14 +235,18 @@ def test_a_slow_daemon_never_blocks_the_scheduler(model_dir: str, daemon: Daemon
             assert said[:-1] == [(None, False)] * (len(said) - 1) and len(said) > 10
             assert b.worker.worker_counters.data["loaded_blocks"] == 6
             assert counted_asks == [6]
-        else:
+        else:  # one failed load changes nothing; a second of the last 20 backs off
             assert said[0] == (6 * BLOCK, False) and b.invalid_reported
             assert b.worker.worker_counters.data["loaded_blocks"] == 0 and counted_asks == [6]
+            answers.clear()
+            assert b.run([make_request("b1", prompt(9))], max_steps=50_000)["b1"] == again
+            assert answers[0][0] == (6 * BLOCK, False) and counted_asks == [6, 6]
+            assert b.worker.worker_counters.data["loaded_blocks"] == 0
             answers.clear()
             assert b.run([make_request("b2", prompt(8))], max_steps=50_000)["b2"] == later
             assert answers[0][0] == (None, False) and answers[-1][0] == (6 * BLOCK, False)
             assert b.worker.worker_counters.data["loaded_blocks"] == 6
-            assert counted_asks == [6, 6]
+            assert counted_asks == [6, 6, 6]
         deadline = time.monotonic() + SLOW + 10.0  # a late Probe's lease is released later
         while daemon.pinned_blocks() and time.monotonic() < deadline:
             time.sleep(0.02)

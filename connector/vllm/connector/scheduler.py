@@ -6,8 +6,8 @@ yet", vLLM's asynchronous lookup) until its job is done. With host KV and one TP
 (``answer_from_filter``), a new request whose blocks the daemon's presence filter reads as
 maybe in DRAM makes no call at all: the hit is answered at once, not pinned here, and the
 worker pins it by a Probe (the request's counted lookup) as it loads it, so a block gone since
-is a load error that vLLM recomputes; after such a failed load, hits are pinned by a lookup
-first for a while (``filter_reads``). Otherwise, per request scheduled from the waiting
+is a load error that vLLM recomputes; where such loads fail too often, hits are pinned by a
+lookup first for a while (``filter_reads``). Otherwise, per request scheduled from the waiting
 queue, one lookup job: a Probe (a hold) of the leading DRAM run that the daemon also counts as
 the request's lookup (once per request, as vLLM counts its own prefix-cache queries; it names the
 tiers of the held blocks after the run, for vLLM's hit-source stats), and the same run acquired
@@ -507,8 +507,8 @@ class SchedulerSide:
             if pin is None:
                 continue
             first = next((i for i, b in enumerate(pin.block_ids) if b in failed), None)
-            if first is not None and pin.probed:
-                self._presence.failed()
+            if pin.probed:
+                self._presence.loaded(first is None)
             if first is not None:
                 pin.failed_from = min(first, pin.failed_from if pin.failed_from is not None
                                       else first)

@@ -1,6 +1,6 @@
-"""``probed``: Probes sent ahead of their loads, and the answers of Releases sent without
-waiting, read at the worker's next step once in (one the daemon never answers is given up on
-after the timeout)."""
+"""Hits answered from the presence filter: the worker's Probes sent ahead of their loads, the
+answers of its Releases read at its next step once in (one the daemon never answers given up on
+after the timeout), and when the scheduler stops answering hits from the filter."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 from fake_vllm import FakeRequest, prompt, usage
 
+from tierd.connector.vllm.connector.filter_reads import BACKOFF_SECONDS, WINDOW, FilterReads
 from tierd.connector.vllm.connector.probed import Probes, Unread
 from tierd.wire.call_error import CallError
 
@@ -86,3 +87,24 @@ def _until(check: Callable[[], bool], seconds: float = 10.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "never came"
         time.sleep(0.01)
+
+
+def test_the_filter_backs_off_only_when_its_hits_fail_often() -> None:
+    """A hit answered from the presence filter that fails its load now and then (a collision)
+    leaves hits answered from the filter; two failures among the last 20 loads make new hits
+    pinned by a lookup first for ``BACKOFF_SECONDS``, then the count starts afresh."""
+    now = [0.0]
+    reads = FilterReads(None, dram_hits=True, clock=lambda: now[0])  # type: ignore[arg-type]
+    reads.loaded(False)
+    for _ in range(WINDOW - 1):
+        reads.loaded(True)
+    reads.loaded(False)  # the first failure is out of the window by now
+    assert not reads.backing_off
+    reads.loaded(False)
+    assert reads.backing_off
+    now[0] = BACKOFF_SECONDS - 0.01
+    assert reads.backing_off
+    now[0] = BACKOFF_SECONDS
+    assert not reads.backing_off
+    reads.loaded(False)
+    assert not reads.backing_off
