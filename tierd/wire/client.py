@@ -338,8 +338,9 @@ class TierdClient:
 
     def probe_sent(self, engine_id: str, hashes: Sequence[BlockHash]) -> Sent[AcquiredBlocks]:
         """``probe`` sent now from this thread without waiting (``reserve_sent``'s way): the
-        thread that waits for the pin reads it, with no call thread woken for it; release the
-        lease it resolves to as ``acquire_async``'s (``abandon`` one not waited for does not)."""
+        thread that waits for the pin reads it, with no call thread woken for it. The caller
+        releases the lease it resolves to; ``abandon`` does not (the pin then lasts until its
+        deadline), so hand a Probe given up on to ``when_answered`` instead."""
         return self._sent("Probe", _Requests.probe(engine_id, hashes, False),
                           convert.acquired_from_pb)
 

@@ -48,7 +48,11 @@ class Probes:
         self._sent: dict[str, _Probing] = {}
 
     def send(self, session: Session, req_id: str, hashes: list[BlockHash]) -> None:
-        """Send the Probe of ``req_id``'s load now (a failed send leaves it to ``lease``)."""
+        """Send the Probe of ``req_id``'s load now (a failed send leaves it to ``lease``; one
+        sent before for it and never taken is given up on)."""
+        earlier = self._sent.pop(req_id, None)
+        if earlier is not None:
+            _drop(earlier)
         asked = self._clock()
         try:
             self._sent[req_id] = _Probing(session, session.client.probe_sent(
