@@ -18,7 +18,8 @@ pytest.importorskip("vllm", reason="needs real vLLM: run `make test-vllm`")
 
 from harness import BLOCK, Daemon, Engine, make_request, vllm_config  # noqa: E402
 
-from tierd.wire.client import Sent, TierdClient, _FutureSent  # noqa: E402
+from tierd.wire.client import TierdClient  # noqa: E402
+from tierd.wire.sent import FutureSent, Sent  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -202,7 +203,7 @@ def test_a_slow_daemon_never_blocks_the_scheduler(model_dir: str, daemon: Daemon
                     reply.set_exception(exc)
 
             threading.Thread(target=answer, daemon=True).start()
-            return _FutureSent(reply)
+            return FutureSent(reply)
 
         monkeypatch.setattr(TierdClient, "probe", slow)
         monkeypatch.setattr(TierdClient, "probe_sent", slow_sent)

@@ -29,9 +29,9 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -43,60 +43,16 @@ from tierd.wire import convert
 from tierd.wire.call_error import CallError, code_of
 from tierd.wire.call_threads import CallThreads
 from tierd.wire.lane import lane_path
-from tierd.wire.lane_client import LaneCall, LaneClient, LaneGone, LaneRefused
+from tierd.wire.lane_client import LaneClient, LaneGone, LaneRefused
 from tierd.wire.layout import Layout
 from tierd.wire.replies import AcquiredBlocks, DaemonStats, EngineHandle, Located, ReservedSlots
+from tierd.wire.sent import FutureSent, LaneSent, Sent
 
 if TYPE_CHECKING:
     from tierd.daemon.why import Variant, WhyAnswer
 
 T = TypeVar("T")
-T_co = TypeVar("T_co", covariant=True)
 
-
-class Sent(Protocol[T_co]):
-    """A call sent without waiting: ``result()`` is its answer, or raises its
-    ``grpc.RpcError``; ``done(timeout)`` whether ``result()`` would return at once (its reply
-    is in), waiting at most ``timeout`` seconds for it; ``abandon()`` gives up on an answer
-    nobody will read (a lane connection waiting for it is closed)."""
-
-    def result(self) -> T_co: ...
-
-    def done(self, timeout: float = 0.0) -> bool: ...
-
-    def abandon(self) -> None: ...
-
-
-class _LaneSent(Generic[T]):
-    """A call sent on the lane (``LaneCall``), its reply turned into ``T`` once read."""
-
-    def __init__(self, call: LaneCall, convert: Callable[[Any], T]) -> None:
-        self._call, self._convert = call, convert
-
-    def result(self) -> T:
-        return self._convert(self._call.result())
-
-    def done(self, timeout: float = 0.0) -> bool:
-        return self._call.done(timeout)
-
-    def abandon(self) -> None:
-        self._call.abandon()
-
-
-class _FutureSent(Generic[T]):
-    """A call made on one of the client's call threads (``_future``), as a ``Sent``."""
-
-    def __init__(self, future: Future[T]) -> None:
-        self._future = future
-
-    def result(self) -> T:
-        return self._future.result()
-
-    def done(self, timeout: float = 0.0) -> bool:
-        return bool(wait([self._future], timeout).done)
-
-    def abandon(self) -> None:
-        pass  # its call thread reads the answer
 
 __all__ = ["AcquiredBlocks", "AsyncTierdClient", "CommitRefused", "DaemonStats", "EngineHandle",
            "Located", "ReservedSlots", "TierdClient", "target_for"]
@@ -372,8 +328,8 @@ class TierdClient:
         other thread involved (``LaneCall``), so a caller with work to do meanwhile wakes no
         thread twice for the call. Without the lane (or a full one): ``_future``. A call that
         failed in transport on the lane raises its ``grpc.RpcError`` here or at ``result()``."""
-        sent = self._on_lane(lambda lane: _LaneSent(lane.send(method, request), result))
-        return sent if sent is not None else _FutureSent(self._future(method, request, result))
+        sent = self._on_lane(lambda lane: LaneSent(lane.send(method, request), result))
+        return sent if sent is not None else FutureSent(self._future(method, request, result))
 
     def release(self, engine_id: str, lease_id: str, *, corrupt_from: int | None = None,
                 served: int | None = None) -> bool:

@@ -45,7 +45,8 @@ from tierd.connector.core.errors import classify, describe
 from tierd.connector.core.link import WARN_EVERY_SECONDS, DaemonLink, Session
 from tierd.connector.core.save import Reservation, commit_many
 from tierd.wire.call_error import CallError
-from tierd.wire.client import CommitRefused, Sent, TierdClient
+from tierd.wire.client import CommitRefused, TierdClient
+from tierd.wire.sent import Sent
 
 from .cuda_copy import SaveTicket
 from .stats import Counters

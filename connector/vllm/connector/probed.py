@@ -20,8 +20,8 @@ import grpc
 from tierd.connector.core.lease import Lease, Release
 from tierd.connector.core.link import DaemonLink, Session
 from tierd.types import BlockHash
-from tierd.wire.client import Sent
 from tierd.wire.replies import AcquiredBlocks
+from tierd.wire.sent import Sent
 
 _log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from tierd.connector.core.link import Session
 from tierd.connector.core.save import Reservation
-from tierd.wire.client import Sent
 from tierd.wire.replies import ReservedSlots
+from tierd.wire.sent import Sent
 
 from .kv_tensors import Run
 from .metadata import SaveSpec
