@@ -34,17 +34,35 @@ def pair(tmp_path: Path) -> Iterator[tuple[PresenceFilter, PresenceView]]:
     arena.unlink()
 
 
-def _keys(presence: PresenceFilter, n: int, cell: int | None = None) -> list[NamespacedKey]:
-    """``n`` distinct keys (a 16-byte namespace and a 32-byte hash); all in ``cell`` if
-    given."""
+def _keys(presence: PresenceFilter, n: int, cell: int | None = None,
+          start: int = 0) -> list[NamespacedKey]:
+    """``n`` distinct keys (a 16-byte namespace and a 32-byte hash, numbered from ``start``);
+    all with ``cell`` as their first cell if given."""
     keys: list[NamespacedKey] = []
-    i = 0
+    i = start
     while len(keys) < n:
         key = NamespacedKey(b"n" * 16 + i.to_bytes(32, "big"))
         i += 1
-        if cell is None or presence.cell(key) == cell:
+        if cell is None or presence.cells_of(key)[0] == cell:
             keys.append(key)
     return keys
+
+
+def test_a_key_counts_in_two_cells(pair: tuple[PresenceFilter, PresenceView]) -> None:
+    """A key reads absent while either of its cells counts nothing: one that shares a cell with
+    a held key is still a certain miss, and a key is present only while it is held."""
+    presence, view = pair
+    held = _keys(presence, 1)[0]
+    first, second = presence.cells_of(held)
+    others = [k for k in _keys(presence, 4, cell=first, start=1)
+              if presence.cells_of(k)[1] not in (first, second)]
+    assert others
+    presence.stored([held], "dram")
+    assert view.may_hold(presence.filter_key(held))
+    assert not any(view.may_hold(presence.filter_key(k)) for k in others)
+    assert not any(view.may_be_in_dram(presence.filter_key(k)) for k in others)
+    presence.removed([held], "dram")
+    assert not view.may_hold(presence.filter_key(held))
 
 
 def test_counts_copies_per_tier_and_ignores_hbm(
@@ -84,21 +102,35 @@ def test_a_cell_tells_whether_a_copy_may_be_in_dram(
 
 
 def test_a_saturated_counter_stays_maybe(pair: tuple[PresenceFilter, PresenceView]) -> None:
-    """300 keys of one cell: past 255 the counter sticks, so removing them all leaves "maybe"
-    (a round trip, never a false "absent")."""
+    """301 keys of one cell: past 255 the counter sticks, so once 300 of them go the one still
+    held reads present (a counter that counted down from 255 would read 0: a false "absent"),
+    and in DRAM; 20 SSD copies in a cell make it read "maybe in DRAM" too."""
     presence, view = pair
-    keys = _keys(presence, 300, cell=5)
+    keys = _keys(presence, 301, cell=5)
     presence.stored(keys, "dram")
-    presence.removed(keys, "dram")
-    assert view.may_hold(presence.filter_key(keys[0]))
-    assert view.may_be_in_dram(presence.filter_key(keys[0]))
+    presence.removed(keys[1:], "dram")
+    kept = presence.filter_key(keys[0])
+    assert view.may_hold(kept) and view.may_be_in_dram(kept)
     ssd = _keys(presence, 20, cell=7)  # 20 SSD copies pass 254: in DRAM "maybe" too
+    used = {c for k in [keys[0], *ssd] for c in presence.cells_of(k)} | {5, 6, 7}
+    dram = next(k for k in _keys(presence, 8, cell=7, start=10**6)
+                if presence.cells_of(k)[1] not in used)
     presence.stored(ssd, "ssd")
-    assert view.may_be_in_dram(presence.filter_key(ssd[0]))
-    other = _keys(presence, 2, cell=6)
+    presence.stored([dram], "dram")
+    presence.removed([dram], "dram")
+    presence.stored([dram], "ssd")  # in DRAM "maybe" at cell 7 only: its other cell says no
+    assert view.may_hold(presence.filter_key(dram))
+    assert not view.may_be_in_dram(presence.filter_key(dram))
+    used |= set(presence.cells_of(dram))
+    other = []
+    for key in _keys(presence, 16, cell=6):
+        if len(other) < 2 and presence.cells_of(key)[1] not in used:
+            other.append(key)
+            used.add(presence.cells_of(key)[1])
     presence.stored(other, "dram")
     presence.removed(other[:1], "dram")
-    assert view.may_hold(presence.filter_key(other[0]))  # the cell still counts other[1]
+    assert not view.may_hold(presence.filter_key(other[0]))  # its second cell counts nothing
+    assert view.may_hold(presence.filter_key(other[1]))  # cell 6 still counts other[1]
 
 
 def test_a_cleared_tier_is_recounted_from_what_is_held(
@@ -106,8 +138,8 @@ def test_a_cleared_tier_is_recounted_from_what_is_held(
     """When the SSD tier goes, the counts are rebuilt from ``held()`` (the DRAM copies)."""
     presence, view = pair
     dram = _keys(presence, 2)
-    taken = {presence.cell(k) for k in dram}  # the filter's secret places keys: no shared cell
-    ssd = [k for k in _keys(presence, 64)[2:] if presence.cell(k) not in taken][:2]
+    taken = {c for k in dram for c in presence.cells_of(k)}  # the filter's secret places keys
+    ssd = [k for k in _keys(presence, 64)[2:] if not taken & set(presence.cells_of(k))][:2]
     presence.bind(lambda: list(dram))
     presence.stored(dram, "dram")
     presence.stored(ssd, "ssd")
@@ -212,5 +244,5 @@ def test_another_tenant_cannot_test_a_tenants_blocks(make_daemon: Any, kit: Any,
         found_public = sum(view.may_hold(public + h) for h in hashes)
         found_own = sum(view.may_hold(engine_b.namespace + h) for h in hashes)
     assert found_a == 50
-    # Each probe hits one of ~50 occupied cells among 2^20 by chance: < 5 misfires is sure.
+    # A probe finds both of its cells among ~100 occupied of 2^20 by chance: 5 misfires never.
     assert found_public < 5 and found_own < 5

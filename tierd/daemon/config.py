@@ -124,7 +124,7 @@ class TierdConfig:
         "help": "Largest gRPC message accepted (RESOURCE_EXHAUSTED above)."})
     presence_cells: int = dataclasses.field(default=1 * _MIB, metadata={
         "help": "One-byte counters of the presence filter engines read to skip the round trip "
-                "of a certain miss (a power of two >= 1024; 0 = no filter). Not published "
+                "of a certain miss (a power of two from 1024 to 2**32; 0 = no filter). Not published "
                 "with remote_tier (a local miss may still be fetched)."})
     maintain_seconds: float = dataclasses.field(default=1.0, metadata={
         "help": "Period of the background pass that expires leases and demotes."})
@@ -217,7 +217,7 @@ class TierdConfig:
                 check_cells(self.presence_cells)
             except ValueError:
                 raise ValueError(f"presence_cells={self.presence_cells} must be a power of two "
-                                 ">= 1024 (e.g. 1048576), or 0 for no filter") from None
+                                 "from 1024 to 2**32 (e.g. 1048576), or 0 for no filter") from None
         self._validate_cluster()
 
     def _validate_cluster(self) -> None:

@@ -1,29 +1,32 @@
 """The presence filter: which blocks this node may hold, readable by engines with no round trip.
 
 A shared-memory file beside the arena (``<arena name>-presence``) of ``cells`` one-byte
-counters. A block maps to one cell: the low bits of the xxh3-64 of its *filter key*,
-``prefix || block hash``, where the prefix is a keyed blake2b of the block's namespace under a
-random secret of this filter (made at each daemon start, never written anywhere). Each engine
-is told only its own namespace's prefix (``RegisterEngine``'s ``namespace``), so an engine of
-another tenant, which can map the same file, cannot compute which cell holds a given block of
-this tenant: the unkeyed namespace (blake2b of the tenant name and layout) is public knowledge,
-the prefix is not. What it can still see is that some cell changed. The daemon keeps, per cell,
-the copies of the keys that map to it, a DRAM copy as 1 and an SSD copy as ``SSD_WEIGHT``
-(``tierd.wire.presence``), so a cell also tells whether one of them may be in DRAM: the filter
-is a ``TierListener`` of the tier index, so it changes exactly when the index does, on the event
-loop, before the call that caused the change returns. A counter that would pass 254 stays at
-255 (it can no longer count down, so it stays "maybe", in DRAM too).
+counters. A block maps to two cells (``tierd.wire.presence.cells_of``: the low and the high half
+of the xxh3-64 of its *filter key*, ``prefix || block hash``, each cut to the cell count), where
+the prefix is a keyed blake2b of the block's namespace under a random secret of this filter
+(made at each daemon start, never written anywhere). Each engine is told only its own
+namespace's prefix (``RegisterEngine``'s ``namespace``), so an engine of another tenant, which
+can map the same file, cannot compute which cells hold a given block of this tenant: the unkeyed
+namespace (blake2b of the tenant name and layout) is public knowledge, the prefix is not. What it
+can still see is that some cell changed. The daemon keeps, per cell, the copies of the keys that
+map to it (a copy counts in both cells of its key), a DRAM copy as 1 and an SSD copy as
+``SSD_WEIGHT`` (``tierd.wire.presence``), so a cell also tells whether one of them may be in
+DRAM: the filter is a ``TierListener`` of the tier index, so it changes exactly when the index
+does, on the event loop, before the call that caused the change returns. A counter that would
+pass 254 stays at 255 (it can no longer count down, so it stays "maybe", in DRAM too).
 
-An engine reads the cell of the first block it would ask the daemon for. 0 means the node holds
-no copy of that block, so an Acquire would pin nothing: the engine skips the round trip and
-counts the lookup itself (sent with its next Reserve, so the node's hit ratio still counts it).
-Anything else means "maybe", and the Acquire answers. Where every block of a hit reads "maybe
-in DRAM", the vLLM connector answers vLLM at once and its worker pins the blocks as it loads
-them (``tierd.connector.vllm.connector.scheduler``). A collision or a saturated counter only
-costs a round trip or a recompute; a read racing a store (0 read just as the block lands) is a
-miss that could have hit, i.e. a recompute. Neither can make an engine use wrong KV: every load
-still pins and verifies its blocks (invariant 2). Tenants: see the prefix above; a count says
-nothing an Acquire would not (and less: it is shared by every key of the cell).
+An engine reads the cells of the first block it would ask the daemon for. A 0 in either means
+the node holds no copy of that block, so an Acquire would pin nothing: the engine skips the round
+trip and counts the lookup itself (sent with its next Reserve, so the node's hit ratio still
+counts it). Anything else means "maybe" (a block the node does not hold reads so only where both
+of its cells count other keys: with a share ``f`` of cells in use, about ``f * f`` of the time),
+and the Acquire answers. Where every block of a hit reads "maybe in DRAM" (in both cells), the
+vLLM connector answers vLLM at once and its worker pins the blocks as it loads them
+(``tierd.connector.vllm.connector.scheduler``). A collision or a saturated counter only costs a
+round trip or a recompute; a read racing a store (0 read just as the block lands) is a miss that
+could have hit, i.e. a recompute. Neither can make an engine use wrong KV: every load still pins
+and verifies its blocks (invariant 2). Tenants: see the prefix above; a count says nothing an
+Acquire would not (and less: it is shared by every key of the cell).
 
 Only without the remote tier: there, an Acquire that misses locally may fetch from the cluster,
 so the daemon publishes no filter and engines always ask.
@@ -43,7 +46,7 @@ from tierd.daemon.arena import OwnedArena
 from tierd.types import Namespace, NamespacedKey, Tier
 from tierd.wire.arena import ShmArena
 from tierd.wire.layout import NAMESPACE_LEN
-from tierd.wire.presence import SATURATED, SSD_WEIGHT, cell_of, check_cells
+from tierd.wire.presence import SATURATED, SSD_WEIGHT, cells_of, check_cells
 
 if TYPE_CHECKING:
     from tierd.daemon.listeners import Payload
@@ -103,12 +106,12 @@ class PresenceFilter:
         """``prefix(namespace) || block hash`` of a namespaced key."""
         return self.prefix(Namespace(key[:NAMESPACE_LEN])) + key[NAMESPACE_LEN:]
 
-    def cell(self, key: NamespacedKey) -> int:
-        """The counter of a namespaced key."""
-        return cell_of(self.filter_key(key), self.cells)
+    def cells_of(self, key: NamespacedKey) -> tuple[int, int]:
+        """The two counters of a namespaced key."""
+        return cells_of(self.filter_key(key), self.cells)
 
     def may_hold(self, key: NamespacedKey) -> bool:
-        return self._counts[self.cell(key)] != 0
+        return all(self._counts[cell] != 0 for cell in self.cells_of(key))
 
     # -- TierListener --------------------------------------------------------------------------
 
@@ -118,8 +121,9 @@ class PresenceFilter:
             return
         counts, mask, fkey = self._counts, self.cells - 1, self.filter_key
         for key in keys:
-            cell = xxhash.xxh3_64_intdigest(fkey(key)) & mask
-            counts[cell] = min(counts[cell] + weight, SATURATED)
+            digest = xxhash.xxh3_64_intdigest(fkey(key))
+            for cell in (digest & mask, (digest >> 32) & mask):
+                counts[cell] = min(counts[cell] + weight, SATURATED)
 
     def removed(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
         weight = _WEIGHTS.get(tier)
@@ -127,9 +131,10 @@ class PresenceFilter:
             return
         counts, mask, fkey = self._counts, self.cells - 1, self.filter_key
         for key in keys:
-            cell = xxhash.xxh3_64_intdigest(fkey(key)) & mask
-            if weight <= counts[cell] != SATURATED:  # else it stays "maybe"
-                counts[cell] -= weight
+            digest = xxhash.xxh3_64_intdigest(fkey(key))
+            for cell in (digest & mask, (digest >> 32) & mask):
+                if weight <= counts[cell] != SATURATED:  # else it stays "maybe"
+                    counts[cell] -= weight
 
     def cleared(self, tier: Tier) -> None:
         """A whole tier went (the SSD turned unhealthy): recount what is still held (each copy

@@ -1,5 +1,10 @@
-"""The engine's read-only look at a daemon's presence filter (``PresenceView``), and the cell a
-filter key maps to, which the daemon's counters (``tierd.daemon.presence``) use alike."""
+"""The engine's read-only look at a daemon's presence filter (``PresenceView``), and the two
+cells a filter key maps to, which the daemon's counters (``tierd.daemon.presence``) use alike.
+
+A key counts in two cells (the low and the high half of its xxh3-64, each cut to the cell
+count): a key absent from the node reads "maybe" only where both of its cells count other keys,
+so with a share ``f`` of cells in use a false "maybe" comes about ``f * f`` of the time, not
+``f``."""
 
 from __future__ import annotations
 
@@ -15,15 +20,18 @@ SATURATED = 255
 """A counter that would pass 254 stays here: "maybe", in DRAM too."""
 
 
-def cell_of(filter_key: bytes, cells: int) -> int:
-    """The counter of a filter key (``prefix || block hash``) among ``cells`` (a power of two)."""
-    return xxhash.xxh3_64_intdigest(filter_key) & (cells - 1)
+def cells_of(filter_key: bytes, cells: int) -> tuple[int, int]:
+    """The two counters of a filter key (``prefix || block hash``) among ``cells`` (a power of
+    two, at most 2**32); they may be one and the same."""
+    digest = xxhash.xxh3_64_intdigest(filter_key)
+    return digest & (cells - 1), (digest >> 32) & (cells - 1)
 
 
 def check_cells(cells: int) -> None:
-    """ValueError unless ``cells`` is a power of two of at least 1024."""
-    if cells < 1024 or cells & (cells - 1):
-        raise ValueError(f"presence filter cells={cells} must be a power of two >= 1024")
+    """ValueError unless ``cells`` is a power of two from 1024 to 2**32."""
+    if cells < 1024 or cells > 1 << 32 or cells & (cells - 1):
+        raise ValueError(f"presence filter cells={cells} must be a power of two >= 1024 "
+                         "and <= 2**32")
 
 
 class PresenceView:
@@ -40,11 +48,17 @@ class PresenceView:
         """False only if the node held no DRAM or SSD copy of the block when last counted.
         ``filter_key``: the engine's ``namespace`` from RegisterEngine (its filter prefix)
         followed by the block hash."""
-        return self._counts[xxhash.xxh3_64_intdigest(filter_key) & (self.cells - 1)] != 0
+        digest, mask = xxhash.xxh3_64_intdigest(filter_key), self.cells - 1
+        return self._counts[digest & mask] != 0 and self._counts[(digest >> 32) & mask] != 0
 
     def may_be_in_dram(self, filter_key: bytes) -> bool:
         """False if the node held no DRAM copy of the block when last counted (it may still
         hold an SSD copy): ``may_hold`` narrowed to DRAM."""
-        count = self._counts[xxhash.xxh3_64_intdigest(filter_key) & (self.cells - 1)]
-        return count % SSD_WEIGHT != 0 or count == SATURATED
+        digest, mask = xxhash.xxh3_64_intdigest(filter_key), self.cells - 1
+        return _dram(self._counts[digest & mask]) and _dram(self._counts[(digest >> 32) & mask])
+
+
+def _dram(count: int) -> bool:
+    """Whether a cell's count may include a DRAM copy."""
+    return count % SSD_WEIGHT != 0 or count == SATURATED
 
