@@ -158,6 +158,95 @@ def test_a_commit_that_lands_after_its_lease_is_a_warning(
         a.close()
 
 
+def answered_after(monkeypatch: pytest.MonkeyPatch, seconds: float) -> list[Sent[Any]]:
+    """Every Reserve a worker sends is answered ``seconds`` late (a daemon busy elsewhere): the
+    real call made on a thread of its own after that wait. The list of those sent, in order."""
+    real = TierdClient.reserve
+    sent: list[Sent[Any]] = []
+
+    def reserve_sent(client: TierdClient, engine_id: str, hashes: list[bytes]) -> Sent[Any]:
+        reply: Future[Any] = Future()
+
+        def answer() -> None:
+            time.sleep(seconds)
+            try:
+                reply.set_result(real(client, engine_id, hashes))
+            except Exception as exc:  # noqa: BLE001  # handed to the waiter
+                reply.set_exception(exc)
+
+        threading.Thread(target=answer, daemon=True).start()
+        sent.append(FutureSent(reply))
+        return sent[-1]
+
+    monkeypatch.setattr(TierdClient, "reserve_sent", reserve_sent)
+    return sent
+
+
+def run_alone(engine: Engine, request: Any) -> list[int]:
+    """Step ``engine`` until ``request`` (added now) finished; the vLLM blocks it held."""
+    engine.scheduler.add_request(request)
+    held: list[int] = []
+    for _ in range(500):
+        out = engine.scheduler.schedule()
+        if request.request_id in out.num_scheduled_tokens:
+            held = list(engine.scheduler.kv_cache_manager.get_block_ids(request.request_id)[0])
+        engine._absorb(engine.scheduler.update_from_output(out, engine._forward(out)))
+        if request.request_id in engine.finish:
+            return held
+        time.sleep(0.002)
+    raise AssertionError(f"{request.request_id} did not finish")
+
+
+def test_a_save_answered_after_its_step_is_copied_before_the_next_step_writes(
+        model_dir: str, daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Reserve of A's one-token request is answered after its only step ended:
+    wait_for_save returns without waiting for it, and the next step, whose request takes over
+    the vLLM blocks it held (8 blocks: room for one request), copies its 6 blocks before that
+    step's forward pass overwrites them. B loads all 6 and generates what A did."""
+    sent = answered_after(monkeypatch, 0.3)
+    a = Engine.start(vllm_config(model_dir, daemon.socket_path), num_blocks=8)
+    b = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    try:
+        first = run_alone(a, make_request("a1", prompt(4), max_tokens=1))
+        assert len(sent) == 1 and not sent[0].done()  # the step ended before its answer
+        second = run_alone(a, make_request("a2", prompt(5), max_tokens=1))
+        assert set(first) & set(second)  # a2 wrote into blocks a1's save was taken from
+        counters = a.worker.worker_counters.data
+        assert (counters["saved_blocks"], counters["dropped_blocks"]) == (12, 0)
+        got = b.run([make_request("b", prompt(4), max_tokens=1)])["b"]
+        assert b.worker.worker_counters.data["loaded_blocks"] == 6
+        assert got == a.tokens["a1"]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_save_answered_after_the_last_step_lands_while_the_engine_idles(
+        model_dir: str, daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No step follows the one whose Reserve is answered late (the engine goes idle): the
+    committer thread copies and commits its 6 blocks, which the daemon holds within a second
+    with no further step or flush of A's; B loads them all."""
+    sent = answered_after(monkeypatch, 0.2)
+    a = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    b = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    try:
+        run_alone(a, make_request("a1", prompt(6), max_tokens=1))
+        assert len(sent) == 1 and not sent[0].done()
+        deadline = time.monotonic() + 5.0
+        used = 0
+        while used < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            with daemon.client() as client:
+                used = next(t.used_blocks for t in client.stats().tiers if t.tier == "dram")
+        assert used == 6
+        got = b.run([make_request("b", prompt(6), max_tokens=1)])["b"]
+        assert b.worker.worker_counters.data["loaded_blocks"] == 6
+        assert got == a.tokens["a1"]
+    finally:
+        a.close()
+        b.close()
+
+
 SLOW = 1.0
 """Seconds every Acquire of the slow daemon takes."""
 

@@ -124,8 +124,8 @@ class TierdConfig:
         "help": "Largest gRPC message accepted (RESOURCE_EXHAUSTED above)."})
     presence_cells: int = dataclasses.field(default=1 * _MIB, metadata={
         "help": "One-byte counters of the presence filter engines read to skip the round trip "
-                "of a certain miss (a power of two from 1024 to 2**32; 0 = no filter). Not published "
-                "with remote_tier (a local miss may still be fetched)."})
+                "of a certain miss (a power of two from 1024 to 2**32; 0 = no filter). Not "
+                "published with remote_tier (a local miss may still be fetched)."})
     maintain_seconds: float = dataclasses.field(default=1.0, metadata={
         "help": "Period of the background pass that expires leases and demotes."})
     write_behind_seconds: float = dataclasses.field(default=2.0, metadata={

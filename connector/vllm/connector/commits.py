@@ -5,19 +5,20 @@ reuse its blocks at once (the bytes are already in the arena, or, on CUDA, on th
 goes out only once its save's ``SaveTicket`` has landed). The Commit names the written slots and
 the daemon checksums them itself (``core.save.commit``).
 
-Commits are sent at the start of the worker's next step (``send``, from ``begin``): vLLM's
-scheduler has just handed that step to the workers and waits for it, so the daemon's work on the
-Commits (and on the step's Reserve, if it saves, sent right after) falls where the host's other
-core has the least to do, rather than at a moment its scheduler or API server is busy; the
-engine thread sends them without waiting and reads their outcomes at a later hook once they are
-in, so no other thread wakes for them. All Commits handed over since the last step go in one
-round trip (``CommitMany``, each Commit landing or failing on its own; one per engine where the
-daemon restarted in between); a Commit whose device copies are still in flight (CUDA) waits for
-a later step. Where no step sends a Commit within ``WINDOW_SECONDS`` of its handover (the engine
-went idle), the committer thread lands it: a block is visible to lookups at most about a window
-after its step. The committer thread looks every window while Commits come and parks after
-``IDLE_POLLS`` empty looks (the next Commit wakes it). ``harvest(wait=True)`` (and ``close``)
-lands every Commit at once.
+Commits are sent at the start of the worker's next step (``send``, from ``begin``): vLLM's scheduler
+has just handed that step to the workers and waits for it, so the daemon's work on the Commits (and
+on the step's Reserve, if it saves, sent right after) falls where the host's other core has the
+least to do, rather than at a moment its scheduler or API server is busy; the engine thread sends
+them without waiting and reads their outcomes at a later hook once they are in, so no other thread
+wakes for them. All Commits handed over since the last step go in one round trip (``CommitMany``,
+each Commit landing or failing on its own; one per engine where the daemon restarted in between); a
+Commit whose device copies are still in flight (CUDA) waits for a later step. Where no step sends a
+Commit within ``WINDOW_SECONDS`` of its handover (the engine went idle), the committer thread lands
+it: a block is visible to lookups at most about a window after its step. The same thread runs the
+worker's close of a late save (``after_window``: a step whose Reserve was not answered by its end,
+which the next step closes first) where no step came within a window, and lands its Commit at once.
+The committer thread looks every window while Commits come and parks after ``IDLE_POLLS`` empty
+looks (the next Commit wakes it). ``harvest(wait=True)`` (and ``close``) lands every Commit at once.
 
 With TP > 1, a step's Commit is *held* until the scheduler's verdict on that step
 (``TierdConnectorMetadata.verdict``): the blocks of requests some rank failed to load under are
@@ -104,10 +105,20 @@ class Committer:
         self._sent: list[tuple[Sent[list[int | CommitRefused]], list[_Queued], float]] = []
         self._cond = threading.Condition()  # the queue is shared with the committer thread
         self._queue: list[_Queued] = []
+        self._task: tuple[Callable[[], None], float] | None = None  # ``after_window``'s
         self._parked = False            # the thread waits for a Commit (the queue stayed empty)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="tierd-commit", daemon=True)
         self._thread.start()
+
+    def after_window(self, task: Callable[[], None]) -> None:
+        """Run ``task`` on the committer thread ``WINDOW_SECONDS`` from now (unless another
+        call replaces it first), then land every queued Commit at once. ``task`` must be safe
+        to run there and a no-op where the engine thread did its work in the meantime."""
+        with self._cond:
+            self._task = (task, time.monotonic())
+            if self._parked:
+                self._cond.notify()
 
     def commit(self, step: int, reservation: Reservation, written: list[bool],
                owners: list[str], ticket: SaveTicket | None) -> None:
@@ -163,7 +174,9 @@ class Committer:
             self._send_now(queued)
         self._read_sent(wait)
         keep: list[tuple[Session | None, Future[_Outcome]]] = []
-        for session, future in self._futures:
+        with self._cond:  # the committer thread may submit one meanwhile (``after_window``)
+            futures, self._futures = self._futures, []
+        for session, future in futures:
             if not wait and not future.done():
                 keep.append((session, future))
                 continue
@@ -178,7 +191,8 @@ class Committer:
             self._counters.count("dropped_blocks", lost)
             self._counters.count("saved_blocks", stored)
             self._counters.count("saved_bytes", stored * self._slot_bytes)
-        self._futures = keep
+        with self._cond:
+            self._futures[:0] = keep
 
     def _send_now(self, queued: list[_Queued]) -> None:
         """Send ``queued`` (device copies landed) from this thread without waiting: one
@@ -257,9 +271,9 @@ class Committer:
         outcome: Future[_Outcome] = Future()
         with self._cond:
             self._queue.append(_Queued(reservation, written, ticket, outcome, time.monotonic()))
+            self._futures.append((self._link.session, outcome))
             if self._parked:
                 self._cond.notify()
-        self._futures.append((self._link.session, outcome))
 
     def _committer_client(self) -> TierdClient:
         if self._client is None:
@@ -267,27 +281,43 @@ class Committer:
         return self._client
 
     def _loop(self) -> None:
-        """Committer thread: every ``WINDOW_SECONDS`` while Commits come, land those the
-        engine thread has not sent within a window of their handover (the engine went idle, or
-        their device copies were in flight); parked after ``IDLE_POLLS`` empty looks."""
+        """Committer thread: every ``WINDOW_SECONDS`` while Commits (or an ``after_window``
+        task) come, land those the engine thread has not sent within a window of their
+        handover (the engine went idle, or their device copies were in flight), and run a
+        task that is due, then land at once what it handed over; parked after
+        ``IDLE_POLLS`` empty looks."""
         idle = 0
         while True:
+            task = None
             with self._cond:
                 if self._stopping:
                     return
-                if not self._queue and idle >= IDLE_POLLS:
+                if not self._queue and self._task is None and idle >= IDLE_POLLS:
                     self._parked = True
                     self._cond.wait()
                     self._parked, idle = False, 0
                     continue
                 self._cond.wait(WINDOW_SECONDS)
-                if not self._queue:
+                now = time.monotonic()
+                if self._task is not None and now - self._task[1] >= WINDOW_SECONDS:
+                    task, self._task = self._task[0], None
+                if not self._queue and task is None:
                     idle += 1
                     continue
                 idle = 0
-                if time.monotonic() - self._queue[0].at < WINDOW_SECONDS:
+                if task is None and now - self._queue[0].at < WINDOW_SECONDS:
                     continue
-                queued, self._queue = self._queue, []
+                if task is None:
+                    queued, self._queue = self._queue, []
+            if task is not None:
+                try:
+                    task()
+                except Exception:  # noqa: BLE001  # a bug: said, and the thread goes on
+                    _log.exception("tierd: closing a late save failed")
+                with self._cond:
+                    queued, self._queue = self._queue, []
+                if not queued:
+                    continue
             try:
                 _landed(self._committer_client(), queued)
             except BaseException as exc:  # a bug: its Commits' waiters raise it, not hang

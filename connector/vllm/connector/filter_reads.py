@@ -1,15 +1,15 @@
 """``FilterReads``: what the scheduler side learns from the daemon's presence filter with no
 round trip (``tierd.wire.presence``, mapped by rank 0's session).
 
-Two answers: a certain miss (the node holds no copy of the first block asked for, so none of
-the chain after it), and, where enabled (``answer_from_filter``), how many leading blocks may
-be in the daemon's DRAM, a hit the scheduler answers at once and the worker pins by a Probe as
-it loads it. The filter may be wrong the other way (a collision with a block in DRAM, a block
-evicted since): such a hit fails its load past the blocks the Probe pinned, and vLLM recomputes
-those. A collision needs both of a block's cells taken by other keys (about the square of the
-share of cells in use: one hit in a thousand or more with the default filter and a full DRAM
-tier) and costs one request a recompute, so a failure now and then changes nothing; where ``FAILED_IN_WINDOW`` of the last ``WINDOW``
-such loads failed (a daemon too slow to answer the worker's Probe, whose load then waits
+Two answers: a certain miss (the node holds no copy of the first block asked for, so none of the
+chain after it), and, where enabled (``answer_from_filter``), how many leading blocks may be in the
+daemon's DRAM, a hit the scheduler answers at once and the worker pins by a Probe as it loads it.
+The filter may be wrong the other way (a collision with a block in DRAM, a block evicted since):
+such a hit fails its load past the blocks the Probe pinned, and vLLM recomputes those. A collision
+needs both of a block's cells taken by other keys (about the square of the share of cells in use:
+one hit in a thousand or more with the default filter and a full DRAM tier) and costs one request a
+recompute, so a failure now and then changes nothing; where ``FAILED_IN_WINDOW`` of the last
+``WINDOW`` such loads failed (a daemon too slow to answer the worker's Probe, whose load then waits
 ``probed.PROBE_WAIT_SECONDS``, or a filter that no longer tells), ``dram_run`` answers 0 for
 ``BACKOFF_SECONDS``, so new hits are pinned by a lookup first.
 """

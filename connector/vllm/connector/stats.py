@@ -8,6 +8,7 @@ per interval.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,19 +54,23 @@ class TierdConnectorStats(KVConnectorStats):
 
 class Counters:
     """A worker's counters twice: ``totals`` since start (logs, tests) and those since the last
-    ``take`` (vLLM's ``get_kv_connector_stats``)."""
+    ``take`` (vLLM's ``get_kv_connector_stats``). Thread-safe (the committer thread counts the
+    save it closes for an idle engine)."""
 
     def __init__(self) -> None:
         self.totals = TierdConnectorStats()
         self._since = TierdConnectorStats()
+        self._lock = threading.Lock()
 
     def count(self, name: str, amount: int) -> None:
         """Add ``amount`` (may be negative: a load taken back) to counter ``name``."""
         if amount:
-            self._since.add(name, amount)
-            self.totals.add(name, amount)
+            with self._lock:
+                self._since.add(name, amount)
+                self.totals.add(name, amount)
 
     def take(self) -> TierdConnectorStats | None:
         """The counts since the last call (None if all are 0)."""
-        since, self._since = self._since, TierdConnectorStats()
+        with self._lock:
+            since, self._since = self._since, TierdConnectorStats()
         return None if since.is_empty() else since

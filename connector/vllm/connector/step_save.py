@@ -1,7 +1,7 @@
 """One step's save in a vLLM worker, as ``worker.WorkerSide`` carries it from the Reserve sent
 before the forward pass to the Commit handed over at ``wait_for_save``: ``Asked`` (the Reserve
-in flight), ``PendingSave`` (its answer, laid out for the copy) and ``StepSave`` (the step's
-whole save state)."""
+in flight), ``PendingSave`` (its answer, laid out for the copy), ``StepSave`` (the step's
+whole save state) and ``LateSave`` (a step's save closed after the step)."""
 
 from __future__ import annotations
 
@@ -70,3 +70,13 @@ class StepSave:
     layers: set[int] = field(default_factory=set)
     lease_lost: bool = False            # a lease of this step's (CUDA) loads ran out
     saves: list[SaveSpec] = field(default_factory=list)  # the step's accepted saves
+
+
+@dataclass(frozen=True, slots=True)
+class LateSave:
+    """A step's save whose Reserve was not answered by ``wait_for_save``: closed (answer read,
+    copy, Commit) at the next step's ``begin`` or by the committer thread."""
+
+    step: StepSave
+    lease_lost: bool                    # the step's saves are dropped
+    number: int                         # the step (``TierdConnectorMetadata.step``)

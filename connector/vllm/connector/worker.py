@@ -41,10 +41,15 @@ synchronous load, after it otherwise):
   (``SaveSpec.depends_on``; failed blocks are kept until the scheduler has seen them), are
   dropped, and that request's saves stay dropped until the scheduler names it in
   ``recomputing``: nothing computed on wrong KV is stored.
-* ``finish_save`` (``wait_for_save``): takes the Reserve's answer (waiting only if it is not
-  in yet), copies host KV into the slots, hands the step's Commit over (``commits.Committer``:
-  sent at the next step's ``begin``, before its Reserve) and returns: vLLM may reuse its blocks
-  at once (the bytes are in the arena). The Commit names the written slots and the daemon
+* ``finish_save`` (``wait_for_save``): takes the Reserve's answer, copies host KV into the
+  slots, hands the step's Commit over (``commits.Committer``: sent at the next step's ``begin``,
+  before its Reserve) and returns: vLLM may reuse its blocks at once (the bytes are in the
+  arena). Host KV whose Reserve is not answered yet is not waited for: the step's save is
+  *late*, closed (answer read, copy, Commit) first thing at the next step's ``begin``, before
+  vLLM prepares that step (no KV of vLLM's is written between the end of one step and the
+  ``begin`` of the next: not by the forward pass, nor by a load), or, where no step comes within
+  ``commits.WINDOW_SECONDS`` (the engine went idle), by the committer thread; ``begin`` waits
+  for a close that thread has under way. The Commit names the written slots and the daemon
   checksums them itself (in its own process, so the engine's part of a store is the copy out of
   its KV), and the blocks become visible to other engines only whole, when it lands. If some
   layer never arrived, Abort instead. A step that outlasted half of its write lease (a slow
@@ -79,6 +84,7 @@ ordered before the next step's work on vLLM's stream, so the blocks are free at 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -103,7 +109,7 @@ from .outcomes import Outcomes
 from .probed import Probes, Unread, release_later
 from .sinks import LayerViews
 from .stats import Counters, TierdConnectorStats
-from .step_save import Asked, PendingSave, StepSave
+from .step_save import Asked, LateSave, PendingSave, StepSave
 from .streaming import StreamedLoad, Streams
 
 _log = logging.getLogger(__name__)
@@ -148,6 +154,8 @@ class WorkerSide:
         self._counters = Counters()
         self._outcomes = Outcomes(self._counters, self.format.slot_bytes, tp_size)
         self._save = StepSave()
+        self._late: LateSave | None = None  # a step's save closed at the next ``begin``
+        self._late_lock = threading.Lock()  # held while a late save is closed (either thread)
         self._begun: int | None = None  # the step ``begin`` took (``meta.step``), until it ends
         self._commits = Committer(self.link, self._counters, self.format.slot_bytes, tp_size,
                                   clock)
@@ -178,6 +186,7 @@ class WorkerSide:
         if self._begun == meta.step:
             return
         self._begun = meta.step
+        self._close_late()  # before anything of this step writes vLLM's KV
         self._outcomes.begin_step(meta)
         if meta.verdict is not None and self._commits.verdict(*meta.verdict):
             self._commits.harvest(wait=True)  # before this step's Reserve of the blocks left out
@@ -465,16 +474,36 @@ class WorkerSide:
 
     def finish_save(self) -> None:
         """Hand this step's Commit over (``commits``), or Abort the reservation if a layer
-        is missing. A step that outlasted half of its write lease is re-offered first
-        (``_reoffer``). Returns without waiting for the daemon; never raises for a daemon
+        is missing (``_close``); host KV whose Reserve is not answered yet is closed late
+        (module doc). Returns without waiting for the daemon; never raises for a daemon
         failure (outcomes are counted when they arrive)."""
         self._speed.end()
         self._report_speed()
         self._begun = None  # the step ends here
         lease_lost = self._finish_loads() or self._save.lease_lost
         self._commits.harvest()
-        pending = self._pending()
         step, self._save = self._save, StepSave()
+        self._close_late()  # one left by a caller that skipped ``begin``
+        if step.asked is not None and not self._device.enabled and not step.asked.reply.done():
+            with self._late_lock:
+                self._late = LateSave(step, lease_lost, self._outcomes.step)
+            self._commits.after_window(self._close_late)
+            return
+        self._close(step, lease_lost, self._outcomes.step)
+
+    def _close_late(self) -> None:
+        """Close the late save, if any (the engine thread at ``begin``, or the committer thread
+        once the engine went idle); whoever comes second finds it closed."""
+        with self._late_lock:
+            late, self._late = self._late, None
+            if late is not None:
+                self._close(late.step, late.lease_lost, late.number)
+
+    def _close(self, step: StepSave, lease_lost: bool, number: int) -> None:
+        """The end of step ``number``'s save: its Reserve's answer (waited for), the copy of
+        host KV into the slots and the Commit handed over; the Abort where nothing is to be
+        written; the re-offer of a step that outlasted half of its write lease."""
+        pending = self._settle(step.asked) if step.asked is not None else step.pending
         complete = len(step.layers) == len(self.format.layer_names)
         if (pending is not None and not lease_lost and self._clock() >= pending.renew_at
                 and complete):
@@ -496,7 +525,7 @@ class WorkerSide:
             return
         if pending.device is None and pending.targets:
             self._host.store(self.link.arena_tensor, pending.block_runs)
-        self._commits.commit(self._outcomes.step, pending.reservation, pending.written(),
+        self._commits.commit(number, pending.reservation, pending.written(),
                              pending.owner_of_each(), ticket)
 
     def _report_speed(self) -> None:
@@ -512,7 +541,8 @@ class WorkerSide:
             self.link.failed(exc, session)
 
     def flush(self) -> None:
-        """Wait until every handed-off Commit has landed and is counted."""
+        """Wait until every handed-off Commit (a late save's too) has landed and is counted."""
+        self._close_late()
         self._commits.harvest(wait=True)
 
     # -- reports -----------------------------------------------------------------------------
@@ -533,6 +563,7 @@ class WorkerSide:
     def close(self) -> None:
         """Land the pending Commits, stop the helper threads, unregister. Commits still waiting
         for a verdict are dropped (their reservations lapse on the daemon)."""
+        self._close_late()
         self._finish_loads()
         if self._streaming.streams is not None:
             self._streaming.streams.close()
