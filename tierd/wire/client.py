@@ -428,6 +428,13 @@ class TierdClient:
         self._call("ReportHotBlocks", _Requests.hot(engine_id, stored, removed, cleared,
                                                     prefill_tokens_per_second))
 
+    def report_speed_sent(self, engine_id: str, prefill_tokens_per_second: float) -> Sent[bool]:
+        """``report_hot_blocks`` of the prefill speed alone, sent now from this thread without
+        waiting (``reserve_sent``'s way); its answer is True."""
+        return self._sent("ReportHotBlocks", _Requests.hot(engine_id, (), (), False,
+                                                           prefill_tokens_per_second),
+                          lambda reply: True)
+
     def locate(self, engine_id: str | None, hashes: Sequence[BlockHash], *,
                layout: Layout | None = None) -> Located:
         """Rank the cluster's nodes by the prefix of ``hashes`` they hold, in the namespace of

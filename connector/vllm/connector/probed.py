@@ -95,9 +95,10 @@ class Probes:
 
 
 class Unread:
-    """Calls sent without waiting whose answers nobody needs (a probed load's Release): read at
-    the worker's next step once in (``reap``), so their lane connections go back to the
-    client; one not answered within ``timeout`` seconds is abandoned. Engine thread only."""
+    """Calls sent without waiting whose answers nobody needs (a probed load's Release, a
+    prefill speed's report): read at the worker's next step once in (``reap``), so their lane
+    connections go back to the client; one not answered within ``timeout`` seconds is
+    abandoned. Engine thread only."""
 
     def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._timeout, self._clock = timeout, clock

@@ -530,13 +530,14 @@ class WorkerSide:
 
     def _report_speed(self) -> None:
         """Send the measured prefill speed when one is due (``core.prefill_speed``: the
-        daemon counts the cache's savings at it); a failed call drops the session as any."""
+        daemon counts the cache's savings at it), without waiting: its answer is read at a
+        later step (``probed.Unread``); a call that fails to go out drops the session."""
         speed = self._speed.take()
         session = self.link.session
         if speed is None or session is None:
             return
         try:
-            session.client.report_hot_blocks(session.engine_id, prefill_tokens_per_second=speed)
+            self._unread.add(session.client.report_speed_sent(session.engine_id, speed))
         except grpc.RpcError as exc:
             self.link.failed(exc, session)
 
