@@ -197,6 +197,14 @@ def run_alone(engine: Engine, request: Any) -> list[int]:
     raise AssertionError(f"{request.request_id} did not finish")
 
 
+def assert_loads_what_a_computed(b: Engine, a: Engine, seed: int) -> None:
+    """B, given A's one-token request "a1" (``prompt(seed)``), loads all 6 of its blocks and
+    generates what A did."""
+    got = b.run([make_request("b", prompt(seed), max_tokens=1)])["b"]
+    assert b.worker.worker_counters.data["loaded_blocks"] == 6
+    assert got == a.tokens["a1"]
+
+
 def test_a_save_answered_after_its_step_is_copied_before_the_next_step_writes(
         model_dir: str, daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Reserve of A's one-token request is answered after its only step ended:
@@ -213,9 +221,7 @@ def test_a_save_answered_after_its_step_is_copied_before_the_next_step_writes(
         assert set(first) & set(second)  # a2 wrote into blocks a1's save was taken from
         counters = a.worker.worker_counters.data
         assert (counters["saved_blocks"], counters["dropped_blocks"]) == (12, 0)
-        got = b.run([make_request("b", prompt(4), max_tokens=1)])["b"]
-        assert b.worker.worker_counters.data["loaded_blocks"] == 6
-        assert got == a.tokens["a1"]
+        assert_loads_what_a_computed(b, a, 4)
     finally:
         a.close()
         b.close()
@@ -239,9 +245,7 @@ def test_a_save_answered_after_the_last_step_lands_while_the_engine_idles(
             with daemon.client() as client:
                 used = next(t.used_blocks for t in client.stats().tiers if t.tier == "dram")
         assert used == 6
-        got = b.run([make_request("b", prompt(6), max_tokens=1)])["b"]
-        assert b.worker.worker_counters.data["loaded_blocks"] == 6
-        assert got == a.tokens["a1"]
+        assert_loads_what_a_computed(b, a, 6)
     finally:
         a.close()
         b.close()
