@@ -8,7 +8,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -158,6 +158,20 @@ def test_a_commit_that_lands_after_its_lease_is_a_warning(
         a.close()
 
 
+def answered_on_a_thread(call: Callable[[], Any]) -> Sent[Any]:
+    """A call sent without waiting whose answer is ``call()``, made on a thread of its own."""
+    reply: Future[Any] = Future()
+
+    def answer() -> None:
+        try:
+            reply.set_result(call())
+        except Exception as exc:  # noqa: BLE001  # handed to the waiter
+            reply.set_exception(exc)
+
+    threading.Thread(target=answer, daemon=True).start()
+    return FutureSent(reply)
+
+
 def answered_after(monkeypatch: pytest.MonkeyPatch, seconds: float) -> list[Sent[Any]]:
     """Every Reserve a worker sends is answered ``seconds`` late (a daemon busy elsewhere): the
     real call made on a thread of its own after that wait. The list of those sent, in order."""
@@ -165,17 +179,11 @@ def answered_after(monkeypatch: pytest.MonkeyPatch, seconds: float) -> list[Sent
     sent: list[Sent[Any]] = []
 
     def reserve_sent(client: TierdClient, engine_id: str, hashes: list[bytes]) -> Sent[Any]:
-        reply: Future[Any] = Future()
-
-        def answer() -> None:
+        def late() -> Any:
             time.sleep(seconds)
-            try:
-                reply.set_result(real(client, engine_id, hashes))
-            except Exception as exc:  # noqa: BLE001  # handed to the waiter
-                reply.set_exception(exc)
+            return real(client, engine_id, hashes)
 
-        threading.Thread(target=answer, daemon=True).start()
-        sent.append(FutureSent(reply))
+        sent.append(answered_on_a_thread(late))
         return sent[-1]
 
     monkeypatch.setattr(TierdClient, "reserve_sent", reserve_sent)
@@ -287,16 +295,7 @@ def test_a_slow_daemon_never_blocks_the_scheduler(model_dir: str, daemon: Daemon
             return real_probe(client, engine_id, hashes, **flags)
 
         def slow_sent(client: TierdClient, *args: Any) -> Sent[Any]:
-            reply: Future[Any] = Future()
-
-            def answer() -> None:
-                try:
-                    reply.set_result(slow(client, *args))
-                except Exception as exc:  # noqa: BLE001  # handed to the waiter
-                    reply.set_exception(exc)
-
-            threading.Thread(target=answer, daemon=True).start()
-            return FutureSent(reply)
+            return answered_on_a_thread(lambda: slow(client, *args))
 
         monkeypatch.setattr(TierdClient, "probe", slow)
         monkeypatch.setattr(TierdClient, "probe_sent", slow_sent)

@@ -40,8 +40,6 @@ import secrets
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-import xxhash
-
 from tierd.daemon.arena import OwnedArena
 from tierd.types import Namespace, NamespacedKey, Tier
 from tierd.wire.arena import ShmArena
@@ -119,20 +117,18 @@ class PresenceFilter:
         weight = _WEIGHTS.get(tier)
         if weight is None:
             return
-        counts, mask, fkey = self._counts, self.cells - 1, self.filter_key
+        counts = self._counts
         for key in keys:
-            digest = xxhash.xxh3_64_intdigest(fkey(key))
-            for cell in (digest & mask, (digest >> 32) & mask):
+            for cell in self.cells_of(key):
                 counts[cell] = min(counts[cell] + weight, SATURATED)
 
     def removed(self, keys: Sequence[NamespacedKey], tier: Tier) -> None:
         weight = _WEIGHTS.get(tier)
         if weight is None:
             return
-        counts, mask, fkey = self._counts, self.cells - 1, self.filter_key
+        counts = self._counts
         for key in keys:
-            digest = xxhash.xxh3_64_intdigest(fkey(key))
-            for cell in (digest & mask, (digest >> 32) & mask):
+            for cell in self.cells_of(key):
                 if weight <= counts[cell] != SATURATED:  # else it stays "maybe"
                     counts[cell] -= weight
 

@@ -48,14 +48,14 @@ class PresenceView:
         """False only if the node held no DRAM or SSD copy of the block when last counted.
         ``filter_key``: the engine's ``namespace`` from RegisterEngine (its filter prefix)
         followed by the block hash."""
-        digest, mask = xxhash.xxh3_64_intdigest(filter_key), self.cells - 1
-        return self._counts[digest & mask] != 0 and self._counts[(digest >> 32) & mask] != 0
+        first, second = cells_of(filter_key, self.cells)
+        return self._counts[first] != 0 and self._counts[second] != 0
 
     def may_be_in_dram(self, filter_key: bytes) -> bool:
         """False if the node held no DRAM copy of the block when last counted (it may still
         hold an SSD copy): ``may_hold`` narrowed to DRAM."""
-        digest, mask = xxhash.xxh3_64_intdigest(filter_key), self.cells - 1
-        return _dram(self._counts[digest & mask]) and _dram(self._counts[(digest >> 32) & mask])
+        first, second = cells_of(filter_key, self.cells)
+        return _dram(self._counts[first]) and _dram(self._counts[second])
 
 
 def _dram(count: int) -> bool:
