@@ -235,6 +235,48 @@ def test_a_save_answered_after_its_step_is_copied_before_the_next_step_writes(
         b.close()
 
 
+def test_a_steps_copy_is_made_after_wait_for_save_returns(
+        model_dir: str, daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every copy of a step's blocks into the arena takes 0.3 s: ``wait_for_save`` returns
+    without it (the step's tokens are sampled meanwhile; the committer thread, or else the
+    next step's first hook, makes it). The next step, whose request takes over the vLLM blocks
+    the copy reads (8 blocks: room for one request), has it made before its forward pass: B
+    loads all 6 and generates what A did."""
+    from tierd.connector.vllm.connector.sinks import LayerViews
+
+    real_store = LayerViews.store
+    copies: list[float] = []
+
+    def slow_store(views: LayerViews, *args: Any) -> None:
+        time.sleep(0.3)
+        copies.append(time.monotonic())
+        real_store(views, *args)
+
+    monkeypatch.setattr(LayerViews, "store", slow_store)
+    a = Engine.start(vllm_config(model_dir, daemon.socket_path), num_blocks=8)
+    b = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    real_wait = a.worker.wait_for_save
+    waits: list[float] = []
+
+    def timed_wait() -> None:
+        started = time.monotonic()
+        real_wait()
+        waits.append(time.monotonic() - started)
+
+    a.worker.wait_for_save = timed_wait
+    try:
+        first = run_alone(a, make_request("a1", prompt(4), max_tokens=1))
+        second = run_alone(a, make_request("a2", prompt(5), max_tokens=1))
+        assert set(first) & set(second)  # a2 wrote into blocks a1's save was taken from
+        counters = a.worker.worker_counters.data  # waits for the Commits
+        assert len(copies) == 2 and max(waits) < 0.15, (copies, waits)
+        assert (counters["saved_blocks"], counters["dropped_blocks"]) == (12, 0)
+        assert_loads_what_a_computed(b, a, 4)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_save_answered_after_the_last_step_lands_while_the_engine_idles(
         model_dir: str, daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
     """No step follows the one whose Reserve is answered late (the engine goes idle): the

@@ -14,11 +14,12 @@ wakes for them. All Commits handed over since the last step go in one round trip
 each Commit landing or failing on its own; one per engine where the daemon restarted in between); a
 Commit whose device copies are still in flight (CUDA) waits for a later step. Where no step sends a
 Commit within ``WINDOW_SECONDS`` of its handover (the engine went idle), the committer thread lands
-it: a block is visible to lookups at most about a window after its step. The same thread runs the
-worker's close of a late save (``after_window``: a step whose Reserve was not answered by its end,
-which the next step closes first) where no step came within a window, and lands its Commit at once.
-The committer thread looks every window while Commits come and parks after ``IDLE_POLLS`` empty
-looks (the next Commit wakes it). ``harvest(wait=True)`` (and ``close``) lands every Commit at once.
+it: a block is visible to lookups at most about a window after its step. The same thread closes
+a step's save (host KV) right after the step (``soon``): it reads the Reserve's answer, copies the
+blocks and hands the Commit over while the engine thread samples and waits for the next step, at
+a lower priority than the engine thread. The committer thread looks every window while Commits
+come and parks after ``IDLE_POLLS`` empty looks (the next Commit wakes it).
+``harvest(wait=True)`` (and ``close``) lands every Commit at once.
 
 With TP > 1, a step's Commit is *held* until the scheduler's verdict on that step
 (``TierdConnectorMetadata.verdict``): the blocks of requests some rank failed to load under are
@@ -34,6 +35,7 @@ since the last).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -62,6 +64,9 @@ well inside any write lease, so a Commit never lapses for waiting."""
 
 IDLE_POLLS = 50
 """Empty looks (a second at ``WINDOW_SECONDS``) before the committer thread parks."""
+
+HELPER_NICE = 10
+"""How much nicer than the engine thread the committer thread runs (``_lower_priority``)."""
 
 BATCH = 64
 """Commits per round trip at most (the daemon's ``CommitMany`` limit)."""
@@ -105,20 +110,21 @@ class Committer:
         self._sent: list[tuple[Sent[list[int | CommitRefused]], list[_Queued], float]] = []
         self._cond = threading.Condition()  # the queue is shared with the committer thread
         self._queue: list[_Queued] = []
-        self._task: tuple[Callable[[], None], float] | None = None  # ``after_window``'s
+        self._soon: Callable[[], None] | None = None  # ``soon``'s
         self._parked = False            # the thread waits for a Commit (the queue stayed empty)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="tierd-commit", daemon=True)
         self._thread.start()
 
-    def after_window(self, task: Callable[[], None]) -> None:
-        """Run ``task`` on the committer thread ``WINDOW_SECONDS`` from now (unless another
-        call replaces it first), then land every queued Commit at once. ``task`` must be safe
-        to run there and a no-op where the engine thread did its work in the meantime."""
+    def soon(self, task: Callable[[], None]) -> None:
+        """Run ``task`` on the committer thread at once (unless another call replaces it
+        first), at that thread's lower priority (``HELPER_NICE``): the engine thread goes on
+        with the step meanwhile. The Commits ``task`` hands over wait for the next step's
+        ``send`` (or a window). ``task`` must be safe to run there and a no-op where the
+        engine thread did its work in the meantime."""
         with self._cond:
-            self._task = (task, time.monotonic())
-            if self._parked:
-                self._cond.notify()
+            self._soon = task
+            self._cond.notify()
 
     def commit(self, step: int, reservation: Reservation, written: list[bool],
                owners: list[str], ticket: SaveTicket | None) -> None:
@@ -174,7 +180,7 @@ class Committer:
             self._send_now(queued)
         self._read_sent(wait)
         keep: list[tuple[Session | None, Future[_Outcome]]] = []
-        with self._cond:  # the committer thread may submit one meanwhile (``after_window``)
+        with self._cond:  # the committer thread may submit one meanwhile (``soon``)
             futures, self._futures = self._futures, []
         for session, future in futures:
             if not wait and not future.done():
@@ -281,43 +287,37 @@ class Committer:
         return self._client
 
     def _loop(self) -> None:
-        """Committer thread: every ``WINDOW_SECONDS`` while Commits (or an ``after_window``
-        task) come, land those the engine thread has not sent within a window of their
-        handover (the engine went idle, or their device copies were in flight), and run a
-        task that is due, then land at once what it handed over; parked after
+        """Committer thread: run a ``soon`` task at once; every ``WINDOW_SECONDS`` while
+        Commits come, land those the engine thread has not sent within a window of their
+        handover (the engine went idle, or their device copies were in flight); parked after
         ``IDLE_POLLS`` empty looks."""
+        _lower_priority()
         idle = 0
         while True:
-            task = None
             with self._cond:
                 if self._stopping:
                     return
-                if not self._queue and self._task is None and idle >= IDLE_POLLS:
-                    self._parked = True
-                    self._cond.wait()
-                    self._parked, idle = False, 0
-                    continue
-                self._cond.wait(WINDOW_SECONDS)
-                now = time.monotonic()
-                if self._task is not None and now - self._task[1] >= WINDOW_SECONDS:
-                    task, self._task = self._task[0], None
-                if not self._queue and task is None:
+                if self._soon is None:
+                    if not self._queue and idle >= IDLE_POLLS:
+                        self._parked = True
+                        self._cond.wait()
+                        self._parked, idle = False, 0
+                        continue
+                    self._cond.wait(WINDOW_SECONDS)
+                soon, self._soon = self._soon, None
+                if soon is not None:
+                    idle = 0
+            if soon is not None:
+                _run(soon)
+                continue
+            with self._cond:
+                if not self._queue:
                     idle += 1
                     continue
                 idle = 0
-                if task is None and now - self._queue[0].at < WINDOW_SECONDS:
+                if time.monotonic() - self._queue[0].at < WINDOW_SECONDS:
                     continue
-                if task is None:
-                    queued, self._queue = self._queue, []
-            if task is not None:
-                try:
-                    task()
-                except Exception:  # noqa: BLE001  # a bug: said, and the thread goes on
-                    _log.exception("tierd: closing a late save failed")
-                with self._cond:
-                    queued, self._queue = self._queue, []
-                if not queued:
-                    continue
+                queued, self._queue = self._queue, []
             try:
                 _landed(self._committer_client(), queued)
             except BaseException as exc:  # a bug: its Commits' waiters raise it, not hang
@@ -325,6 +325,27 @@ class Committer:
                     if not item.outcome.done():
                         item.outcome.set_exception(exc)
                 raise
+
+
+def _run(task: Callable[[], None]) -> None:
+    """Run a task on the committer thread; one that raises is a bug: said, and the thread
+    goes on."""
+    try:
+        task()
+    except Exception:  # noqa: BLE001
+        _log.exception("tierd: closing a save on the committer thread failed")
+
+
+def _lower_priority() -> None:
+    """Committer thread: run ``HELPER_NICE`` steps nicer than the thread that started it, so
+    the engine thread on the same core keeps the core while it has work (best effort: a host
+    that refuses leaves it as it is)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid)
+                                                  + HELPER_NICE))
+    except (AttributeError, OSError):
+        pass
 
 
 def _batches(queued: list[_Queued]) -> list[list[_Queued]]:

@@ -74,8 +74,8 @@ class StepSave:
 
 @dataclass(frozen=True, slots=True)
 class LateSave:
-    """A step's save whose Reserve was not answered by ``wait_for_save``: closed (answer read,
-    copy, Commit) at the next step's ``begin`` or by the committer thread."""
+    """A step's save (host KV) after ``wait_for_save``: closed (answer read, copy, Commit) by
+    the committer thread, or at the next step's ``begin`` if that comes first."""
 
     step: StepSave
     lease_lost: bool                    # the step's saves are dropped

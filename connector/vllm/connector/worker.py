@@ -32,32 +32,31 @@ synchronous load, after it otherwise):
 * saves: the Reserve of the blocks the step completes goes out without waiting, before the
   forward pass (the daemon answers during it): at ``begin`` on a step with no synchronous load,
   at the end of ``load`` on one with (after its loads, which can poison a request's saves),
-  sent and its answer read by this thread (``TierdClient.reserve_sent``: no helper thread runs
-  on the forward pass's core); ``save_layer`` (vLLM's ``save_kv_layer``) marks each layer as
-  handed over (on CUDA its K/V is gathered then, so the first layer waits for the answer).
-  Host KV is copied into the reserved slots at ``finish_save``, every layer at once (one
-  native call, ``LayerViews.store``): the forward pass is synchronous there.
+  sent by this thread (``TierdClient.reserve_sent``: no helper thread is woken to send it);
+  ``save_layer`` (vLLM's ``save_kv_layer``) marks each layer as handed over (on CUDA its K/V
+  is gathered then, so the first layer waits for the answer). Host KV is copied into the
+  reserved slots after the step (``finish_save``), every layer at once (one native call,
+  ``LayerViews.store``): the forward pass is synchronous, so the step's KV is all written.
   Saves of a request whose load failed, or that sit on a block whose load failed
   (``SaveSpec.depends_on``; failed blocks are kept until the scheduler has seen them), are
   dropped, and that request's saves stay dropped until the scheduler names it in
   ``recomputing``: nothing computed on wrong KV is stored.
-* ``finish_save`` (``wait_for_save``): takes the Reserve's answer, copies host KV into the
-  slots, hands the step's Commit over (``commits.Committer``: sent at the next step's ``begin``,
-  before its Reserve) and returns: vLLM may reuse its blocks at once (the bytes are in the
-  arena). Host KV whose Reserve is not answered yet is not waited for: the step's save is
-  *late*, closed (answer read, copy, Commit) first thing at the next step's ``begin``, before
-  vLLM prepares that step (no KV of vLLM's is written between the end of one step and the
-  ``begin`` of the next: not by the forward pass, nor by a load), or, where no step comes within
-  ``commits.WINDOW_SECONDS`` (the engine went idle), by the committer thread; ``begin`` waits
-  for a close that thread has under way. The Commit names the written slots and the daemon
-  checksums them itself (in its own process, so the engine's part of a store is the copy out of
-  its KV), and the blocks become visible to other engines only whole, when it lands. If some
-  layer never arrived, Abort instead. A step that outlasted half of its write lease (a slow
-  forward pass) is *re-offered* first: a fresh Reserve, into which every layer is copied from
-  vLLM's blocks (they hold the step's KV until it ends; on CUDA gathered again), the old
-  reservation aborted, so a slow step does not lose its saves to a lapsed lease
-  (``reoffered_blocks``); a Commit that still finds its lease ended is a WARNING and
-  ``lapsed_blocks`` (``commits``).
+* ``finish_save`` (``wait_for_save``): with host KV, returns at once: the step's save is
+  *late*, closed (the Reserve's answer read, the copy into the slots, the Commit handed over to
+  ``commits.Committer``, sent at the next step's ``begin`` before its Reserve) by the committer
+  thread right after the step, while this thread samples the step's tokens and waits for the
+  next one, or at the latest first thing at the next step's ``begin``, before vLLM prepares
+  that step: no KV of vLLM's is written between the end of one step and the ``begin`` of the
+  next (not by the forward pass, nor by a load), and ``begin`` waits for a close the committer
+  thread has under way. So the copy is not on the path of the step's sampled tokens. The
+  Commit names the written slots and the daemon checksums them itself (in its own process, so
+  the engine's part of a store is the copy out of its KV), and the blocks become visible to
+  other engines only whole, when it lands. If some layer never arrived, Abort instead. A step
+  that outlasted half of its write lease (a slow forward pass) is *re-offered* first: a fresh
+  Reserve, into which every layer is copied from vLLM's blocks (they hold the step's KV until
+  the next step's ``begin``; on CUDA gathered again), the old reservation aborted, so a slow
+  step does not lose its saves to a lapsed lease (``reoffered_blocks``); a Commit that still
+  finds its lease ended is a WARNING and ``lapsed_blocks`` (``commits``).
 
 On CUDA (vLLM's KV tensors on a GPU) the copies go through ``cuda_copy.DeviceTransfer`` over
 the arena, registered as pinned memory at attach (``device_path.DevicePath``): a load is queued
@@ -154,7 +153,7 @@ class WorkerSide:
         self._counters = Counters()
         self._outcomes = Outcomes(self._counters, self.format.slot_bytes, tp_size)
         self._save = StepSave()
-        self._late: LateSave | None = None  # a step's save closed at the next ``begin``
+        self._late: LateSave | None = None  # a step's save, closed after the step
         self._late_lock = threading.Lock()  # held while a late save is closed (either thread)
         self._begun: int | None = None  # the step ``begin`` took (``meta.step``), until it ends
         self._commits = Committer(self.link, self._counters, self.format.slot_bytes, tp_size,
@@ -474,9 +473,9 @@ class WorkerSide:
 
     def finish_save(self) -> None:
         """Hand this step's Commit over (``commits``), or Abort the reservation if a layer
-        is missing (``_close``); host KV whose Reserve is not answered yet is closed late
-        (module doc). Returns without waiting for the daemon; never raises for a daemon
-        failure (outcomes are counted when they arrive)."""
+        is missing (``_close``); host KV is closed after the step (module doc). Returns
+        without waiting for the daemon; never raises for a daemon failure (outcomes are
+        counted when they arrive)."""
         self._speed.end()
         self._report_speed()
         self._begun = None  # the step ends here
@@ -484,16 +483,17 @@ class WorkerSide:
         self._commits.harvest()
         step, self._save = self._save, StepSave()
         self._close_late()  # one left by a caller that skipped ``begin``
-        if step.asked is not None and not self._device.enabled and not step.asked.reply.done():
+        if step.asked is not None and not self._device.enabled:
             with self._late_lock:
                 self._late = LateSave(step, lease_lost, self._outcomes.step)
-            self._commits.after_window(self._close_late)
+            self._commits.soon(self._close_late)
             return
         self._close(step, lease_lost, self._outcomes.step)
 
     def _close_late(self) -> None:
-        """Close the late save, if any (the engine thread at ``begin``, or the committer thread
-        once the engine went idle); whoever comes second finds it closed."""
+        """Close the late save, if any (the committer thread right after the step, or the
+        engine thread at the next ``begin`` if it comes first); whoever comes second finds it
+        closed, or waits for the close under way."""
         with self._late_lock:
             late, self._late = self._late, None
             if late is not None:
