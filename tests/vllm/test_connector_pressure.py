@@ -213,6 +213,20 @@ def assert_loads_what_a_computed(b: Engine, a: Engine, seed: int) -> None:
     assert got == a.tokens["a1"]
 
 
+def two_requests_over_the_same_blocks(a: Engine, b: Engine, between: Callable[[], None]) -> None:
+    """A (8 blocks: room for one request) runs the one-token request "a1" (``prompt(4)``),
+    then ``between``, then "a2", which takes over the vLLM blocks a1 held: A stored all 12
+    blocks and dropped none (its Commits waited for), and B loads a1's 6 and generates what
+    A did."""
+    first = run_alone(a, make_request("a1", prompt(4), max_tokens=1))
+    between()
+    second = run_alone(a, make_request("a2", prompt(5), max_tokens=1))
+    assert set(first) & set(second)  # a2 wrote into blocks a1's save was taken from
+    counters = a.worker.worker_counters.data  # waits for the Commits
+    assert (counters["saved_blocks"], counters["dropped_blocks"]) == (12, 0)
+    assert_loads_what_a_computed(b, a, 4)
+
+
 def test_a_save_answered_after_its_step_is_copied_before_the_next_step_writes(
         model_dir: str, daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Reserve of A's one-token request is answered after its only step ended:
@@ -222,14 +236,12 @@ def test_a_save_answered_after_its_step_is_copied_before_the_next_step_writes(
     sent = answered_after(monkeypatch, 0.3)
     a = Engine.start(vllm_config(model_dir, daemon.socket_path), num_blocks=8)
     b = Engine.start(vllm_config(model_dir, daemon.socket_path))
-    try:
-        first = run_alone(a, make_request("a1", prompt(4), max_tokens=1))
+
+    def unanswered() -> None:
         assert len(sent) == 1 and not sent[0].done()  # the step ended before its answer
-        second = run_alone(a, make_request("a2", prompt(5), max_tokens=1))
-        assert set(first) & set(second)  # a2 wrote into blocks a1's save was taken from
-        counters = a.worker.worker_counters.data
-        assert (counters["saved_blocks"], counters["dropped_blocks"]) == (12, 0)
-        assert_loads_what_a_computed(b, a, 4)
+
+    try:
+        two_requests_over_the_same_blocks(a, b, unanswered)
     finally:
         a.close()
         b.close()
@@ -265,13 +277,8 @@ def test_a_steps_copy_is_made_after_wait_for_save_returns(
 
     a.worker.wait_for_save = timed_wait
     try:
-        first = run_alone(a, make_request("a1", prompt(4), max_tokens=1))
-        second = run_alone(a, make_request("a2", prompt(5), max_tokens=1))
-        assert set(first) & set(second)  # a2 wrote into blocks a1's save was taken from
-        counters = a.worker.worker_counters.data  # waits for the Commits
+        two_requests_over_the_same_blocks(a, b, lambda: None)
         assert len(copies) == 2 and max(waits) < 0.15, (copies, waits)
-        assert (counters["saved_blocks"], counters["dropped_blocks"]) == (12, 0)
-        assert_loads_what_a_computed(b, a, 4)
     finally:
         a.close()
         b.close()
