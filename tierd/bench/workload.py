@@ -31,7 +31,10 @@ arm's processes go idle). Per run: request and output-token throughput, TTFT p50
 failures, vLLM's local and external prefix-hit rates and tierd's hit ratio over the run (the
 last two should agree), and vLLM's own per-request means of the time a request waits to be
 scheduled, takes to its first token and from there to its last, with the engine's steps per
-request. Then the targets as ratios of the arms' runs in each repeat, judged on their median
+request, and the CPU time per request of the arm's processes (vLLM's worker and engine core poll
+for each other's messages between steps, so where they keep their cores busy that tracks the
+run's length rather than the work: its ratio follows the throughput's). Then the targets as
+ratios of the arms' runs in each repeat, judged on their median
 (``tierd.bench.workload_report.TARGETS``); a target some of whose repeats meet its limit and
 others miss it is marked as straddled: the host's noise between repeats exceeds the margin, and
 this run does not settle it. Beside them, for each pair of arms a target compares, how much
