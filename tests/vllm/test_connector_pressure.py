@@ -287,8 +287,9 @@ def test_a_steps_copy_is_made_after_wait_for_save_returns(
 def test_a_save_answered_after_the_last_step_lands_while_the_engine_idles(
         model_dir: str, daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
     """No step follows the one whose Reserve is answered late (the engine goes idle): the
-    committer thread copies and commits its 6 blocks, which the daemon holds within a second
-    with no further step or flush of A's; B loads them all."""
+    committer thread copies and commits its 6 blocks, which the daemon holds (none of them
+    pinned by the reservation any more) within a second with no further step or flush of
+    A's; B loads them all."""
     sent = answered_after(monkeypatch, 0.2)
     a = Engine.start(vllm_config(model_dir, daemon.socket_path))
     b = Engine.start(vllm_config(model_dir, daemon.socket_path))
@@ -296,12 +297,13 @@ def test_a_save_answered_after_the_last_step_lands_while_the_engine_idles(
         run_alone(a, make_request("a1", prompt(6), max_tokens=1))
         assert len(sent) == 1 and not sent[0].done()
         deadline = time.monotonic() + 5.0
-        used = 0
-        while used < 6 and time.monotonic() < deadline:
+        used, pinned = 0, 0
+        while (used, pinned) != (6, 0) and time.monotonic() < deadline:
             time.sleep(0.05)
             with daemon.client() as client:
-                used = next(t.used_blocks for t in client.stats().tiers if t.tier == "dram")
-        assert used == 6
+                dram = next(t for t in client.stats().tiers if t.tier == "dram")
+            used, pinned = dram.used_blocks, dram.pinned_blocks
+        assert (used, pinned) == (6, 0)
         assert_loads_what_a_computed(b, a, 6)
     finally:
         a.close()

@@ -5,16 +5,18 @@ reuse its blocks at once (the bytes are already in the arena, or, on CUDA, on th
 goes out only once its save's ``SaveTicket`` has landed). The Commit names the written slots and
 the daemon checksums them itself (``core.save.commit``).
 
-Commits are sent at the start of the worker's next step (``send``, from ``begin``): vLLM's scheduler
-has just handed that step to the workers and waits for it, so the daemon's work on the Commits (and
-on the step's Reserve, if it saves, sent right after) falls where the host's other core has the
-least to do, rather than at a moment its scheduler or API server is busy; the engine thread sends
-them without waiting and reads their outcomes at a later hook once they are in, so no other thread
-wakes for them. All Commits handed over since the last step go in one round trip (``CommitMany``,
-each Commit landing or failing on its own; one per engine where the daemon restarted in between); a
-Commit whose device copies are still in flight (CUDA) waits for a later step. Where no step sends a
-Commit within ``WINDOW_SECONDS`` of its handover (the engine went idle), the committer thread lands
-it: a block is visible to lookups at most about a window after its step. The same thread closes
+Commits are sent at the start of a later step of the worker (``send``, from ``begin``): vLLM's
+scheduler has just handed that step to the workers and waits for it, so the daemon's work on the
+Commits (and on the step's Reserve, if it saves, sent right after) falls where the host's other core
+has the least to do, rather than at a moment its scheduler or API server is busy; the engine thread
+sends them without waiting and reads their outcomes at a later hook once they are in, so no other
+thread wakes for them. A step sends once ``SEND_AT`` Commits are queued, or the oldest has waited
+``HOLD_SECONDS``: a round trip's cost is mostly its own, not its blocks', so the Commits of a few
+saving steps share one (``CommitMany``, each Commit landing or failing on its own; one per engine
+where the daemon restarted in between); a Commit whose device copies are still in flight (CUDA)
+waits for a later step. Where no step sends a Commit within ``HOLD_SECONDS`` and ``WINDOW_SECONDS``
+of its handover (the engine went idle), the committer thread lands it: a block is visible to lookups
+at most about that long after its step. The same thread closes
 a step's save (host KV) right after the step (``soon``): it reads the Reserve's answer, copies the
 blocks and hands the Commit over while the engine thread samples and waits for the next step, at
 a lower priority than the engine thread. The committer thread looks every window while Commits
@@ -59,14 +61,21 @@ _log = logging.getLogger(__name__)
 _Outcome = tuple[int, int, grpc.RpcError | None]  # blocks stored, blocks lost, the error
 
 WINDOW_SECONDS = 0.02
-"""How long a Commit no step has sent waits before the committer thread lands it (module doc);
-well inside any write lease, so a Commit never lapses for waiting."""
+"""How long past ``HOLD_SECONDS`` a Commit no step has sent waits before the committer thread
+lands it (module doc); both well inside any write lease, so a Commit never lapses for waiting."""
 
 IDLE_POLLS = 50
 """Empty looks (a second at ``WINDOW_SECONDS``) before the committer thread parks."""
 
 HELPER_NICE = 10
 """How much nicer than the engine thread the committer thread runs (``_lower_priority``)."""
+
+SEND_AT = 4
+"""Commits queued before a step's ``send`` sends them (fewer wait, up to ``HOLD_SECONDS``): each
+round trip costs the daemon and the worker about as much as the blocks it carries."""
+
+HOLD_SECONDS = 0.1
+"""How long a Commit waits for others before a step sends it anyway (module doc)."""
 
 BATCH = 64
 """Commits per round trip at most (the daemon's ``CommitMany`` limit)."""
@@ -156,10 +165,15 @@ class Committer:
 
     def send(self) -> None:
         """At the start of a step (vLLM has just handed it to the workers, so its scheduler
-        waits): send the Commits handed over so far, from this thread without waiting
+        waits): once ``SEND_AT`` are queued or the oldest has waited ``HOLD_SECONDS``, send the
+        Commits handed over so far, from this thread without waiting
         (``TierdClient.commit_many_sent``); ``harvest`` reads their outcomes once they are in.
         A Commit whose device copies are still in flight (CUDA), and every one after it, waits
         for the next step (or the committer thread)."""
+        queue = self._queue
+        if not queue or (len(queue) < SEND_AT
+                         and time.monotonic() - queue[0].at < HOLD_SECONDS):
+            return  # wait for more (read without the lock: a stale look only sends later)
         with self._cond:
             ready = next((i for i, item in enumerate(self._queue)
                           if item.ticket is not None and not item.ticket.landed.query()),
@@ -288,9 +302,9 @@ class Committer:
 
     def _loop(self) -> None:
         """Committer thread: run a ``soon`` task at once; every ``WINDOW_SECONDS`` while
-        Commits come, land those the engine thread has not sent within a window of their
-        handover (the engine went idle, or their device copies were in flight); parked after
-        ``IDLE_POLLS`` empty looks."""
+        Commits come, land those the engine thread has not sent within ``HOLD_SECONDS`` and a
+        window of their handover (the engine went idle, or their device copies were in
+        flight); parked after ``IDLE_POLLS`` empty looks."""
         _lower_priority()
         idle = 0
         while True:
@@ -315,7 +329,7 @@ class Committer:
                     idle += 1
                     continue
                 idle = 0
-                if time.monotonic() - self._queue[0].at < WINDOW_SECONDS:
+                if time.monotonic() - self._queue[0].at < HOLD_SECONDS + WINDOW_SECONDS:
                     continue
                 queued, self._queue = self._queue, []
             try:

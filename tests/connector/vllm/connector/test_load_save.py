@@ -118,16 +118,53 @@ def test_a_saves_reserve_is_answered_to_the_worker_thread_itself(engines: Any) -
     assert client.on_lane and client._calls is None
 
 
-def test_a_steps_commit_goes_out_with_the_next_step_from_the_workers_thread(
+def test_saving_steps_commits_share_a_round_trip_sent_by_the_workers_thread(
         sock: str, engines: Any, monkeypatch: Any) -> None:
-    """Three steps each save a request's 6 blocks: each step's Commit is sent by the worker's
-    own thread when the next step begins (one CommitMany each), the last one when the counters
-    are taken (waiting lands every Commit at once); the committer thread sends none, and every
-    block is stored."""
+    """Five steps each save a request's 6 blocks: their Commits wait until ``SEND_AT`` (4) are
+    queued, then go out in one CommitMany sent by the worker's own thread when the next step
+    begins; the fifth goes when the counters are taken (waiting lands every Commit at once).
+    The committer thread sends none, and every block is stored."""
+    import tierd.connector.vllm.connector.commits as commits
+
+    by_thread, by_worker = _count_commit_calls(monkeypatch)
+    monkeypatch.setattr(commits, "WINDOW_SECONDS", 60.0)
+    monkeypatch.setattr(commits, "HOLD_SECONDS", 60.0)
+    a = engines(0)
+    for i in range(5):
+        req = FakeRequest(f"r{i}", prompt(96, salt=i))
+        a.admit(req)
+        a.step([req])
+        assert by_worker == ([] if i < 4 else [4])
+    began = time.monotonic()
+    assert a.counters() == (0, 0, 30, 0, 0) and usage(sock) == (30, 0)
+    assert time.monotonic() - began < 30.0
+    assert by_worker == [4, 1] and by_thread == []
+
+
+def test_a_commit_that_waited_its_hold_goes_out_with_the_next_step(
+        sock: str, engines: Any, monkeypatch: Any) -> None:
+    """With no hold, each saving step's Commit goes out alone at the next step's start, from
+    the worker's thread: a Commit waits for company at most ``HOLD_SECONDS``."""
+    import tierd.connector.vllm.connector.commits as commits
+
+    by_thread, by_worker = _count_commit_calls(monkeypatch)
+    monkeypatch.setattr(commits, "WINDOW_SECONDS", 60.0)
+    monkeypatch.setattr(commits, "HOLD_SECONDS", 0.0)
+    a = engines(0)
+    for i in range(3):
+        req = FakeRequest(f"r{i}", prompt(96, salt=i))
+        a.admit(req)
+        a.step([req])
+        assert by_worker == [1] * i
+    assert a.counters() == (0, 0, 18, 0, 0) and usage(sock) == (18, 0)
+    assert by_worker == [1, 1, 1] and by_thread == []
+
+
+def _count_commit_calls(monkeypatch: Any) -> tuple[list[int], list[int]]:
+    """The Commits per CommitMany sent by the committer thread and by the worker's thread."""
     import tierd.connector.vllm.connector.commits as commits
     from tierd.wire.client import TierdClient
 
-    monkeypatch.setattr(commits, "WINDOW_SECONDS", 60.0)
     by_thread: list[int] = []
     by_worker: list[int] = []
     commit_many, sent = commits.commit_many, TierdClient.commit_many_sent
@@ -142,16 +179,7 @@ def test_a_steps_commit_goes_out_with_the_next_step_from_the_workers_thread(
 
     monkeypatch.setattr(commits, "commit_many", on_thread)
     monkeypatch.setattr(TierdClient, "commit_many_sent", on_worker)
-    a = engines(0)
-    for i in range(3):
-        req = FakeRequest(f"r{i}", prompt(96, salt=i))
-        a.admit(req)
-        a.step([req])
-        assert by_worker == [1] * i
-    began = time.monotonic()
-    assert a.counters() == (0, 0, 18, 0, 0) and usage(sock) == (18, 0)
-    assert time.monotonic() - began < 30.0
-    assert by_worker == [1, 1, 1] and by_thread == []
+    return by_thread, by_worker
 
 
 def test_a_commit_no_step_sends_is_landed_by_the_committer_thread(
