@@ -83,16 +83,17 @@ def commit(client: TierdClient, reservation: Reservation, written: Sequence[bool
     return client.commit(reservation.engine_id, reservation.lease_id, written, names)
 
 
-def commit_many(client: TierdClient, commits: Sequence[tuple[Reservation, Sequence[bool]]]
+def commit_many(client: TierdClient,
+                commits: Sequence[tuple[Reservation, Sequence[bool], Sequence[BlockHash]]]
                 ) -> list[int | CommitRefused]:
-    """``commit`` of each (reservation, written) in one round trip (at most 64, all of one
-    engine): per Commit, the blocks stored or its own failure (``CommitRefused``:
+    """``commit`` of each (reservation, written, names) in one round trip (at most 64, all of
+    one engine): per Commit, the blocks stored or its own failure (``CommitRefused``:
     FAILED_PRECONDITION or NOT_FOUND where its reservation had lapsed). Raises
     ``grpc.RpcError`` if the call itself fails."""
     if not commits:
         return []
     return client.commit_many(commits[0][0].engine_id,
-                              [(r.lease_id, written, ()) for r, written in commits])
+                              [(r.lease_id, written, names) for r, written, names in commits])
 
 
 def commit_async(client: TierdClient, reservation: Reservation,

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs real vLLM: run `make test-vllm`")
 
-from harness import BLOCK, Daemon, Engine, make_request, vllm_config  # noqa: E402
+from harness import BLOCK, Daemon, Engine, engine_layout, make_request, vllm_config  # noqa: E402
 
 from tierd.wire.client import TierdClient  # noqa: E402
 from tierd.wire.sent import FutureSent, Sent  # noqa: E402
@@ -287,23 +287,25 @@ def test_a_steps_copy_is_made_after_wait_for_save_returns(
 def test_a_save_answered_after_the_last_step_lands_while_the_engine_idles(
         model_dir: str, daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
     """No step follows the one whose Reserve is answered late (the engine goes idle): the
-    committer thread copies and commits its 6 blocks, which the daemon holds (none of them
-    pinned by the reservation any more) within a second with no further step or flush of
-    A's; B loads them all."""
+    committer thread copies and commits its 6 blocks, which the daemon holds within a second
+    with no further step or flush of A's; B loads them all."""
     sent = answered_after(monkeypatch, 0.2)
     a = Engine.start(vllm_config(model_dir, daemon.socket_path))
     b = Engine.start(vllm_config(model_dir, daemon.socket_path))
     try:
-        run_alone(a, make_request("a1", prompt(6), max_tokens=1))
+        request = make_request("a1", prompt(6), max_tokens=1)
+        hashes = list(request.block_hashes[:6])
+        run_alone(a, request)
         assert len(sent) == 1 and not sent[0].done()
         deadline = time.monotonic() + 5.0
-        used, pinned = 0, 0
-        while (used, pinned) != (6, 0) and time.monotonic() < deadline:
-            time.sleep(0.05)
-            with daemon.client() as client:
-                dram = next(t for t in client.stats().tiers if t.tier == "dram")
-            used, pinned = dram.used_blocks, dram.pinned_blocks
-        assert (used, pinned) == (6, 0)
+        held: list[str] = []
+        with daemon.client() as client:
+            looker = client.register_engine(engine_layout(a.config), engine_name="looker")
+            while len(held) < 6 and time.monotonic() < deadline:
+                time.sleep(0.05)
+                held = client.lookup(looker.engine_id, hashes)
+            client.unregister_engine(looker.engine_id)
+        assert held == ["dram"] * 6
         assert_loads_what_a_computed(b, a, 6)
     finally:
         a.close()

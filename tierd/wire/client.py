@@ -379,6 +379,12 @@ class TierdClient:
         return self._future("Reserve", _Requests.reserve_blank(engine_id, count),
                             convert.reserved_from_pb)
 
+    def reserve_blank_sent(self, engine_id: str, count: int) -> Sent[ReservedSlots]:
+        """``reserve_blank_async`` whose answer is read by the thread that takes it
+        (``reserve_sent``'s way)."""
+        return self._sent("Reserve", _Requests.reserve_blank(engine_id, count),
+                          convert.reserved_from_pb)
+
     def commit(self, engine_id: str, lease_id: str, written: Sequence[bool],
                names: Sequence[BlockHash] = ()) -> int:
         """Publish the written blocks: ``written[i]`` is True if the i-th reserved slot was

@@ -42,23 +42,25 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 
 from tierd.connector.core.errors import classify, describe
 from tierd.connector.core.link import WARN_EVERY_SECONDS, DaemonLink, Session
 from tierd.connector.core.save import Reservation, commit_many
+from tierd.types import BlockHash
 from tierd.wire.call_error import CallError
 from tierd.wire.client import CommitRefused, TierdClient
 from tierd.wire.sent import Sent
 
 from .cuda_copy import SaveTicket
 from .stats import Counters
+from .step_stock import StepStock
 
 _log = logging.getLogger(__name__)
 
-_Outcome = tuple[int, int, grpc.RpcError | None]  # blocks stored, blocks lost, the error
+_Outcome = tuple[int, int, int, grpc.RpcError | None]  # stored, held already, lost, the error
 
 WINDOW_SECONDS = 0.02
 """How long past ``HOLD_SECONDS`` a Commit no step has sent waits before the committer thread
@@ -90,6 +92,7 @@ class _Queued:
     ticket: SaveTicket | None
     outcome: Future[_Outcome]
     at: float                           # when it was handed over
+    names: list[BlockHash] = field(default_factory=list)  # a stock's: each slot's hash
 
 
 @dataclass(slots=True)
@@ -108,9 +111,11 @@ class Committer:
     not send itself go out on a thread of their own over a channel of their own."""
 
     def __init__(self, link: DaemonLink, counters: Counters, slot_bytes: int,
-                 tp_size: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 tp_size: int, clock: Callable[[], float] = time.monotonic,
+                 stock: StepStock | None = None) -> None:
+        """``stock``: the worker's stock of blank slots, whose Commits this sends when due."""
         self._link, self._counters, self._slot_bytes = link, counters, slot_bytes
-        self._tp_size, self._clock = tp_size, clock
+        self._tp_size, self._clock, self._stock = tp_size, clock, stock
         self._lost = 0                  # blocks lost since the last WARNING
         self._warned = -WARN_EVERY_SECONDS
         self._futures: list[tuple[Session | None, Future[_Outcome]]] = []
@@ -170,6 +175,7 @@ class Committer:
         (``TierdClient.commit_many_sent``); ``harvest`` reads their outcomes once they are in.
         A Commit whose device copies are still in flight (CUDA), and every one after it, waits
         for the next step (or the committer thread)."""
+        self._take_stock()
         queue = self._queue
         if not queue or (len(queue) < SEND_AT
                          and time.monotonic() - queue[0].at < HOLD_SECONDS):
@@ -182,9 +188,11 @@ class Committer:
         if queued:
             self._send_now(queued)
 
-    def harvest(self, wait: bool = False) -> None:
+    def harvest(self, wait: bool = False, stock: bool = False) -> None:
         """Count the outcomes of landed Commits (of all of them, with ``wait``: those not sent
-        yet are sent first, from this thread)."""
+        yet are sent first, from this thread; with ``stock`` too the stock's, due or not)."""
+        if stock:
+            self._take_stock(force=True)
         if wait:
             with self._cond:
                 queued, self._queue = self._queue, []
@@ -200,7 +208,7 @@ class Committer:
             if not wait and not future.done():
                 keep.append((session, future))
                 continue
-            stored, lost, exc = future.result()
+            stored, held, lost, exc = future.result()
             if exc is not None:
                 if self._client is not None:  # a fresh channel next time
                     self._client.close()
@@ -209,6 +217,7 @@ class Committer:
                     self._link.failed(exc, session, names_lease=True)
                 self._warn_lost(lost, exc)
             self._counters.count("dropped_blocks", lost)
+            self._counters.count("skipped_blocks", held)
             self._counters.count("saved_blocks", stored)
             self._counters.count("saved_bytes", stored * self._slot_bytes)
         with self._cond:
@@ -227,7 +236,7 @@ class Committer:
         for batch in _batches(queued):
             try:
                 sent = session.client.commit_many_sent(batch[0].reservation.engine_id, [
-                    (item.reservation.lease_id, item.written, ()) for item in batch])
+                    (item.reservation.lease_id, item.written, item.names) for item in batch])
             except grpc.RpcError as exc:
                 _settle(batch, exc)
                 continue
@@ -277,7 +286,7 @@ class Committer:
         dropped (their reservations lapse on the daemon). Stops the thread."""
         self._counters.count("dropped_blocks", sum(sum(h.written) for h in self._held))
         self._held = []
-        self.harvest(wait=True)
+        self.harvest(wait=True, stock=True)
         with self._cond:
             self._stopping = True
             self._cond.notify()
@@ -286,14 +295,26 @@ class Committer:
             self._client.close()
 
     def _submit(self, reservation: Reservation, written: list[bool],
-                ticket: SaveTicket | None) -> None:
-        """Queue a Commit for the next step's ``send`` (or the committer thread's window)."""
+                ticket: SaveTicket | None, names: list[BlockHash] | None = None) -> None:
+        """Queue a Commit for a later step's ``send`` (or the committer thread's window); a
+        stock's (``names``) first, as one that has waited its hold."""
         outcome: Future[_Outcome] = Future()
         with self._cond:
-            self._queue.append(_Queued(reservation, written, ticket, outcome, time.monotonic()))
+            if names is None:
+                self._queue.append(_Queued(reservation, written, ticket, outcome,
+                                           time.monotonic()))
+            else:
+                self._queue.insert(0, _Queued(reservation, written, ticket, outcome,
+                                              time.monotonic() - HOLD_SECONDS, names))
             self._futures.append((self._link.session, outcome))
             if self._parked:
                 self._cond.notify()
+
+    def _take_stock(self, force: bool = False) -> None:
+        """Queue the Commits of the stocks that are due (``StepStock.due``)."""
+        if self._stock is not None:
+            for reservation, written, names in self._stock.due(force):
+                self._submit(reservation, written, None, names)
 
     def _committer_client(self) -> TierdClient:
         if self._client is None:
@@ -312,7 +333,8 @@ class Committer:
                 if self._stopping:
                     return
                 if self._soon is None:
-                    if not self._queue and idle >= IDLE_POLLS:
+                    holding = self._stock is not None and self._stock.holding
+                    if not self._queue and not holding and idle >= IDLE_POLLS:
                         self._parked = True
                         self._cond.wait()
                         self._parked, idle = False, 0
@@ -324,6 +346,7 @@ class Committer:
             if soon is not None:
                 _run(soon)
                 continue
+            self._take_stock()
             with self._cond:
                 if not self._queue:
                     idle += 1
@@ -376,8 +399,9 @@ def _settle(batch: list[_Queued], results: list[int | CommitRefused] | grpc.RpcE
     failure of the whole call)."""
     for i, item in enumerate(batch):
         result = results if isinstance(results, grpc.RpcError) else results[i]
-        item.outcome.set_result((result, 0, None) if isinstance(result, int) else
-                                (0, sum(item.written), result))
+        item.outcome.set_result((result, sum(item.written) - result, 0, None)
+                                if isinstance(result, int) else
+                                (0, 0, sum(item.written), result))
 
 
 def _landed(client: TierdClient, queued: list[_Queued]) -> list[_Outcome]:
@@ -390,7 +414,7 @@ def _landed(client: TierdClient, queued: list[_Queued]) -> list[_Outcome]:
     for batch in _batches(queued):
         try:
             results: list[int | CommitRefused] | grpc.RpcError = list(commit_many(
-                client, [(item.reservation, item.written) for item in batch]))
+                client, [(item.reservation, item.written, item.names) for item in batch]))
         except grpc.RpcError as exc:
             results = exc
         _settle(batch, results)

@@ -11,12 +11,14 @@ first) has waited for their DMAs' reads and released the leases.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from tierd.connector.core.lease import Clock, Release
 from tierd.connector.core.link import DaemonLink
 from tierd.connector.core.load import LoadResult, OpenLoad, finish_load
+from tierd.connector.core.prefill_speed import DeviceEvent
 
 from .cuda_copy import DeviceTransfer, register_host_memory, unregister_host_memory
 from .kv_tensors import SlotFormat
@@ -84,3 +86,8 @@ class DevicePath:
             sink.transfer.close()
             if sink.transfer.pinned:
                 unregister_host_memory(sink.transfer.arena)
+
+
+def cuda_event() -> DeviceEvent:
+    """A timing event on the current CUDA stream (``PrefillSpeed`` times the forward pass)."""
+    return cast(DeviceEvent, torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]

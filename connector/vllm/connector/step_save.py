@@ -1,20 +1,25 @@
 """One step's save in a vLLM worker, as ``worker.WorkerSide`` carries it from the Reserve sent
-before the forward pass to the Commit handed over at ``wait_for_save``: ``Asked`` (the Reserve
-in flight), ``PendingSave`` (its answer, laid out for the copy), ``StepSave`` (the step's
+before the forward pass (or the slots taken from its stock) to the Commit handed over at
+``wait_for_save``: ``Asked`` (the Reserve in flight), ``PendingSave`` (its answer, or the stock's
+slots, laid out for the copy), ``StepSave`` (the step's
 whole save state) and ``LateSave`` (a step's save closed after the step)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 from tierd.connector.core.link import Session
 from tierd.connector.core.save import Reservation
+from tierd.types import BlockHash
+from tierd.wire.geometry import SlotGeometry
 from tierd.wire.replies import ReservedSlots
 from tierd.wire.sent import Sent
 
-from .kv_tensors import Run
+from .kv_tensors import Run, runs
 from .metadata import SaveSpec
 from .sinks import DeviceLoads
+from .step_stock import Taken
 
 
 @dataclass(slots=True)
@@ -28,6 +33,22 @@ class PendingSave:
     renew_at: float                     # half its lease gone: re-offered at ``finish_save``
     counts: list[tuple[str, int]]       # what reserving it counted (undone if re-offered)
     device: DeviceLoads | None = None   # CUDA: its transfer holds the open save
+    taken: Taken | None = None          # its slots are a stock's (``step_stock``), named ...
+    names: list[BlockHash] = field(default_factory=list)  # ... with these hashes once written
+
+    @classmethod
+    def stocked(cls, taken: Taken, geometry: SlotGeometry, saves: list[SaveSpec],
+                slot_bytes: int) -> PendingSave:
+        """``saves``' blocks laid out for the copy into the stock's slots ``taken``."""
+        reservation = taken.stock.reservation
+        assert reservation is not None
+        indices = range(taken.first, taken.first + taken.count)
+        offsets = [geometry.offset(cast(int, reservation.slot_ids[i])) for i in indices]
+        return cls(reservation, list(zip(indices, offsets)),
+                   runs([b for spec in saves for b in spec.block_ids], offsets, slot_bytes),
+                   [spec.req_id for spec in saves for _ in spec.block_ids],
+                   taken.stock.renew_at, [], taken=taken,
+                   names=[BlockHash(h) for spec in saves for h in spec.block_hashes])
 
     def written(self) -> list[bool]:
         """The Commit's written flags: True where a slot was reserved (and every layer copied

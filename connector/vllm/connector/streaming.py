@@ -61,6 +61,17 @@ class _Chunk:
 
 
 @dataclass(slots=True)
+class StreamState:
+    """A worker's streamed loads (host KV): ``streams`` built at the first one, ``sink`` the
+    one-core copy they use, ``ended_now`` loads that ended at their start (handed over at the
+    next ``finished_loads``)."""
+
+    sink: Sink
+    streams: Streams | None = None
+    ended_now: list[StreamedLoad] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class StreamedLoad:
     """One request's streamed load. ``placed``: leading blocks in vLLM's blocks and verified
     (final once the load is handed over); ``cancelled``: vLLM aborted the request."""

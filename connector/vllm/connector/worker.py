@@ -29,21 +29,22 @@ synchronous load, after it otherwise):
   ``streaming.Streams``, which acquires and copies it chunk by chunk on its own thread while the
   daemon reads it; ``finished_loads`` (vLLM's ``get_finished``) reports each ended stream as
   received and its failed blocks as load errors of that same step.
-* saves: the Reserve of the blocks the step completes goes out without waiting, before the
-  forward pass (the daemon answers during it): at ``begin`` on a step with no synchronous load,
-  at the end of ``load`` on one with (after its loads, which can poison a request's saves),
-  sent by this thread (``TierdClient.reserve_sent``: no helper thread is woken to send it);
-  ``save_layer`` (vLLM's ``save_kv_layer``) marks each layer as handed over (on CUDA its K/V
-  is gathered then, so the first layer waits for the answer). Host KV is copied into the
-  reserved slots after the step (``finish_save``), every layer at once (one native call,
-  ``LayerViews.store``): the forward pass is synchronous, so the step's KV is all written.
+* saves: at ``begin`` on a step with no synchronous load, at the end of ``load`` on one with
+  (after its loads, which can poison a request's saves), the blocks the step completes take
+  the next slots of the stock of blank slots (host KV, one TP rank: ``step_stock``, no round
+  trip; the stock's one Commit names the blocks of several steps); else (no stock answered, no
+  room in it, CUDA, TP > 1) their Reserve goes out without waiting, sent by this thread
+  (``TierdClient.reserve_sent``), answered during the forward pass. ``save_layer`` (vLLM's
+  ``save_kv_layer``) marks each layer as handed over (on CUDA its K/V is gathered then, so the
+  first layer waits for the answer). Host KV is copied into the slots after the step
+  (``finish_save``), every layer at once (one native call, ``LayerViews.store``).
   Saves of a request whose load failed, or that sit on a block whose load failed
   (``SaveSpec.depends_on``; failed blocks are kept until the scheduler has seen them), are
   dropped, and that request's saves stay dropped until the scheduler names it in
   ``recomputing``: nothing computed on wrong KV is stored.
 * ``finish_save`` (``wait_for_save``): with host KV, returns at once: the step's save is
   *late*, closed (the Reserve's answer read, the copy into the slots, the Commit handed over to
-  ``commits.Committer``, sent at the next step's ``begin`` before its Reserve) by the committer
+  ``commits.Committer``, sent at a later step's ``begin``; or the stock told) by the committer
   thread right after the step, while this thread samples the step's tokens and waits for the
   next one, or at the latest first thing at the next step's ``begin``, before vLLM prepares
   that step: no KV of vLLM's is written between the end of one step and the ``begin`` of the
@@ -69,11 +70,9 @@ blocks load errors and drops the step's saves. A save gathers each layer on the 
 later step's ``begin``, or from the committer thread): neither the host nor the next step waits.
 
 The forward pass (from ``bind_connector_metadata``, or the end of the step's synchronous loads,
-to ``finish_save``) is timed when it prefills
-at least 256 tokens (the metadata's ``prefill_tokens``; on CUDA with device events): the
-engine's measured prefill speed goes to the daemon (``ReportHotBlocks``) at the first such
-step and then every 10 s, so the daemon counts the cache's savings at it
-(``core.prefill_speed``).
+to ``finish_save``) is timed when it prefills at least 256 tokens (``prefill_tokens``; on CUDA
+with device events): the engine's prefill speed goes to the daemon (``ReportHotBlocks``) at the
+first such step and then every 10 s, so the daemon counts the cache's savings at it.
 
 Best effort: a save that fails is a future miss, never an error to vLLM; nothing holds vLLM's
 blocks past the step (``get_finished`` has nothing to report: on CUDA a save's gathers are
@@ -86,22 +85,21 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import cast
 
 import grpc
 import torch
 
 from tierd.connector.core.lease import Lease, Release, acquire, releaser
 from tierd.connector.core.link import DaemonLink, Session
-from tierd.connector.core.load import Sink, load_leased, start_load
-from tierd.connector.core.prefill_speed import DeviceEvent, PrefillSpeed
+from tierd.connector.core.load import load_leased, start_load
+from tierd.connector.core.prefill_speed import PrefillSpeed
 from tierd.connector.core.save import abort, reservation_of
 from tierd.types import BlockHash
 
 from ..config import TierdVllmConfig
+from . import commits
 from .commits import Committer
-from .device_path import DevicePath
+from .device_path import DevicePath, cuda_event
 from .kv_tensors import SlotFormat, byte_view, runs, slot_format
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 from .outcomes import Outcomes
@@ -109,20 +107,10 @@ from .probed import Probes, Unread, release_later
 from .sinks import LayerViews
 from .stats import Counters, TierdConnectorStats
 from .step_save import Asked, LateSave, PendingSave, StepSave
-from .streaming import StreamedLoad, Streams
+from .step_stock import StepStock
+from .streaming import StreamedLoad, Streams, StreamState
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Streaming:
-    """Streamed loads (host KV): ``streams`` built at the first one, ``sink`` the one-core copy
-    they use, ``ended_now`` loads that ended at their start (handed over at the next
-    ``finished_loads``)."""
-
-    sink: Sink
-    streams: Streams | None = None
-    ended_now: list[StreamedLoad] = field(default_factory=list)
 
 
 class WorkerSide:
@@ -156,14 +144,16 @@ class WorkerSide:
         self._late: LateSave | None = None  # a step's save, closed after the step
         self._late_lock = threading.Lock()  # held while a late save is closed (either thread)
         self._begun: int | None = None  # the step ``begin`` took (``meta.step``), until it ends
+        device = kv_bytes[0].is_cuda if device_path is None else device_path
+        self._stock = StepStock(lambda: commits.HOLD_SECONDS, clock) \
+            if tp_size == 1 and not device else None  # host KV, one rank: saves share slots
         self._commits = Committer(self.link, self._counters, self.format.slot_bytes, tp_size,
-                                  clock)
+                                  clock, self._stock)
         self._unread = Unread(self.link.timeout_seconds)  # probed loads' Releases
         self._probes = Probes(self.link, clock)
-        self._device = DevicePath(self.format, kv_bytes,
-                                  kv_bytes[0].is_cuda if device_path is None else device_path)
-        self._streaming = _Streaming(self._host.with_threads(1))  # the forward pass keeps the rest
-        self._speed = PrefillSpeed(clock, events=_cuda_event if kv_bytes[0].is_cuda else None)
+        self._device = DevicePath(self.format, kv_bytes, device)
+        self._streaming = StreamState(self._host.with_threads(1))  # the forward pass keeps the rest
+        self._speed = PrefillSpeed(clock, events=cuda_event if kv_bytes[0].is_cuda else None)
         self._device.sink(self.link)  # register the arena now, not on a copy
 
     @property
@@ -365,12 +355,25 @@ class WorkerSide:
                 pending.device.transfer.save_layer(layer)
 
     def _begin_save(self, saves: list[SaveSpec]) -> None:
-        """Take this step's ``saves`` (those ``Outcomes`` accepts after the step's loads) and
-        send their Reserve without waiting (``_ask``)."""
+        """Take this step's ``saves`` (those ``Outcomes`` accepts after the step's loads): into
+        slots of the stock (``_from_stock``), else send their Reserve without waiting
+        (``_ask``)."""
         step = self._save
         step.tried = True
         step.saves = self._outcomes.accepted(saves)
-        step.asked = self._ask(step.saves)
+        step.pending = self._from_stock(step.saves)
+        step.asked = None if step.pending is not None else self._ask(step.saves)
+
+    def _from_stock(self, saves: list[SaveSpec]) -> PendingSave | None:
+        """The accepted ``saves`` laid out for the copy into the stock's next slots
+        (``step_stock``: no round trip), or None (no stock, or none with room)."""
+        block_ids = [b for spec in saves for b in spec.block_ids]
+        session = self.link.session
+        if self._stock is None or not block_ids or session is None or not self.link.up:
+            return None
+        taken = self._stock.take(session, len(block_ids))
+        return None if taken is None else PendingSave.stocked(
+            taken, session.engine.geometry, saves, self.format.slot_bytes)
 
     def _pending(self) -> PendingSave | None:
         """This step's reservation, waiting for the Reserve's answer if it is still in flight."""
@@ -457,7 +460,9 @@ class WorkerSide:
         for name, amount in old.counts:
             self._counters.count(name, -amount)
         session = self.link.session
-        if session is not None:
+        if old.taken is not None and self._stock is not None:  # the stock's slots stay blank
+            self._stock.done(old.taken, [], False)
+        elif session is not None:
             try:
                 abort(session.client, old.reservation)
             except grpc.RpcError as exc:
@@ -483,7 +488,7 @@ class WorkerSide:
         self._commits.harvest()
         step, self._save = self._save, StepSave()
         self._close_late()  # one left by a caller that skipped ``begin``
-        if step.asked is not None and not self._device.enabled:
+        if (step.asked is not None or step.pending is not None) and not self._device.enabled:
             with self._late_lock:
                 self._late = LateSave(step, lease_lost, self._outcomes.step)
             self._commits.soon(self._close_late)
@@ -501,8 +506,9 @@ class WorkerSide:
 
     def _close(self, step: StepSave, lease_lost: bool, number: int) -> None:
         """The end of step ``number``'s save: its Reserve's answer (waited for), the copy of
-        host KV into the slots and the Commit handed over; the Abort where nothing is to be
-        written; the re-offer of a step that outlasted half of its write lease."""
+        host KV into the slots and the Commit handed over (into the stock's slots: the stock
+        told, its Commit comes later); the Abort where nothing is to be written; the re-offer
+        of a step that outlasted half of its write lease."""
         pending = self._settle(step.asked) if step.asked is not None else step.pending
         complete = len(step.layers) == len(self.format.layer_names)
         if (pending is not None and not lease_lost and self._clock() >= pending.renew_at
@@ -510,6 +516,15 @@ class WorkerSide:
             pending = self._reoffer(pending, step.saves)
         # CUDA: close the device save (D2H queued, or nothing written if a layer is missing)
         ticket = pending.device.transfer.finish_save() if pending and pending.device else None
+        if pending is not None and pending.taken is not None:  # the stock's slots (no Commit)
+            assert self._stock is not None
+            ok = self.link.up and not lease_lost and complete
+            if ok:
+                self._host.store(self.link.arena_tensor, pending.block_runs)
+            elif self.link.up:
+                self._counters.count("dropped_blocks", len(pending.targets))
+            self._stock.done(pending.taken, pending.names, ok)  # not written: freed at its Commit
+            return
         if pending is None or not self.link.up:
             return
         session = self.link.session
@@ -542,9 +557,10 @@ class WorkerSide:
             self.link.failed(exc, session)
 
     def flush(self) -> None:
-        """Wait until every handed-off Commit (a late save's too) has landed and is counted."""
+        """Wait until every handed-off Commit (a late save's and the stock's too) has landed
+        and is counted."""
         self._close_late()
-        self._commits.harvest(wait=True)
+        self._commits.harvest(wait=True, stock=True)
 
     # -- reports -----------------------------------------------------------------------------
 
@@ -581,7 +597,3 @@ def _kept(lease: Lease, corrupt_from: int | None) -> None:
     alone decides whether the copy counts (``core.load``)."""
     return None
 
-
-def _cuda_event() -> DeviceEvent:
-    """A timing event on the current CUDA stream (``PrefillSpeed`` times the forward pass)."""
-    return cast(DeviceEvent, torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]

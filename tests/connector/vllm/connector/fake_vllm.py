@@ -331,9 +331,12 @@ def prompt(n: int, salt: int = 0) -> list[int]:
 
 def usage(socket_path: str) -> tuple[int, int]:
     """(blocks in the daemon's DRAM tier, blocks pinned in any tier), once every open
-    ``FakeVllm``'s scheduler-side calls have landed."""
+    ``FakeVllm``'s scheduler-side calls and its workers' saves have landed (a worker's stock
+    of blank slots committed: held, it counts as used and pinned)."""
     for engine in list(_OPEN):
         engine.drain()
+        for worker in engine.workers:
+            assert worker.worker_counters is not None
     with TierdClient(socket_path=socket_path, timeout=10.0) as client:
         tiers = client.stats().tiers
     return (next(t.used_blocks for t in tiers if t.tier == "dram"),

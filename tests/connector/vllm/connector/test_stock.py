@@ -1,0 +1,130 @@
+"""The worker's stock of blank slots (``step_stock``): later saves copy into it with no Reserve
+of their own and land in one Commit; a stock whose hold passed is committed while the engine
+idles; a save that does not fit saves by hash. CUDA workers keep no stock."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from fake_vllm import FakeRequest, prompt, usage
+
+from tierd.wire.client import TierdClient
+
+
+def _count_reserves(monkeypatch: Any) -> dict[str, int]:
+    """Reserves by hash and blank Reserves sent by workers (counted as they go out)."""
+    calls = {"hash": 0, "blank": 0}
+    by_hash, blank = TierdClient.reserve_sent, TierdClient.reserve_blank_sent
+
+    def on_hash(self: Any, engine_id: str, hashes: Any) -> Any:
+        calls["hash"] += 1
+        return by_hash(self, engine_id, hashes)
+
+    def on_blank(self: Any, engine_id: str, count: int) -> Any:
+        calls["blank"] += 1
+        return blank(self, engine_id, count)
+
+    monkeypatch.setattr(TierdClient, "reserve_sent", on_hash)
+    monkeypatch.setattr(TierdClient, "reserve_blank_sent", on_blank)
+    return calls
+
+
+def _stock_answered(engine: Any) -> None:
+    """Wait until the worker's stock has its answer (the next save takes it)."""
+    stock = engine.workers[0]._worker._stock
+    deadline = time.monotonic() + 10.0
+    while not stock._stock.reply.done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert stock._stock.reply.done(), "the blank Reserve was never answered"
+
+
+def _dram(sock: str) -> tuple[int, int]:
+    """(DRAM blocks used, blocks pinned) as the daemon reports them now (nothing flushed)."""
+    with TierdClient(socket_path=sock, timeout=10.0) as client:
+        tiers = client.stats().tiers
+    return (next(t.used_blocks for t in tiers if t.tier == "dram"),
+            sum(t.pinned_blocks for t in tiers))
+
+
+def test_later_saves_share_the_stock_and_one_commit(sock: str, engines: Any, monkeypatch: Any,
+                                                    copy_path: str) -> None:
+    """The first save Reserves by hash and asks for a stock; the next four copy into the stock
+    with no Reserve of their own. One Commit names all 24 of their blocks; every block is
+    stored once and loads bit-exact in another engine. On CUDA no stock is kept."""
+    import tierd.connector.vllm.connector.commits as commits
+
+    monkeypatch.setattr(commits, "HOLD_SECONDS", 60.0)
+    calls = _count_reserves(monkeypatch)
+    a, b = engines(0), engines(0)
+    reqs = [FakeRequest(f"a{i}", prompt(100, salt=i)) for i in range(5)]
+    for i, req in enumerate(reqs):
+        a.admit(req)
+        a.step([req])
+        if i == 0 and copy_path == "host":
+            _stock_answered(a)
+    if copy_path == "device":
+        assert calls == {"hash": 5, "blank": 0}
+    else:
+        assert calls == {"hash": 1, "blank": 1}
+    assert a.counters() == (0, 0, 30, 0, 0) and usage(sock) == (30, 0)
+    for i, req in enumerate(reqs):
+        got = FakeRequest(f"b{i}", prompt(100, salt=i))
+        assert b.prefill(got) == (96, set())
+        for block_a, block_b in zip(a.tables[req.request_id][:6], b.tables[got.request_id]):
+            assert torch.equal(a.block(block_a), b.block(block_b))
+        b.finish(got)
+
+
+def test_a_stock_whose_hold_passed_lands_while_the_engine_idles(
+        sock: str, engines: Any, monkeypatch: Any, copy_path: str) -> None:
+    """A save in the stock, then no step: the committer thread commits the stock once its
+    hold has passed, with nothing of A's flushing it; another engine then loads the blocks."""
+    import tierd.connector.vllm.connector.commits as commits
+
+    if copy_path == "device":
+        return  # no stock on CUDA (the test above)
+    monkeypatch.setattr(commits, "HOLD_SECONDS", 0.05)
+    a, b = engines(0), engines(0)
+    first, second = FakeRequest("a0", prompt(100, salt=0)), FakeRequest("a1", prompt(100, salt=1))
+    a.admit(first)
+    a.step([first])
+    _stock_answered(a)
+    a.admit(second)
+    a.step([second])
+    deadline = time.monotonic() + 30.0
+    while _dram(sock)[0] < 12 or _dram(sock)[1] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stock = a.workers[0]._worker._stock
+    assert stock._stock is None or stock._stock.used == 0, "the stock was not committed"
+    got = FakeRequest("b1", prompt(100, salt=1))
+    assert b.prefill(got) == (96, set())
+    b.finish(got)
+    assert a.counters() == (0, 0, 12, 0, 0)
+
+
+def test_a_save_the_stock_has_no_room_for_saves_by_hash(
+        sock: str, engines: Any, monkeypatch: Any, copy_path: str) -> None:
+    """The stock holds 32 slots; a 6-block save takes 6 of them, then a 40-block save does
+    not fit in the rest: it Reserves by hash, and the stock is given up (committed at the next
+    step's first hook) and a larger one asked for. Every block is stored."""
+    import tierd.connector.vllm.connector.commits as commits
+
+    if copy_path == "device":
+        return  # no stock on CUDA
+    monkeypatch.setattr(commits, "HOLD_SECONDS", 60.0)
+    calls = _count_reserves(monkeypatch)
+    a = engines(0)
+    small = [FakeRequest(f"s{i}", prompt(100, salt=i)) for i in range(2)]
+    big = FakeRequest("big", prompt(644, salt=9))
+    a.admit(small[0])
+    a.step([small[0]])
+    _stock_answered(a)
+    a.admit(small[1])
+    a.step([small[1]])
+    assert calls == {"hash": 1, "blank": 1}
+    a.admit(big)
+    a.step([big])
+    assert calls == {"hash": 2, "blank": 2}
+    assert a.counters() == (0, 0, 52, 0, 0) and usage(sock) == (52, 0)
