@@ -22,6 +22,10 @@
 5. The lane (``tierd.wire.lane``, how engines on the node call): the lookup of 1. and the
    windowed saving step of 4. over the lane, beside the same over gRPC (1. to 4. call over gRPC
    alone). Targets: lookup p50 <= 0.5x gRPC's, the saving step's daemon CPU <= 0.5x gRPC's.
+6. The saving step as a vLLM worker with host KV makes it (``connector.vllm.connector.
+   step_stock``), over the lane: ``STOCK_STEPS`` steps write into one stock of blank slots (a
+   blank Reserve of ``STOCK_SLOTS``) named in one Commit, beside the windowed step of 5.
+   Target: the daemon's CPU <= ``TARGET_STOCK`` of the windowed step's.
 
 Noise only ever adds time, so copies keep the best of a few runs. Short by default (~10-20 s).
 """
@@ -50,8 +54,11 @@ TARGET_COPY = 0.70    # DRAM copy / memcpy at least
 TARGET_SSD = 0.70     # SSD tier / raw disk at least
 TARGET_SAVE_CPU = 2.5  # daemon CPU of a saving step / of an echo at most
 TARGET_LANE = 0.5     # lane / gRPC at most: lookup p50, saving step daemon CPU
+TARGET_STOCK = 0.5    # stocked / windowed saving step's daemon CPU (over the lane) at most
 SAVED_BLOCKS = 3      # blocks a saving step stores
 WINDOW_STEPS = 4      # saving steps whose Commits one CommitMany carries
+STOCK_STEPS = 8       # saving steps that write into one stock of blank slots
+STOCK_SLOTS = 32      # blank slots a stock reserves (the connector's least)
 CPU_METHOD = "/tierd.bench.Echo/Cpu"
 
 
@@ -242,6 +249,16 @@ def _save_cpu_figures(client: Any, lane: Any, channel: Any, steps: int) -> dict[
             stored = client.commit(eid, lease_id, written)
             assert stored == SAVED_BLOCKS, f"stored {stored}"
 
+    def stocked(n: int) -> None:
+        used = STOCK_STEPS * SAVED_BLOCKS
+        for _ in range(n // STOCK_STEPS):
+            got = lane.reserve_blank_sent(eid, STOCK_SLOTS).result()
+            assert None not in got.slot_ids[:used], "the benchmark arena must hold the stock"
+            written = [True] * used + [False] * (len(got.slot_ids) - used)
+            names = [BlockHash(os.urandom(32)) for _ in range(used)]
+            stored = lane.commit_many(eid, [(got.lease_id, written, names)])
+            assert stored == [used], f"stored {stored}"
+
     def echoes(n: int) -> None:
         for _ in range(n):
             echo(echo_request, timeout=10)
@@ -249,13 +266,13 @@ def _save_cpu_figures(client: Any, lane: Any, channel: Any, steps: int) -> dict[
     def daemon_cpu() -> float:
         return float(struct.unpack("<d", cpu(b"", timeout=10))[0])
 
-    rounds, warm = 4, 2 * WINDOW_STEPS
+    rounds, warm = 4, STOCK_STEPS
     forms = (("windowed", windowed), ("per_step", per_step), ("echo", echoes),
-             ("lane", on_lane))
+             ("lane", on_lane), ("stock", stocked))
     for _, fn in forms:
         fn(warm)
     spent = {name: 0.0 for name, _ in forms}
-    each = max(WINDOW_STEPS, steps // rounds // WINDOW_STEPS * WINDOW_STEPS)
+    each = max(STOCK_STEPS, steps // rounds // STOCK_STEPS * STOCK_STEPS)
     for _ in range(rounds):
         for name, fn in forms:
             start = daemon_cpu()
@@ -266,7 +283,8 @@ def _save_cpu_figures(client: Any, lane: Any, channel: Any, steps: int) -> dict[
     return {"save_step_cpu_us": spent["windowed"] / calls * 1e6,
             "save_step_commit_each_cpu_us": spent["per_step"] / calls * 1e6,
             "echo_cpu_us": spent["echo"] / calls * 1e6,
-            "lane_save_step_cpu_us": spent["lane"] / calls * 1e6}
+            "lane_save_step_cpu_us": spent["lane"] / calls * 1e6,
+            "stock_save_step_cpu_us": spent["stock"] / calls * 1e6}
 
 
 def _interleaved(fns: list[Any], calls: int) -> list[list[float]]:
@@ -403,6 +421,8 @@ def _report(f: dict[str, Any], args: argparse.Namespace) -> int:
          TARGET_LANE),
         ("lane / gRPC, saving CPU", f["lane_save_step_cpu_us"] / f["save_step_cpu_us"], "<=",
          TARGET_LANE),
+        ("stock / window, saving CPU", f["stock_save_step_cpu_us"] / f["lane_save_step_cpu_us"],
+         "<=", TARGET_STOCK),
     ]
     ok = all(r <= t if op == "<=" else r >= t for _, r, op, t in checks)
     if args.json:
@@ -424,7 +444,7 @@ def _report(f: dict[str, Any], args: argparse.Namespace) -> int:
     print(f"  daemon CPU per saving step {f['save_step_cpu_us']:.0f} us ({WINDOW_STEPS} steps' "
           f"Commits in one CommitMany; a Commit each: {f['save_step_commit_each_cpu_us']:.0f} us)"
           f"   per echo {f['echo_cpu_us']:.0f} us; over the lane "
-          f"{f['lane_save_step_cpu_us']:.0f} us")
+          f"{f['lane_save_step_cpu_us']:.0f} us, into a stock {f['stock_save_step_cpu_us']:.0f} us")
     print(f"  SSD tier write / read     {f['ssd_write_gbps']:.2f} / {f['ssd_read_gbps']:.2f} GB/s"
           f"   raw disk {f['raw_write_gbps']:.2f} / {f['raw_read_gbps']:.2f} GB/s")
     for name, ratio, op, target in checks:

@@ -16,7 +16,9 @@ saving steps share one (``CommitMany``, each Commit landing or failing on its ow
 where the daemon restarted in between); a Commit whose device copies are still in flight (CUDA)
 waits for a later step. Where no step sends a Commit within ``HOLD_SECONDS`` and ``WINDOW_SECONDS``
 of its handover (the engine went idle), the committer thread lands it: a block is visible to lookups
-at most about that long after its step. The same thread closes
+at most about that long after its step. The Commit of the worker's stock of blank slots
+(``step_stock``) is queued when the stock is due (``send`` and the committer thread look), first, as
+one that has waited its hold. The same thread closes
 a step's save (host KV) right after the step (``soon``): it reads the Reserve's answer, copies the
 blocks and hands the Commit over while the engine thread samples and waits for the next step, at
 a lower priority than the engine thread. The committer thread looks every window while Commits

@@ -8,15 +8,22 @@ its blocks there after the step, and records their hashes (``done``). The stock 
 once, naming every written slot (``CommitRequest.block_hashes``; a block the node holds already
 is stored once, its slot freed, as are the slots no step wrote), when no step holds slots of it
 and it is full, the oldest write has waited ``commits.HOLD_SECONDS``, or half of its lease is
-gone (``due``, from the committer's ``send`` or its thread); the next blank Reserve is sent
-then by the next step that saves, which meanwhile saves by hash, as does a step whose blocks do
-not fit in what is left (it closes the stock) or that finds the stock's answer not in yet.
+gone (``due``, from the committer's ``send`` or its thread), and the next stock is asked for
+then (answered by the next save). A step whose blocks do not fit in what is left gives the stock
+up (committed at the next ``due``) and saves by hash, as does one that finds the next stock's
+answer not in yet; after a stock came back with no slot, none is asked for ``NO_ROOM_SECONDS``.
 
 Its size is four times the largest of the last ``HISTORY`` saves, at least ``MIN_SLOTS``, at
 most the daemon's ``max_blocks_per_request`` and a quarter of this layout's slots in the arena
 (the daemon also keeps every engine's blank slots within ``blank_fraction`` of it: slots it could
 not grant end the stock's usable part). Thread-safe: ``take`` on the engine thread, ``done`` on
 whichever thread closes the step's save.
+
+A stock is never committed while a step holds slots of it (the Commit ends the lease and frees
+the unwritten slots), so a step that outlasts what is left of the stock's lease (at least half
+of it) holds back the saves of the steps that wrote into the stock just before it (within the
+hold): the slow step re-offers its own saves (``worker``), and those lapse with the stock's
+lease (a WARNING and ``lapsed_blocks``, as any Commit that comes too late).
 """
 
 from __future__ import annotations
@@ -39,6 +46,10 @@ HISTORY = 8
 
 MIN_SLOTS = 32
 """Blank slots a stock asks for at least."""
+
+NO_ROOM_SECONDS = 1.0
+"""How long no stock is asked for after one came back without a slot (the node's DRAM, or its
+share for blank slots, is taken): saves Reserve by hash meanwhile."""
 
 BLANK = BlockHash(bytes(32))
 """The name of a slot no step wrote (the Commit frees it: its flag is False)."""
@@ -84,6 +95,7 @@ class StepStock:
         self._stock: Stock | None = None
         self._ended: list[Stock] = []  # given up, to be committed (or aborted) by ``due``
         self._sizes: deque[int] = deque(maxlen=HISTORY)
+        self._no_room_until = 0.0
 
     def take(self, session: Session, count: int) -> Taken | None:
         """``count`` slots of the stock for one step's save, or None: the save Reserves by
@@ -93,7 +105,9 @@ class StepStock:
         with self._lock:
             self._sizes.append(count)
             stock = self._stock
-            if stock is not None and stock.session is not session:  # a daemon since forgotten
+            if stock is not None and stock.session is not session:  # a daemon since forgotten:
+                if stock.reservation is not None:  # its Commit fails, its blocks counted lost
+                    self._ended.append(stock)
                 stock = self._stock = None
             if stock is None:
                 self._ask(session, now)
@@ -107,6 +121,8 @@ class StepStock:
             assert stock.reservation is not None
             slots = stock.reservation.slot_ids[stock.used:stock.used + count]
             if len(slots) < count or None in slots or now >= stock.renew_at:
+                if not stock.reservation.slot_ids or stock.reservation.slot_ids[0] is None:
+                    self._no_room_until = now + NO_ROOM_SECONDS
                 if not stock.open_steps:
                     self._ended.append(stock)
                     self._ask(session, now)
@@ -178,6 +194,8 @@ class StepStock:
         """Send the blank Reserve of the next stock (lock held), unless none is kept for
         saves this large."""
         self._stock = None
+        if now < self._no_room_until:
+            return
         assert session.slots is not None, "a stock needs the mapped arena"
         largest = max(self._sizes)
         want = min(session.engine.max_blocks_per_request, session.slots.num_slots // 4,

@@ -40,14 +40,6 @@ def _stock_answered(engine: Any) -> None:
     assert stock._stock.reply.done(), "the blank Reserve was never answered"
 
 
-def _dram(sock: str) -> tuple[int, int]:
-    """(DRAM blocks used, blocks pinned) as the daemon reports them now (nothing flushed)."""
-    with TierdClient(socket_path=sock, timeout=10.0) as client:
-        tiers = client.stats().tiers
-    return (next(t.used_blocks for t in tiers if t.tier == "dram"),
-            sum(t.pinned_blocks for t in tiers))
-
-
 def test_later_saves_share_the_stock_and_one_commit(sock: str, engines: Any, monkeypatch: Any,
                                                     copy_path: str) -> None:
     """The first save Reserves by hash and asks for a stock; the next four copy into the stock
@@ -93,11 +85,16 @@ def test_a_stock_whose_hold_passed_lands_while_the_engine_idles(
     _stock_answered(a)
     a.admit(second)
     a.step([second])
-    deadline = time.monotonic() + 30.0
-    while _dram(sock)[0] < 12 or _dram(sock)[1] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    stock = a.workers[0]._worker._stock
-    assert stock._stock is None or stock._stock.used == 0, "the stock was not committed"
+    held: list[str] = []
+    with TierdClient(socket_path=sock, timeout=10.0) as client:
+        looker = client.register_engine(a.workers[0]._worker.link.layout, "looker")
+        deadline = time.monotonic() + 30.0
+        while len(held) < 6 and time.monotonic() < deadline:  # nothing of A's flushes it
+            time.sleep(0.02)
+            held = client.lookup(looker.engine_id, second.block_hashes[:6])
+        client.unregister_engine(looker.engine_id)
+    assert held == ["dram"] * 6
+    assert not a.workers[0]._worker._stock.holding
     got = FakeRequest("b1", prompt(100, salt=1))
     assert b.prefill(got) == (96, set())
     b.finish(got)
