@@ -332,7 +332,7 @@ def prompt(n: int, salt: int = 0) -> list[int]:
 def usage(socket_path: str) -> tuple[int, int]:
     """(blocks in the daemon's DRAM tier, blocks pinned in any tier), once every open
     ``FakeVllm``'s scheduler-side calls and its workers' saves have landed (a worker's stock
-    of blank slots committed: held, it counts as used and pinned)."""
+    of blank slots committed: held, it counts as used)."""
     for engine in list(_OPEN):
         engine.drain()
         for worker in engine.workers:
