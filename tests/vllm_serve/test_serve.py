@@ -92,9 +92,15 @@ def test_other_weights_of_one_shape_never_share(stack: Any) -> None:
 
 def test_second_instance_hits_dram_then_ssd_after_a_restart(stack: Any) -> None:
     """A stores two prompts; B hits the first from DRAM (equal text). `tierd serve` restarts
-    (SIGTERM: DRAM blocks written to SSD); B hits the second from SSD (streamed), equal text."""
+    (SIGTERM: DRAM blocks written to SSD); B hits the second from SSD (streamed), equal text.
+    Each of A's prompts is committed before the next step (A answers before its last Commit
+    lands, and a Commit the stopping daemon never got is lost with its blocks)."""
     first, second = prompt(TOKENS, seed=3), prompt(TOKENS, seed=4)
-    want = [stack.a.complete(first), stack.a.complete(second)]
+    want = []
+    for text in (first, second):
+        held = dram_blocks(stack)
+        want.append(stack.a.complete(text))
+        committed(stack, held)
     before = stack.b.external_hits()
     assert stack.b.complete(first) == want[0]
     assert stack.b.external_hits() - before == HIT
