@@ -297,9 +297,11 @@ class Committer:
             self._client.close()
 
     def _submit(self, reservation: Reservation, written: list[bool],
-                ticket: SaveTicket | None, names: list[BlockHash] | None = None) -> None:
+                ticket: SaveTicket | None, names: list[BlockHash] | None = None,
+                session: Session | None = None) -> None:
         """Queue a Commit for a later step's ``send`` (or the committer thread's window); a
-        stock's (``names``) first, as one that has waited its hold."""
+        stock's (``names``, made on ``session``: its failure drops no later session) first,
+        as one that has waited its hold."""
         outcome: Future[_Outcome] = Future()
         with self._cond:
             if names is None:
@@ -308,15 +310,15 @@ class Committer:
             else:
                 self._queue.insert(0, _Queued(reservation, written, ticket, outcome,
                                               time.monotonic() - HOLD_SECONDS, names))
-            self._futures.append((self._link.session, outcome))
+            self._futures.append((session or self._link.session, outcome))
             if self._parked:
                 self._cond.notify()
 
     def _take_stock(self, force: bool = False) -> None:
         """Queue the Commits of the stocks that are due (``StepStock.due``)."""
         if self._stock is not None:
-            for reservation, written, names in self._stock.due(force):
-                self._submit(reservation, written, None, names)
+            for session, reservation, written, names in self._stock.due(force):
+                self._submit(reservation, written, None, names, session)
 
     def _committer_client(self) -> TierdClient:
         if self._client is None:

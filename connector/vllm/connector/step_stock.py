@@ -143,10 +143,11 @@ class StepStock:
                 stock.written[taken.first:taken.first + taken.count] = [True] * taken.count
             stock.open_steps -= 1
 
-    def due(self, force: bool = False) -> list[tuple[Reservation, list[bool], list[BlockHash]]]:
-        """The Commits (reservation, written flags, names) of the stocks that are due (module
-        doc; with ``force``, every answered one no step is in, and no next one is asked for),
-        those stocks given up; a due stock nothing was written into is aborted instead."""
+    def due(self, force: bool = False
+            ) -> list[tuple[Session, Reservation, list[bool], list[BlockHash]]]:
+        """The Commits (session, reservation, written flags, names) of the stocks that are due
+        (module doc; with ``force``, every answered one no step is in, and no next one is asked
+        for), those stocks given up; a due stock nothing was written into is aborted instead."""
         now = self._clock()
         with self._lock:
             ended, self._ended = self._ended, []
@@ -168,7 +169,7 @@ class StepStock:
                 _abort(stock, wait=force)
                 continue
             last = max(i for i, w in enumerate(stock.written) if w) + 1
-            out.append((stock.reservation, stock.written, stock.names[:last]))
+            out.append((stock.session, stock.reservation, stock.written, stock.names[:last]))
         return out
 
     @staticmethod

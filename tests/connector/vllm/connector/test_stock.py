@@ -125,3 +125,41 @@ def test_a_save_the_stock_has_no_room_for_saves_by_hash(
     a.step([big])
     assert calls == {"hash": 2, "blank": 2}
     assert a.counters() == (0, 0, 52, 0, 0) and usage(sock) == (52, 0)
+
+
+def test_a_stock_of_a_forgotten_registration_drops_no_later_session(
+        sock: str, engines: Any, monkeypatch: Any, copy_path: str) -> None:
+    """The daemon forgets A's registration while A's stock holds a save: A registers anew; the
+    old stock's Commit fails and its blocks count as dropped (every block of every save is
+    counted saved or dropped), the new registration stays, and A's saves go on and land."""
+    import tierd.connector.vllm.connector.commits as commits
+
+    if copy_path == "device":
+        return  # no stock on CUDA
+    monkeypatch.setattr(commits, "HOLD_SECONDS", 60.0)
+    a = engines(0)
+    worker = a.workers[0]._worker
+    first, second = FakeRequest("a0", prompt(100, salt=0)), FakeRequest("a1", prompt(100, salt=1))
+    a.admit(first)
+    a.step([first])
+    _stock_answered(a)
+    a.admit(second)
+    a.step([second])  # into the stock, which stays open (the hold is long)
+    old = worker.link.session
+    with TierdClient(socket_path=sock, timeout=10.0) as client:
+        client.unregister_engine(old.engine_id)
+    deadline = time.monotonic() + 30.0
+    step = 2
+    while worker.link.session is old and time.monotonic() < deadline:  # a call finds it gone
+        req = FakeRequest(f"a{step}", prompt(100, salt=step))
+        a.admit(req)
+        a.step([req])
+        step += 1
+    new = worker.link.session
+    assert new is not None and new is not old
+    req = FakeRequest(f"a{step}", prompt(100, salt=step))
+    a.admit(req)
+    a.step([req])
+    saved, dropped = a.counters()[2], a.counters()[4]
+    assert worker.link.session is new, "the old stock's failed Commit dropped the new session"
+    assert saved >= 6 and saved + dropped == 6 * (step + 1), "a saved block went uncounted"
