@@ -3,12 +3,15 @@
 ``classify`` maps a ``grpc.RpcError`` to what the caller must do about it:
 
 ``"lease"``      the lease or reservation the call named has ended (FAILED_PRECONDITION: a
-                 Commit or Release after expiry; NOT_FOUND on a call that names a lease). The
-                 blocks it pinned are not trusted; the daemon and the registration are fine.
+                 Commit or Release after expiry; NOT_FOUND on a call that names a lease, unless
+                 it names the engine). The blocks it pinned are not trusted; the daemon and the
+                 registration are fine.
 ``"request"``    the daemon refused this request (INVALID_ARGUMENT, RESOURCE_EXHAUSTED): fine
                  otherwise. Logged, nothing dropped.
-``"forgotten"``  NOT_FOUND on an engine call (Acquire, Reserve, a report): a daemon that
-                 restarted no longer knows this engine. Drop the session, re-register at once.
+``"forgotten"``  NOT_FOUND on an engine call (Acquire, Reserve, a report), or one whose details
+                 name the engine on any call (``tierd.wire.call_error.unknown_engine``): a
+                 daemon that restarted, or forgot an idle engine, no longer knows this engine.
+                 Drop the session, re-register at once.
 ``"down"``       anything else: UNAVAILABLE, CANCELLED, UNAUTHENTICATED, INTERNAL, and
                  DEADLINE_EXCEEDED. Drop the session and back off (``ClientSettings``).
 
@@ -25,7 +28,7 @@ from typing import Literal
 
 import grpc
 
-from tierd.wire.call_error import CallError
+from tierd.wire.call_error import CallError, unknown_engine
 
 Failure = Literal["lease", "request", "forgotten", "down"]
 """What a failed call means for the session (see the module doc)."""
@@ -38,12 +41,12 @@ _REQUEST = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
 
 def classify(exc: grpc.RpcError, *, names_lease: bool = False) -> Failure:
     """What ``exc`` means; ``names_lease``: the call named a lease or reservation (Release,
-    Commit, Abort), so NOT_FOUND means that lease ended, not that the engine was forgotten."""
+    Commit, Abort), so a NOT_FOUND that does not name the engine means that lease ended."""
     code = exc.code() if isinstance(exc, (grpc.Call, CallError)) else None
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return "lease"
     if code == grpc.StatusCode.NOT_FOUND:
-        return "lease" if names_lease else "forgotten"
+        return "lease" if names_lease and not unknown_engine(exc) else "forgotten"
     if code in _REQUEST:
         return "request"
     return "down"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import secrets
 from collections import Counter, OrderedDict
 
-from tierd.daemon.errors import NotFound, ResourceExhausted
+from tierd.daemon.errors import ResourceExhausted, UnknownEngine
 from tierd.daemon.node_types import EngineCaps, EngineInfo
 from tierd.wire.clip import clip
 
@@ -65,7 +65,7 @@ class EngineTable:
         """The engine, now heard from; NotFound if unknown (or lapsed)."""
         info = self._engines.get(engine_id)
         if info is None:
-            raise NotFound(f"unknown engine {clip(engine_id)}: register it first")
+            raise UnknownEngine(engine_id)
         self._seen[engine_id] = now
         self._engines.move_to_end(engine_id)
         return info

@@ -7,6 +7,9 @@ outcomes (a miss, no room for a block) are return values, never exceptions.
 
 from __future__ import annotations
 
+from tierd.wire.call_error import UNKNOWN_ENGINE
+from tierd.wire.clip import clip
+
 
 class TierdError(Exception):
     """Base of every domain error; its message is sent to the client as the status details."""
@@ -14,6 +17,14 @@ class TierdError(Exception):
 
 class NotFound(TierdError):
     """-> NOT_FOUND: an unknown engine id, or an unknown, released or expired lease."""
+
+
+class UnknownEngine(NotFound):
+    """-> NOT_FOUND: an engine id the daemon does not know (or not the caller tenant's: the same
+    answer), told apart from a lease's by its details (``tierd.wire.call_error``)."""
+
+    def __init__(self, engine_id: str) -> None:
+        super().__init__(f"{UNKNOWN_ENGINE} {clip(engine_id)}: register it first")
 
 
 class FailedPrecondition(TierdError):

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from tierd.daemon.chunks import Steps, run_now
 from tierd.daemon.engines import EngineTable
-from tierd.daemon.errors import NotFound, ResourceExhausted
+from tierd.daemon.errors import ResourceExhausted, UnknownEngine
 from tierd.daemon.hbm import HbmIndex
 from tierd.daemon.insight import Insight
 from tierd.daemon.leases import EMPTY_LEASE, LeaseTable, ReadLease, WriteLease
@@ -42,7 +42,6 @@ from tierd.daemon.writebehind import Flushed, WriteBehind
 from tierd.daemon.writes import Reservations
 from tierd.events import EventLog, KVEvent
 from tierd.types import BlockHash, Namespace, NamespacedKey, make_keys
-from tierd.wire.clip import clip
 from tierd.wire.layout import Layout, namespace_for
 from tierd.wire.replies import ModelUsage, TenantUsage
 
@@ -164,7 +163,7 @@ class NodeStore:
         not (the same answer, so ids leak nothing across tenants)."""
         info = self._engine(engine_id)
         if info.tenant != tenant:
-            raise NotFound(f"unknown engine {clip(engine_id)}: register it first")
+            raise UnknownEngine(engine_id)
         return info
 
     def engines_of(self, tenant: str) -> list[EngineInfo]:

@@ -5,6 +5,10 @@ A refused Commit inside a ``CommitMany`` and any failed call over the lane
 ``details()`` the same call over gRPC would have failed with, so every caller handles one kind
 of error whatever carried the call. ``code_of`` reads a status code from its number, as a
 ``CommitMany`` outcome and a lane reply carry it.
+
+A NOT_FOUND whose details begin with ``UNKNOWN_ENGINE`` names the calling engine (the daemon
+does not know it: it restarted, or forgot an idle engine); any other NOT_FOUND names a lease.
+``unknown_engine`` tells the two apart.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ def code_of(number: int) -> grpc.StatusCode:
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
-
 class CallError(grpc.RpcError):  # type: ignore[misc]  # grpc has no type stubs
     """A failed call's status code and details (module doc)."""
 
@@ -32,3 +35,15 @@ class CallError(grpc.RpcError):  # type: ignore[misc]  # grpc has no type stubs
 
     def details(self) -> str:
         return self._details
+
+
+UNKNOWN_ENGINE = "unknown engine"
+"""How the details of a NOT_FOUND for an engine the daemon does not know begin."""
+
+
+def unknown_engine(exc: grpc.RpcError) -> bool:
+    """``exc`` is a NOT_FOUND for the calling engine, not for a lease the call named."""
+    if not isinstance(exc, (grpc.Call, CallError)) or exc.code() != grpc.StatusCode.NOT_FOUND:
+        return False
+    details = exc.details()
+    return isinstance(details, str) and details.startswith(UNKNOWN_ENGINE)

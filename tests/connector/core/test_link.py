@@ -64,7 +64,8 @@ def test_absent_daemon_backs_off_doubling_then_connects(workdir: str, make_daemo
 
 def test_one_classification_of_failed_calls(make_daemon: Any) -> None:
     """A release of an unknown lease is "lease" (kept); a bad request is "request" (kept);
-    an engine the daemon forgot is "forgotten" (dropped, re-registered at once); a daemon
+    an engine the daemon forgot is "forgotten" (dropped, re-registered at once), also on a
+    call that names a lease (its details name the engine); a daemon
     gone, or a missed deadline, is "down" (dropped until the back-off passes)."""
     daemon = make_daemon()
     clock = Clock()
@@ -78,7 +79,10 @@ def test_one_classification_of_failed_calls(make_daemon: Any) -> None:
     assert link.failed(exc) == "request" and link.up
     link.client.unregister_engine(engine_id)
     exc = _error(lambda: link.client.lookup(engine_id, []))
-    assert classify(exc) == "forgotten" and classify(exc, names_lease=True) == "lease"
+    assert classify(exc) == "forgotten" and classify(exc, names_lease=True) == "forgotten"
+    released = _error(lambda: link.client.release(engine_id, "no-such-lease"))
+    assert released.code() == grpc.StatusCode.NOT_FOUND
+    assert classify(released, names_lease=True) == "forgotten"
     assert link.failed(exc) == "forgotten" and not link.up and link.retry_at == clock.now
     assert link.connect() and link.engine.engine_id != engine_id
     daemon._loop.call_soon_threadsafe(time.sleep, 2.5)  # the daemon stalls past the deadline

@@ -131,7 +131,8 @@ def test_a_stock_of_a_forgotten_registration_drops_no_later_session(
         sock: str, engines: Any, monkeypatch: Any, copy_path: str) -> None:
     """The daemon forgets A's registration while A's stock holds a save: A registers anew; the
     old stock's Commit fails and its blocks count as dropped (every block of every save is
-    counted saved or dropped), the new registration stays, and A's saves go on and land."""
+    counted saved or dropped, none as a lapsed lease), the new registration stays, and A's saves
+    go on and land."""
     import tierd.connector.vllm.connector.commits as commits
 
     if copy_path == "device":
@@ -150,7 +151,8 @@ def test_a_stock_of_a_forgotten_registration_drops_no_later_session(
         client.unregister_engine(old.engine_id)
     deadline = time.monotonic() + 30.0
     step = 2
-    while worker.link.session is old and time.monotonic() < deadline:  # a call finds it gone
+    while (worker.link.session is None or worker.link.session is old) \
+            and time.monotonic() < deadline:  # a call finds it gone; the next registers anew
         req = FakeRequest(f"a{step}", prompt(100, salt=step))
         a.admit(req)
         a.step([req])
@@ -163,3 +165,4 @@ def test_a_stock_of_a_forgotten_registration_drops_no_later_session(
     saved, dropped = a.counters()[2], a.counters()[4]
     assert worker.link.session is new, "the old stock's failed Commit dropped the new session"
     assert saved >= 6 and saved + dropped == 6 * (step + 1), "a saved block went uncounted"
+    assert a.settle().data["lapsed_blocks"] == 0  # a forgotten engine's loss is no lapsed lease
