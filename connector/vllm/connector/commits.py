@@ -15,10 +15,12 @@ thread wakes for them. A step sends once ``SEND_AT`` Commits are queued, or the 
 saving steps share one (``CommitMany``, each Commit landing or failing on its own; one per engine
 where the daemon restarted in between); a Commit whose device copies are still in flight (CUDA)
 waits for a later step. Where no step sends a Commit within ``HOLD_SECONDS`` and ``WINDOW_SECONDS``
-of its handover (the engine went idle), the committer thread lands it: a block is visible to lookups
-at most about that long after its step. The Commit of the worker's stock of blank slots
-(``step_stock``) is queued when the stock is due (``send`` and the committer thread look), first, as
-one that has waited its hold. The same thread closes
+of its handover, the committer thread lands it; where no step has begun for ``IDLE_SECONDS`` (the
+engine went idle), at once, the stock's too: a block is visible to lookups at most about
+``IDLE_SECONDS`` after its step once the engine idles, and ``HOLD_SECONDS`` while it runs. The
+Commit of the worker's stock of blank slots (``step_stock``) is queued when the stock is due
+(``send`` and the committer thread look), first, as one that has waited its hold. The same thread
+closes
 a step's save (host KV) right after the step (``soon``): it reads the Reserve's answer, copies the
 blocks and hands the Commit over while the engine thread samples and waits for the next step, at
 a lower priority than the engine thread. The committer thread looks every window while Commits
@@ -81,6 +83,10 @@ round trip costs the daemon and the worker about as much as the blocks it carrie
 HOLD_SECONDS = 0.1
 """How long a Commit waits for others before a step sends it anyway (module doc)."""
 
+IDLE_SECONDS = 0.04
+"""No step has begun for this long: the engine idles (or its steps are long beside a round
+trip), so the committer thread sends what is held at once, the stock's Commit too."""
+
 BATCH = 64
 """Commits per round trip at most (the daemon's ``CommitMany`` limit)."""
 
@@ -129,6 +135,7 @@ class Committer:
         self._soon: Callable[[], None] | None = None  # ``soon``'s
         self._parked = False            # the thread waits for a Commit (the queue stayed empty)
         self._stopping = False
+        self._began = time.monotonic()  # when the last step's ``send`` ran
         self._thread = threading.Thread(target=self._loop, name="tierd-commit", daemon=True)
         self._thread.start()
 
@@ -177,6 +184,7 @@ class Committer:
         (``TierdClient.commit_many_sent``); ``harvest`` reads their outcomes once they are in.
         A Commit whose device copies are still in flight (CUDA), and every one after it, waits
         for the next step (or the committer thread)."""
+        self._began = time.monotonic()
         self._take_stock()
         queue = self._queue
         if not queue or (len(queue) < SEND_AT
@@ -314,10 +322,11 @@ class Committer:
             if self._parked:
                 self._cond.notify()
 
-    def _take_stock(self, force: bool = False) -> None:
-        """Queue the Commits of the stocks that are due (``StepStock.due``)."""
+    def _take_stock(self, force: bool = False, idle: bool = False) -> None:
+        """Queue the Commits of the stocks that are due (``StepStock.due``; ``idle``: their
+        hold counts as passed)."""
         if self._stock is not None:
-            for session, reservation, written, names in self._stock.due(force):
+            for session, reservation, written, names in self._stock.due(force, idle):
                 self._submit(reservation, written, None, names, session)
 
     def _committer_client(self) -> TierdClient:
@@ -328,8 +337,8 @@ class Committer:
     def _loop(self) -> None:
         """Committer thread: run a ``soon`` task at once; every ``WINDOW_SECONDS`` while
         Commits come, land those the engine thread has not sent within ``HOLD_SECONDS`` and a
-        window of their handover (the engine went idle, or their device copies were in
-        flight); parked after ``IDLE_POLLS`` empty looks."""
+        window of their handover (their device copies were in flight), or every one once no
+        step has begun for ``IDLE_SECONDS``; parked after ``IDLE_POLLS`` empty looks."""
         _lower_priority()
         idle = 0
         while True:
@@ -350,13 +359,15 @@ class Committer:
             if soon is not None:
                 _run(soon)
                 continue
-            self._take_stock()
+            now = time.monotonic()
+            engine_idle = now - self._began >= IDLE_SECONDS
+            self._take_stock(idle=engine_idle)
             with self._cond:
                 if not self._queue:
                     idle += 1
                     continue
                 idle = 0
-                if time.monotonic() - self._queue[0].at < HOLD_SECONDS + WINDOW_SECONDS:
+                if not engine_idle and now - self._queue[0].at < HOLD_SECONDS + WINDOW_SECONDS:
                     continue
                 queued, self._queue = self._queue, []
             try:

@@ -7,11 +7,12 @@ daemon's and the worker's cost of a round trip is mostly its own, not its blocks
 its blocks there after the step, and records their hashes (``done``). The stock is committed
 once, naming every written slot (``CommitRequest.block_hashes``; a block the node holds already
 is stored once, its slot freed, as are the slots no step wrote), when no step holds slots of it
-and it is full, the oldest write has waited ``commits.HOLD_SECONDS``, or half of its lease is
-gone (``due``, from the committer's ``send`` or its thread), and the next stock is asked for
-then (answered by the next save). A step whose blocks do not fit in what is left gives the stock
-up (committed at the next ``due``) and saves by hash, as does one that finds the next stock's
-answer not in yet; after a stock came back with no slot, none is asked for ``NO_ROOM_SECONDS``.
+and it is full, the oldest write has waited ``commits.HOLD_SECONDS``, the engine idles, or half
+of its lease is gone (``due``, from the committer's ``send`` or its thread), and the next stock
+is asked for then (answered by the next save). A step whose blocks do not fit in what is left
+gives the stock up (committed at the next ``due``) and saves by hash, as does one that finds the
+next stock's answer not in yet; after a stock came back with no slot, none is asked for
+``NO_ROOM_SECONDS``.
 
 Its size is four times the largest of the last ``HISTORY`` saves, at least ``MIN_SLOTS``, at
 most the daemon's ``max_blocks_per_request`` and a quarter of this layout's slots in the arena
@@ -143,11 +144,12 @@ class StepStock:
                 stock.written[taken.first:taken.first + taken.count] = [True] * taken.count
             stock.open_steps -= 1
 
-    def due(self, force: bool = False
+    def due(self, force: bool = False, idle: bool = False
             ) -> list[tuple[Session, Reservation, list[bool], list[BlockHash]]]:
         """The Commits (session, reservation, written flags, names) of the stocks that are due
         (module doc; with ``force``, every answered one no step is in, and no next one is asked
-        for), those stocks given up; a due stock nothing was written into is aborted instead."""
+        for; with ``idle``, one written into is due whatever its hold), those stocks given up; a
+        due stock nothing was written into is aborted instead."""
         now = self._clock()
         with self._lock:
             ended, self._ended = self._ended, []
@@ -157,7 +159,7 @@ class StepStock:
             if stock is not None and stock.reservation is not None and not stock.open_steps and (
                     force or now >= stock.renew_at or (stock.used and (
                         stock.used >= len(stock.reservation.slot_ids)
-                        or now - stock.first_at >= self._hold()))):
+                        or idle or now - stock.first_at >= self._hold()))):
                 ended.append(stock)
                 self._stock = None
                 if not force:

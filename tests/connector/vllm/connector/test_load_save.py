@@ -190,10 +190,12 @@ def _count_commit_calls(monkeypatch: Any) -> tuple[list[int], list[int]]:
 def test_a_commit_no_step_sends_is_landed_by_the_committer_thread(
         sock: str, engines: Any, monkeypatch: Any) -> None:
     """The engine goes idle after a saving step: no step sends its Commit, so the committer
-    thread lands it within a few windows, with nothing asked of the worker meanwhile."""
+    thread lands it once no step has begun for ``IDLE_SECONDS``, long before its hold (a
+    minute) has passed, with nothing asked of the worker meanwhile."""
     import tierd.connector.vllm.connector.commits as commits
 
     monkeypatch.setattr(commits, "WINDOW_SECONDS", 0.05)
+    monkeypatch.setattr(commits, "HOLD_SECONDS", 60.0)
     by_thread: list[int] = []
     commit_many = commits.commit_many
 

@@ -48,6 +48,7 @@ def test_later_saves_share_the_stock_and_one_commit(sock: str, engines: Any, mon
     import tierd.connector.vllm.connector.commits as commits
 
     monkeypatch.setattr(commits, "HOLD_SECONDS", 60.0)
+    monkeypatch.setattr(commits, "IDLE_SECONDS", 60.0)  # a slow test step is no idle engine
     calls = _count_reserves(monkeypatch)
     a, b = engines(0), engines(0)
     reqs = [FakeRequest(f"a{i}", prompt(100, salt=i)) for i in range(5)]
@@ -69,15 +70,16 @@ def test_later_saves_share_the_stock_and_one_commit(sock: str, engines: Any, mon
         b.finish(got)
 
 
-def test_a_stock_whose_hold_passed_lands_while_the_engine_idles(
+def test_a_stock_lands_once_the_engine_idles(
         sock: str, engines: Any, monkeypatch: Any, copy_path: str) -> None:
-    """A save in the stock, then no step: the committer thread commits the stock once its
-    hold has passed, with nothing of A's flushing it; another engine then loads the blocks."""
+    """A save in the stock, then no step: the committer thread commits the stock once no step
+    has begun for ``IDLE_SECONDS``, long before its hold (a minute) has passed, with nothing of
+    A's flushing it; another engine then loads the blocks."""
     import tierd.connector.vllm.connector.commits as commits
 
     if copy_path == "device":
         return  # no stock on CUDA (the test above)
-    monkeypatch.setattr(commits, "HOLD_SECONDS", 0.05)
+    monkeypatch.setattr(commits, "HOLD_SECONDS", 60.0)
     a, b = engines(0), engines(0)
     first, second = FakeRequest("a0", prompt(100, salt=0)), FakeRequest("a1", prompt(100, salt=1))
     a.admit(first)
@@ -88,13 +90,15 @@ def test_a_stock_whose_hold_passed_lands_while_the_engine_idles(
     held: list[str] = []
     with TierdClient(socket_path=sock, timeout=10.0) as client:
         looker = client.register_engine(a.workers[0]._worker.link.layout, "looker")
-        deadline = time.monotonic() + 30.0
+        stock = a.workers[0]._worker._stock
+        assert stock._stock is not None
+        deadline = stock._stock.renew_at - 1.0  # before half its lease (which would commit it)
         while len(held) < 6 and time.monotonic() < deadline:  # nothing of A's flushes it
             time.sleep(0.02)
             held = client.lookup(looker.engine_id, second.block_hashes[:6])
         client.unregister_engine(looker.engine_id)
     assert held == ["dram"] * 6
-    assert not a.workers[0]._worker._stock.holding
+    assert not stock.holding
     got = FakeRequest("b1", prompt(100, salt=1))
     assert b.prefill(got) == (96, set())
     b.finish(got)
@@ -111,6 +115,7 @@ def test_a_save_the_stock_has_no_room_for_saves_by_hash(
     if copy_path == "device":
         return  # no stock on CUDA
     monkeypatch.setattr(commits, "HOLD_SECONDS", 60.0)
+    monkeypatch.setattr(commits, "IDLE_SECONDS", 60.0)  # a slow test step is no idle engine
     calls = _count_reserves(monkeypatch)
     a = engines(0)
     small = [FakeRequest(f"s{i}", prompt(100, salt=i)) for i in range(2)]
@@ -138,6 +143,7 @@ def test_a_stock_of_a_forgotten_registration_drops_no_later_session(
     if copy_path == "device":
         return  # no stock on CUDA
     monkeypatch.setattr(commits, "HOLD_SECONDS", 60.0)
+    monkeypatch.setattr(commits, "IDLE_SECONDS", 60.0)  # a slow test step is no idle engine
     a = engines(0)
     worker = a.workers[0]._worker
     first, second = FakeRequest("a0", prompt(100, salt=0)), FakeRequest("a1", prompt(100, salt=1))
