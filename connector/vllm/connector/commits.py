@@ -44,6 +44,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -127,6 +128,7 @@ class Committer:
         self._lost = 0                  # blocks lost since the last WARNING
         self._warned = -WARN_EVERY_SECONDS
         self._futures: list[tuple[Session | None, Future[_Outcome]]] = []
+        self._landed: deque[None] = deque()  # one entry per outcome set since the last look
         self._client: TierdClient | None = None  # the committer thread's
         self._held: list[HeldCommit] = []
         self._sent: list[tuple[Sent[list[int | CommitRefused]], list[_Queued], float]] = []
@@ -211,6 +213,10 @@ class Committer:
                     item.ticket.landed.synchronize()
             self._send_now(queued)
         self._read_sent(wait)
+        if not wait and not self._landed:
+            return  # no outcome came since the last look (the usual step)
+        for _ in range(len(self._landed)):  # those that come during the look: the next one's
+            self._landed.popleft()
         keep: list[tuple[Session | None, Future[_Outcome]]] = []
         with self._cond:  # the committer thread may submit one meanwhile (``soon``)
             futures, self._futures = self._futures, []
@@ -319,6 +325,7 @@ class Committer:
                 self._queue.insert(0, _Queued(reservation, written, ticket, outcome,
                                               time.monotonic() - HOLD_SECONDS, names))
             self._futures.append((session or self._link.session, outcome))
+            outcome.add_done_callback(lambda _: self._landed.append(None))
             if self._parked:
                 self._cond.notify()
 

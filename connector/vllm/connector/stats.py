@@ -60,6 +60,7 @@ class Counters:
     def __init__(self) -> None:
         self.totals = TierdConnectorStats()
         self._since = TierdConnectorStats()
+        self._counted = False  # something was counted since the last ``take``
         self._lock = threading.Lock()
 
     def count(self, name: str, amount: int) -> None:
@@ -68,9 +69,12 @@ class Counters:
             with self._lock:
                 self._since.add(name, amount)
                 self.totals.add(name, amount)
+                self._counted = True
 
     def take(self) -> TierdConnectorStats | None:
         """The counts since the last call (None if all are 0)."""
+        if not self._counted:
+            return None  # the usual step (a count made meanwhile is the next call's)
         with self._lock:
-            since, self._since = self._since, TierdConnectorStats()
+            since, self._since, self._counted = self._since, TierdConnectorStats(), False
         return None if since.is_empty() else since

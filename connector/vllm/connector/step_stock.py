@@ -151,15 +151,15 @@ class StepStock:
         for; with ``idle``, one written into is due whatever its hold), those stocks given up; a
         due stock nothing was written into is aborted instead."""
         now = self._clock()
+        if not force and not self._ended and not self._due(self._stock, now, idle):
+            return []  # the usual look (read without the lock: a stale one leaves it to the next)
         with self._lock:
             ended, self._ended = self._ended, []
             stock = self._stock
             if force and stock is not None and not self._answered(stock, wait=True):
                 stock = self._stock = None  # its Reserve failed: nothing was reserved
-            if stock is not None and stock.reservation is not None and not stock.open_steps and (
-                    force or now >= stock.renew_at or (stock.used and (
-                        stock.used >= len(stock.reservation.slot_ids)
-                        or idle or now - stock.first_at >= self._hold()))):
+            if stock is not None and ((force and stock.reservation is not None
+                                       and not stock.open_steps) or self._due(stock, now, idle)):
                 ended.append(stock)
                 self._stock = None
                 if not force:
@@ -173,6 +173,14 @@ class StepStock:
             last = max(i for i, w in enumerate(stock.written) if w) + 1
             out.append((stock.session, stock.reservation, stock.written, stock.names[:last]))
         return out
+
+    def _due(self, stock: Stock | None, now: float, idle: bool) -> bool:
+        """``stock`` is answered, no step is in it, and it is full, half of its lease is gone,
+        or its oldest write waited its hold (or the engine idles)."""
+        return (stock is not None and stock.reservation is not None and not stock.open_steps
+                and (now >= stock.renew_at or (bool(stock.used) and (
+                    stock.used >= len(stock.reservation.slot_ids)
+                    or idle or now - stock.first_at >= self._hold()))))
 
     @staticmethod
     def _answered(stock: Stock, wait: bool) -> bool:
