@@ -20,11 +20,10 @@ engine went idle), at once, the stock's too: a block is visible to lookups at mo
 ``IDLE_SECONDS`` after its step once the engine idles, and ``HOLD_SECONDS`` while it runs. The
 Commit of the worker's stock of blank slots (``step_stock``) is queued when the stock is due
 (``send`` and the committer thread look), first, as one that has waited its hold. The same thread
-closes
-a step's save (host KV) right after the step (``soon``): it reads the Reserve's answer, copies the
-blocks and hands the Commit over while the engine thread samples and waits for the next step, at
-a lower priority than the engine thread. The committer thread looks every window while Commits
-come and parks after ``IDLE_POLLS`` empty looks (the next Commit wakes it).
+closes a step's save (host KV) right after the step (``soon``): it reads the Reserve's answer,
+copies the blocks and hands the Commit over while the engine thread samples and waits for the
+next step, at a lower priority than the engine thread. The committer thread looks every window
+while Commits come and parks after ``IDLE_POLLS`` empty looks (the next Commit wakes it).
 ``harvest(wait=True)`` (and ``close``) lands every Commit at once.
 
 With TP > 1, a step's Commit is *held* until the scheduler's verdict on that step
