@@ -7,8 +7,8 @@ of error whatever carried the call. ``code_of`` reads a status code from its num
 ``CommitMany`` outcome and a lane reply carry it.
 
 A NOT_FOUND whose details begin with ``UNKNOWN_ENGINE`` names the calling engine (the daemon
-does not know it: it restarted, or forgot an idle engine); any other NOT_FOUND names a lease.
-``unknown_engine`` tells the two apart.
+does not know it: it restarted, or forgot an idle engine); on a call that names a lease, any
+other NOT_FOUND is about that lease. ``unknown_engine`` tells the two apart.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ def code_of(number: int) -> grpc.StatusCode:
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+
 
 class CallError(grpc.RpcError):  # type: ignore[misc]  # grpc has no type stubs
     """A failed call's status code and details (module doc)."""
