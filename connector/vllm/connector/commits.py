@@ -211,7 +211,8 @@ class Committer:
                 if item.ticket is not None:
                     item.ticket.landed.synchronize()
             self._send_now(queued)
-        self._read_sent(wait)
+        if self._sent:
+            self._read_sent(wait)
         if not wait and not self._landed:
             return  # no outcome came since the last look (the usual step)
         for _ in range(len(self._landed)):  # those that come during the look: the next one's

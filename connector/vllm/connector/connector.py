@@ -40,7 +40,7 @@ from .base import (
     KVConnectorWorkerMetadata,
 )
 from .kv_tensors import KV_FORMAT, dtype_name
-from .metadata import TierdConnectorMetadata, TierdWorkerMetadata
+from .metadata import SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 from .scheduler import SchedulerSide
 from .stats import TierdConnectorStats
 from .worker import WorkerSide
@@ -122,6 +122,10 @@ class TierdConnector(KVConnectorBase_V1):
         self._config = _config_from(vllm_config, self._kv_transfer_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        # Per layer, vLLM calls two hooks; on a step that saves nothing (most steps) and with
+        # host KV (nothing to wait for) they return at once on these.
+        self._layer_saves: list[SaveSpec] | None = None  # the bound step's saves, if any
+        self._layer_waits = False                       # loads are queued per layer (CUDA)
         if role == KVConnectorRole.SCHEDULER:
             size = int(vllm_config.parallel_config.tensor_parallel_size)
             name = f"{self._config.engine_name}-scheduler"
@@ -196,6 +200,7 @@ class TierdConnector(KVConnectorBase_V1):
         self._worker = WorkerSide(self._config, kv_caches, int(cache.block_size),
                                   getattr(cache, "cache_dtype", "auto"), rank,
                                   int(self._vllm_config.parallel_config.tensor_parallel_size))
+        self._layer_waits = self._worker.waits_per_layer
         looked_up = layout_from_vllm_config(self._vllm_config, self._model_id, rank)
         if self._worker.link.layout != looked_up:
             _log.warning("tierd: the caches (%s) differ from the model config (%s); the scheduler "
@@ -217,6 +222,12 @@ class TierdConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, TierdConnectorMetadata):
             self._worker.bound(connector_metadata)
+            self._layer_saves = connector_metadata.saves or None
+
+    def clear_connector_metadata(self) -> None:
+        """Worker: the step is over; its metadata is forgotten."""
+        super().clear_connector_metadata()
+        self._layer_saves = None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Worker: load this step's planned blocks. On CPU synchronous (returns when they are
@@ -229,16 +240,18 @@ class TierdConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Worker: on CUDA, make the forward pass's stream wait until this step's loads of
         ``layer_name`` are in place (the host does not wait); nothing on CPU."""
-        if self._worker is not None:
+        if self._layer_waits:
+            assert self._worker is not None
             self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         """Worker: copy this layer's part of the blocks this step completes into tierd slots
         (from the registered view of ``layer_name``, which ``kv_layer`` is)."""
-        meta = self._step_meta()
-        if self._worker is not None and meta is not None:
-            self._worker.save_layer(layer_name, meta.saves)
+        saves = self._layer_saves
+        if saves is not None:
+            assert self._worker is not None
+            self._worker.save_layer(layer_name, saves)
 
     def wait_for_save(self) -> None:
         """Worker: hand this step's Commit over (sent at the next step) and return; the bytes

@@ -87,7 +87,10 @@ class Outcomes:
 
     def take_report(self) -> TierdWorkerMetadata | None:
         """This step's ``TierdWorkerMetadata`` (None if there is nothing to report)."""
-        report, self._report = self._report, TierdWorkerMetadata()
+        report = self._report
+        if self._tp_size == 1 and report.is_empty():
+            return None  # the usual step: the blank report serves the next one
+        self._report = TierdWorkerMetadata()
         if self._tp_size > 1 and report.step:  # the verdicts count steps every rank finished
             return report
         return None if report.is_empty() else report

@@ -87,6 +87,10 @@ class Probes:
         _drop(probing)
         return None
 
+    def __len__(self) -> int:
+        """Probes sent and not taken yet."""
+        return len(self._sent)
+
     def drop_all(self) -> None:
         """Give up on the Probes no load took (their leases released when they come)."""
         for probing in self._sent.values():

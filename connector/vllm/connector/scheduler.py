@@ -442,30 +442,36 @@ class SchedulerSide:
         self._sweep()
         self._wait.step(self._clock())
         loads, self._loads = self._loads, []
-        # Saves may sit on this step's loads and on loads of earlier steps whose report has
-        # not arrived yet (async scheduling: a local hit on blocks still being checked).
-        loading = {b for pin in self._pins.values() for b in pin.block_ids}
         saves: list[SaveSpec] = []
-        bs = self._block_size
+        bs, save, tracked_of = self._block_size, self._save, self._tracked.get
+        scheduled_tokens = scheduler_output.num_scheduled_tokens
+        loading: set[int] | None = None  # blocks of loads not reported yet (built when needed)
         self._step += 1
         prefill = 0
         for req_id, new_ids, resumed in _scheduled(scheduler_output):
-            tracked = self._tracked.get(req_id)
+            tracked = tracked_of(req_id)
             if tracked is None:
                 continue
-            prefill += max(0, min(int(scheduler_output.num_scheduled_tokens[req_id]),
-                                  tracked.request.num_prompt_tokens
-                                  - tracked.request.num_computed_tokens))
+            request = tracked.request
+            computed, scheduled = request.num_computed_tokens, scheduled_tokens[req_id]
+            left = request.num_prompt_tokens - computed
+            if left > 0:
+                prefill += min(scheduled, left)
             if resumed:
                 tracked.block_ids = list(new_ids or ())
-            else:
-                tracked.block_ids.extend(new_ids or ())
-            request = tracked.request
-            done = min(request.num_computed_tokens
-                       + scheduler_output.num_scheduled_tokens[req_id], request.num_tokens)
+            elif new_ids:
+                tracked.block_ids.extend(new_ids)
+            end = min(computed + scheduled, request.num_tokens) // bs
+            if end <= tracked.next_save:
+                continue  # no block completes (a decode step, mostly)
             hashes = self._hashes(request)
-            end = min(done // bs, len(hashes), len(tracked.block_ids))
-            if self._save and end > tracked.next_save:
+            end = min(end, len(hashes), len(tracked.block_ids))
+            if save and end > tracked.next_save:
+                # Saves may sit on this step's loads and on loads of earlier steps whose
+                # report has not arrived yet (async scheduling: a local hit on blocks still
+                # being checked).
+                if loading is None:
+                    loading = {b for pin in self._pins.values() for b in pin.block_ids}
                 depends = [b for b in tracked.block_ids[:end] if b in loading] if loading else []
                 saves.append(SaveSpec(req_id, tracked.block_ids[tracked.next_save:end],
                                       [bytes(h) for h in hashes[tracked.next_save:end]],
@@ -473,8 +479,9 @@ class SchedulerSide:
             tracked.next_save = max(tracked.next_save, end)
         if saves:
             self._last_save_step = self._step
-        recomputing, self._recomputing = sorted(self._recomputing), set()
-        seen, self._failures_seen = sorted(self._failures_seen), set()
+        recomputing = sorted(self._recomputing) if self._recomputing else []
+        seen = sorted(self._failures_seen) if self._failures_seen else []
+        self._recomputing, self._failures_seen = set(), set()
         verdict = self._verdict() if len(self._links) > 1 else None
         return TierdConnectorMetadata(loads=loads, saves=saves, recomputing=recomputing,
                                       failures_seen=seen, step=self._step, verdict=verdict,
@@ -589,6 +596,5 @@ def _scheduled(scheduler_output: Any) -> Iterator[tuple[str, list[int] | None, b
         yield new.req_id, list(new.block_ids[0]), False
     cached = scheduler_output.scheduled_cached_reqs
     resumed_ids = cached.resumed_req_ids
-    for i, req_id in enumerate(cached.req_ids):
-        groups = cached.new_block_ids[i]
-        yield req_id, (list(groups[0]) if groups else None), req_id in resumed_ids
+    for req_id, groups in zip(cached.req_ids, cached.new_block_ids):
+        yield req_id, (groups[0] if groups else None), req_id in resumed_ids

@@ -157,6 +157,12 @@ class WorkerSide:
         self._device.sink(self.link)  # register the arena now, not on a copy
 
     @property
+    def waits_per_layer(self) -> bool:
+        """Loads are queued per layer (CUDA), so ``wait_layer`` has work; with host KV a load
+        is done before the forward pass starts."""
+        return self._device.enabled
+
+    @property
     def totals(self) -> TierdConnectorStats:
         """Counters since start (logs, tests)."""
         return self._counters.totals
@@ -180,14 +186,18 @@ class WorkerSide:
         if meta.verdict is not None and self._commits.verdict(*meta.verdict):
             self._commits.harvest(wait=True)  # before this step's Reserve of the blocks left out
         self._commits.send()  # while vLLM's scheduler waits for this step
-        self._unread.reap()
-        session = self.link.session
-        for spec in meta.loads:
-            if (spec.probe and not spec.stream and spec.block_ids and session is not None
-                    and spec.pin_of(self._rank, session.engine.arena_name) is None):
-                self._probes.send(session, spec.req_id, [BlockHash(h) for h in spec.block_hashes])
-        if any(not spec.stream for spec in meta.loads):
-            return
+        if self._unread:
+            self._unread.reap()
+        loads = meta.loads
+        if loads:
+            session = self.link.session
+            for spec in loads:
+                if (spec.probe and not spec.stream and spec.block_ids and session is not None
+                        and spec.pin_of(self._rank, session.engine.arena_name) is None):
+                    self._probes.send(session, spec.req_id,
+                                      [BlockHash(h) for h in spec.block_hashes])
+            if any(not spec.stream for spec in loads):
+                return
         if meta.saves and not self._save.tried:  # its answer comes during the forward pass
             self._begin_save(meta.saves)
 
@@ -195,7 +205,7 @@ class WorkerSide:
         """vLLM's ``bind_connector_metadata``, right before the forward pass: ``begin`` if no
         hook did; on a step with no synchronous load, start the prefill timer."""
         self.begin(meta)
-        if all(spec.stream for spec in meta.loads):
+        if not meta.loads or all(spec.stream for spec in meta.loads):
             self._speed.begin(meta.prefill_tokens)
 
     def load(self, meta: TierdConnectorMetadata) -> None:
@@ -203,6 +213,8 @@ class WorkerSide:
         doc); blocks until done. On a step with synchronous loads (before the forward pass),
         then send the Reserve of its saves and start the prefill timer."""
         self.begin(meta)  # vLLM binds every step's metadata first; a caller may not
+        if not meta.loads and not self._probes:
+            return  # the usual step: nothing to load, no Probe to give up on
         sync = False
         for spec in meta.loads:
             if spec.stream:
@@ -237,8 +249,10 @@ class WorkerSide:
         """vLLM's ``get_finished``: stop the streamed loads of requests vLLM finished, and
         hand over (report, count, failed blocks as load errors this step) the streamed loads
         that ended; their request ids (finished receiving)."""
-        finished = set(finished_req_ids)
         streaming = self._streaming
+        if not finished_req_ids and streaming.streams is None and not streaming.ended_now:
+            return set()  # the usual step: no stream, nothing finished
+        finished = set(finished_req_ids)
         ended, streaming.ended_now = streaming.ended_now, []
         if streaming.streams is not None:
             streaming.streams.cancel(finished)
@@ -318,6 +332,8 @@ class WorkerSide:
         """CUDA: once this step's queued loads have read their slots, release their leases. A
         lease that ran out first (or a daemon gone) makes its blocks load errors and its request
         poisoned; True if one did (the step's saves are then dropped)."""
+        if not self._device.enabled:
+            return False  # host KV: loads are done within ``load``
         lost = False
         for load, done in self._device.finish(self._clock):
             verified = load.load.block_ids[:done.verified]
@@ -486,8 +502,11 @@ class WorkerSide:
         self._begun = None  # the step ends here
         lease_lost = self._finish_loads() or self._save.lease_lost
         self._commits.harvest()
-        step, self._save = self._save, StepSave()
         self._close_late()  # one left by a caller that skipped ``begin``
+        step = self._save
+        if not step.tried and not step.layers and not step.lease_lost:
+            return  # the step saved nothing: its blank state serves the next one
+        self._save = StepSave()
         if (step.asked is not None or step.pending is not None) and not self._device.enabled:
             with self._late_lock:
                 self._late = LateSave(step, lease_lost, self._outcomes.step)
