@@ -22,8 +22,11 @@ Commit of the worker's stock of blank slots (``step_stock``) is queued when the 
 (``send`` and the committer thread look), first, as one that has waited its hold. The same thread
 closes a step's save (host KV) right after the step (``soon``): it reads the Reserve's answer,
 copies the blocks and hands the Commit over while the engine thread samples and waits for the
-next step, at a lower priority than the engine thread. The committer thread looks every window
-while Commits come and parks after ``IDLE_POLLS`` empty looks (the next Commit wakes it).
+next step, at a lower priority than the engine thread. The committer thread sleeps until what it
+holds can be due (``IDLE_SECONDS`` after the last step began, a queued Commit's hold and window;
+while the engine steps, each step's ``send`` lands what is due), looks every window only while
+the engine idles with something held, and parks while it holds nothing (a handed-over save or
+Commit wakes it): each wake of a thread costs CPU on the core it shares with the forward pass.
 ``harvest(wait=True)`` (and ``close``) lands every Commit at once.
 
 With TP > 1, a step's Commit is *held* until the scheduler's verdict on that step
@@ -69,9 +72,6 @@ _Outcome = tuple[int, int, int, grpc.RpcError | None]  # stored, held already, l
 WINDOW_SECONDS = 0.02
 """How long past ``HOLD_SECONDS`` a Commit no step has sent waits before the committer thread
 lands it (module doc); both well inside any write lease, so a Commit never lapses for waiting."""
-
-IDLE_POLLS = 50
-"""Empty looks (a second at ``WINDOW_SECONDS``) before the committer thread parks."""
 
 HELPER_NICE = 10
 """How much nicer than the engine thread the committer thread runs (``_lower_priority``)."""
@@ -134,7 +134,8 @@ class Committer:
         self._cond = threading.Condition()  # the queue is shared with the committer thread
         self._queue: list[_Queued] = []
         self._soon: Callable[[], None] | None = None  # ``soon``'s
-        self._parked = False            # the thread waits for a Commit (the queue stayed empty)
+        self._parked = False            # the thread waits for a Commit (it holds nothing)
+        self._looked = 0.0              # when the committer thread last looked
         self._stopping = False
         self._began = time.monotonic()  # when the last step's ``send`` ran
         self._thread = threading.Thread(target=self._loop, name="tierd-commit", daemon=True)
@@ -342,39 +343,36 @@ class Committer:
         return self._client
 
     def _loop(self) -> None:
-        """Committer thread: run a ``soon`` task at once; every ``WINDOW_SECONDS`` while
-        Commits come, land those the engine thread has not sent within ``HOLD_SECONDS`` and a
-        window of their handover (their device copies were in flight), or every one once no
-        step has begun for ``IDLE_SECONDS``; parked after ``IDLE_POLLS`` empty looks."""
+        """Committer thread: run a ``soon`` task at once; when something held can be due
+        (``_until_due``), land the Commits the engine thread has not sent within
+        ``HOLD_SECONDS`` and a window of their handover (their device copies were in flight),
+        or every one (the stock's too) once no step has begun for ``IDLE_SECONDS``; parked
+        while nothing is held."""
         _lower_priority()
-        idle = 0
         while True:
             with self._cond:
                 if self._stopping:
                     return
                 if self._soon is None:
-                    holding = self._stock is not None and self._stock.holding
-                    if not self._queue and not holding and idle >= IDLE_POLLS:
+                    wait = self._until_due(time.monotonic())
+                    if wait is None:
                         self._parked = True
                         self._cond.wait()
-                        self._parked, idle = False, 0
+                        self._parked = False
                         continue
-                    self._cond.wait(WINDOW_SECONDS)
+                    if wait > 0:
+                        self._cond.wait(wait)
+                        continue  # a task, a stop, or a step begun meanwhile: look again
                 soon, self._soon = self._soon, None
-                if soon is not None:
-                    idle = 0
             if soon is not None:
                 _run(soon)
                 continue
-            now = time.monotonic()
+            now = self._looked = time.monotonic()
             engine_idle = now - self._began >= IDLE_SECONDS
             self._take_stock(idle=engine_idle)
             with self._cond:
-                if not self._queue:
-                    idle += 1
-                    continue
-                idle = 0
-                if not engine_idle and now - self._queue[0].at < HOLD_SECONDS + WINDOW_SECONDS:
+                if not self._queue or (not engine_idle and
+                                       now - self._queue[0].at < HOLD_SECONDS + WINDOW_SECONDS):
                     continue
                 queued, self._queue = self._queue, []
             try:
@@ -384,6 +382,20 @@ class Committer:
                     if not item.outcome.done():
                         item.outcome.set_exception(exc)
                 raise
+
+    def _until_due(self, now: float) -> float | None:
+        """Seconds until the committer thread's next look (lock held; <= 0: now), None while
+        it holds nothing (no Commit queued, no slot of a stock taken): ``IDLE_SECONDS`` after
+        the last step began (no look is needed while steps begin: each one's ``send`` lands
+        what is due), or a window after the last look once the engine idles; a queued
+        Commit's hold and window at the latest."""
+        if not self._queue and (self._stock is None or not self._stock.holding):
+            return None
+        idle_at = self._began + IDLE_SECONDS
+        at = idle_at if idle_at > self._looked else self._looked + WINDOW_SECONDS
+        if self._queue:
+            at = min(at, self._queue[0].at + HOLD_SECONDS + WINDOW_SECONDS)
+        return at - now
 
 
 def _run(task: Callable[[], None]) -> None:

@@ -143,13 +143,13 @@ class Run:
 def runs(block_ids: Sequence[int], offsets: Sequence[int], slot_bytes: int) -> list[Run]:
     """Split parallel lists of vLLM block ids and slot byte offsets into maximal runs."""
     out: list[Run] = []
-    for i, (block, offset) in enumerate(zip(block_ids, offsets)):
-        last = out[-1] if out else None
-        if (last is not None and block == last.block_id + last.count
-                and offset == last.offset + last.count * slot_bytes):
-            out[-1] = Run(last.first, last.block_id, last.offset, last.count + 1)
-        else:
-            out.append(Run(i, block, offset, 1))
+    count = min(len(block_ids), len(offsets))
+    start = 0
+    for i in range(1, count + 1):
+        if (i == count or block_ids[i] != block_ids[i - 1] + 1
+                or offsets[i] != offsets[i - 1] + slot_bytes):
+            out.append(Run(start, block_ids[start], offsets[start], i - start))
+            start = i
     return out
 
 

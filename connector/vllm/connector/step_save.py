@@ -38,17 +38,21 @@ class PendingSave:
 
     @classmethod
     def stocked(cls, taken: Taken, geometry: SlotGeometry, saves: list[SaveSpec],
-                slot_bytes: int) -> PendingSave:
-        """``saves``' blocks laid out for the copy into the stock's slots ``taken``."""
+                block_ids: list[int], slot_bytes: int) -> PendingSave:
+        """``saves``' blocks (``block_ids``, in order) laid out for the copy into the stock's
+        slots ``taken``."""
         reservation = taken.stock.reservation
         assert reservation is not None
-        indices = range(taken.first, taken.first + taken.count)
-        offsets = [geometry.offset(cast(int, reservation.slot_ids[i])) for i in indices]
-        return cls(reservation, list(zip(indices, offsets)),
-                   runs([b for spec in saves for b in spec.block_ids], offsets, slot_bytes),
+        first = taken.first
+        offset = geometry.offset
+        offsets = [offset(cast(int, slot))
+                   for slot in reservation.slot_ids[first:first + taken.count]]
+        return cls(reservation, list(zip(range(first, first + taken.count), offsets)),
+                   runs(block_ids, offsets, slot_bytes),
                    [spec.req_id for spec in saves for _ in spec.block_ids],
                    taken.stock.renew_at, [], taken=taken,
-                   names=[BlockHash(h) for spec in saves for h in spec.block_hashes])
+                   names=cast("list[BlockHash]",  # NewType of bytes: the same objects
+                              [h for spec in saves for h in spec.block_hashes]))
 
     def written(self) -> list[bool]:
         """The Commit's written flags: True where a slot was reserved (and every layer copied

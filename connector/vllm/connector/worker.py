@@ -389,7 +389,7 @@ class WorkerSide:
             return None
         taken = self._stock.take(session, len(block_ids))
         return None if taken is None else PendingSave.stocked(
-            taken, session.engine.geometry, saves, self.format.slot_bytes)
+            taken, session.engine.geometry, saves, block_ids, self.format.slot_bytes)
 
     def _pending(self) -> PendingSave | None:
         """This step's reservation, waiting for the Reserve's answer if it is still in flight."""

@@ -131,6 +131,7 @@ def test_saving_steps_commits_share_a_round_trip_sent_by_the_workers_thread(
     by_thread, by_worker = _count_commit_calls(monkeypatch)
     monkeypatch.setattr(commits, "WINDOW_SECONDS", 60.0)
     monkeypatch.setattr(commits, "HOLD_SECONDS", 60.0)
+    monkeypatch.setattr(commits, "IDLE_SECONDS", 60.0)  # a slow test step is no idle engine
     monkeypatch.setattr(StepStock, "take", lambda self, session, count: None)  # by hash
     a = engines(0)
     for i in range(5):
@@ -154,6 +155,7 @@ def test_a_commit_that_waited_its_hold_goes_out_with_the_next_step(
     by_thread, by_worker = _count_commit_calls(monkeypatch)
     monkeypatch.setattr(commits, "WINDOW_SECONDS", 60.0)
     monkeypatch.setattr(commits, "HOLD_SECONDS", 0.0)
+    monkeypatch.setattr(commits, "IDLE_SECONDS", 60.0)  # a slow test step is no idle engine
     monkeypatch.setattr(StepStock, "take", lambda self, session, count: None)  # by hash
     a = engines(0)
     for i in range(3):

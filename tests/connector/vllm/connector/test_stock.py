@@ -4,6 +4,7 @@ idles; a save that does not fit saves by hash. CUDA workers keep no stock."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -102,6 +103,53 @@ def test_a_stock_lands_once_the_engine_idles(
     got = FakeRequest("b1", prompt(100, salt=1))
     assert b.prefill(got) == (96, set())
     b.finish(got)
+    assert a.counters() == (0, 0, 12, 0, 0)
+
+
+def test_the_committer_thread_sleeps_while_steps_begin_and_parks_once_nothing_is_held(
+        sock: str, engines: Any, monkeypatch: Any, copy_path: str) -> None:
+    """A save in the stock, then steps that save nothing, each begun well within
+    ``IDLE_SECONDS`` of the last: the committer thread makes no look meanwhile (every wake of
+    it costs CPU on the forward pass's core; each step's own send lands what is due). Once the
+    steps stop it commits the stock, and then, holding nothing, it makes no look at all."""
+    import tierd.connector.vllm.connector.commits as commits
+
+    if copy_path == "device":
+        return  # no stock on CUDA
+    monkeypatch.setattr(commits, "HOLD_SECONDS", 60.0)
+    monkeypatch.setattr(commits, "IDLE_SECONDS", 0.3)
+    looks: list[float] = []
+    take_stock = commits.Committer._take_stock
+
+    def counted(self: Any, force: bool = False, idle: bool = False) -> None:
+        if threading.current_thread() is self._thread:
+            looks.append(time.monotonic())
+        take_stock(self, force, idle)
+
+    monkeypatch.setattr(commits.Committer, "_take_stock", counted)
+    a = engines(0)
+    first, second = FakeRequest("a0", prompt(100, salt=0)), FakeRequest("a1", prompt(100, salt=1))
+    a.admit(first)
+    a.step([first])
+    _stock_answered(a)
+    a.admit(second)
+    a.step([second])
+    stock = a.workers[0]._worker._stock
+    assert stock.holding
+    looks.clear()
+    until = time.monotonic() + 1.0
+    while time.monotonic() < until:  # steps begin every few ms: the engine does not idle
+        a.step([])
+        time.sleep(0.01)
+    assert looks == [] and stock.holding
+    deadline = time.monotonic() + 10.0
+    while stock.holding and time.monotonic() < deadline:  # the steps stopped: it idles
+        time.sleep(0.01)
+    assert not stock.holding
+    time.sleep(0.1)
+    parked = len(looks)
+    time.sleep(0.5)
+    assert len(looks) == parked
     assert a.counters() == (0, 0, 12, 0, 0)
 
 
