@@ -39,6 +39,7 @@ import grpc
 from tierd.connector.core.arena_slots import ArenaSlots
 from tierd.connector.core.errors import describe
 from tierd.connector.core.lease import Lease, PendingLease, acquire_async, releaser
+from tierd.connector.core.link import DaemonLink
 from tierd.connector.core.load import Sink, finish_load, start_load
 from tierd.connector.core.runner import Runner
 from tierd.types import BlockHash
@@ -64,11 +65,40 @@ class _Chunk:
 class StreamState:
     """A worker's streamed loads (host KV): ``streams`` built at the first one, ``sink`` the
     one-core copy they use, ``ended_now`` loads that ended at their start (handed over at the
-    next ``finished_loads``)."""
+    next ``ended``). Engine thread only."""
 
     sink: Sink
     streams: Streams | None = None
     ended_now: list[StreamedLoad] = field(default_factory=list)
+
+    @property
+    def idle(self) -> bool:
+        """No load was ever streamed and none ended at its start: ``ended`` has nothing."""
+        return self.streams is None and not self.ended_now
+
+    def start(self, spec: LoadSpec, link: DaemonLink, slot_bytes: int,
+              clock: Callable[[], float], device: bool) -> None:
+        """Begin a streamed load. With the daemon down it fails now, and with CUDA KV
+        (``device``) too (the scheduler streams only to host KV; CUDA loads are staged
+        instead); it is handed over at the next ``ended`` either way."""
+        if device or not spec.block_ids or not link.connect():
+            if device:
+                _log.warning("tierd: a streamed load reached a CUDA worker; vLLM recomputes %s",
+                             spec.req_id)
+            self.ended_now.append(StreamedLoad(spec, ""))
+            return
+        if self.streams is None:
+            self.streams = Streams(link.new_client(), self.sink, slot_bytes, clock)
+        self.streams.start(spec, link.engine.engine_id, link.slots)
+
+    def ended(self, finished: set[str]) -> list[StreamedLoad]:
+        """Stop the loads of the requests vLLM ``finished`` (aborted); the loads that ended
+        since the last call (each handed over once)."""
+        ended, self.ended_now = self.ended_now, []
+        if self.streams is not None:
+            self.streams.cancel(finished)
+            ended += self.streams.take_finished()
+        return ended
 
 
 @dataclass(slots=True)

@@ -108,7 +108,7 @@ from .sinks import LayerViews
 from .stats import Counters, TierdConnectorStats
 from .step_save import Asked, LateSave, PendingSave, StepSave
 from .step_stock import StepStock
-from .streaming import StreamedLoad, Streams, StreamState
+from .streaming import StreamState
 
 _log = logging.getLogger(__name__)
 
@@ -218,7 +218,8 @@ class WorkerSide:
         sync = False
         for spec in meta.loads:
             if spec.stream:
-                self._start_stream(spec)
+                self._streaming.start(spec, self.link, self.format.slot_bytes, self._clock,
+                                      self._device.enabled)
             else:
                 sync = True
                 self._outcomes.loaded(spec.req_id, spec.block_ids, self._load_one(spec))
@@ -229,34 +230,14 @@ class WorkerSide:
             self._begin_save(meta.saves)
         self._speed.begin(meta.prefill_tokens)  # the forward pass starts after this returns
 
-    def _start_stream(self, spec: LoadSpec) -> None:
-        """Begin a streamed load (``streaming``). With the daemon down it fails now, and with
-        CUDA KV too (the scheduler streams only to host KV; CUDA loads are staged instead); it is
-        handed over at the next ``finished_loads`` either way."""
-        link, streaming = self.link, self._streaming
-        if self._device.enabled or not spec.block_ids or not link.connect():
-            if self._device.enabled:
-                _log.warning("tierd: a streamed load reached a CUDA worker; vLLM recomputes %s",
-                             spec.req_id)
-            streaming.ended_now.append(StreamedLoad(spec, ""))
-            return
-        if streaming.streams is None:
-            streaming.streams = Streams(link.new_client(), streaming.sink,
-                                        self.format.slot_bytes, self._clock)
-        streaming.streams.start(spec, link.engine.engine_id, link.slots)
-
     def finished_loads(self, finished_req_ids: Iterable[str]) -> set[str]:
         """vLLM's ``get_finished``: stop the streamed loads of requests vLLM finished, and
         hand over (report, count, failed blocks as load errors this step) the streamed loads
         that ended; their request ids (finished receiving)."""
-        streaming = self._streaming
-        if not finished_req_ids and streaming.streams is None and not streaming.ended_now:
+        if not finished_req_ids and self._streaming.idle:
             return set()  # the usual step: no stream, nothing finished
         finished = set(finished_req_ids)
-        ended, streaming.ended_now = streaming.ended_now, []
-        if streaming.streams is not None:
-            streaming.streams.cancel(finished)
-            ended += streaming.streams.take_finished()
+        ended = self._streaming.ended(finished)
         for load in ended:
             spec = load.spec
             self._outcomes.loaded(spec.req_id, spec.block_ids, load.placed,
