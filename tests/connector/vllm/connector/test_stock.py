@@ -41,6 +41,18 @@ def _stock_answered(engine: Any) -> None:
     assert stock._stock.reply.done(), "the blank Reserve was never answered"
 
 
+def _second_save_into_the_stock(engine: Any) -> FakeRequest:
+    """Two saving steps of 6 blocks each: the first Reserves by hash and asks for a stock, the
+    second copies into the stock once it is answered; the second step's request."""
+    first, second = FakeRequest("a0", prompt(100, salt=0)), FakeRequest("a1", prompt(100, salt=1))
+    engine.admit(first)
+    engine.step([first])
+    _stock_answered(engine)
+    engine.admit(second)
+    engine.step([second])
+    return second
+
+
 def test_later_saves_share_the_stock_and_one_commit(sock: str, engines: Any, monkeypatch: Any,
                                                     copy_path: str) -> None:
     """The first save Reserves by hash and asks for a stock; the next four copy into the stock
@@ -82,12 +94,7 @@ def test_a_stock_lands_once_the_engine_idles(
         return  # no stock on CUDA (the test above)
     monkeypatch.setattr(commits, "HOLD_SECONDS", 60.0)
     a, b = engines(0), engines(0)
-    first, second = FakeRequest("a0", prompt(100, salt=0)), FakeRequest("a1", prompt(100, salt=1))
-    a.admit(first)
-    a.step([first])
-    _stock_answered(a)
-    a.admit(second)
-    a.step([second])
+    second = _second_save_into_the_stock(a)
     held: list[str] = []
     with TierdClient(socket_path=sock, timeout=10.0) as client:
         looker = client.register_engine(a.workers[0]._worker.link.layout, "looker")
@@ -128,12 +135,7 @@ def test_the_committer_thread_sleeps_while_steps_begin_and_parks_once_nothing_is
 
     monkeypatch.setattr(commits.Committer, "_take_stock", counted)
     a = engines(0)
-    first, second = FakeRequest("a0", prompt(100, salt=0)), FakeRequest("a1", prompt(100, salt=1))
-    a.admit(first)
-    a.step([first])
-    _stock_answered(a)
-    a.admit(second)
-    a.step([second])
+    _second_save_into_the_stock(a)
     stock = a.workers[0]._worker._stock
     assert stock.holding
     looks.clear()
