@@ -101,6 +101,8 @@ class VllmServe:
     """Override vLLM's KV-cache size in blocks (a small cache forces preemptions)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment of the server (``VLLM_CPU_OMP_THREADS_BIND``, ...)."""
+    flags: list[str] = field(default_factory=list)
+    """Extra `vllm serve` flags."""
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
 
@@ -124,6 +126,7 @@ class VllmServe:
             argv.append("--no-enable-prefix-caching")
         if self.kv_blocks is not None:
             argv += ["--num-gpu-blocks-override", str(self.kv_blocks)]
+        argv += self.flags
         env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                "TIERD_CONFIG": "", **self.env}
         log = open(self.log_path, "ab")

@@ -39,8 +39,9 @@ ratios of the arms' runs in each repeat, judged on their median
 others miss it is marked as straddled: the host's noise between repeats exceeds the margin, and
 this run does not settle it. Beside them, for each pair of arms a target compares, how much
 longer the first arm's requests spent in each of those phases: where a missed target's time
-went (a lookup answered "not yet" adds queueing; a cost every step pays, decoding). Run it with
-``make bench-workload``.
+went (a lookup answered "not yet" adds queueing; a cost every step pays, decoding). With
+``--steps``, vLLM logs every engine step and the same pairs compare the forward passes' time per
+request, per kind of step (``tierd.bench.workload_steps``). Run it with ``make bench-workload``.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ from tierd.bench.workload_report import (
     vllm_hit_rates,
     vllm_phases,
 )
+from tierd.bench.workload_steps import step_lines
 
 if TYPE_CHECKING:
     from tierd.bench.serve_stack import VllmServe
@@ -143,6 +145,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="after the repeats, run every case once more on each vLLM + tierd "
                              "arm under py-spy and print the connector hooks' share of vLLM's "
                              "scheduler and worker loops (needs py-spy: pip install py-spy)")
+    parser.add_argument("--steps", action="store_true",
+                        help="log every engine step (vLLM's --enable-logging-iteration-details) "
+                             "and compare the arms' step times per kind of step")
     parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs")
     parser.add_argument("--json", action="store_true", help="print every run as JSON too")
 
@@ -234,6 +239,8 @@ def run(args: argparse.Namespace) -> int:
         plan,
     )
     from tierd.bench.workload_profile import cpu_seconds
+    from tierd.bench.workload_steps import FLAG as STEPS_FLAG
+    from tierd.bench.workload_steps import log_size, steps_since
     from tierd.connector.vllm.connector.filtered import REPORT_SECONDS
 
     max_len = _check(args)
@@ -254,7 +261,8 @@ def run(args: argparse.Namespace) -> int:
     servers = {arm: VllmServe(sys.executable, workdir, model, "tiny", arm,
                               daemons[arm].socket_path if arm in daemons else None,
                               max_model_len=max_len, env=env,
-                              kv_blocks=args.kv_small if arm.endswith("small") else args.kv_big)
+                              kv_blocks=args.kv_small if arm.endswith("small") else args.kv_big,
+                              flags=[STEPS_FLAG] if args.steps else [])
                for arm in args.arms}
     samples: list[Sample] = []
     failed = True
@@ -293,6 +301,7 @@ def run(args: argparse.Namespace) -> int:
                     asked = _tierd_counts(tierd)
                     pid = tierd.process.pid if tierd is not None and tierd.process else None
                     cpu = cpu_seconds(server, pid)
+                    logged = log_size(server.log_path)
                     timing = case.drive(server, SEED + 100 * repeat + index)
                     after = server.metrics_text()
                     timing = replace(timing, cpu_seconds=cpu_seconds(server, pid) - cpu,
@@ -303,7 +312,8 @@ def run(args: argparse.Namespace) -> int:
                     # before it after the same pause
                     time.sleep(REPORT_SECONDS + 0.5)
                     hits = HitRates(local, external, tierd_hit_rate(asked, _tierd_counts(tierd)))
-                    samples.append(Sample(case.name, arm, repeat, timing, hits))
+                    steps = steps_since(server.log_path, logged) if args.steps else None
+                    samples.append(Sample(case.name, arm, repeat, timing, hits, steps))
                     print(f"  repeat {repeat + 1} {case.name:<16} {arm:<12} "
                           f"{timing.request_throughput:6.2f} req/s, TTFT p50 "
                           f"{timing.ttft_p50_ms:6.0f} ms, {timing.failed} failed", flush=True)
@@ -375,6 +385,13 @@ def _report(args: argparse.Namespace, samples: list[Sample], cases: list[Case],
               "repeats):")
         for line in phase_lines(samples):
             print(line)
+        if args.steps:
+            print("where the arms' engine steps differ (vLLM's own log of every step: the "
+                  "forward passes' time per request, the median step that only decodes and "
+                  "that computes prompt tokens, the steps run; the first arm's over the "
+                  "second's, median of the repeats, then every repeat):")
+            for line in step_lines(samples):
+                print(line)
         if profiles:
             print("where vLLM + tierd spends its loops (py-spy, one more run each; shares of "
                   "the scheduler's and the worker's busy loop inside TierdConnector hooks):")

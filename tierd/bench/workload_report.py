@@ -13,8 +13,12 @@ import re
 import statistics
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from tierd.bench.serve_stack import counter, histogram
+
+if TYPE_CHECKING:
+    from tierd.bench.workload_steps import Steps
 
 ARMS = ("vllm-small", "tierd-small", "vllm-big", "tierd-big")
 """vLLM alone and vLLM + tierd, each with a KV cache well below the working set ("small",
@@ -79,6 +83,8 @@ class Sample:
     repeat: int
     timing: Timing
     hits: HitRates
+    steps: Steps | None = None
+    """The engine's steps over the run (``--steps``; else None)."""
 
 
 @dataclass(frozen=True)
@@ -334,8 +340,10 @@ def as_json(sample: Sample) -> dict[str, object]:
     """``sample`` as JSON values (``--json``): a figure that is NaN (no request finished) as
     null, which strict JSON readers take."""
     run = asdict(sample)
-    run["timing"] = {name: None if isinstance(value, float) and math.isnan(value) else value
-                     for name, value in run["timing"].items()}
+    for part in ("timing", "steps"):
+        if run[part] is not None:
+            run[part] = {name: None if isinstance(value, float) and math.isnan(value) else value
+                         for name, value in run[part].items()}
     return run
 
 
