@@ -11,14 +11,16 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from tierd.bench.serve_stack import counter, histogram
 
 if TYPE_CHECKING:
     from tierd.bench.workload_steps import Steps
+
+T = TypeVar("T")
 
 ARMS = ("vllm-small", "tierd-small", "vllm-big", "tierd-big")
 """vLLM alone and vLLM + tierd, each with a KV cache well below the working set ("small",
@@ -312,27 +314,36 @@ def verdicts(samples: Sequence[Sample], judged: Mapping[str, Collection[str]]
     return out
 
 
-def phase_lines(samples: Sequence[Sample]) -> list[str]:
-    """Per case and pair of arms a target compares: how much longer (or shorter) a request of
-    the first arm spent in each of vLLM's phases than one of the second, and both arms' steps
-    per request (medians over the repeats of each repeat's difference)."""
-    runs = {(s.case, s.arm, s.repeat): s.timing for s in samples}
+def compared_runs(samples: Sequence[Sample], of: Callable[[Sample], T | None]
+                  ) -> Iterator[tuple[str, str, str, list[tuple[T, T]]]]:
+    """Per case and pair of arms a target compares (each pair once), in the samples' order:
+    ``(case, first arm, second arm, [(of(first's run), of(second's run)) per repeat])`` over
+    the repeats where both arms ran and ``of`` gave both a value (None: the run has none);
+    pairs with no such repeat are left out."""
+    runs = {(s.case, s.arm, s.repeat): value for s in samples if (value := of(s)) is not None}
     repeats = sorted({s.repeat for s in samples})
     pairs = list(dict.fromkeys((t.numerator, t.denominator) for t in TARGETS))
-    lines = []
     for case in dict.fromkeys(s.case for s in samples):
         for top_arm, bottom_arm in pairs:
             both = [(runs[case, top_arm, r], runs[case, bottom_arm, r]) for r in repeats
                     if (case, top_arm, r) in runs and (case, bottom_arm, r) in runs]
-            if not both:
-                continue
-            parts = [f"{field.removesuffix('_ms')} " + format(statistics.median(
-                getattr(a, field) - getattr(b, field) for a, b in both), "+.1f")
-                for field in PHASES]
-            steps = [statistics.median(t.steps_per_request for t in side) for side in zip(*both)]
-            lines.append(f"  {case:<24} {ARM_TITLES[top_arm]} - {ARM_TITLES[bottom_arm]}: "
-                         f"{', '.join(parts)} ms per request; steps per request "
-                         f"{steps[0]:.1f} vs {steps[1]:.1f}")
+            if both:
+                yield case, top_arm, bottom_arm, both
+
+
+def phase_lines(samples: Sequence[Sample]) -> list[str]:
+    """Per case and pair of arms a target compares: how much longer (or shorter) a request of
+    the first arm spent in each of vLLM's phases than one of the second, and both arms' steps
+    per request (medians over the repeats of each repeat's difference)."""
+    lines = []
+    for case, top_arm, bottom_arm, both in compared_runs(samples, lambda s: s.timing):
+        parts = [f"{field.removesuffix('_ms')} " + format(statistics.median(
+            getattr(a, field) - getattr(b, field) for a, b in both), "+.1f")
+            for field in PHASES]
+        steps = [statistics.median(t.steps_per_request for t in side) for side in zip(*both)]
+        lines.append(f"  {case:<24} {ARM_TITLES[top_arm]} - {ARM_TITLES[bottom_arm]}: "
+                     f"{', '.join(parts)} ms per request; steps per request "
+                     f"{steps[0]:.1f} vs {steps[1]:.1f}")
     return lines
 
 

@@ -82,27 +82,19 @@ FIGURES: dict[str, Callable[[Steps, int], float]] = {
 def step_lines(samples: Sequence[Sample]) -> list[str]:
     """Per case and pair of arms a target compares: the first arm's figure over the second's,
     for each of ``FIGURES`` (median of the repeats' ratios, then every repeat)."""
-    from tierd.bench.workload_report import ARM_TITLES, TARGETS
+    from tierd.bench.workload_report import ARM_TITLES, compared_runs
 
-    runs = {(s.case, s.arm, s.repeat): (s.steps, s.timing.completed) for s in samples
-            if s.steps is not None}
-    repeats = sorted({s.repeat for s in samples})
-    pairs = list(dict.fromkeys((t.numerator, t.denominator) for t in TARGETS))
     lines = []
-    for case in dict.fromkeys(s.case for s in samples):
-        for top_arm, bottom_arm in pairs:
-            both = [(runs[case, top_arm, r], runs[case, bottom_arm, r]) for r in repeats
-                    if (case, top_arm, r) in runs and (case, bottom_arm, r) in runs]
-            if not both:
-                continue
-            parts = []
-            for name, figure in FIGURES.items():
-                values = [(figure(*a), figure(*b)) for a, b in both]
-                if any(math.isnan(x) or math.isnan(y) or y <= 0 for x, y in values):
-                    continue  # a kind some run had no step of
-                ratios = [x / y for x, y in values]
-                parts.append(f"{name} {statistics.median(ratios):.2f} ["
-                             + ", ".join(f"{r:.2f}" for r in ratios) + "]")
-            lines.append(f"  {case:<24} {ARM_TITLES[top_arm]} / {ARM_TITLES[bottom_arm]}: "
-                         + ("; ".join(parts) or "no steps logged"))
+    for case, top_arm, bottom_arm, both in compared_runs(
+            samples, lambda s: None if s.steps is None else (s.steps, s.timing.completed)):
+        parts = []
+        for name, figure in FIGURES.items():
+            values = [(figure(*a), figure(*b)) for a, b in both]
+            if any(math.isnan(x) or math.isnan(y) or y <= 0 for x, y in values):
+                continue  # a kind some run had no step of
+            ratios = [x / y for x, y in values]
+            parts.append(f"{name} {statistics.median(ratios):.2f} ["
+                         + ", ".join(f"{r:.2f}" for r in ratios) + "]")
+        lines.append(f"  {case:<24} {ARM_TITLES[top_arm]} / {ARM_TITLES[bottom_arm]}: "
+                     + ("; ".join(parts) or "no steps logged"))
     return lines
