@@ -25,6 +25,7 @@ from tierd.bench.workload_report import (
     medians,
     percentile,
     phase_lines,
+    summary,
     table,
     tierd_hit_rate,
     verdict_lines,
@@ -275,3 +276,29 @@ def test_profile_shares_are_of_the_main_loop_by_connector_hook() -> None:
     assert summarize("worker", collapsed).samples == 0
     line = profile_line("tierd-big", "prefix 1024 c16", [profile])
     assert "get_num_new_matched_tokens 30.0%" in line and "connector in all: 40.0%" in line
+
+
+def test_the_control_is_judged_on_the_fits_limits_and_counted_apart() -> None:
+    """The control (a second vLLM alone against the first) is judged where fits is, on the
+    fits limits; the closing line counts it apart from tierd's targets, so a control that
+    misses (the host's noise) leaves the verdict to tierd's own targets."""
+    samples = []
+    for r, (control, tierd) in enumerate([(0.9, 1.0), (0.95, 0.99), (1.02, 1.01)]):
+        samples += [Sample("chat c4", "vllm-big", r, _timing(10.0, 100.0), HitRates(0, 0, 0)),
+                    Sample("chat c4", "vllm-control", r, _timing(10.0 * control, 100.0),
+                           HitRates(0, 0, 0)),
+                    Sample("chat c4", "tierd-big", r, _timing(10.0 * tierd, 100.0),
+                           HitRates(0, 0, 0))]
+    found = {v.target.what: v for v in verdicts(samples, {"chat c4": {"fits"}})}
+    control = found["control: 2nd vLLM alone / vLLM alone, KV fits, throughput"]
+    assert control.target.limit == 0.97 and control.median == pytest.approx(0.95)
+    assert control.met is False and control.straddled
+    assert found["fits: tierd / vLLM alone, throughput"].met is True
+    ok, line = summary(list(found.values()), failures=0)
+    assert ok and "targets judged: 2, missed: 0" in line
+    assert ("the control (two identical vLLM alone, held to the fits limits) missed 1 of 2 "
+            "(its repeats: throughput 0.90-1.02, TTFT p50 1.00-1.00)") in line
+    assert line.endswith("-> met")
+    unjudged = verdicts(samples, {"chat c4": {"pressure"}})
+    assert all(v.met is None for v in unjudged)
+    assert summary(unjudged, failures=1)[0] is False

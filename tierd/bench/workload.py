@@ -41,7 +41,11 @@ this run does not settle it. Beside them, for each pair of arms a target compare
 longer the first arm's requests spent in each of those phases: where a missed target's time
 went (a lookup answered "not yet" adds queueing; a cost every step pays, decoding). With
 ``--steps``, vLLM logs every engine step and the same pairs compare the forward passes' time per
-request, per kind of step (``tierd.bench.workload_steps``). Run it with ``make bench-workload``.
+request, per kind of step (``tierd.bench.workload_steps``). With ``--control``, a fifth server
+(``workload_report.CONTROL``), a second vLLM alone configured as the one with the cache that
+fits, runs beside it in the cases that one runs, and is held to the fits limits against it: two
+servers that differ in nothing show how far this host's noise alone moves those ratios in this
+run. Run it with ``make bench-workload``.
 """
 
 from __future__ import annotations
@@ -62,12 +66,14 @@ from tierd.bench.workload_chat import ChatShape
 from tierd.bench.workload_output import Output
 from tierd.bench.workload_report import (
     ARMS,
+    CONTROL,
     HitRates,
     Sample,
     Timing,
     as_json,
     bound_cores,
     phase_lines,
+    summary,
     table,
     tierd_hit_rate,
     verdict_lines,
@@ -141,6 +147,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arms", type=lambda t: t.split(","), default=list(ARMS),
                         help="arms to run, comma-separated (all: " + ",".join(ARMS) + ")")
     parser.add_argument("--no-chat", action="store_true", help="skip the chat cases")
+    parser.add_argument("--control", action="store_true",
+                        help="add a second vLLM alone with the cache that fits, held to the "
+                             "fits limits against the first: what the host's noise alone makes "
+                             "of a ratio in this run")
     parser.add_argument("--profile", action="store_true",
                         help="after the repeats, run every case once more on each vLLM + tierd "
                              "arm under py-spy and print the connector hooks' share of vLLM's "
@@ -169,6 +179,8 @@ def _cases(args: argparse.Namespace, model: str, workdir: str) -> list[Case]:
     from tierd.bench.workload_chat import run_chat
     from tierd.bench.workload_serve import prefix_repetition
 
+    fits = ARMS + (CONTROL,)  # where the control runs (if asked for)
+
     def judge(request_tokens: int, clients: int) -> frozenset[str]:
         running = clients * -(-request_tokens // BLOCK)
         return frozenset({"fits", "pressure"} if running <= args.kv_small else {"fits"})
@@ -188,10 +200,10 @@ def _cases(args: argparse.Namespace, model: str, workdir: str) -> list[Case]:
                                          prompts=args.prefixes * args.prompts_per_prefix)
             main = p == args.prefix_len
             request = p + args.suffix_len + args.output_len
-            cases.append(Case(f"prefix {p} c{c}", ARMS if main else small,
+            cases.append(Case(f"prefix {p} c{c}", fits if main else small,
                               judge(request, c) if main else frozenset(), drive))
     for c in [] if args.no_chat else args.concurrency[:1]:
-        cases.append(Case(f"chat c{c}", ARMS, judge(shape.longest_prompt() + args.output_len, c),
+        cases.append(Case(f"chat c{c}", fits, judge(shape.longest_prompt() + args.output_len, c),
                           lambda server, seed, c=c: run_chat(server, shape, output, c, seed)))
     picked = [Case(c.name, tuple(a for a in c.arms if a in args.arms), c.judged, c.drive)
               for c in cases]
@@ -205,6 +217,9 @@ def _check(args: argparse.Namespace) -> int:
     Output(args.output_len, args.output_min, args.stop_every)  # ValueError naming the flags
     if not args.arms or set(args.arms) - set(ARMS):
         raise ValueError(f"--arms takes some of {','.join(ARMS)}, not {','.join(args.arms)}")
+    if args.control and "vllm-big" not in args.arms:
+        raise ValueError("--control compares a second vLLM alone with vllm-big: keep vllm-big "
+                         "in --arms")
     longest = max([args.prefix_len, *args.gain_prefix_lens]) + args.suffix_len
     if not args.no_chat:
         longest = max(longest, ChatShape(args.chat_users, args.chat_turns, args.chat_system,
@@ -244,6 +259,8 @@ def run(args: argparse.Namespace) -> int:
     from tierd.connector.vllm.connector.filtered import REPORT_SECONDS
 
     max_len = _check(args)
+    if args.control:
+        args.arms = [*args.arms, CONTROL]
     if args.profile:
         from tierd.bench.workload_profile import py_spy
 
@@ -397,12 +414,6 @@ def _report(args: argparse.Namespace, samples: list[Sample], cases: list[Case],
                   "the scheduler's and the worker's busy loop inside TierdConnector hooks):")
             for line in profiles:
                 print(line)
-    failures = sum(s.timing.failed for s in samples)
-    judged = [v for v in found if v.met is not None]
-    ok = failures == 0 and all(v.met for v in judged)
-    missed = sum(not v.met for v in judged)
-    unsettled = sum(v.straddled for v in judged)
-    print(f"failed requests: {failures}; targets judged: {len(judged)}, missed: {missed}; "
-          f"straddled by their repeats (unsettled by this run): {unsettled}"
-          f" -> {'met' if ok else 'NOT met'}")
+    ok, line = summary(found, sum(s.timing.failed for s in samples))
+    print(line)
     return 0 if ok else 1

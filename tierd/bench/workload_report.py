@@ -26,8 +26,15 @@ ARMS = ("vllm-small", "tierd-small", "vllm-big", "tierd-big")
 """vLLM alone and vLLM + tierd, each with a KV cache well below the working set ("small",
 the pressure scenario) and with one that holds it all ("big", the fits scenario)."""
 
+CONTROL = "vllm-control"
+"""With ``--control``: a second vLLM alone, configured as ``vllm-big`` is, held to the fits
+limits against it. Two servers that differ in nothing show what the host's noise alone makes
+of a ratio: a fits target missed by less than the control misses its limit is not settled by
+the run."""
+
 ARM_TITLES = {"vllm-small": "vLLM alone, small KV", "tierd-small": "vLLM+tierd, small KV",
-              "vllm-big": "vLLM alone, KV fits", "tierd-big": "vLLM+tierd, KV fits"}
+              "vllm-big": "vLLM alone, KV fits", "tierd-big": "vLLM+tierd, KV fits",
+              CONTROL: "vLLM alone, fits (2nd)"}
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,10 @@ TARGETS = (
            "request_throughput", 0.97, True),
     Target("fits: tierd / vLLM alone, TTFT p50", "tierd-big", "vllm-big", "ttft_p50_ms",
            1.05, False),
+    Target("control: 2nd vLLM alone / vLLM alone, KV fits, throughput", CONTROL, "vllm-big",
+           "request_throughput", 0.97, True),
+    Target("control: 2nd vLLM alone / vLLM alone, KV fits, TTFT p50", CONTROL, "vllm-big",
+           "ttft_p50_ms", 1.05, False),
     Target("pressure: tierd small KV / vLLM KV fits, CPU per request", "tierd-small",
            "vllm-big", "cpu_ms_per_request", None, False),
     Target("fits: tierd / vLLM alone, CPU per request", "tierd-big", "vllm-big",
@@ -281,7 +292,8 @@ class Verdict:
 
 
 def group(target: Target) -> str:
-    """The scenario a target belongs to: "pressure", "fits" or "gain"."""
+    """The scenario a target belongs to: "pressure", "fits", "gain" or "control" (judged
+    where "fits" is)."""
     return target.what.partition(":")[0]
 
 
@@ -307,7 +319,8 @@ def verdicts(samples: Sequence[Sample], judged: Mapping[str, Collection[str]]
                 if below > 0:  # not NaN nor 0: no request completed, or no CPU time read
                     ratios.append(getattr(top, target.figure) / below)
             if ratios:
-                if group(target) not in judged.get(case, ()) and target.limit is not None:
+                scenario = "fits" if group(target) == "control" else group(target)
+                if scenario not in judged.get(case, ()) and target.limit is not None:
                     target = Target(target.what, target.numerator, target.denominator,
                                     target.figure, None, target.at_least)
                 out.append(Verdict(target, case, ratios))
@@ -380,6 +393,24 @@ def table(samples: Sequence[Sample]) -> list[str]:
                      f"{t.queue_ms:5.1f}/{t.prefill_ms:5.1f}/{t.decode_ms:5.1f}ms "
                      f"{failed:4d}  {hits}")
     return lines
+
+
+def summary(found: Sequence[Verdict], failures: int) -> tuple[bool, str]:
+    """(every judged target met and no request failed, the closing line). The control's
+    verdicts are counted apart: they judge the host, not tierd."""
+    judged = [v for v in found if v.met is not None and group(v.target) != "control"]
+    ok = failures == 0 and all(v.met for v in judged)
+    line = (f"failed requests: {failures}; targets judged: {len(judged)}, missed: "
+            f"{sum(not v.met for v in judged)}; straddled by their repeats (unsettled by this "
+            f"run): {sum(v.straddled for v in judged)}")
+    controls = [v for v in found if v.met is not None and group(v.target) == "control"]
+    if controls:
+        spreads = ", ".join(f"{v.target.what.rpartition(', ')[2]} {min(v.ratios):.2f}-"
+                            f"{max(v.ratios):.2f}" for v in controls)
+        line += (f"; the control (two identical vLLM alone, held to the fits limits) missed "
+                 f"{sum(not v.met for v in controls)} of {len(controls)} (its repeats: "
+                 f"{spreads})")
+    return ok, line + f" -> {'met' if ok else 'NOT met'}"
 
 
 def verdict_lines(found: Sequence[Verdict]) -> list[str]:
