@@ -45,7 +45,10 @@ request, per kind of step (``tierd.bench.workload_steps``). With ``--control``, 
 (``workload_report.CONTROL``), a second vLLM alone configured as the one with the cache that
 fits, runs beside it in the cases that one runs, and is held to the fits limits against it: two
 servers that differ in nothing show how far this host's noise alone moves those ratios in this
-run. Run it with ``make bench-workload``.
+run. A `vllm serve` keeps its own speed for its whole life, and two alike can differ by up to a
+tenth on a shared host: with ``--fresh-servers`` every repeat starts new servers and daemons, so
+each repeat draws that luck anew instead of every repeat sharing one draw. Run it with
+``make bench-workload``.
 """
 
 from __future__ import annotations
@@ -158,6 +161,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", action="store_true",
                         help="log every engine step (vLLM's --enable-logging-iteration-details) "
                              "and compare the arms' step times per kind of step")
+    parser.add_argument("--fresh-servers", action="store_true",
+                        help="start every server and daemon anew for each repeat: a `vllm serve` "
+                             "keeps its own speed for its life (up to a tenth apart between two "
+                             "alike on a shared host), so with the same servers throughout, "
+                             "every repeat draws on the same luck (about a minute more a repeat)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs")
     parser.add_argument("--json", action="store_true", help="print every run as JSON too")
 
@@ -244,13 +252,8 @@ def run(args: argparse.Namespace) -> int:
                          "with `make bench-workload`")
     from tierd.bench.serve_stack import VllmServe, wait_for
     from tierd.bench.tierd_serve import TierdServe
-    from tierd.bench.tiny_llama import build, prompt
+    from tierd.bench.tiny_llama import build
     from tierd.bench.workload_cores import (
-        ENGINE_CORE,
-        confine_group,
-        confine_process,
-        lower_group,
-        lower_priority,
         plan,
     )
     from tierd.bench.workload_profile import cpu_seconds
@@ -284,29 +287,12 @@ def run(args: argparse.Namespace) -> int:
     samples: list[Sample] = []
     failed = True
     try:
-        for daemon in daemons.values():
-            started = daemon.start().pid
-            confine_process(started, cores.others)
-            lower_priority(started)
-        for server in servers.values():
-            server.start()
-        for server in servers.values():
-            server.wait_ready()
-            assert server.process is not None
-            confine_group(server.process.pid, cores)
-            lowered = lower_group(server.process.pid)
-            if lowered != 1:
-                raise AssertionError(f"{server.engine}'s vllm serve has {lowered} "
-                                     f"{ENGINE_CORE} processes, not one; see {workdir}")
-        binds = {arm: bound_cores(_read(s.log_path)) for arm, s in servers.items()}
-        print(f"OpenMP binding (reserve_cpu_num, core ids) per arm: {binds}")
-        if len({str(b[1]) if b else None for b in binds.values()}) != 1 or None in binds.values():
-            raise AssertionError(f"the arms bound different cores: {binds}; see {workdir}")
-        for server in servers.values():  # first requests compile and fill allocator pools
-            for i in range(2):
-                server.complete(prompt(max_len // 2, seed=SEED - 1 - i), 4)
+        _up(daemons, servers, cores, max_len, workdir, show=True)
         cases = _cases(args, model, workdir)
         for repeat in range(args.repeats):
+            if args.fresh_servers and repeat:  # new processes: a server's own speed is drawn anew
+                _down(daemons, servers)
+                _up(daemons, servers, cores, max_len, workdir, show=False)
             for index, case in enumerate(cases):
                 shift = (repeat + index) % len(case.arms)
                 for arm in case.arms[shift:] + case.arms[:shift]:
@@ -338,15 +324,58 @@ def run(args: argparse.Namespace) -> int:
             profiles = _profile(cases, servers, workdir, args.repeats)
         failed = False
     finally:
-        for server in servers.values():
-            server.stop()
-        for daemon in daemons.values():
-            daemon.stop()
+        _down(daemons, servers)
         if failed or args.keep_logs:
             print(f"tierd bench workload: logs kept in {workdir}", file=sys.stderr)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     return _report(args, samples, cases, cores, profiles)
+
+
+def _up(daemons: dict[str, TierdServe], servers: dict[str, VllmServe], cores: Cores,
+        max_len: int, workdir: str, show: bool) -> None:
+    """Start every daemon and server, each on its cores at its priority
+    (``tierd.bench.workload_cores``), check that every arm bound the same OpenMP cores (printed
+    with ``show``), and send each server its first requests (they compile and fill allocator
+    pools)."""
+    from tierd.bench.tiny_llama import prompt
+    from tierd.bench.workload_cores import (
+        ENGINE_CORE,
+        confine_group,
+        confine_process,
+        lower_group,
+        lower_priority,
+    )
+
+    for daemon in daemons.values():
+        started = daemon.start().pid
+        confine_process(started, cores.others)
+        lower_priority(started)
+    for server in servers.values():
+        server.start()
+    for server in servers.values():
+        server.wait_ready()
+        assert server.process is not None
+        confine_group(server.process.pid, cores)
+        lowered = lower_group(server.process.pid)
+        if lowered != 1:
+            raise AssertionError(f"{server.engine}'s vllm serve has {lowered} "
+                                 f"{ENGINE_CORE} processes, not one; see {workdir}")
+    binds = {arm: bound_cores(_read(s.log_path)) for arm, s in servers.items()}
+    if show:
+        print(f"OpenMP binding (reserve_cpu_num, core ids) per arm: {binds}")
+    if len({str(b[1]) if b else None for b in binds.values()}) != 1 or None in binds.values():
+        raise AssertionError(f"the arms bound different cores: {binds}; see {workdir}")
+    for server in servers.values():
+        for i in range(2):
+            server.complete(prompt(max_len // 2, seed=SEED - 1 - i), 4)
+
+
+def _down(daemons: dict[str, TierdServe], servers: dict[str, VllmServe]) -> None:
+    for server in servers.values():
+        server.stop()
+    for daemon in daemons.values():
+        daemon.stop()
 
 
 def _read(path: str) -> str:
