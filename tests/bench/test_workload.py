@@ -289,15 +289,19 @@ def test_the_control_is_judged_on_the_fits_limits_and_counted_apart() -> None:
                            HitRates(0, 0, 0)),
                     Sample("chat c4", "tierd-big", r, _timing(10.0 * tierd, 100.0),
                            HitRates(0, 0, 0))]
-    found = {v.target.what: v for v in verdicts(samples, {"chat c4": {"fits"}})}
+    second = [Sample("prefix 1024 c4", s.arm, s.repeat,
+                     _timing(11.0 if s.arm == "vllm-control" else 10.0, 100.0), s.hits)
+              for s in samples]  # another case, the control 1.10 in every repeat
+    both = verdicts(samples + second, {"chat c4": {"fits"}, "prefix 1024 c4": {"fits"}})
+    found = {v.target.what: v for v in both if v.case == "chat c4"}
     control = found["control: 2nd vLLM alone / vLLM alone, KV fits, throughput"]
     assert control.target.limit == 0.97 and control.median == pytest.approx(0.95)
     assert control.met is False and control.straddled
     assert found["fits: tierd / vLLM alone, throughput"].met is True
-    ok, line = summary(list(found.values()), failures=0)
-    assert ok and "targets judged: 2, missed: 0" in line
-    assert ("the control (two identical vLLM alone, held to the fits limits) missed 1 of 2 "
-            "(its repeats: throughput 0.90-1.02, TTFT p50 1.00-1.00)") in line
+    ok, line = summary(both, failures=0)
+    assert ok and "targets judged: 4, missed: 0" in line
+    assert ("the control (two identical vLLM alone, held to the fits limits) missed 1 of 4 "
+            "(its repeats: throughput 0.90-1.10, TTFT p50 1.00-1.00)") in line
     assert line.endswith("-> met")
     unjudged = verdicts(samples, {"chat c4": {"pressure"}})
     assert all(v.met is None for v in unjudged)

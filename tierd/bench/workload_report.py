@@ -405,8 +405,11 @@ def summary(found: Sequence[Verdict], failures: int) -> tuple[bool, str]:
             f"run): {sum(v.straddled for v in judged)}")
     controls = [v for v in found if v.met is not None and group(v.target) == "control"]
     if controls:
-        spreads = ", ".join(f"{v.target.what.rpartition(', ')[2]} {min(v.ratios):.2f}-"
-                            f"{max(v.ratios):.2f}" for v in controls)
+        by_figure: dict[str, list[float]] = {}
+        for v in controls:
+            by_figure.setdefault(v.target.what.rpartition(", ")[2], []).extend(v.ratios)
+        spreads = ", ".join(f"{figure} {min(r):.2f}-{max(r):.2f}"
+                            for figure, r in by_figure.items())
         line += (f"; the control (two identical vLLM alone, held to the fits limits) missed "
                  f"{sum(not v.met for v in controls)} of {len(controls)} (its repeats: "
                  f"{spreads})")
