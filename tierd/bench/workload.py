@@ -43,9 +43,8 @@ went (a lookup answered "not yet" adds queueing; a cost every step pays, decodin
 ``--steps``, vLLM logs every engine step and the same pairs compare the forward passes' time per
 request, per kind of step (``tierd.bench.workload_steps``). With ``--control``, a fifth server
 (``workload_report.CONTROL``), a second vLLM alone configured as the one with the cache that
-fits, runs beside it in the cases that one runs, and is held to the fits limits against it: two
-servers that differ in nothing show how far this host's noise alone moves those ratios in this
-run. A `vllm serve` keeps its own speed for its whole life, and two alike can differ by up to a
+fits, runs in every case that one runs and is held to the fits limits against it: two servers
+that differ in nothing show how far this host's noise alone moves those ratios in this run. A `vllm serve` keeps its own speed for its whole life, and two alike can differ by up to a
 tenth on a shared host: with ``--fresh-servers`` every repeat starts new servers and daemons, so
 each repeat draws that luck anew instead of every repeat sharing one draw. Run it with
 ``make bench-workload``.
@@ -165,7 +164,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="start every server and daemon anew for each repeat: a `vllm serve` "
                              "keeps its own speed for its life (up to a tenth apart between two "
                              "alike on a shared host), so with the same servers throughout, "
-                             "every repeat draws on the same luck (about a minute more a repeat)")
+                             "every repeat draws on the same luck (a minute or two more a repeat)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs")
     parser.add_argument("--json", action="store_true", help="print every run as JSON too")
 
@@ -253,9 +252,7 @@ def run(args: argparse.Namespace) -> int:
     from tierd.bench.serve_stack import VllmServe, wait_for
     from tierd.bench.tierd_serve import TierdServe
     from tierd.bench.tiny_llama import build
-    from tierd.bench.workload_cores import (
-        plan,
-    )
+    from tierd.bench.workload_cores import plan
     from tierd.bench.workload_profile import cpu_seconds
     from tierd.bench.workload_steps import FLAG as STEPS_FLAG
     from tierd.bench.workload_steps import log_size, steps_since
@@ -372,6 +369,7 @@ def _up(daemons: dict[str, TierdServe], servers: dict[str, VllmServe], cores: Co
 
 
 def _down(daemons: dict[str, TierdServe], servers: dict[str, VllmServe]) -> None:
+    """Stop every server, then every daemon (a stopped one may be started again)."""
     for server in servers.values():
         server.stop()
     for daemon in daemons.values():

@@ -29,8 +29,8 @@ the pressure scenario) and with one that holds it all ("big", the fits scenario)
 CONTROL = "vllm-control"
 """With ``--control``: a second vLLM alone, configured as ``vllm-big`` is, held to the fits
 limits against it. Two servers that differ in nothing show what the host's noise alone makes
-of a ratio: a fits target missed by less than the control misses its limit is not settled by
-the run."""
+of a ratio: where the control misses a fits limit too, tierd's miss of it says little about
+tierd."""
 
 ARM_TITLES = {"vllm-small": "vLLM alone, small KV", "tierd-small": "vLLM+tierd, small KV",
               "vllm-big": "vLLM alone, KV fits", "tierd-big": "vLLM+tierd, KV fits",
