@@ -44,9 +44,10 @@ went (a lookup answered "not yet" adds queueing; a cost every step pays, decodin
 request, per kind of step (``tierd.bench.workload_steps``). With ``--control``, a fifth server
 (``workload_report.CONTROL``), a second vLLM alone configured as the one with the cache that
 fits, runs in every case that one runs and is held to the fits limits against it: two servers
-that differ in nothing show how far this host's noise alone moves those ratios in this run. A `vllm serve` keeps its own speed for its whole life, and two alike can differ by up to a
-tenth on a shared host: with ``--fresh-servers`` every repeat starts new servers and daemons, so
-each repeat draws that luck anew instead of every repeat sharing one draw. Run it with
+that differ in nothing show how far this host's noise alone moves those ratios in this run. A
+`vllm serve` keeps its own speed for its whole life, and two alike can differ by up to a tenth
+on a shared host: with ``--fresh-servers`` every repeat starts new servers and daemons, so each
+repeat draws that luck anew instead of every repeat sharing one draw. Run it with
 ``make bench-workload``.
 """
 
