@@ -20,6 +20,7 @@ from tierd.bench.workload_report import (
     Timing,
     as_json,
     bound_cores,
+    fits_cost,
     from_bench_serve,
     from_latencies,
     medians,
@@ -306,3 +307,33 @@ def test_the_control_is_judged_on_the_fits_limits_and_counted_apart() -> None:
     unjudged = verdicts(samples, {"chat c4": {"pressure"}})
     assert all(v.met is None for v in unjudged)
     assert summary(unjudged, failures=1)[0] is False
+
+
+def test_the_fits_cost_is_tierd_over_both_vllm_alone_per_repeat_with_its_interval() -> None:
+    """tierd's figure over the geometric mean of vLLM alone and the control, averaged (in
+    logs) over a repeat's cases, then over the repeats; the interval spans the repeats' spread
+    and shrinks to the estimate where every repeat agrees; no line without the control."""
+    def runs(case: str, repeat: int, big: float, control: float, tierd: float) -> list[Sample]:
+        return [Sample(case, arm, repeat, _timing(value, 100.0 / value), HitRates(0, 0, 0))
+                for arm, value in (("vllm-big", big), ("vllm-control", control),
+                                   ("tierd-big", tierd))]
+
+    # every repeat: tierd 0.96 of sqrt(8 * 12.5) = 10 in one case, 0.98 of 10 in the other
+    steady = [s for r in range(3) for s in runs("chat c4", r, 8.0, 12.5, 9.6)
+              + runs("prefix 1024 c4", r, 10.0, 10.0, 9.8)]
+    throughput, ttft = fits_cost(steady)
+    middle = math.sqrt(0.96 * 0.98)
+    assert throughput == (f"  throughput: {middle:.3f}x, 95% interval {middle:.3f}-{middle:.3f} "
+                          "over 3 repeats (6 runs of tierd)")
+    assert ttft.startswith(f"  TTFT p50: {1 / middle:.3f}x")
+    # repeats at 0.90, 1.00 and 1.10: the interval holds the estimate and lies inside them
+    spread = [s for r, t in enumerate((9.0, 10.0, 11.0)) for s in runs("chat c4", r, 10, 10, t)]
+    line = fits_cost(spread)[0]
+    estimate = (0.9 * 1.0 * 1.1) ** (1 / 3)
+    low, high = (float(x) for x in line.split("interval ")[1].split(" ")[0].split("-"))
+    assert f"throughput: {estimate:.3f}x" in line and 0.9 <= low < estimate < high <= 1.1
+    # a run with no finished request (NaN) and cases without the control count for nothing
+    broken = [replace(s, timing=_timing(math.nan, 1.0)) if s.repeat == 2 and s.arm == "tierd-big"
+              else s for s in spread]
+    assert "over 2 repeats (2 runs of tierd)" in fits_cost(broken)[0]
+    assert fits_cost([s for s in steady if s.arm != "vllm-control"]) == []

@@ -9,6 +9,7 @@ Pure functions of their inputs (no vLLM, no servers): ``make test`` checks them.
 from __future__ import annotations
 
 import math
+import random
 import re
 import statistics
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -414,6 +415,44 @@ def summary(found: Sequence[Verdict], failures: int) -> tuple[bool, str]:
                  f"{sum(not v.met for v in controls)} of {len(controls)} (its repeats: "
                  f"{spreads})")
     return ok, line + f" -> {'met' if ok else 'NOT met'}"
+
+
+COST_FIGURES = {"request_throughput": "throughput", "ttft_p50_ms": "TTFT p50"}
+"""The figures ``fits_cost`` estimates tierd's cost in (a ``Timing`` field: its title)."""
+
+
+def fits_cost(samples: Sequence[Sample], resamples: int = 4000) -> list[str]:
+    """With the control: what tierd costs when everything fits, against both vLLM alone at
+    once; a line per figure of ``COST_FIGURES``, none without the control. In every repeat and
+    case the three ran in, tierd's figure over the geometric mean of the two vLLM alone's (each
+    server's speed is a draw of its own, so two baselines halve that part of the noise); per
+    repeat the geometric mean over its cases (they share the repeat's servers), then over the
+    repeats, with the 95% bootstrap interval over the repeats (a fixed seed: the same runs give
+    the same line). Not a target: where the fits limits' ratio lies, and how narrowly this run
+    places it."""
+    runs = {(s.case, s.repeat, s.arm): s.timing for s in samples}
+    lines = []
+    for figure, title in COST_FIGURES.items():
+        per_repeat: dict[int, list[float]] = {}
+        for (case, repeat, arm), timing in runs.items():
+            first, second = runs.get((case, repeat, "vllm-big")), runs.get((case, repeat, CONTROL))
+            if arm != "tierd-big" or first is None or second is None:
+                continue
+            values = [getattr(t, figure) for t in (timing, first, second)]
+            if all(v > 0 for v in values):  # NaN (no request finished) is not
+                logs = [math.log(v) for v in values]
+                per_repeat.setdefault(repeat, []).append(logs[0] - (logs[1] + logs[2]) / 2)
+        if not per_repeat:
+            continue
+        means = [statistics.fmean(v) for _, v in sorted(per_repeat.items())]
+        rng = random.Random(0)
+        drawn = sorted(statistics.fmean(rng.choices(means, k=len(means)))
+                       for _ in range(resamples))
+        low, high = drawn[int(0.025 * resamples)], drawn[int(0.975 * resamples) - 1]
+        lines.append(f"  {title}: {math.exp(statistics.fmean(means)):.3f}x, 95% interval "
+                     f"{math.exp(low):.3f}-{math.exp(high):.3f} over {len(means)} repeats "
+                     f"({sum(map(len, per_repeat.values()))} runs of tierd)")
+    return lines
 
 
 def verdict_lines(found: Sequence[Verdict]) -> list[str]:
