@@ -319,21 +319,25 @@ def test_the_fits_cost_is_tierd_over_both_vllm_alone_per_repeat_with_its_interva
                                    ("tierd-big", tierd))]
 
     # every repeat: tierd 0.96 of sqrt(8 * 12.5) = 10 in one case, 0.98 of 10 in the other
-    steady = [s for r in range(3) for s in runs("chat c4", r, 8.0, 12.5, 9.6)
+    steady = [s for r in range(5) for s in runs("chat c4", r, 8.0, 12.5, 9.6)
               + runs("prefix 1024 c4", r, 10.0, 10.0, 9.8)]
     throughput, ttft = fits_cost(steady)
     middle = math.sqrt(0.96 * 0.98)
     assert throughput == (f"  throughput: {middle:.3f}x, 95% interval {middle:.3f}-{middle:.3f} "
-                          "over 3 repeats (6 runs of tierd)")
+                          "over 5 repeats (10 runs of tierd)")
     assert ttft.startswith(f"  TTFT p50: {1 / middle:.3f}x")
-    # repeats at 0.90, 1.00 and 1.10: the interval holds the estimate and lies inside them
-    spread = [s for r, t in enumerate((9.0, 10.0, 11.0)) for s in runs("chat c4", r, 10, 10, t)]
+    # repeats at 0.90-1.10: the interval holds the estimate and lies inside them
+    ratios = (0.9, 1.0, 1.1, 0.95, 1.05)
+    spread = [s for r, t in enumerate(ratios) for s in runs("chat c4", r, 10, 10, 10 * t)]
     line = fits_cost(spread)[0]
-    estimate = (0.9 * 1.0 * 1.1) ** (1 / 3)
+    estimate = math.prod(ratios) ** (1 / 5)
     low, high = (float(x) for x in line.split("interval ")[1].split(" ")[0].split("-"))
     assert f"throughput: {estimate:.3f}x" in line and 0.9 <= low < estimate < high <= 1.1
-    # a run with no finished request (NaN) and cases without the control count for nothing
+    # a run with no finished request (NaN) and cases without the control count for nothing;
+    # below 5 repeats, their range instead of an interval
     broken = [replace(s, timing=_timing(math.nan, 1.0)) if s.repeat == 2 and s.arm == "tierd-big"
               else s for s in spread]
-    assert "over 2 repeats (2 runs of tierd)" in fits_cost(broken)[0]
+    assert fits_cost(broken)[0] == (
+        f"  throughput: {(0.9 * 1.0 * 0.95 * 1.05) ** 0.25:.3f}x, the repeats 0.900-1.050 (an "
+        "interval needs 5 repeats) over 4 repeats (4 runs of tierd)")
     assert fits_cost([s for s in steady if s.arm != "vllm-control"]) == []

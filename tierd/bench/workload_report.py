@@ -2,8 +2,8 @@
 numbers read from `vllm bench serve`'s result JSON or the chat client's latencies, vLLM's and
 tierd's hit rates from counter deltas, vLLM's per-request phases from its histograms' deltas, the
 cores vLLM's log says it bound, and the summary: medians over the repeats of every (case, arm),
-the ratios the targets name with their verdicts, and where the compared arms' requests differ.
-Pure functions of their inputs (no vLLM, no servers): ``make test`` checks them.
+the ratios the targets name with their verdicts, tierd's cost when everything fits against both
+vLLM alone, and where the compared arms' requests differ. Pure functions of their inputs (no vLLM, no servers): ``make test`` checks them.
 """
 
 from __future__ import annotations
@@ -420,6 +420,10 @@ def summary(found: Sequence[Verdict], failures: int) -> tuple[bool, str]:
 COST_FIGURES = {"request_throughput": "throughput", "ttft_p50_ms": "TTFT p50"}
 """The figures ``fits_cost`` estimates tierd's cost in (a ``Timing`` field: its title)."""
 
+INTERVAL_REPEATS = 5
+"""Repeats below which ``fits_cost`` prints their range, not an interval (a bootstrap over a
+handful of values is narrower than what it estimates)."""
+
 
 def fits_cost(samples: Sequence[Sample], resamples: int = 4000) -> list[str]:
     """With the control: what tierd costs when everything fits, against both vLLM alone at
@@ -428,8 +432,8 @@ def fits_cost(samples: Sequence[Sample], resamples: int = 4000) -> list[str]:
     server's speed is a draw of its own, so two baselines halve that part of the noise); per
     repeat the geometric mean over its cases (they share the repeat's servers), then over the
     repeats, with the 95% bootstrap interval over the repeats (a fixed seed: the same runs give
-    the same line). Not a target: where the fits limits' ratio lies, and how narrowly this run
-    places it."""
+    the same line; their range below ``INTERVAL_REPEATS``). Not a target: where the fits
+    limits' ratio lies, and how narrowly this run places it."""
     runs = {(s.case, s.repeat, s.arm): s.timing for s in samples}
     lines = []
     for figure, title in COST_FIGURES.items():
@@ -445,13 +449,17 @@ def fits_cost(samples: Sequence[Sample], resamples: int = 4000) -> list[str]:
         if not per_repeat:
             continue
         means = [statistics.fmean(v) for _, v in sorted(per_repeat.items())]
-        rng = random.Random(0)
-        drawn = sorted(statistics.fmean(rng.choices(means, k=len(means)))
-                       for _ in range(resamples))
-        low, high = drawn[int(0.025 * resamples)], drawn[int(0.975 * resamples) - 1]
-        lines.append(f"  {title}: {math.exp(statistics.fmean(means)):.3f}x, 95% interval "
-                     f"{math.exp(low):.3f}-{math.exp(high):.3f} over {len(means)} repeats "
-                     f"({sum(map(len, per_repeat.values()))} runs of tierd)")
+        if len(means) >= INTERVAL_REPEATS:
+            rng = random.Random(0)
+            drawn = sorted(statistics.fmean(rng.choices(means, k=len(means)))
+                           for _ in range(resamples))
+            low, high = drawn[int(0.025 * resamples)], drawn[int(0.975 * resamples) - 1]
+            spread = f"95% interval {math.exp(low):.3f}-{math.exp(high):.3f}"
+        else:
+            spread = (f"the repeats {math.exp(min(means)):.3f}-{math.exp(max(means)):.3f} (an "
+                      f"interval needs {INTERVAL_REPEATS} repeats)")
+        lines.append(f"  {title}: {math.exp(statistics.fmean(means)):.3f}x, {spread} over "
+                     f"{len(means)} repeats ({sum(map(len, per_repeat.values()))} runs of tierd)")
     return lines
 
 
