@@ -3,7 +3,8 @@ numbers read from `vllm bench serve`'s result JSON or the chat client's latencie
 tierd's hit rates from counter deltas, vLLM's per-request phases from its histograms' deltas, the
 cores vLLM's log says it bound, and the summary: medians over the repeats of every (case, arm),
 the ratios the targets name with their verdicts, tierd's cost when everything fits against both
-vLLM alone, and where the compared arms' requests differ. Pure functions of their inputs (no vLLM, no servers): ``make test`` checks them.
+vLLM alone, and where the compared arms' requests differ. Pure functions of their inputs (no
+vLLM, no servers): ``make test`` checks them.
 """
 
 from __future__ import annotations
