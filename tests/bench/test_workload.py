@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 from dataclasses import asdict, replace
 
@@ -341,3 +342,31 @@ def test_the_fits_cost_is_tierd_over_both_vllm_alone_per_repeat_with_its_interva
         f"  throughput: {(0.9 * 1.0 * 0.95 * 1.05) ** 0.25:.3f}x, the repeats 0.900-1.050 (an "
         "interval needs 5 repeats) over 4 repeats (4 runs of tierd)")
     assert fits_cost([s for s in steady if s.arm != "vllm-control"]) == []
+
+
+def test_connector_config_reaches_the_tierd_arms_and_bad_keys_name_the_fix() -> None:
+    """``--connector-config`` takes TierdConnector's extra-config keys as a JSON object, merged
+    into each tierd arm's --kv-transfer-config under the bench's own socket and engine name;
+    anything else is refused with what to give instead."""
+    import argparse
+
+    from tierd.bench.serve_stack import VllmServe
+    from tierd.bench.workload import _connector_config, configure
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    given = parser.parse_args(["--connector-config", '{"save": false, "load": false}'])
+    assert given.connector_config == {"save": False, "load": False}
+    assert parser.parse_args([]).connector_config == {}
+    server = VllmServe("python", "/tmp", "/models/tiny", "tiny", "tierd-big", "/tmp/a.sock",
+                       connector_config=given.connector_config, port=8123)
+    extra = server.transfer_config()["kv_connector_extra_config"]
+    assert extra == {"retry_seconds": 1.0, "save": False, "load": False,
+                     "socket_path": "/tmp/a.sock", "engine_name": "tierd-big"}
+    for bad, says in (("[1]", "JSON object"), ("{", "not JSON"), ('{"sav": false}', "'sav'"),
+                      ('{"save": 1}', "save must be true or false"),
+                      ('{"socket_path": "/x"}', "sets ['socket_path'] itself")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--connector-config", bad])
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(says)):
+            _connector_config(bad)

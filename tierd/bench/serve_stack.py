@@ -103,17 +103,22 @@ class VllmServe:
     """Extra environment of the server (``VLLM_CPU_OMP_THREADS_BIND``, ...)."""
     flags: list[str] = field(default_factory=list)
     """Extra `vllm serve` flags."""
+    connector_config: dict[str, object] = field(default_factory=dict)
+    """More ``kv_connector_extra_config`` keys for TierdConnector (``load``, ``save``, ...)."""
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
 
+    def transfer_config(self) -> dict[str, object]:
+        """The ``--kv-transfer-config`` of this server where it has a connector."""
+        return {"kv_connector": "TierdConnector",
+                "kv_connector_module_path": "tierd.connector.vllm.connector",
+                "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"retry_seconds": 1.0, **self.connector_config,
+                                              "socket_path": self.socket_path,
+                                              "engine_name": self.engine}}
+
     def start(self) -> None:
-        transfer = {"kv_connector": "TierdConnector",
-                    "kv_connector_module_path": "tierd.connector.vllm.connector",
-                    "kv_role": "kv_both",
-                    "kv_load_failure_policy": "recompute",
-                    "kv_connector_extra_config": {"socket_path": self.socket_path,
-                                                  "engine_name": self.engine,
-                                                  "retry_seconds": 1.0}}
         vllm = os.path.join(os.path.dirname(self.python), "vllm")  # the console script
         argv = [vllm, "serve", self.model,
                 "--served-model-name", self.name, "--host", "127.0.0.1",
@@ -121,7 +126,7 @@ class VllmServe:
                 "--block-size", str(BLOCK), "--max-model-len", str(self.max_model_len),
                 "--enforce-eager"]
         if self.socket_path is not None:
-            argv += ["--kv-transfer-config", json.dumps(transfer)]
+            argv += ["--kv-transfer-config", json.dumps(self.transfer_config())]
         if not self.prefix_caching:
             argv.append("--no-enable-prefix-caching")
         if self.kv_blocks is not None:

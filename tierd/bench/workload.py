@@ -108,6 +108,34 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+BENCH_KEYS = ("socket_path", "engine_name")
+"""``kv_connector_extra_config`` keys the bench sets itself for every tierd arm."""
+
+
+def _connector_config(text: str) -> dict[str, object]:
+    """``--connector-config``: a JSON object of TierdConnector's ``kv_connector_extra_config``
+    keys (``argparse.ArgumentTypeError`` naming the fix for anything else)."""
+    from tierd.connector.vllm.config import TierdVllmConfig
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): give an object, e.g. "
+                                         "'{\"save\": false}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("give a JSON object of kv_connector_extra_config keys, "
+                                         "e.g. '{\"save\": false}'")
+    ours = sorted(set(value) & set(BENCH_KEYS))
+    if ours:
+        raise argparse.ArgumentTypeError(f"the bench sets {ours} itself for each tierd arm; "
+                                         "drop them")
+    try:
+        TierdVllmConfig.from_extra_config(value)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="repeats of every run (5)")
     parser.add_argument("--concurrency", type=_ints, default=[4, 16],
@@ -168,6 +196,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "keeps its own speed for its life (up to a tenth apart between two "
                              "alike on a shared host), so with the same servers throughout, "
                              "every repeat draws on the same luck (a minute or two more a repeat)")
+    parser.add_argument("--connector-config", type=_connector_config, default={},
+                        help="more kv_connector_extra_config keys for every tierd arm, as a JSON "
+                             "object (e.g. '{\"save\": false, \"load\": false}': the "
+                             "connector in place, doing nothing)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs")
     parser.add_argument("--json", action="store_true", help="print every run as JSON too")
 
@@ -282,7 +314,8 @@ def run(args: argparse.Namespace) -> int:
                               daemons[arm].socket_path if arm in daemons else None,
                               max_model_len=max_len, env=env,
                               kv_blocks=args.kv_small if arm.endswith("small") else args.kv_big,
-                              flags=[STEPS_FLAG] if args.steps else [])
+                              flags=[STEPS_FLAG] if args.steps else [],
+                              connector_config=args.connector_config)
                for arm in args.arms}
     samples: list[Sample] = []
     failed = True
@@ -418,7 +451,9 @@ def _report(args: argparse.Namespace, samples: list[Sample], cases: list[Case],
     print(f"\nreal vllm serve (vLLM's CPU build, the small Llama, OpenMP on cores {cores.bind}, "
           f"the other servers on {','.join(str(c) for c in cores.others)}, the client on any), "
           f"medians of {args.repeats} interleaved repeats; KV blocks of 32 tokens: "
-          f"small {args.kv_small}, fits {args.kv_big}:")
+          f"small {args.kv_small}, fits {args.kv_big}"
+          + (f"; the tierd arms' connector with {json.dumps(args.connector_config)}"
+             if args.connector_config else "") + ":")
     with contextlib.suppress(BrokenPipeError):
         for line in table(samples):
             print(line)
