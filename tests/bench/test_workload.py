@@ -19,9 +19,9 @@ from tierd.bench.workload_report import (
     HitRates,
     Sample,
     Timing,
+    against_both,
     as_json,
     bound_cores,
-    fits_cost,
     from_bench_serve,
     from_latencies,
     medians,
@@ -310,38 +310,46 @@ def test_the_control_is_judged_on_the_fits_limits_and_counted_apart() -> None:
     assert summary(unjudged, failures=1)[0] is False
 
 
-def test_the_fits_cost_is_tierd_over_both_vllm_alone_per_repeat_with_its_interval() -> None:
-    """tierd's figure over the geometric mean of vLLM alone and the control, averaged (in
-    logs) over a repeat's cases, then over the repeats; the interval spans the repeats' spread
-    and shrinks to the estimate where every repeat agrees; no line without the control."""
-    def runs(case: str, repeat: int, big: float, control: float, tierd: float) -> list[Sample]:
-        return [Sample(case, arm, repeat, _timing(value, 100.0 / value), HitRates(0, 0, 0))
-                for arm, value in (("vllm-big", big), ("vllm-control", control),
-                                   ("tierd-big", tierd))]
+def test_each_tierd_arm_is_set_against_both_vllm_alone_per_repeat_with_its_interval() -> None:
+    """A tierd arm's figure over the geometric mean of vLLM alone and the control, averaged (in
+    logs) over a repeat's cases where its target is judged, then over the repeats; the interval
+    spans the repeats' spread and shrinks to the estimate where every repeat agrees; no line
+    without the control."""
+    def runs(case: str, repeat: int, big: float, control: float, tierd: float,
+             arm: str = "tierd-big") -> list[Sample]:
+        return [Sample(case, which, repeat, _timing(value, 100.0 / value), HitRates(0, 0, 0))
+                for which, value in (("vllm-big", big), ("vllm-control", control),
+                                     (arm, tierd))]
 
+    judged = {"chat c4": {"fits", "pressure"}, "prefix 1024 c4": {"fits", "pressure"},
+              "prefix 1024 c16": {"fits"}}
     # every repeat: tierd 0.96 of sqrt(8 * 12.5) = 10 in one case, 0.98 of 10 in the other
     steady = [s for r in range(5) for s in runs("chat c4", r, 8.0, 12.5, 9.6)
               + runs("prefix 1024 c4", r, 10.0, 10.0, 9.8)]
-    throughput, ttft = fits_cost(steady)
+    throughput, ttft = against_both(steady, judged)
     middle = math.sqrt(0.96 * 0.98)
-    assert throughput == (f"  throughput: {middle:.3f}x, 95% interval {middle:.3f}-{middle:.3f} "
-                          "over 5 repeats (10 runs of tierd)")
-    assert ttft.startswith(f"  TTFT p50: {1 / middle:.3f}x")
-    # repeats at 0.90-1.10: the interval holds the estimate and lies inside them
+    assert throughput == (f"  fits: tierd / both, throughput: {middle:.3f}x, 95% interval "
+                          f"{middle:.3f}-{middle:.3f} over 5 repeats (10 runs)")
+    assert ttft.startswith(f"  fits: tierd / both, TTFT p50: {1 / middle:.3f}x")
+    # the small-cache arm where pressure is judged (not at 16 clients); repeats at 0.90-1.10:
+    # the interval holds the estimate and lies inside them
     ratios = (0.9, 1.0, 1.1, 0.95, 1.05)
-    spread = [s for r, t in enumerate(ratios) for s in runs("chat c4", r, 10, 10, 10 * t)]
-    line = fits_cost(spread)[0]
+    spread = [s for r, t in enumerate(ratios) for s in runs("chat c4", r, 10, 10, 10 * t,
+                                                               "tierd-small")
+              + runs("prefix 1024 c16", r, 10, 10, 5, "tierd-small")]
+    line = against_both(spread, judged)[0]
     estimate = math.prod(ratios) ** (1 / 5)
     low, high = (float(x) for x in line.split("interval ")[1].split(" ")[0].split("-"))
-    assert f"throughput: {estimate:.3f}x" in line and 0.9 <= low < estimate < high <= 1.1
+    assert line.startswith(f"  pressure: tierd small KV / both, throughput: {estimate:.3f}x")
+    assert 0.9 <= low < estimate < high <= 1.1 and line.endswith("over 5 repeats (5 runs)")
     # a run with no finished request (NaN) and cases without the control count for nothing;
     # below 5 repeats, their range instead of an interval
-    broken = [replace(s, timing=_timing(math.nan, 1.0)) if s.repeat == 2 and s.arm == "tierd-big"
-              else s for s in spread]
-    assert fits_cost(broken)[0] == (
-        f"  throughput: {(0.9 * 1.0 * 0.95 * 1.05) ** 0.25:.3f}x, the repeats 0.900-1.050 (an "
-        "interval needs 5 repeats) over 4 repeats (4 runs of tierd)")
-    assert fits_cost([s for s in steady if s.arm != "vllm-control"]) == []
+    broken = [replace(s, timing=_timing(math.nan, 1.0)) if s.repeat == 2 and s.arm ==
+              "tierd-small" else s for s in spread]
+    assert against_both(broken, judged)[0] == (
+        f"  pressure: tierd small KV / both, throughput: {(0.9 * 0.95 * 1.05) ** 0.25:.3f}x, "
+        "the repeats 0.900-1.050 (an interval needs 5 repeats) over 4 repeats (4 runs)")
+    assert against_both([s for s in steady if s.arm != "vllm-control"], judged) == []
 
 
 def test_connector_config_reaches_the_tierd_arms_and_bad_keys_name_the_fix() -> None:

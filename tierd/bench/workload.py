@@ -45,11 +45,11 @@ request, per kind of step (``tierd.bench.workload_steps``). With ``--control``, 
 (``workload_report.CONTROL``), a second vLLM alone configured as the one with the cache that
 fits, runs in every case that one runs and is held to the fits limits against it: two servers
 that differ in nothing show how far this host's noise alone moves those ratios in this run; and
-tierd's cost when everything fits is estimated against both at once, with how narrowly the run
-places it (``workload_report.fits_cost``). A `vllm serve` keeps its own speed for its whole
-life, and two alike can differ by up to a tenth on a shared host: with ``--fresh-servers``
-every repeat starts new servers and daemons, so each repeat draws that luck anew instead of
-every repeat sharing one draw. Run it with ``make bench-workload``.
+each tierd arm is set against both at once, the pressure and fits ratios estimated with how
+narrowly the run places them (``workload_report.against_both``). A `vllm serve` keeps its own
+speed for its whole life, and two alike can differ by up to a tenth on a shared host: with
+``--fresh-servers`` every repeat starts new servers and daemons, so each repeat draws that luck
+anew instead of every repeat sharing one draw. Run it with ``make bench-workload``.
 """
 
 from __future__ import annotations
@@ -74,9 +74,9 @@ from tierd.bench.workload_report import (
     HitRates,
     Sample,
     Timing,
+    against_both,
     as_json,
     bound_cores,
-    fits_cost,
     phase_lines,
     summary,
     table,
@@ -462,13 +462,13 @@ def _report(args: argparse.Namespace, samples: list[Sample], cases: list[Case],
               "request, fits everywhere:")
         for line in verdict_lines(found):
             print(line)
-        cost = fits_cost(samples)
-        if cost:
-            print("what tierd costs when everything fits, against both vLLM alone (tierd over "
-                  "the geometric mean of vLLM alone and the control in each run, per repeat over "
-                  "its cases, then over the repeats; not a target: where the fits ratio lies, "
-                  "and how narrowly this run places it):")
-            for line in cost:
+        both = against_both(samples, {c.name: c.judged for c in cases})
+        if both:
+            print("the tierd arms against both vLLM alone with the cache that fits (over the "
+                  "geometric mean of vLLM alone and the control in each run, per repeat over the "
+                  "cases the target is judged in, then over the repeats; not a verdict: where "
+                  "the target's ratio lies, and how narrowly this run places it):")
+            for line in both:
                 print(line)
         print("where the arms' requests differ (vLLM's own per-request means: waiting to be "
               "scheduled, scheduled to first token, first to last token; medians over the "

@@ -2,8 +2,8 @@
 numbers read from `vllm bench serve`'s result JSON or the chat client's latencies, vLLM's and
 tierd's hit rates from counter deltas, vLLM's per-request phases from its histograms' deltas, the
 cores vLLM's log says it bound, and the summary: medians over the repeats of every (case, arm),
-the ratios the targets name with their verdicts, tierd's cost when everything fits against both
-vLLM alone, and where the compared arms' requests differ. Pure functions of their inputs (no
+the ratios the targets name with their verdicts, the tierd arms against both vLLM alone with the
+cache that fits, and where the compared arms' requests differ. Pure functions of their inputs (no
 vLLM, no servers): ``make test`` checks them.
 """
 
@@ -418,50 +418,64 @@ def summary(found: Sequence[Verdict], failures: int) -> tuple[bool, str]:
     return ok, line + f" -> {'met' if ok else 'NOT met'}"
 
 
-COST_FIGURES = {"request_throughput": "throughput", "ttft_p50_ms": "TTFT p50"}
-"""The figures ``fits_cost`` estimates tierd's cost in (a ``Timing`` field: its title)."""
+AGAINST_BOTH = (("pressure", "tierd-small", "tierd small KV"), ("fits", "tierd-big", "tierd"))
+"""The targets ``against_both`` estimates: (group, arm, its title). Both compare a tierd arm
+with vLLM alone with the cache that fits, which ``--control`` runs twice."""
+
+BOTH_FIGURES = {"request_throughput": "throughput", "ttft_p50_ms": "TTFT p50"}
+"""The figures ``against_both`` estimates (a ``Timing`` field: its title)."""
 
 INTERVAL_REPEATS = 5
-"""Repeats below which ``fits_cost`` prints their range, not an interval (a bootstrap over a
+"""Repeats below which ``against_both`` prints their range, not an interval (a bootstrap over a
 handful of values is narrower than what it estimates)."""
 
 
-def fits_cost(samples: Sequence[Sample], resamples: int = 4000) -> list[str]:
-    """With the control: what tierd costs when everything fits, against both vLLM alone at
-    once; a line per figure of ``COST_FIGURES``, none without the control. In every repeat and
-    case the three ran in, tierd's figure over the geometric mean of the two vLLM alone's (each
-    server's speed is a draw of its own, so two baselines halve that part of the noise); per
-    repeat the geometric mean over its cases (they share the repeat's servers), then over the
-    repeats, with the 95% bootstrap interval over the repeats (a fixed seed: the same runs give
-    the same line; their range below ``INTERVAL_REPEATS``). Not a target: where the fits
-    limits' ratio lies, and how narrowly this run places it."""
+def against_both(samples: Sequence[Sample], judged: Mapping[str, Collection[str]],
+                 resamples: int = 4000) -> list[str]:
+    """With the control: each tierd arm of ``AGAINST_BOTH`` against both vLLM alone with the
+    cache that fits at once, over the cases where ``judged`` (case -> groups) judges its group;
+    a line per figure of ``BOTH_FIGURES``, none without the control. In every repeat and case,
+    the arm's figure over the geometric mean of the two vLLM alone's (each server's speed is a
+    draw of its own, so two baselines halve that part of the noise); per repeat the geometric
+    mean over its cases (they share the repeat's servers), then over the repeats, with the 95%
+    bootstrap interval over the repeats (a fixed seed: the same runs give the same line; their
+    range below ``INTERVAL_REPEATS``). Not a verdict: where the target's ratio lies, and how
+    narrowly this run places it."""
     runs = {(s.case, s.repeat, s.arm): s.timing for s in samples}
     lines = []
-    for figure, title in COST_FIGURES.items():
-        per_repeat: dict[int, list[float]] = {}
-        for (case, repeat, arm), timing in runs.items():
-            first, second = runs.get((case, repeat, "vllm-big")), runs.get((case, repeat, CONTROL))
-            if arm != "tierd-big" or first is None or second is None:
-                continue
-            values = [getattr(t, figure) for t in (timing, first, second)]
-            if all(v > 0 for v in values):  # NaN (no request finished) is not
-                logs = [math.log(v) for v in values]
-                per_repeat.setdefault(repeat, []).append(logs[0] - (logs[1] + logs[2]) / 2)
-        if not per_repeat:
-            continue
-        means = [statistics.fmean(v) for _, v in sorted(per_repeat.items())]
-        if len(means) >= INTERVAL_REPEATS:
-            rng = random.Random(0)
-            drawn = sorted(statistics.fmean(rng.choices(means, k=len(means)))
-                           for _ in range(resamples))
-            low, high = drawn[int(0.025 * resamples)], drawn[int(0.975 * resamples) - 1]
-            spread = f"95% interval {math.exp(low):.3f}-{math.exp(high):.3f}"
-        else:
-            spread = (f"the repeats {math.exp(min(means)):.3f}-{math.exp(max(means)):.3f} (an "
-                      f"interval needs {INTERVAL_REPEATS} repeats)")
-        lines.append(f"  {title}: {math.exp(statistics.fmean(means)):.3f}x, {spread} over "
-                     f"{len(means)} repeats ({sum(map(len, per_repeat.values()))} runs of tierd)")
+    for group, arm, title in AGAINST_BOTH:
+        for figure, figure_title in BOTH_FIGURES.items():
+            per_repeat: dict[int, list[float]] = {}
+            for (case, repeat, which), timing in runs.items():
+                first = runs.get((case, repeat, "vllm-big"))
+                second = runs.get((case, repeat, CONTROL))
+                if (which != arm or group not in judged.get(case, ()) or first is None
+                        or second is None):
+                    continue
+                values = [getattr(t, figure) for t in (timing, first, second)]
+                if all(v > 0 for v in values):  # NaN (no request finished) is not
+                    logs = [math.log(v) for v in values]
+                    per_repeat.setdefault(repeat, []).append(logs[0] - (logs[1] + logs[2]) / 2)
+            if per_repeat:
+                lines.append(f"  {group}: {title} / both, {figure_title}: "
+                             + _estimate(per_repeat, resamples))
     return lines
+
+
+def _estimate(per_repeat: Mapping[int, list[float]], resamples: int) -> str:
+    """``against_both``'s estimate from each repeat's log ratios, with its interval."""
+    means = [statistics.fmean(v) for _, v in sorted(per_repeat.items())]
+    if len(means) >= INTERVAL_REPEATS:
+        rng = random.Random(0)
+        drawn = sorted(statistics.fmean(rng.choices(means, k=len(means)))
+                       for _ in range(resamples))
+        low, high = drawn[int(0.025 * resamples)], drawn[int(0.975 * resamples) - 1]
+        spread = f"95% interval {math.exp(low):.3f}-{math.exp(high):.3f}"
+    else:
+        spread = (f"the repeats {math.exp(min(means)):.3f}-{math.exp(max(means)):.3f} (an "
+                  f"interval needs {INTERVAL_REPEATS} repeats)")
+    return (f"{math.exp(statistics.fmean(means)):.3f}x, {spread} over {len(means)} repeats "
+            f"({sum(map(len, per_repeat.values()))} runs)")
 
 
 def verdict_lines(found: Sequence[Verdict]) -> list[str]:
