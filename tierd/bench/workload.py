@@ -67,6 +67,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from tierd.bench.workload_chat import ChatShape
+from tierd.bench.workload_cores import BACKEND_NICE
 from tierd.bench.workload_output import Output
 from tierd.bench.workload_report import (
     ARMS,
@@ -196,6 +197,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "keeps its own speed for its life (up to a tenth apart between two "
                              "alike on a shared host), so with the same servers throughout, "
                              "every repeat draws on the same luck (a minute or two more a repeat)")
+    parser.add_argument("--daemon-nice", type=int, default=BACKEND_NICE,
+                        help="niceness of the tierd daemons on the other servers' cores "
+                             f"({BACKEND_NICE}, as vLLM's engine core; the API server runs at 0)")
     parser.add_argument("--connector-config", type=_connector_config, default={},
                         help="more kv_connector_extra_config keys for every tierd arm, as a JSON "
                              "object (e.g. '{\"save\": false, \"load\": false}': the "
@@ -320,12 +324,13 @@ def run(args: argparse.Namespace) -> int:
     samples: list[Sample] = []
     failed = True
     try:
-        _up(daemons, servers, cores, max_len, workdir, show=True)
+        _up(daemons, servers, cores, max_len, workdir, args.daemon_nice, show=True)
         cases = _cases(args, model, workdir)
         for repeat in range(args.repeats):
             if args.fresh_servers and repeat:  # new processes: a server's own speed is drawn anew
                 _down(daemons, servers)
-                _up(daemons, servers, cores, max_len, workdir, show=False)
+                _up(daemons, servers, cores, max_len, workdir, args.daemon_nice,
+                    show=False)
             for index, case in enumerate(cases):
                 shift = (repeat + index) % len(case.arms)
                 for arm in case.arms[shift:] + case.arms[:shift]:
@@ -366,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _up(daemons: dict[str, TierdServe], servers: dict[str, VllmServe], cores: Cores,
-        max_len: int, workdir: str, show: bool) -> None:
+        max_len: int, workdir: str, daemon_nice: int, show: bool) -> None:
     """Start every daemon and server, each on its cores at its priority
     (``tierd.bench.workload_cores``), check that every arm bound the same OpenMP cores (printed
     with ``show``), and send each server its first requests (they compile and fill allocator
@@ -383,7 +388,7 @@ def _up(daemons: dict[str, TierdServe], servers: dict[str, VllmServe], cores: Co
     for daemon in daemons.values():
         started = daemon.start().pid
         confine_process(started, cores.others)
-        lower_priority(started)
+        lower_priority(started, daemon_nice)
     for server in servers.values():
         server.start()
     for server in servers.values():
