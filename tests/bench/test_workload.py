@@ -355,7 +355,8 @@ def test_each_tierd_arm_is_set_against_both_vllm_alone_per_repeat_with_its_inter
 def test_connector_config_reaches_the_tierd_arms_and_bad_keys_name_the_fix() -> None:
     """``--connector-config`` takes TierdConnector's extra-config keys as a JSON object, merged
     into each tierd arm's --kv-transfer-config under the bench's own socket and engine name;
-    anything else is refused with what to give instead."""
+    anything else is refused with what to give instead. ``--daemon-nice`` takes a niceness the
+    kernel keeps as given."""
     import argparse
 
     from tierd.bench.serve_stack import VllmServe
@@ -366,6 +367,10 @@ def test_connector_config_reaches_the_tierd_arms_and_bad_keys_name_the_fix() -> 
     given = parser.parse_args(["--connector-config", '{"save": false, "load": false}'])
     assert given.connector_config == {"save": False, "load": False}
     assert parser.parse_args([]).connector_config == {}
+    assert (parser.parse_args([]).daemon_nice, parser.parse_args(["--daemon-nice", "0"])
+            .daemon_nice) == (10, 0)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--daemon-nice", "20"])  # setpriority would clamp it silently
     server = VllmServe("python", "/tmp", "/models/tiny", "tiny", "tierd-big", "/tmp/a.sock",
                        connector_config=given.connector_config, port=8123)
     extra = server.transfer_config()["kv_connector_extra_config"]

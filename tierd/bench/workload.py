@@ -198,6 +198,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "alike on a shared host), so with the same servers throughout, "
                              "every repeat draws on the same luck (a minute or two more a repeat)")
     parser.add_argument("--daemon-nice", type=int, default=BACKEND_NICE,
+                        choices=range(-20, 20), metavar="-20..19",
                         help="niceness of the tierd daemons on the other servers' cores "
                              f"({BACKEND_NICE}, as vLLM's engine core; the API server runs at 0)")
     parser.add_argument("--connector-config", type=_connector_config, default={},
