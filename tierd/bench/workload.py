@@ -184,7 +184,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--control", action="store_true",
                         help="add a second vLLM alone with the cache that fits, held to the "
                              "fits limits against the first: what the host's noise alone makes "
-                             "of a ratio in this run")
+                             "of a ratio in this run; each tierd arm is then also set against "
+                             "both, with a 95%% interval over the repeats")
     parser.add_argument("--profile", action="store_true",
                         help="after the repeats, run every case once more on each vLLM + tierd "
                              "arm under py-spy and print the connector hooks' share of vLLM's "
