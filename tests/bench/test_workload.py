@@ -14,7 +14,7 @@ from dataclasses import asdict, replace
 import pytest
 
 from tierd.bench.workload_chat import ChatShape, _Users
-from tierd.bench.workload_profile import profile_line, summarize
+from tierd.bench.workload_profile import CpuSplit, cpu_lines, profile_line, summarize
 from tierd.bench.workload_report import (
     HitRates,
     Sample,
@@ -88,9 +88,11 @@ def test_hit_rates_are_counter_deltas() -> None:
     assert tierd_hit_rate((0, 0), (0, 0)) is None
 
 
-def _phases(queue: float, prefill: float, decode: float, requests: int, steps: int) -> str:
+def _phases(queue: float, prefill: float, decode: float, requests: int, steps: int,
+            computed: int = 0) -> str:
     """vLLM's /metrics text with its per-request phase histograms (seconds summed over
-    ``requests``, split over two label sets) and its steps (``iteration_tokens_total``)."""
+    ``requests``, split over two label sets), its steps (``iteration_tokens_total``) and the
+    prompt tokens it computed (``request_prefill_kv_computed_tokens``)."""
     lines = []
     for engine, share in (("0", 0.5), ("1", 0.5)):
         labels = f'{{engine="{engine}",model_name="tiny"}}'
@@ -101,19 +103,22 @@ def _phases(queue: float, prefill: float, decode: float, requests: int, steps: i
                       f"vllm:{name}_seconds_count{labels} {requests * share}",
                       f'vllm:{name}_seconds_bucket{{le="+Inf",engine="{engine}"}} {requests}']
         lines += [f"vllm:iteration_tokens_total_sum{labels} {steps * 7 * share}",
-                  f"vllm:iteration_tokens_total_count{labels} {steps * share}"]
+                  f"vllm:iteration_tokens_total_count{labels} {steps * share}",
+                  f"vllm:request_prefill_kv_computed_tokens_sum{labels} {computed * share}",
+                  f"vllm:request_prefill_kv_computed_tokens_count{labels} {requests * share}"]
     return "\n".join(lines) + "\n"
 
 
 def test_vllms_phases_are_per_request_means_of_histogram_deltas() -> None:
     """Over a run that finished 10 requests in 40 steps, waiting 0.05 s, prefilling 0.2 s and
-    decoding 0.6 s in all: 5, 20 and 60 ms per request and 4 steps each, whatever the
-    histograms held before (buckets are not sums); nothing finished: NaN."""
-    before = _phases(1.0, 2.0, 3.0, 100, 300)
-    after = _phases(1.05, 2.2, 3.6, 110, 340)
+    decoding 0.6 s in all and computing 640 prompt tokens: 5, 20 and 60 ms per request, 4
+    steps and 64 tokens each, whatever the histograms held before (buckets are not sums);
+    nothing finished: NaN."""
+    before = _phases(1.0, 2.0, 3.0, 100, 300, 5_000)
+    after = _phases(1.05, 2.2, 3.6, 110, 340, 5_640)
     got = asdict(vllm_phases(before, after))
     assert got == pytest.approx({"queue_ms": 5.0, "prefill_ms": 20.0, "decode_ms": 60.0,
-                                 "steps_per_request": 4.0})
+                                 "steps_per_request": 4.0, "computed_tokens": 64.0})
     assert all(math.isnan(v) for v in asdict(vllm_phases(after, after)).values())
 
 
@@ -206,22 +211,43 @@ def test_medians_and_the_table() -> None:
 
 def test_phase_lines_give_each_compared_pair_its_median_difference() -> None:
     """tierd with a small cache queued 1, 3 and 2 ms longer per request than vLLM with a cache
-    that fits (median +2.0), decoded 10 ms longer in each repeat, in 5 steps to 4: one line per
-    pair of arms a target compares that ran in the case (the gain's pair too), none for pairs
-    that did not run."""
+    that fits (median +2.0), decoded 10 ms longer in each repeat, in 5 steps to 4, computing
+    40 prompt tokens to 30: one line per pair of arms a target compares that ran in the case
+    (the gain's pair too), none for pairs that did not run."""
     slower = {0: 1.0, 1: 3.0, 2: 2.0}
     samples = [replace(s, timing=replace(
         s.timing, queue_ms=slower[s.repeat] if s.arm == "tierd-small" else 0.0,
         prefill_ms=10.0, decode_ms=70.0 if s.arm == "tierd-small" else 60.0,
-        steps_per_request=5.0 if s.arm == "tierd-small" else 4.0)) for s in _samples()]
+        steps_per_request=5.0 if s.arm == "tierd-small" else 4.0,
+        computed_tokens=40.0 if s.arm == "tierd-small" else 30.0)) for s in _samples()]
     lines = phase_lines(samples)
     pressure = [x for x in lines if "vLLM+tierd, small KV - vLLM alone, KV fits" in x]
     assert len(pressure) == 1 and pressure[0].startswith("  prefix 1024 c4")
     assert "queue +2.0, prefill +0.0, decode +10.0 ms per request" in pressure[0]
-    assert pressure[0].endswith("steps per request 5.0 vs 4.0")
+    assert pressure[0].endswith("steps per request 5.0 vs 4.0; "
+                                "prompt tokens computed per request 40 vs 30")
     assert sum("vLLM alone, small KV" in x for x in lines) == 2  # the gain, both cases
     assert not any("KV fits - " in x for x in lines)  # tierd-big did not run
     assert len(lines) == 3
+
+
+def test_cpu_lines_set_each_part_of_two_arms_apart_per_request() -> None:
+    """tierd with a small cache used 1, 3 and 2 ms more of the worker's CPU per request than
+    vLLM with a cache that fits (10 requests a run; median +2.0) and 0.5 s of its daemon's a
+    run (+50.0); a run whose CPU was not read leaves its pair out; a split subtracts part by
+    part and its total is their sum."""
+    later, earlier = CpuSplit(1.0, 2.0, 3.5, 4.0), CpuSplit(0.5, 1.0, 1.5, 0.0)
+    assert later - earlier == CpuSplit(0.5, 1.0, 2.0, 4.0) and later.total == 10.5
+    more = {0: 0.01, 1: 0.03, 2: 0.02}
+    samples = [replace(s, cpu=CpuSplit(0.1, 0.2, 0.3 + more[s.repeat], 0.5)
+                       if s.arm == "tierd-small" else CpuSplit(0.1, 0.2, 0.3, 0.0))
+               for s in _samples() if s.case == "prefix 1024 c4"]
+    samples.append(replace(samples[0], case="prefix 256 c4", cpu=None))
+    lines = cpu_lines(samples)
+    pressure = [x for x in lines if "vLLM+tierd, small KV - vLLM alone, KV fits" in x]
+    assert pressure == ["  prefix 1024 c4           vLLM+tierd, small KV - vLLM alone, KV fits: "
+                        "api +0.0, scheduler +0.0, worker +2.0, daemon +50.0 ms per request"]
+    assert len(lines) == 2 and not any("prefix 256" in x for x in lines)
 
 
 def test_chat_users_take_turns_one_at_a_time_until_every_turn_ran() -> None:

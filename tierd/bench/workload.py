@@ -30,16 +30,19 @@ was (a tierd arm's last Commits land meanwhile, then ``QUIET_SECONDS`` more let 
 arm's processes go idle). Per run: request and output-token throughput, TTFT p50/p90/p99,
 failures, vLLM's local and external prefix-hit rates and tierd's hit ratio over the run (the
 last two should agree), and vLLM's own per-request means of the time a request waits to be
-scheduled, takes to its first token and from there to its last, with the engine's steps per
-request, and the CPU time per request of the arm's processes (vLLM's worker and engine core poll
-for each other's messages between steps, so where they keep their cores busy that tracks the
-run's length rather than the work: its ratio follows the throughput's). Then the targets as
+scheduled, takes to its first token and from there to its last, with the engine's steps and the
+prompt tokens it computed per request (neither hit locally nor loaded), and the CPU time per
+request of the arm's processes (vLLM's worker and engine core poll for each other's messages
+between steps, so where they keep their cores busy that tracks the run's length rather than the
+work: its ratio follows the throughput's). Then the targets as
 ratios of the arms' runs in each repeat, judged on their median
 (``tierd.bench.workload_report.TARGETS``); a target some of whose repeats meet its limit and
 others miss it is marked as straddled: the host's noise between repeats exceeds the margin, and
 this run does not settle it. Beside them, for each pair of arms a target compares, how much
 longer the first arm's requests spent in each of those phases: where a missed target's time
-went (a lookup answered "not yet" adds queueing; a cost every step pays, decoding). With
+went (a lookup answered "not yet" adds queueing; a cost every step pays, decoding), whether
+the first computed more of its prompts (a hit lost), and where its CPU went (vLLM's API server,
+engine core and worker, and the daemon, ``workload_profile.cpu_lines``). With
 ``--steps``, vLLM logs every engine step and the same pairs compare the forward passes' time per
 request, per kind of step (``tierd.bench.workload_steps``). With ``--control``, a fifth server
 (``workload_report.CONTROL``), a second vLLM alone configured as the one with the cache that
@@ -69,6 +72,7 @@ from typing import TYPE_CHECKING
 from tierd.bench.workload_chat import ChatShape
 from tierd.bench.workload_cores import BACKEND_NICE
 from tierd.bench.workload_output import Output
+from tierd.bench.workload_profile import cpu_lines
 from tierd.bench.workload_report import (
     ARMS,
     CONTROL,
@@ -294,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
     from tierd.bench.tierd_serve import TierdServe
     from tierd.bench.tiny_llama import build
     from tierd.bench.workload_cores import plan
-    from tierd.bench.workload_profile import cpu_seconds
+    from tierd.bench.workload_profile import cpu_split
     from tierd.bench.workload_steps import FLAG as STEPS_FLAG
     from tierd.bench.workload_steps import log_size, steps_since
     from tierd.connector.vllm.connector.filtered import REPORT_SECONDS
@@ -343,11 +347,12 @@ def run(args: argparse.Namespace) -> int:
                     metrics = server.metrics_text()
                     asked = _tierd_counts(tierd)
                     pid = tierd.process.pid if tierd is not None and tierd.process else None
-                    cpu = cpu_seconds(server, pid)
+                    cpu = cpu_split(server, pid)
                     logged = log_size(server.log_path)
                     timing = case.drive(server, SEED + 100 * repeat + index)
                     after = server.metrics_text()
-                    timing = replace(timing, cpu_seconds=cpu_seconds(server, pid) - cpu,
+                    cpu = cpu_split(server, pid) - cpu
+                    timing = replace(timing, cpu_seconds=cpu.total,
                                      **asdict(vllm_phases(metrics, after)))
                     local, external = vllm_hit_rates(metrics, after)
                     # a tierd arm's last Commits and filtered lookups land off the request
@@ -356,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
                     time.sleep(REPORT_SECONDS + 0.5)
                     hits = HitRates(local, external, tierd_hit_rate(asked, _tierd_counts(tierd)))
                     steps = steps_since(server.log_path, logged) if args.steps else None
-                    samples.append(Sample(case.name, arm, repeat, timing, hits, steps))
+                    samples.append(Sample(case.name, arm, repeat, timing, hits, steps, cpu))
                     print(f"  repeat {repeat + 1} {case.name:<16} {arm:<12} "
                           f"{timing.request_throughput:6.2f} req/s, TTFT p50 "
                           f"{timing.ttft_p50_ms:6.0f} ms, {timing.failed} failed", flush=True)
@@ -481,6 +486,10 @@ def _report(args: argparse.Namespace, samples: list[Sample], cases: list[Case],
               "scheduled, scheduled to first token, first to last token; medians over the "
               "repeats):")
         for line in phase_lines(samples):
+            print(line)
+        print("where the arms' CPU goes (each part's CPU time per request, the first arm's "
+              "minus the second's; medians over the repeats):")
+        for line in cpu_lines(samples):
             print(line)
         if args.steps:
             print("where the arms' engine steps differ (vLLM's own log of every step: the "

@@ -1,5 +1,6 @@
 """Where an arm of `tierd bench workload` spends its time: the CPU time its processes use over
-a run (``cpu_seconds``, every run) and, with ``--profile``, py-spy
+a run, by process (``cpu_split``, every run; ``cpu_lines`` sets two arms' apart per request)
+and, with ``--profile``, py-spy
 samples vLLM's engine-core process (the scheduler) and its worker during one run, and the
 samples are summed by the TierdConnector hook they are in, as shares of the scheduler's busy
 loop and of the worker's (time the other side waits for it, on the critical path of every
@@ -13,15 +14,19 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, TypeVar
 
 from tierd.bench.serve_stack import VllmServe
 from tierd.bench.workload_cores import ENGINE_CORE, group_pids, process_title
+
+if TYPE_CHECKING:
+    from tierd.bench.workload_report import Sample
 
 T = TypeVar("T")
 
@@ -75,16 +80,63 @@ def _children(server: VllmServe) -> dict[int, str]:
             if title in PROCESSES}
 
 
-def cpu_seconds(server: VllmServe, daemon_pid: int | None) -> float:
-    """CPU time (user + system) used so far by ``server``'s processes and the daemon's."""
+@dataclass(frozen=True)
+class CpuSplit:
+    """CPU seconds (user + system) of an arm's processes, by part."""
+
+    api: float
+    """vLLM's API server (every process of the server's session but the two below)."""
+    scheduler: float
+    """vLLM's engine core: its scheduler, with the connector's scheduler side."""
+    worker: float
+    """vLLM's worker: the forward pass, with the connector's worker side."""
+    daemon: float
+    """The arm's `tierd serve` (0 for vLLM alone)."""
+
+    @property
+    def total(self) -> float:
+        return self.api + self.scheduler + self.worker + self.daemon
+
+    def __sub__(self, earlier: CpuSplit) -> CpuSplit:
+        return CpuSplit(*(getattr(self, f.name) - getattr(earlier, f.name)
+                          for f in fields(self)))
+
+
+def cpu_split(server: VllmServe, daemon_pid: int | None) -> CpuSplit:
+    """CPU time used so far by ``server``'s processes, by kind, and by the daemon's."""
     def used(fields: list[str]) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    total = sum(used(fields) for _, fields in _processes(server).values())
+    parts = dict.fromkeys(("api", *PROCESSES.values()), 0.0)
+    for title, stat in _processes(server).values():
+        parts[PROCESSES.get(title, "api")] += used(stat)
+    daemon = 0.0
     if daemon_pid is not None:
         with open(f"/proc/{daemon_pid}/stat") as f:
-            total += used(f.read().rpartition(")")[2].split())
-    return total
+            daemon = used(f.read().rpartition(")")[2].split())
+    return CpuSplit(parts["api"], parts["scheduler"], parts["worker"], daemon)
+
+
+def cpu_lines(samples: Sequence[Sample]) -> list[str]:
+    """Per case and pair of arms a target compares: how much more (or less) CPU a request of
+    the first arm used than one of the second, in each part (ms; median over the repeats of
+    each repeat's difference)."""
+    from tierd.bench.workload_report import ARM_TITLES, compared_runs
+
+    def per_request(sample: Sample) -> dict[str, float] | None:
+        done = sample.timing.completed
+        if sample.cpu is None or not done:
+            return None
+        return {f.name: getattr(sample.cpu, f.name) * 1e3 / done for f in fields(sample.cpu)}
+
+    lines = []
+    for case, top_arm, bottom_arm, both in compared_runs(samples, per_request):
+        parts = [f"{part} " + format(statistics.median(a[part] - b[part] for a, b in both),
+                                     "+.1f")
+                 for part in both[0][0]]
+        lines.append(f"  {case:<24} {ARM_TITLES[top_arm]} - {ARM_TITLES[bottom_arm]}: "
+                     f"{', '.join(parts)} ms per request")
+    return lines
 
 
 def profiled(server: VllmServe, workdir: str, run: Callable[[], T]) -> tuple[T, list[Profile]]:

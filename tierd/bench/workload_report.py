@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 from tierd.bench.serve_stack import counter, histogram
 
 if TYPE_CHECKING:
+    from tierd.bench.workload_profile import CpuSplit
     from tierd.bench.workload_steps import Steps
 
 T = TypeVar("T")
@@ -67,6 +68,9 @@ class Timing:
     """From the first token to the last (a cost every step pays lands here)."""
     steps_per_request: float = math.nan
     """Engine steps per finished request."""
+    computed_tokens: float = math.nan
+    """Prompt tokens vLLM computed per finished request: neither its own prefix-cache hits
+    nor the connector's (the prefill work a lost hit adds lands here)."""
 
     @property
     def cpu_ms_per_request(self) -> float:
@@ -96,6 +100,8 @@ class Sample:
     hits: HitRates
     steps: Steps | None = None
     """The engine's steps over the run (``--steps``; else None)."""
+    cpu: CpuSplit | None = None
+    """The run's CPU time by process (``timing.cpu_seconds`` is its total); None if unread."""
 
 
 @dataclass(frozen=True)
@@ -209,11 +215,13 @@ class Phases:
     prefill_ms: float
     decode_ms: float
     steps_per_request: float
+    computed_tokens: float
 
 
 def vllm_phases(before: str, after: str) -> Phases:
-    """vLLM's own per-request means between two of its ``/metrics`` expositions, in ms, and its
-    engine steps per finished request (NaN where no request finished)."""
+    """vLLM's own per-request means between two of its ``/metrics`` expositions, in ms, its
+    engine steps and the prompt tokens it computed per finished request (NaN where no request
+    finished)."""
     def delta(name: str) -> tuple[float, float]:
         (sum_after, count_after), (sum_before, count_before) = (histogram(after, name),
                                                                 histogram(before, name))
@@ -223,8 +231,10 @@ def vllm_phases(before: str, after: str) -> Phases:
         return seconds * 1e3 / count if count > 0 else math.nan
     finished = delta("vllm:e2e_request_latency_seconds")[1]
     steps = delta("vllm:iteration_tokens_total")[1]
+    computed, counted = delta("vllm:request_prefill_kv_computed_tokens")
     return Phases(ms(PHASES["queue_ms"]), ms(PHASES["prefill_ms"]), ms(PHASES["decode_ms"]),
-                  steps / finished if finished > 0 else math.nan)
+                  steps / finished if finished > 0 else math.nan,
+                  computed / counted if counted > 0 else math.nan)
 
 
 def tierd_hit_rate(before: tuple[int, int], after: tuple[int, int]) -> float | None:
@@ -349,16 +359,20 @@ def compared_runs(samples: Sequence[Sample], of: Callable[[Sample], T | None]
 def phase_lines(samples: Sequence[Sample]) -> list[str]:
     """Per case and pair of arms a target compares: how much longer (or shorter) a request of
     the first arm spent in each of vLLM's phases than one of the second, and both arms' steps
-    per request (medians over the repeats of each repeat's difference)."""
+    and prompt tokens computed per request (medians over the repeats of each repeat's
+    difference; of each arm's figure for the last two)."""
     lines = []
     for case, top_arm, bottom_arm, both in compared_runs(samples, lambda s: s.timing):
         parts = [f"{field.removesuffix('_ms')} " + format(statistics.median(
             getattr(a, field) - getattr(b, field) for a, b in both), "+.1f")
             for field in PHASES]
-        steps = [statistics.median(t.steps_per_request for t in side) for side in zip(*both)]
+        steps, computed = ([statistics.median(getattr(t, field) for t in side)
+                            for side in zip(*both)]
+                           for field in ("steps_per_request", "computed_tokens"))
         lines.append(f"  {case:<24} {ARM_TITLES[top_arm]} - {ARM_TITLES[bottom_arm]}: "
                      f"{', '.join(parts)} ms per request; steps per request "
-                     f"{steps[0]:.1f} vs {steps[1]:.1f}")
+                     f"{steps[0]:.1f} vs {steps[1]:.1f}; prompt tokens computed per request "
+                     f"{computed[0]:.0f} vs {computed[1]:.0f}")
     return lines
 
 
@@ -366,7 +380,7 @@ def as_json(sample: Sample) -> dict[str, object]:
     """``sample`` as JSON values (``--json``): a figure that is NaN (no request finished) as
     null, which strict JSON readers take."""
     run = asdict(sample)
-    for part in ("timing", "steps"):
+    for part in ("timing", "steps", "cpu"):
         if run[part] is not None:
             run[part] = {name: None if isinstance(value, float) and math.isnan(value) else value
                          for name, value in run[part].items()}
