@@ -104,8 +104,8 @@ class CpuSplit:
 
 def cpu_split(server: VllmServe, daemon_pid: int | None) -> CpuSplit:
     """CPU time used so far by ``server``'s processes, by kind, and by the daemon's."""
-    def used(fields: list[str]) -> float:
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    def used(stat: list[str]) -> float:
+        return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
 
     parts = dict.fromkeys(("api", *PROCESSES.values()), 0.0)
     for title, stat in _processes(server).values():
