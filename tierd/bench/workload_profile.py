@@ -1,12 +1,11 @@
 """Where an arm of `tierd bench workload` spends its time: the CPU time its processes use over
-a run, by process (``cpu_split``, every run; ``cpu_lines`` sets two arms' apart per request)
-and, with ``--profile``, py-spy
-samples vLLM's engine-core process (the scheduler) and its worker during one run, and the
-samples are summed by the TierdConnector hook they are in, as shares of the scheduler's busy
-loop and of the worker's (time the other side waits for it, on the critical path of every
-step). Threads blocked in a call are sampled too (``--idle``), so a hook waiting for the daemon
-counts its wall time, not only its CPU time. Needs `py-spy` on PATH (``pip install py-spy``);
-root or ptrace rights over the server.
+a run, by process (``cpu_split``, every run; ``cpu_lines`` sets two arms apart per request),
+and, with ``--profile``, py-spy samples vLLM's engine-core process (the scheduler) and its
+worker during one run, and the samples are summed by the TierdConnector hook they are in, as
+shares of the scheduler's busy loop and of the worker's (time the other side waits for it, on
+the critical path of every step). Threads blocked in a call are sampled too (``--idle``), so a
+hook waiting for the daemon counts its wall time, not only its CPU time. Needs `py-spy` on PATH
+(``pip install py-spy``); root or ptrace rights over the server.
 """
 
 from __future__ import annotations
