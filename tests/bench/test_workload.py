@@ -14,6 +14,7 @@ from dataclasses import asdict, replace
 import pytest
 
 from tierd.bench.workload_chat import ChatShape, _Users
+from tierd.bench.workload_hooks import hook_lines, run_hooks
 from tierd.bench.workload_profile import CpuSplit, cpu_lines, profile_line, summarize
 from tierd.bench.workload_report import (
     HitRates,
@@ -410,3 +411,31 @@ def test_connector_config_reaches_the_tierd_arms_and_bad_keys_name_the_fix() -> 
             parser.parse_args(["--connector-config", bad])
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(says)):
             _connector_config(bad)
+
+
+def test_hook_lines_set_the_hooks_time_per_step_beside_the_step() -> None:
+    """Two runs of a worker (pid 2) and its scheduler (pid 1): each run's share is the sums'
+    growth (a process that did not move, like an old server's, adds nothing); per step the
+    worker's hooks took 100 and 300 us (median 200), the scheduler's 50; a run of 1 s over 100
+    steps is a 10 ms step, so 2.5%; the longest hooks are named per side."""
+    def times(steps: int, load: float) -> dict[int, dict[str, tuple[int, float, float]]]:
+        return {1: {"build_connector_meta": (steps, steps * 40e-6, steps * 30e-6),
+                    "update_connector_output": (steps, steps * 10e-6, steps * 5e-6)},
+                2: {"bind_connector_metadata": (steps, steps * 20e-6, steps * 20e-6),
+                    "start_load_kv": (steps, load, load / 2)},
+                3: {"bind_connector_metadata": (7, 1.0, 1.0)}}
+    first = run_hooks(times(0, 0.0), times(100, 0.008))
+    second = run_hooks(times(100, 0.008), times(200, 0.036))
+    assert first is not None and second is not None
+    assert first.worker_steps == 100 and first.scheduler_steps == 100
+    assert first.worker["start_load_kv"] == pytest.approx((0.008, 0.004))
+    assert run_hooks(times(0, 0.0), times(0, 0.0)) is None
+    samples = [replace(s, hooks=hooks) for s, hooks in zip(
+        [s for s in _samples() if (s.case, s.arm) == ("prefix 1024 c4", "tierd-small")][:2],
+        [first, second], strict=True)]
+    (line,) = hook_lines(samples)
+    assert line.startswith("  prefix 1024 c4           tierd-small  worker 200 us (CPU 110) + "
+                           "scheduler 50 us a step of 10.00 ms: 2.5% (2 runs)")
+    assert line.endswith("worker: start_load_kv 180, bind_connector_metadata 20; scheduler: "
+                         "build_connector_meta 40, update_connector_output 10")
+    assert json.loads(json.dumps(as_json(samples[0])))["hooks"]["worker_steps"] == 100

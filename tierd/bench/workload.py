@@ -194,6 +194,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="after the repeats, run every case once more on each vLLM + tierd "
                              "arm under py-spy and print the connector hooks' share of vLLM's "
                              "scheduler and worker loops (needs py-spy: pip install py-spy)")
+    parser.add_argument("--hook-times", action="store_true",
+                        help="time every TierdConnector hook in the tierd arms' servers and "
+                             "print the hooks' time per engine step (a few us more a call)")
     parser.add_argument("--steps", action="store_true",
                         help="log every engine step (vLLM's --enable-logging-iteration-details) "
                              "and compare the arms' step times per kind of step")
@@ -298,9 +301,11 @@ def run(args: argparse.Namespace) -> int:
     from tierd.bench.tierd_serve import TierdServe
     from tierd.bench.tiny_llama import build
     from tierd.bench.workload_cores import plan
+    from tierd.bench.workload_hooks import run_hooks, snapshot
     from tierd.bench.workload_profile import cpu_split
     from tierd.bench.workload_steps import FLAG as STEPS_FLAG
     from tierd.bench.workload_steps import log_size, steps_since
+    from tierd.connector.core.hook_times import ENV as HOOK_TIMES_ENV
     from tierd.connector.vllm.connector.filtered import REPORT_SECONDS
 
     max_len = _check(args)
@@ -320,9 +325,13 @@ def run(args: argparse.Namespace) -> int:
                                socket_path=os.path.join(workdir, f"{arm}.sock"))
                for arm in args.arms if arm.startswith("tierd")}
     env = {"VLLM_CPU_OMP_THREADS_BIND": cores.bind, "VLLM_SERVER_DEV_MODE": "1"}
+    hook_dirs = {arm: os.path.join(workdir, f"hooks-{arm}") for arm in daemons
+                 if args.hook_times}
     servers = {arm: VllmServe(sys.executable, workdir, model, "tiny", arm,
                               daemons[arm].socket_path if arm in daemons else None,
-                              max_model_len=max_len, env=env,
+                              max_model_len=max_len,
+                              env={**env, HOOK_TIMES_ENV: hook_dirs[arm]} if arm in hook_dirs
+                              else env,
                               kv_blocks=args.kv_small if arm.endswith("small") else args.kv_big,
                               flags=[STEPS_FLAG] if args.steps else [],
                               connector_config=args.connector_config)
@@ -349,6 +358,7 @@ def run(args: argparse.Namespace) -> int:
                     pid = tierd.process.pid if tierd is not None and tierd.process else None
                     cpu = cpu_split(server, pid)
                     logged = log_size(server.log_path)
+                    hooked = snapshot(hook_dirs[arm]) if arm in hook_dirs else None
                     timing = case.drive(server, SEED + 100 * repeat + index)
                     after = server.metrics_text()
                     cpu = cpu_split(server, pid) - cpu
@@ -361,7 +371,11 @@ def run(args: argparse.Namespace) -> int:
                     time.sleep(REPORT_SECONDS + 0.5)
                     hits = HitRates(local, external, tierd_hit_rate(asked, _tierd_counts(tierd)))
                     steps = steps_since(server.log_path, logged) if args.steps else None
-                    samples.append(Sample(case.name, arm, repeat, timing, hits, steps, cpu))
+                    # read after the pause: the sums are written since
+                    hooks = (run_hooks(hooked, snapshot(hook_dirs[arm])) if hooked is not None
+                             else None)
+                    samples.append(Sample(case.name, arm, repeat, timing, hits, steps, cpu,
+                                          hooks))
                     print(f"  repeat {repeat + 1} {case.name:<16} {arm:<12} "
                           f"{timing.request_throughput:6.2f} req/s, TTFT p50 "
                           f"{timing.ttft_p50_ms:6.0f} ms, {timing.failed} failed", flush=True)
@@ -491,6 +505,14 @@ def _report(args: argparse.Namespace, samples: list[Sample], cases: list[Case],
               "minus the second's; medians over the repeats):")
         for line in cpu_lines(samples):
             print(line)
+        if args.hook_times:
+            from tierd.bench.workload_hooks import hook_lines
+
+            print("where the connector's hooks hold the engine's steps (wall time per step of "
+                  "the worker's hooks and of the scheduler's, their share of the mean step, "
+                  "the longest hooks in us a step; medians over the repeats):")
+            for line in hook_lines(samples):
+                print(line)
         if args.steps:
             print("where the arms' engine steps differ (vLLM's own log of every step: the "
                   "forward passes' time per request, the median step that only decodes and "

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 from tierd.bench.serve_stack import counter, histogram
 
 if TYPE_CHECKING:
+    from tierd.bench.workload_hooks import HookTimes
     from tierd.bench.workload_profile import CpuSplit
     from tierd.bench.workload_steps import Steps
 
@@ -102,6 +103,8 @@ class Sample:
     """The engine's steps over the run (``--steps``; else None)."""
     cpu: CpuSplit | None = None
     """The run's CPU time by process (``timing.cpu_seconds`` is its total); None if unread."""
+    hooks: HookTimes | None = None
+    """The connector hooks' time over the run (``--hook-times``, tierd arms; else None)."""
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from tierd.connector.core import hook_times
 from tierd.connector.core.link import DaemonLink
 from tierd.hashing import HASH_ALGOS
 from tierd.wire.layout import Layout
@@ -348,3 +349,16 @@ class TierdConnector(KVConnectorBase_V1):
     def _scheduler_side(self) -> SchedulerSide:
         assert self._scheduler is not None, "scheduler-side method called on a worker connector"
         return self._scheduler
+
+
+SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc",
+                   "get_external_cache_hit_sources", "build_connector_meta",
+                   "has_pending_push_work", "update_connector_output", "request_finished")
+"""The scheduler side's hooks vLLM calls as it runs (timed with ``TIERD_HOOK_TIMES``)."""
+WORKER_HOOKS = ("handle_preemptions", "bind_connector_metadata", "start_load_kv",
+                "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
+                "get_block_ids_with_load_errors", "get_kv_connector_stats",
+                "build_connector_worker_meta", "clear_connector_metadata")
+"""The worker side's hooks vLLM calls at every step (timed with ``TIERD_HOOK_TIMES``)."""
+
+hook_times.install(TierdConnector, SCHEDULER_HOOKS + WORKER_HOOKS)
