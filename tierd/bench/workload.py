@@ -196,7 +196,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "scheduler and worker loops (needs py-spy: pip install py-spy)")
     parser.add_argument("--hook-times", action="store_true",
                         help="time every TierdConnector hook in the tierd arms' servers and "
-                             "print the hooks' time per engine step (a few us more a call)")
+                             "print the hooks' time per engine step (about 2 us more a call)")
     parser.add_argument("--steps", action="store_true",
                         help="log every engine step (vLLM's --enable-logging-iteration-details) "
                              "and compare the arms' step times per kind of step")
