@@ -301,11 +301,12 @@ def run(args: argparse.Namespace) -> int:
     from tierd.bench.tierd_serve import TierdServe
     from tierd.bench.tiny_llama import build
     from tierd.bench.workload_cores import plan
-    from tierd.bench.workload_hooks import run_hooks, snapshot
+    from tierd.bench.workload_hooks import run_hooks
     from tierd.bench.workload_profile import cpu_split
     from tierd.bench.workload_steps import FLAG as STEPS_FLAG
     from tierd.bench.workload_steps import log_size, steps_since
     from tierd.connector.core.hook_times import ENV as HOOK_TIMES_ENV
+    from tierd.connector.core.hook_times import read_times
     from tierd.connector.vllm.connector.filtered import REPORT_SECONDS
 
     max_len = _check(args)
@@ -358,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
                     pid = tierd.process.pid if tierd is not None and tierd.process else None
                     cpu = cpu_split(server, pid)
                     logged = log_size(server.log_path)
-                    hooked = snapshot(hook_dirs[arm]) if arm in hook_dirs else None
+                    hooked = read_times(hook_dirs[arm]) if arm in hook_dirs else None
                     timing = case.drive(server, SEED + 100 * repeat + index)
                     after = server.metrics_text()
                     cpu = cpu_split(server, pid) - cpu
@@ -372,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
                     hits = HitRates(local, external, tierd_hit_rate(asked, _tierd_counts(tierd)))
                     steps = steps_since(server.log_path, logged) if args.steps else None
                     # read after the pause: the sums are written since
-                    hooks = (run_hooks(hooked, snapshot(hook_dirs[arm])) if hooked is not None
+                    hooks = (run_hooks(hooked, read_times(hook_dirs[arm])) if hooked is not None
                              else None)
                     samples.append(Sample(case.name, arm, repeat, timing, hits, steps, cpu,
                                           hooks))

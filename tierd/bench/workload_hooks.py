@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tierd.connector.core.hook_times import Times, read_times
+from tierd.connector.core.hook_times import Times
 
 if TYPE_CHECKING:
     from tierd.bench.workload_report import Sample
@@ -42,22 +42,17 @@ class HookTimes:
     scheduler: dict[str, tuple[float, float]]
 
 
-def snapshot(directory: str) -> dict[int, Times]:
-    """Every server process's sums now (``read_times``)."""
-    return read_times(directory)
-
-
 def run_hooks(before: dict[int, Times], after: dict[int, Times]) -> HookTimes | None:
-    """What the hooks took between two snapshots: a process with worker steps counts as a
-    worker (the workers' sums added up), one with scheduler steps as the scheduler; None if no
-    step ran."""
+    """What the hooks took between two readings (``read_times``): a process with worker steps
+    counts as a worker (the workers' sums added up), one with scheduler steps as the scheduler
+    (``vllm serve`` runs its workers in processes of their own); None if no step ran."""
     sides: dict[str, tuple[int, dict[str, tuple[float, float]]]] = {}
     for pid, now in after.items():
         then = before.get(pid, {})
-        delta = {name: (calls - then.get(name, (0, 0.0, 0.0))[0],
-                        wall - then.get(name, (0, 0.0, 0.0))[1],
-                        cpu - then.get(name, (0, 0.0, 0.0))[2])
-                 for name, (calls, wall, cpu) in now.items()}
+        delta = {}
+        for name, (calls, wall, cpu) in now.items():
+            was = then.get(name, (0, 0.0, 0.0))
+            delta[name] = (calls - was[0], wall - was[1], cpu - was[2])
         for side, step in (("worker", WORKER_STEP), ("scheduler", SCHEDULER_STEP)):
             if delta.get(step, (0,))[0] > 0:
                 steps, hooks = sides.get(side, (0, {}))
