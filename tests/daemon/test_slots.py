@@ -116,3 +116,60 @@ def test_block_overhead_is_charged_against_the_arena() -> None:
     alloc.forget(4096)
     assert alloc.classes() == [] and alloc.capacity_slots(4096) == 4
     alloc.check_integrity()
+
+
+def _state(alloc: SlabAllocator) -> object:
+    """Everything that decides the allocator's next answers."""
+    return (list(alloc._free_slabs), alloc.charged,
+            {size: (cls.used, list(cls.partial),
+                    {i: (bytes(s.taken), list(s.free), s.fresh, s.used)
+                     for i, s in cls.slabs.items()})
+             for size, cls in alloc._classes.items()})
+
+
+def test_bulk_calls_match_one_slot_at_a_time() -> None:
+    """``allocate_many`` hands out the ids ``allocate`` would, in its order, and ``free_many``
+    leaves the allocator as ``free`` of each would (the free lists, the partial slabs and the
+    pool in the same order), through random runs that fill, drain and refill slabs of two
+    classes and hit the arena's charge."""
+    rng = random.Random(7)
+    one = SlabAllocator(arena_bytes=8 * 1024 + 500, slab_bytes=1024, block_overhead=24)
+    bulk = SlabAllocator(arena_bytes=8 * 1024 + 500, slab_bytes=1024, block_overhead=24)
+    held: dict[int, list[int]] = {100: [], 300: []}
+    for _ in range(400):
+        size = rng.choice((100, 300))
+        if rng.random() < 0.55:
+            count = rng.randrange(0, 20)
+            singles = []
+            for _ in range(count):
+                slot = one.allocate(size)
+                if slot is None:
+                    break
+                singles.append(slot)
+            assert bulk.allocate_many(size, count) == singles
+            held[size] += singles
+        elif held[size]:
+            rng.shuffle(held[size])
+            cut = rng.randrange(1, len(held[size]) + 1)
+            freed, held[size] = held[size][:cut], held[size][cut:]
+            for slot in freed:
+                one.free(size, slot)
+            bulk.free_many(size, freed)
+        assert _state(bulk) == _state(one)
+        bulk.check_integrity()
+    assert held[100] or held[300], "the run ended empty: it exercised nothing at the end"
+
+
+def test_free_many_refuses_a_bad_id_before_freeing_any() -> None:
+    """A slot not allocated, or named twice, is a ValueError and nothing of the call is freed."""
+    alloc = SlabAllocator(arena_bytes=2 * 1024, slab_bytes=1024)
+    ids = alloc.allocate_many(256, 6)
+    assert ids == [0, 1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.free_many(256, [0, 1, 7])
+    with pytest.raises(ValueError, match="twice"):
+        alloc.free_many(256, [2, 3, 2])
+    assert alloc.used_slots(256) == 6
+    alloc.free_many(256, ids)
+    assert (alloc.used_slots(256), alloc.free_slabs()) == (0, 2)
+    alloc.check_integrity()

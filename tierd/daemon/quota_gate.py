@@ -65,7 +65,7 @@ class QuotaGate:
                  limit: int | None, *, held: bool = False) -> Reservation:
         """Count a new reservation's slots against its tenant (``limit``: the cap on them from
         ``hold_limit``, noted if it bound; ``held``: counted already, by ``hold``)."""
-        slots = sum(s is not None for s in reservation.slot_ids)
+        slots = len(reservation.slot_ids) - reservation.slot_ids.count(None)
         if limit is not None and slots == limit:
             self._ledger.note_limited(info.tenant)
         if not held:
@@ -87,7 +87,7 @@ class QuotaGate:
 
     def write_ended(self, lease: WriteLease) -> None:
         """A write lease ended: its slots no longer count against its tenant."""
-        slots = sum(s is not None for s in lease.slots)
+        slots = len(lease.slots) - lease.slots.count(None)
         if slots:
             self._ledger.hold(self._tenant(lease), "blank" if lease.blank else "reserved",
                               -slots * lease.slot_bytes)

@@ -129,8 +129,7 @@ class Reads:
         reads: list[tuple[Promotion, memoryview]] = []
         for n, slot in enumerate(slots):
             if self.promoter.stage(run[n], info.geometry, slot, reads) is None:
-                for unused in slots[n:]:
-                    self._tiers.free_slot(info.geometry.slot_bytes, unused)
+                self._tiers.free_slots(info.geometry.slot_bytes, slots[n:])
                 break
         self.promoter.start(reads)
 
@@ -181,8 +180,7 @@ class Reads:
             promotion = (self.promoter.stage(plan[i][0], info.geometry, slots[n], reads)
                          if n < len(slots) else None)
             if promotion is None:  # no room: the plan ends before this key
-                for slot in slots[n:]:
-                    self._tiers.free_slot(info.geometry.slot_bytes, slot)
+                self._tiers.free_slots(info.geometry.slot_bytes, slots[n:])
                 unstaged = set(new[n:])
                 for j, (key, staged) in enumerate(plan[i:], i):
                     if staged is not None:

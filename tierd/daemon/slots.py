@@ -19,6 +19,7 @@ Allocation and free are O(1). No I/O, not thread-safe (the daemon calls it from 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tierd.wire.geometry import SlotGeometry
@@ -110,6 +111,85 @@ class SlabAllocator:
         if slab.used == cls.geometry.slots_per_slab:
             del cls.partial[slab_index]
         return slab_index * cls.geometry.slots_per_slab + index
+
+    def allocate_many(self, slot_bytes: int, count: int) -> list[int]:
+        """Up to ``count`` slots of the class: the ids ``allocate`` would hand out one call at a
+        time, in that order (fewer when the charge or the slabs run out), each slab's share
+        taken at once."""
+        cost = slot_bytes + self.block_overhead
+        count = min(count, (self.arena_bytes - self.charged) // cost)
+        cls = self._class(slot_bytes)
+        spp = cls.geometry.slots_per_slab
+        out: list[int] = []
+        while len(out) < count:
+            if cls.partial:
+                slab_index = next(iter(cls.partial))
+                slab = cls.slabs[slab_index]
+            elif self._free_slabs:
+                slab_index = self._free_slabs.pop()
+                slab = _Slab(taken=bytearray(spp))
+                cls.slabs[slab_index] = slab
+                cls.partial[slab_index] = None
+            else:
+                break
+            want = count - len(out)
+            reused = slab.free[:-want - 1:-1] if want < len(slab.free) else slab.free[::-1]
+            del slab.free[len(slab.free) - len(reused):]
+            fresh = min(want - len(reused), spp - slab.fresh)
+            indices = reused + list(range(slab.fresh, slab.fresh + fresh))
+            slab.fresh += fresh
+            taken = slab.taken
+            for index in indices:
+                assert not taken[index], f"slot {index} of slab {slab_index} handed out twice"
+                taken[index] = 1
+            slab.used += len(indices)
+            base = slab_index * spp
+            out.extend(base + index for index in indices)
+            if slab.used == spp:
+                del cls.partial[slab_index]
+        cls.used += len(out)
+        self.charged += cost * len(out)
+        return out
+
+    def free_many(self, slot_bytes: int, slot_ids: Iterable[int]) -> None:
+        """``free`` each of ``slot_ids``, in order, leaving the allocator as those calls would;
+        ValueError as ``free`` raises it (or naming a slot twice), before any slot is freed."""
+        ids = list(slot_ids)
+        if not ids:
+            return
+        cls = self._classes.get(slot_bytes)
+        spp = cls.geometry.slots_per_slab if cls else 1
+        by_slab: dict[int, list[int]] = {}
+        for slot_id in ids:
+            slab_index, index = divmod(slot_id, spp)
+            slab = cls.slabs.get(slab_index) if cls else None
+            if slab is None or slot_id < 0 or not slab.taken[index]:
+                raise ValueError(
+                    f"slot {slot_id} of size class {slot_bytes} is not allocated (double "
+                    "free, or an id from another size class)")
+            by_slab.setdefault(slab_index, []).append(index)
+        if len(set(ids)) < len(ids):
+            raise ValueError(f"a slot of size class {slot_bytes} is freed twice in one call")
+        assert cls is not None
+        emptied: list[int] = []
+        for slab_index, indices in by_slab.items():
+            slab = cls.slabs[slab_index]
+            for index in indices:
+                slab.taken[index] = 0
+            slab.used -= len(indices)
+            if slab.used == 0:
+                del cls.slabs[slab_index]
+                cls.partial.pop(slab_index, None)
+                emptied.append(slab_index)
+            else:
+                slab.free.extend(indices)
+                cls.partial[slab_index] = None
+        if len(emptied) > 1:  # back to the pool in the order their last slot was freed
+            last = {divmod(slot_id, spp)[0]: i for i, slot_id in enumerate(ids)}
+            emptied.sort(key=last.__getitem__)
+        self._free_slabs.extend(emptied)
+        cls.used -= len(ids)
+        self.charged -= (slot_bytes + self.block_overhead) * len(ids)
 
     def free(self, slot_bytes: int, slot_id: int) -> None:
         """Give a slot back. O(1). A slab left empty returns to the pool. ValueError on a double

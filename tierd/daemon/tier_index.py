@@ -126,7 +126,7 @@ class TierIndex:
         eviction policy names until they free up (this size class first, found in one pass for
         the whole batch, then other classes one at a time); fewer if the rest are pinned (or
         the policy spares them: ``owner``, the namespace the slots are for). Never blocks."""
-        slots: list[int] = []
+        slots = self.alloc.allocate_many(slot_bytes, count)
         batch_done = False
         while len(slots) < count:
             slot = self.alloc.allocate(slot_bytes)
@@ -156,6 +156,12 @@ class TierIndex:
         """Give back a slot no block was indexed in (an aborted, expired or failed write)."""
         self.alloc.free(slot_bytes, slot_id)
         self.classes.freed(slot_bytes)
+
+    def free_slots(self, slot_bytes: int, slot_ids: Sequence[int]) -> None:
+        """``free_slot`` of each of ``slot_ids`` (a write's unused slots), in one call."""
+        if slot_ids:
+            self.alloc.free_many(slot_bytes, slot_ids)
+            self.classes.freed(slot_bytes)
 
     def note_restore(self, key: NamespacedKey, now: float) -> None:
         """A key is about to be stored again: if it left the node recently (a ghost), observe

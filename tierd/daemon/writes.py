@@ -218,6 +218,7 @@ class Reservations:
         t, blank, ns = self._tiers, lease.blank, lease.namespace
         run, count = _Run(), 0
         taken: list[int | None] = []
+        unused: list[int] = []  # freed at the step's end, in one call
         for i in range(start, min(len(lease.slots), start + STEP_BLOCKS)):
             block_hash, slot, checksum = hashes[i], lease.slots[i], checksums[i]
             if slot is not None:
@@ -230,7 +231,7 @@ class Reservations:
                         t.ssd_up and key in t.disk)):
                     key = None  # stored already (or being written): stored once
                 if key is None or checksum is None:
-                    t.free_slot(lease.slot_bytes, slot)
+                    unused.append(slot)
                 else:
                     assert block_hash is not None
                     if blank:
@@ -242,6 +243,7 @@ class Reservations:
                     continue
             run.emit(t, lease)
         run.emit(t, lease)
+        t.free_slots(lease.slot_bytes, unused)
         if taken:  # handed over: no longer held by the lease, nor counted against its tenant
             handed = dataclasses.replace(lease, slots=taken)
             self._unblank(handed)
@@ -283,16 +285,15 @@ class Reservations:
         self._stepping.discard(lease.lease_id)  # a reserve or commit in steps stops there
         self._unblank(lease)
         for block_hash, slot in zip(lease.hashes, lease.slots):
-            if slot is not None:
-                if block_hash is not None:
-                    del self.writing[make_key(lease.namespace, block_hash)]
-                self._tiers.free_slot(lease.slot_bytes, slot)
+            if slot is not None and block_hash is not None:
+                del self.writing[make_key(lease.namespace, block_hash)]
+        self._tiers.free_slots(lease.slot_bytes, [s for s in lease.slots if s is not None])
         self._ended(lease)
 
     def _unblank(self, lease: WriteLease) -> None:
         """A blank lease ended: its slots no longer count against the budget."""
         if lease.blank:
-            self.blank_bytes -= lease.slot_bytes * sum(s is not None for s in lease.slots)
+            self.blank_bytes -= lease.slot_bytes * (len(lease.slots) - lease.slots.count(None))
 
     def _check_idle(self, lease_id: str) -> None:
         """FailedPrecondition if the lease is being reserved or committed in steps."""
