@@ -77,6 +77,7 @@ class _Tracked:
     request: Any
     next_save: int                 # first block position not yet handed to workers to save
     block_ids: list[int] = field(default_factory=list)  # vLLM block id of each position
+    prompt_tokens: int = 0         # the request's prompt length
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,13 +339,10 @@ class SchedulerSide:
     def _sweep(self) -> None:
         """Release the leases of abandoned lookups that have finished, and those of parked pins
         whose leases have run out with no report (they hold nothing any more)."""
-        keep: list[Future[Reply]] = []
-        for job in self._abandoned:
-            if job.done():
+        if self._abandoned:
+            for job in [job for job in self._abandoned if job.done()]:
+                self._abandoned.remove(job)
                 self._release_got(reply_of(job))
-            else:
-                keep.append(job)
-        self._abandoned = keep
         if self._loading:
             now = self._clock()
             for entry in [e for e in self._loading if now >= e[1].deadline]:
@@ -433,7 +431,8 @@ class SchedulerSide:
                                         probe=pin.probed))
         tracked = self._tracked.get(req_id)
         if tracked is None:
-            self._tracked[req_id] = _Tracked(request, next_save=start + count)
+            self._tracked[req_id] = _Tracked(request, next_save=start + count,
+                                             prompt_tokens=request.num_prompt_tokens)
         else:  # resumed after a preemption: what was saved before stays saved
             tracked.next_save = max(tracked.next_save, start + count)
 
@@ -454,17 +453,16 @@ class SchedulerSide:
                 continue
             request = tracked.request
             computed, scheduled = request.num_computed_tokens, scheduled_tokens[req_id]
-            left = request.num_prompt_tokens - computed
-            if left > 0:
-                prefill += min(scheduled, left)
+            if computed < tracked.prompt_tokens:
+                prefill += min(scheduled, tracked.prompt_tokens - computed)
             if resumed:
                 tracked.block_ids = list(new_ids or ())
             elif new_ids:
                 tracked.block_ids.extend(new_ids)
-            end = min(computed + scheduled, request.num_tokens) // bs
-            if end <= tracked.next_save:
+            if (computed + scheduled) // bs <= tracked.next_save:
                 continue  # no block completes (a decode step, mostly)
             hashes = self._hashes(request)
+            end = min(computed + scheduled, request.num_tokens) // bs
             end = min(end, len(hashes), len(tracked.block_ids))
             if save and end > tracked.next_save:
                 # Saves may sit on this step's loads and on loads of earlier steps whose
