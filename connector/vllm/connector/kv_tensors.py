@@ -28,7 +28,7 @@ recovers the ``[L, B, H, N, C]`` view over all of them, so a load is one ``copy_
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -66,15 +66,13 @@ class SlotFormat:
 
     layer_names: tuple[str, ...]
     block_shape: tuple[int, int, int]  # [H, N, C bytes] of one layer's block
+    layer_bytes: int = field(init=False, repr=False, compare=False)  # one layer's block
+    slot_bytes: int = field(init=False, repr=False, compare=False)   # every layer's
 
-    @property
-    def layer_bytes(self) -> int:
+    def __post_init__(self) -> None:
         heads, tokens, width = self.block_shape
-        return heads * tokens * width
-
-    @property
-    def slot_bytes(self) -> int:
-        return len(self.layer_names) * self.layer_bytes
+        object.__setattr__(self, "layer_bytes", heads * tokens * width)
+        object.__setattr__(self, "slot_bytes", len(self.layer_names) * self.layer_bytes)
 
 
 def byte_view(kv_layer: torch.Tensor) -> torch.Tensor:

@@ -77,8 +77,8 @@ class LayerViews:
         copy per layer and run. Blocks until the bytes are in the arena."""
         if self.rows is not None:
             ids = [r.block_id + i for r in block_runs for i in range(r.count)]
-            addresses = [arena.data_ptr() + r.offset + i * self.format.slot_bytes
-                         for r in block_runs for i in range(r.count)]
+            base, size = arena.data_ptr(), self.format.slot_bytes
+            addresses = [base + r.offset + i * size for r in block_runs for i in range(r.count)]
             most = torch.get_num_threads() if self.threads is None else self.threads
             threads = min(most, 1 + len(ids) * self.format.slot_bytes // _BYTES_PER_THREAD)
             if verified_copy.store_rows(self.rows, addresses, ids, threads=threads):

@@ -14,8 +14,10 @@ gives the stock up (committed at the next ``due``) and saves by hash, as does on
 next stock's answer not in yet; after a stock came back with no slot, none is asked for
 ``NO_ROOM_SECONDS``.
 
-Its size is four times the largest of the last ``HISTORY`` saves, at least ``MIN_SLOTS``, at
-most the daemon's ``max_blocks_per_request`` and a quarter of this layout's slots in the arena
+Its size is twice the slots the last stock handed out before it was given up (what the steps
+of one hold wrote, with room to grow; the first stock: four times the largest save), at least
+the largest of the last ``HISTORY`` saves and ``MIN_SLOTS``, at most the daemon's
+``max_blocks_per_request`` and a quarter of this layout's slots in the arena
 (the daemon also keeps every engine's blank slots within ``blank_fraction`` of it: slots it could
 not grant end the stock's usable part). Thread-safe: ``take`` on the engine thread, ``done`` on
 whichever thread closes the step's save.
@@ -96,6 +98,7 @@ class StepStock:
         self._stock: Stock | None = None
         self._ended: list[Stock] = []  # given up, to be committed (or aborted) by ``due``
         self._sizes: deque[int] = deque(maxlen=HISTORY)
+        self._last_used: int | None = None  # slots the last stock given up handed out
         self._no_room_until = 0.0
 
     def take(self, session: Session, count: int) -> Taken | None:
@@ -126,6 +129,7 @@ class StepStock:
                     self._no_room_until = now + NO_ROOM_SECONDS
                 if not stock.open_steps:
                     self._ended.append(stock)
+                    self._last_used = stock.used
                     self._ask(session, now)
                 return None
             taken = Taken(stock, stock.used, count)
@@ -163,6 +167,7 @@ class StepStock:
                 ended.append(stock)
                 self._stock = None
                 if not force:
+                    self._last_used = stock.used
                     self._ask(stock.session, now)  # answered by the next save
         out = []
         for stock in ended:
@@ -209,8 +214,9 @@ class StepStock:
             return
         assert session.slots is not None, "a stock needs the mapped arena"
         largest = max(self._sizes)
+        grown = 4 * largest if self._last_used is None else 2 * self._last_used
         want = min(session.engine.max_blocks_per_request, session.slots.num_slots // 4,
-                   max(MIN_SLOTS, 4 * largest))
+                   max(MIN_SLOTS, largest, grown))
         if largest > want:
             return
         try:

@@ -83,6 +83,41 @@ def test_later_saves_share_the_stock_and_one_commit(sock: str, engines: Any, mon
         b.finish(got)
 
 
+def test_the_next_stock_is_twice_what_the_last_one_handed_out(
+        sock: str, engines: Any, monkeypatch: Any, copy_path: str) -> None:
+    """The first stock is four times the largest save (at least 32 slots); the next one, asked
+    for when the first is committed, twice the slots the first handed out: three 6-block saves
+    took 18 of 32, so 36 (a stock sized for the saves of one hold, not its largest save)."""
+    import tierd.connector.vllm.connector.commits as commits
+
+    if copy_path == "device":
+        return  # no stock on CUDA
+    monkeypatch.setattr(commits, "HOLD_SECONDS", 60.0)
+    monkeypatch.setattr(commits, "IDLE_SECONDS", 60.0)  # a slow test step is no idle engine
+    asked: list[int] = []
+    blank = TierdClient.reserve_blank_sent
+
+    def on_blank(self: Any, engine_id: str, count: int) -> Any:
+        asked.append(count)
+        return blank(self, engine_id, count)
+
+    monkeypatch.setattr(TierdClient, "reserve_blank_sent", on_blank)
+    a = engines(0)
+    reqs = [FakeRequest(f"a{i}", prompt(100, salt=i)) for i in range(5)]
+    for i, req in enumerate(reqs[:4]):
+        a.admit(req)
+        a.step([req])
+        if i == 0:
+            _stock_answered(a)
+    assert asked == [32]
+    monkeypatch.setattr(commits, "HOLD_SECONDS", 0.0)  # the stock is due at the next step
+    a.admit(reqs[4])
+    a.step([reqs[4]])
+    assert asked == [32, 36]
+    assert a.workers[0].worker_counters is not None  # every Commit landed
+    assert usage(sock) == (30, 0)
+
+
 def test_a_stock_lands_once_the_engine_idles(
         sock: str, engines: Any, monkeypatch: Any, copy_path: str) -> None:
     """A save in the stock, then no step: the committer thread commits the stock once no step
