@@ -498,7 +498,9 @@ class WorkerSide:
     def _close_late(self) -> None:
         """Close the late save, if any (the committer thread right after the step, or the
         engine thread at the next ``begin`` if it comes first); whoever comes second finds it
-        closed, or waits for the close under way."""
+        closed, or waits for the close under way (only the engine thread hands one over)."""
+        if self._late is None and not self._late_lock.locked():
+            return  # the usual look: no late save
         with self._late_lock:
             late, self._late = self._late, None
             if late is not None:
@@ -595,5 +597,4 @@ def _kept(lease: Lease, corrupt_from: int | None) -> None:
     """The ``Release`` of a load under the scheduler's pin: none here (the scheduler releases
     the pin, naming a failed block, once every worker has reported), so the lease's deadline
     alone decides whether the copy counts (``core.load``)."""
-    return None
 
