@@ -77,7 +77,6 @@ class _Tracked:
     request: Any
     next_save: int                 # first block position not yet handed to workers to save
     block_ids: list[int] = field(default_factory=list)  # vLLM block id of each position
-    prompt_tokens: int = 0         # the request's prompt length
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,8 +430,7 @@ class SchedulerSide:
                                         probe=pin.probed))
         tracked = self._tracked.get(req_id)
         if tracked is None:
-            self._tracked[req_id] = _Tracked(request, next_save=start + count,
-                                             prompt_tokens=request.num_prompt_tokens)
+            self._tracked[req_id] = _Tracked(request, next_save=start + count)
         else:  # resumed after a preemption: what was saved before stays saved
             tracked.next_save = max(tracked.next_save, start + count)
 
@@ -453,8 +451,9 @@ class SchedulerSide:
                 continue
             request = tracked.request
             computed, scheduled = request.num_computed_tokens, scheduled_tokens[req_id]
-            if computed < tracked.prompt_tokens:
-                prefill += min(scheduled, tracked.prompt_tokens - computed)
+            left = request.num_prompt_tokens - computed
+            if left > 0:
+                prefill += min(scheduled, left)
             if resumed:
                 tracked.block_ids = list(new_ids or ())
             elif new_ids:
