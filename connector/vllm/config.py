@@ -17,6 +17,9 @@ _REMOVED = {
 }
 """Keys of earlier tierd versions, and why they are gone (named in the error)."""
 
+SAVE_POLICIES = ("write_through", "write_back")
+"""The values of ``save_policy``."""
+
 
 @dataclass(frozen=True, slots=True)
 class TierdVllmConfig(ClientSettings):
@@ -31,7 +34,14 @@ class TierdVllmConfig(ClientSettings):
     load: bool = True
     """Load prefixes from tierd."""
     save: bool = True
-    """Write newly computed full blocks through to tierd."""
+    """Write newly computed full blocks to tierd."""
+    save_policy: str = "write_through"
+    """TierdConnector only: when a computed block is written to tierd. ``write_through``: as
+    soon as it is computed, so other engines and a restarted one hit it at once.
+    ``write_back`` (host KV; CUDA KV writes through): when vLLM gives the block's memory to
+    other tokens, so nothing is copied while vLLM's own cache holds the working set; other
+    engines see a prefix once this one has evicted it, and what only vLLM holds when the
+    engine stops is not saved."""
     model_id: str | None = None
     """The model id blocks are shared under (``tierd.model_identity``). Unset, the connector
     derives it from the weights vLLM loads and its dtype, quantization and ``--hf-overrides``.
@@ -81,6 +91,9 @@ class TierdVllmConfig(ClientSettings):
         for name in ("load", "save", "answer_from_filter"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.save_policy not in SAVE_POLICIES:
+            raise ValueError(f"save_policy must be one of {list(SAVE_POLICIES)}, got "
+                             f"{self.save_policy!r}")
         for name in ("workers", "max_queued_stores"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -142,11 +142,16 @@ class TierdConnector(KVConnectorBase_V1):
             device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
             recompute = getattr(self._kv_transfer_config, "kv_load_failure_policy",
                                 "fail") == "recompute"
+            write_back = self._config.save_policy == "write_back"
+            if write_back and device != "cpu":
+                _log.warning("tierd: save_policy write_back is for host KV; with %s KV blocks "
+                             "are written through", device)
             self._scheduler = SchedulerSide(links, load=self._config.load,
                                             save=self._config.save, stream=device == "cpu",
                                             lookup_wait=self._config.lookup_wait_seconds,
                                             from_filter=self._config.answer_from_filter
-                                            and recompute)
+                                            and recompute,
+                                            write_back=write_back and device == "cpu")
 
     @property
     def _model_id(self) -> str:

@@ -6,6 +6,14 @@ mapping) gets a new transfer, the old one drained and unpinned first. Loads queu
 (``core.load.start_load`` through the ``DeviceLoads`` sink) stay open, their leases held, until
 ``finish`` (vLLM's ``wait_for_save`` or ``get_block_ids_with_load_errors``, whichever comes
 first) has waited for their DMAs' reads and released the leases.
+
+In the worker: a load is queued on a side stream after the checksums and ``start_load_kv``
+returns; ``wait_layer`` (``wait_for_layer_load``) makes the forward pass's stream wait for each
+layer; at ``finish_save`` (or ``take_load_errors``, whichever vLLM calls first), once the DMAs
+have read the slots, the worker's own leases are released, and a lease found expired then makes
+its blocks load errors and drops the step's saves. A save gathers each layer on the device;
+``finish_save`` queues the D2H copies, and the Commit goes out once they have landed (at a
+later step's ``begin``, or from the committer thread): neither the host nor the next step waits.
 """
 
 from __future__ import annotations

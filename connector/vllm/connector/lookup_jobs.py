@@ -35,6 +35,29 @@ class Reply:
     answered: float = 0.0          # clock time the job ended
 
 
+@dataclass(frozen=True, slots=True)
+class Asking:
+    """A lookup job in flight for a waiting request's blocks ``[start, end)``."""
+
+    start: int
+    end: int
+    hashes: list[BlockHash]        # the blocks asked for, from ``start``
+    job: Future[Reply]
+    counting: bool                 # the job's Acquire is the request's counted lookup
+    submitted: float               # clock time the job was queued
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What the daemon said of a waiting request's blocks ``[start, end)``: the first ``held``
+    are held (pinned or streamed, ``Pin``), the rest are not. vLLM asks again at every step a
+    request waits; such asks are answered from here."""
+
+    start: int
+    held: int
+    end: int
+
+
 def ask(links: Sequence[DaemonLink], wanted: list[BlockHash], known_tiers: list[Tier] | None,
         *, stream: bool, clock: Callable[[], float] = time.monotonic) -> Reply:
     """``_ask``, its reply stamped with the clock time it ended (``Reply.answered``)."""

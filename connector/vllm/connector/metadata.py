@@ -74,6 +74,9 @@ class TierdConnectorMetadata(KVConnectorMetadata):
     """One scheduler step's work for the workers: loads happen in ``start_load_kv`` (before the
     forward pass), saves in ``save_kv_layer`` / ``wait_for_save`` (during and after it).
 
+    ``evicted`` (write-back saves, ``write_back``): full blocks vLLM computed earlier and has
+    now given to other tokens; workers save them in the step's first hook, before anything of
+    the step writes vLLM's KV (a load into one of them included).
     ``recomputing``: requests whose failed load the scheduler has seen and vLLM has rolled
     back; from this step on their saves are blocks vLLM recomputed, so workers accept them
     again (until then a worker drops every save of a request whose load failed).
@@ -88,6 +91,7 @@ class TierdConnectorMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    evicted: list[SaveSpec] = field(default_factory=list)
     recomputing: list[str] = field(default_factory=list)
     failures_seen: list[int] = field(default_factory=list)
     step: int = 0

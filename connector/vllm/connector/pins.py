@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tierd.connector.core.lease import Lease
 from tierd.types import BlockHash, Tier
 from tierd.wire.replies import AcquiredBlocks
 
@@ -55,3 +56,10 @@ class Pin:
         if not self.handed or self.reports < ranks:
             return None
         return len(self.block_ids) if self.failed_from is None else self.failed_from
+
+
+def kept_under_pin(lease: Lease, corrupt_from: int | None) -> None:
+    """The ``Release`` of a load under the scheduler's pin: none here (the scheduler releases
+    the pin, naming a failed block, once every worker has reported), so the lease's deadline
+    alone decides whether the copy counts (``core.load``)."""
+

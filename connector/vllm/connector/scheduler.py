@@ -34,7 +34,10 @@ The plan for each step goes to the workers as a ``TierdConnectorMetadata``:
   scheduled tokens), once each, never the loaded ones or the local prefix-cache hits. Each save
   names the blocks of loads not yet reported (this step's and earlier ones') that its request's
   table holds (``depends_on``), so a worker drops it if one of those fails: nothing computed on
-  top of a failed load is stored.
+  top of a failed load is stored. With ``write_back`` (``save_policy: write_back``) those blocks
+  are not saved yet but remembered (``write_back.DirtyBlocks``), and a step's ``evicted`` names
+  the remembered blocks vLLM has just taken for other tokens: the workers save them before the
+  step writes any KV.
 
 After a failed load (``TierdWorkerMetadata.failed``) every tracked request holding a failed block
 rewinds its save position to that block, and is named in the next step's ``recomputing``: from
@@ -62,10 +65,12 @@ from tierd.types import BlockHash, Tier
 
 from .filter_reads import FilterReads
 from .filtered import FilteredLookups
-from .lookup_jobs import Reply, ask, end_leases, reply_of
+from .lookup_jobs import Answer, Asking, Reply, ask, end_leases, reply_of
 from .lookup_wait import LookupWait
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 from .pins import Pin
+from .verdicts import Verdicts
+from .write_back import DirtyBlocks
 
 _log = logging.getLogger(__name__)
 
@@ -79,32 +84,9 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)  # vLLM block id of each position
 
 
-@dataclass(frozen=True, slots=True)
-class _Answer:
-    """What the daemon said of a waiting request's blocks ``[start, end)``: the first ``held``
-    are held (pinned or streamed, ``Pin``), the rest are not. vLLM asks again at every step a
-    request waits; such asks are answered from here."""
-
-    start: int
-    held: int
-    end: int
-
-
 _IN_DRAM: tuple[Tier, ...] = ("dram", "hbm")
 """Tiers an Acquire pins without a disk read (an HBM report implies the daemon's DRAM copy is
 what it would serve)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Asking:
-    """A lookup job in flight for a waiting request's blocks ``[start, end)``."""
-
-    start: int
-    end: int
-    hashes: list[BlockHash]        # the blocks asked for, from ``start``
-    job: Future[Reply]
-    counting: bool                 # the job's Acquire is the request's counted lookup
-    submitted: float               # clock time the job was queued
 
 
 LOOKUP_THREADS = 4
@@ -124,13 +106,14 @@ class SchedulerSide:
 
     def __init__(self, links: Sequence[DaemonLink], *, load: bool, save: bool,
                  stream: bool = False, lookup_wait: float = 0.0, from_filter: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 write_back: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         """``stream``: hand hits with SSD blocks to the workers as asynchronous loads (host
         KV: the workers copy each chunk as the daemon reads it); else stage them (CUDA).
         ``lookup_wait``: seconds a new lookup may take before the ask answers "not yet"
         (``lookup_wait_seconds``). ``from_filter``: answer a hit the presence filter reads as
         in DRAM at once, the workers pinning it as they load it (``answer_from_filter``;
-        host KV and one TP rank only)."""
+        host KV and one TP rank only). ``write_back``: save blocks when vLLM reuses their
+        memory, not when computed (``write_back``)."""
         assert links, "need one link per TP rank"
         self._links = list(links)
         self._stream = stream
@@ -141,9 +124,10 @@ class SchedulerSide:
         self._runner = Runner(LOOKUP_THREADS, "tierd-scheduler", ("lookup", "release"),
                               limits={"lookup": MAX_QUEUED_LOOKUPS})
         self._filtered = FilteredLookups(links[0], self._runner)
-        self._asking: dict[str, _Asking] = {}
+        self._asking: dict[str, Asking] = {}
         self._abandoned: list[Future[Reply]] = []
         self._load, self._save = load, save
+        self._dirty = DirtyBlocks() if save and write_back else None
         self._block_size = links[0].layout.block_size
         self._tracked: dict[str, _Tracked] = {}
         self._pins: dict[str, Pin] = {}
@@ -151,14 +135,11 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._recomputing: set[str] = set()
         self._local: dict[str, int] = {}          # block position past the local hit, per lookup
-        self._answers: dict[str, _Answer] = {}    # waiting requests the daemon answered for
+        self._answers: dict[str, Answer] = {}    # waiting requests the daemon answered for
         self._counted: set[str] = set()           # requests whose lookup the daemon counted
         self._failures_seen: set[int] = set()     # failed blocks reported since the last build
         self._step = 0                            # steps built
-        self._reported = 0                        # steps whose workers' report arrived
-        self._bad_until: dict[str, int] = {}      # request -> last step whose saves are bad
-        self._last_save_step = 0                  # last step that planned a save
-        self._verdict_sent = 0                    # step the last verdict covered
+        self._verdicts = Verdicts() if len(links) > 1 else None  # TP > 1 only
         self._warned_unhashed = False
 
     # -- lookups and pins --------------------------------------------------------------------
@@ -217,7 +198,7 @@ class SchedulerSide:
         if known_tiers is None and self._presence.certain_miss(wanted[0]):
             self._counted.add(req_id)  # counted on the daemon within REPORT_SECONDS
             self._filtered.add(len(wanted) * bs)
-            self._answers[req_id] = _Answer(start, 0, end)
+            self._answers[req_id] = Answer(start, 0, end)
             return 0
         vouched = self._presence.dram_run(wanted) if known_tiers is None else 0
         if vouched:  # the worker's Probe counts these blocks; the rest is counted here
@@ -229,7 +210,7 @@ class SchedulerSide:
             fresh = self._clock() + session.engine.lease_seconds / 2
             self._pins[req_id] = Pin(start, wanted[:vouched], ["dram"] * vouched, [],
                                      fresh_until=fresh, probed=True)
-            self._answers[req_id] = _Answer(start, vouched, end)
+            self._answers[req_id] = Answer(start, vouched, end)
             return (start + vouched) * bs - num_computed_tokens
         job = self._runner.submit("lookup", functools.partial(
             ask, self._links, wanted, known_tiers, stream=self._stream, clock=self._clock))
@@ -238,7 +219,7 @@ class SchedulerSide:
         counting = known_tiers is None
         if counting:  # a later job for this request (its local hit moved meanwhile) counts none
             self._counted.add(req_id)
-        asking = _Asking(start, end, wanted, job, counting, self._clock())
+        asking = Asking(start, end, wanted, job, counting, self._clock())
         timeout = self._wait.timeout(len(self._tracked))
         if timeout > 0:
             began = time.monotonic()
@@ -287,7 +268,7 @@ class SchedulerSide:
         pin = self._pins.get(req_id)
         return pin is not None and pin.stream
 
-    def _settle(self, req_id: str, asking: _Asking) -> int:
+    def _settle(self, req_id: str, asking: Asking) -> int:
         """Take a finished lookup job's reply: pin the prefix every rank holds (the shortest
         wins), fresh until half the shortest lease has gone, and remember the answer unless a
         call failed; the blocks held (0 if some rank holds none or failed: leases released)."""
@@ -303,7 +284,7 @@ class SchedulerSide:
         if reply.stream:
             self._pins[req_id] = Pin(asking.start, asking.hashes[:len(tiers)], list(tiers), [],
                                       stream=True)
-            self._answers[req_id] = _Answer(asking.start, len(tiers), asking.end)
+            self._answers[req_id] = Answer(asking.start, len(tiers), asking.end)
             return len(tiers)
         pin = Pin(asking.start, asking.hashes[:len(tiers)], list(tiers), [])
         for rank, got in enumerate(reply.got):
@@ -327,10 +308,10 @@ class SchedulerSide:
         else:
             self._release(pin)
         if all(got is not None for got in reply.got):
-            self._answers[req_id] = _Answer(asking.start, held, asking.end)
+            self._answers[req_id] = Answer(asking.start, held, asking.end)
         return held
 
-    def _abandon(self, asking: _Asking) -> None:
+    def _abandon(self, asking: Asking) -> None:
         """Drop a lookup nobody will use: the leases it took are released once it finishes
         (``_sweep``)."""
         self._abandoned.append(asking.job)
@@ -445,19 +426,25 @@ class SchedulerSide:
         loading: set[int] | None = None  # blocks of loads not reported yet (built when needed)
         self._step += 1
         prefill = 0
+        dirty, evicting = self._dirty, dict[str, SaveSpec]()
         for req_id, new_ids, resumed in _scheduled(scheduler_output):
             tracked = tracked_of(req_id)
             if tracked is None:
+                if dirty is not None and new_ids:  # not ours: whatever it held is evicted
+                    dirty.reallocated(new_ids, 0, (), evicting)
                 continue
             request = tracked.request
             computed, scheduled = request.num_computed_tokens, scheduled_tokens[req_id]
             left = request.num_prompt_tokens - computed
             if left > 0:
                 prefill += min(scheduled, left)
+            first = 0 if resumed else len(tracked.block_ids)
             if resumed:
                 tracked.block_ids = list(new_ids or ())
             elif new_ids:
                 tracked.block_ids.extend(new_ids)
+            if dirty is not None and new_ids:  # write-back: blocks vLLM takes for new tokens
+                dirty.reallocated(new_ids, first, self._hashes(request), evicting)
             if (computed + scheduled) // bs <= tracked.next_save:
                 continue  # no block completes (a decode step, mostly)
             hashes = self._hashes(request)
@@ -470,39 +457,42 @@ class SchedulerSide:
                 if loading is None:
                     loading = {b for pin in self._pins.values() for b in pin.block_ids}
                 depends = [b for b in tracked.block_ids[:end] if b in loading] if loading else []
-                saves.append(SaveSpec(req_id, tracked.block_ids[tracked.next_save:end],
-                                      [bytes(h) for h in hashes[tracked.next_save:end]],
-                                      depends))
+                spec = SaveSpec(req_id, tracked.block_ids[tracked.next_save:end],
+                                [bytes(h) for h in hashes[tracked.next_save:end]], depends)
+                if dirty is None:
+                    saves.append(spec)
+                else:
+                    dirty.computed(spec)
             tracked.next_save = max(tracked.next_save, end)
-        if saves:
-            self._last_save_step = self._step
+        evicted: list[SaveSpec] = []
+        if evicting:
+            assert dirty is not None
+            if loading is None:
+                loading = {b for pin in self._pins.values() for b in pin.block_ids}
+            evicted = dirty.unreported(evicting, loading)
+        if (saves or evicted) and self._verdicts is not None:
+            self._verdicts.saved(self._step)
         recomputing = sorted(self._recomputing) if self._recomputing else []
         seen = sorted(self._failures_seen) if self._failures_seen else []
         self._recomputing, self._failures_seen = set(), set()
-        verdict = self._verdict() if len(self._links) > 1 else None
-        return TierdConnectorMetadata(loads=loads, saves=saves, recomputing=recomputing,
+        verdict = self._verdicts.take() if self._verdicts is not None else None
+        return TierdConnectorMetadata(loads=loads, saves=saves, evicted=evicted,
+                                      recomputing=recomputing,
                                       failures_seen=seen, step=self._step, verdict=verdict,
                                       prefill_tokens=prefill)
 
-    def _verdict(self) -> tuple[int, dict[str, int]]:
-        """TP > 1: (every step up to this one has all ranks' report, request -> last step whose
-        saves of it sit on a block some rank failed to load). Workers hold their Commits until
-        a verdict covers them, so no rank stores what another rank's failure spoiled."""
-        bad = dict(self._bad_until)
-        self._bad_until = {r: u for r, u in self._bad_until.items() if u > self._reported}
-        self._verdict_sent = self._reported
-        return self._reported, bad
-
     def has_pending_verdicts(self) -> bool:
-        """TP > 1: a step planned saves whose verdict the workers have not received yet (vLLM
-        must keep stepping, empty steps included, so the held Commits land)."""
-        return len(self._links) > 1 and self._verdict_sent < self._last_save_step
+        """TP > 1: a step planned saves whose verdict the workers have not received yet
+        (``Verdicts.pending``)."""
+        return self._verdicts is not None and self._verdicts.pending
 
     def on_worker_report(self, report: TierdWorkerMetadata) -> None:
         """Take the workers' report of a step: unpin loads every worker has done (naming the
         first failed block, if any), and rewind the saves of every request that holds a block
         whose load failed."""
-        self._reported = max(self._reported, report.step)
+        verdicts = self._verdicts
+        if verdicts is not None:
+            verdicts.reported(report.step)
         failed = set(report.failed)
         self._failures_seen |= failed
         for req_id, count in report.loaded.items():
@@ -520,8 +510,8 @@ class SchedulerSide:
                 if tracked is not None:  # a streamed load's request has no table here yet
                     tracked.next_save = min(tracked.next_save, pin.start + first)
                     self._recomputing.add(req_id)
-                    if len(self._links) > 1:
-                        self._bad_until[req_id] = self._step
+                    if verdicts is not None:
+                        verdicts.spoiled(req_id, self._step)
             pin.reports += count
             if pin.reports < len(self._links):
                 continue
@@ -532,6 +522,8 @@ class SchedulerSide:
                 self._release(pin)
         if not failed:
             return
+        if self._dirty is not None:
+            self._dirty.failed(failed)
         for req_id, tracked in self._tracked.items():
             if not any(b in failed for b in tracked.block_ids):
                 continue
@@ -540,8 +532,8 @@ class SchedulerSide:
             if first is not None:
                 tracked.next_save = first
             self._recomputing.add(req_id)
-            if len(self._links) > 1:  # for the verdict: every step built so far computed on it
-                self._bad_until[req_id] = self._step
+            if verdicts is not None:  # every step built so far computed on it
+                verdicts.spoiled(req_id, self._step)
 
     def finished(self, request: Any) -> None:
         """Forget ``request`` (finished, aborted or failed) and release its pin."""
@@ -552,7 +544,8 @@ class SchedulerSide:
         self._tracked.pop(request.request_id, None)
         self._recomputing.discard(request.request_id)
         self._local.pop(request.request_id, None)
-        self._bad_until.pop(request.request_id, None)
+        if self._verdicts is not None:
+            self._verdicts.forget(request.request_id)
         self._answers.pop(request.request_id, None)
         self._counted.discard(request.request_id)
 

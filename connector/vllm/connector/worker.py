@@ -42,6 +42,9 @@ synchronous load, after it otherwise):
   (``SaveSpec.depends_on``; failed blocks are kept until the scheduler has seen them), are
   dropped, and that request's saves stay dropped until the scheduler names it in
   ``recomputing``: nothing computed on wrong KV is stored.
+* write-back saves (``meta.evicted``, host KV): blocks computed at earlier steps that vLLM gives
+  to other tokens this step; ``begin`` copies them out (the stock's slots, else a Reserve
+  waited for) and hands their Commit over before anything of the step writes vLLM's KV.
 * ``finish_save`` (``wait_for_save``): with host KV, returns at once: the step's save is
   *late*, closed (the Reserve's answer read, the copy into the slots, the Commit handed over to
   ``commits.Committer``, sent at a later step's ``begin``; or the stock told) by the committer
@@ -59,15 +62,8 @@ synchronous load, after it otherwise):
   step does not lose its saves to a lapsed lease (``reoffered_blocks``); a Commit that still
   finds its lease ended is a WARNING and ``lapsed_blocks`` (``commits``).
 
-On CUDA (vLLM's KV tensors on a GPU) the copies go through ``cuda_copy.DeviceTransfer`` over
-the arena, registered as pinned memory at attach (``device_path.DevicePath``): a load is queued
-on a side stream after the checksums and ``start_load_kv`` returns; ``wait_layer``
-(``wait_for_layer_load``) makes the forward pass's stream wait for each layer; at
-``finish_save`` (or ``take_load_errors``, whichever vLLM calls first), once the DMAs have read
-the slots, the worker's own leases are released, and a lease found expired then makes its
-blocks load errors and drops the step's saves. A save gathers each layer on the device;
-``finish_save`` queues the D2H copies, and the Commit goes out once they have landed (at a
-later step's ``begin``, or from the committer thread): neither the host nor the next step waits.
+On CUDA (vLLM's KV tensors on a GPU) the copies go through ``device_path.DevicePath`` (its
+doc): loads queued on a side stream, saves gathered per layer and copied back after the step.
 
 The forward pass (from ``bind_connector_metadata``, or the end of the step's synchronous loads,
 to ``finish_save``) is timed when it prefills at least 256 tokens (``prefill_tokens``; on CUDA
@@ -103,6 +99,7 @@ from .device_path import DevicePath, cuda_event
 from .kv_tensors import SlotFormat, byte_view, runs, slot_format
 from .metadata import LoadSpec, SaveSpec, TierdConnectorMetadata, TierdWorkerMetadata
 from .outcomes import Outcomes
+from .pins import kept_under_pin
 from .probed import Probes, Unread, release_later
 from .sinks import LayerViews
 from .stats import Counters, TierdConnectorStats
@@ -185,6 +182,8 @@ class WorkerSide:
         self._outcomes.begin_step(meta)
         if meta.verdict is not None and self._commits.verdict(*meta.verdict):
             self._commits.harvest(wait=True)  # before this step's Reserve of the blocks left out
+        if meta.evicted:  # write-back: before anything of this step writes vLLM's KV
+            self._save_evicted(meta.evicted, meta.step)
         self._commits.send()  # while vLLM's scheduler waits for this step
         if self._unread:
             self._unread.reap()
@@ -256,7 +255,7 @@ class WorkerSide:
         session = self.link.session
         assert session is not None and session.slots is not None
         pinned = spec.pin_of(self._rank, session.engine.arena_name)
-        release: Release = _kept
+        release: Release = kept_under_pin
         hashes = [BlockHash(h) for h in spec.block_hashes]
         if pinned is not None:
             lease = Lease(session.engine_id, "", pinned.slot_ids, pinned.checksums,
@@ -360,6 +359,20 @@ class WorkerSide:
         step.saves = self._outcomes.accepted(saves)
         step.pending = self._from_stock(step.saves)
         step.asked = None if step.pending is not None else self._ask(step.saves)
+
+    def _save_evicted(self, saves: list[SaveSpec], number: int) -> None:
+        """Write-back: copy out the blocks vLLM reuses this step and hand their Commit over."""
+        step = StepSave(True, saves=self._outcomes.accepted(saves),
+                        layers=set(range(len(self.format.layer_names))))
+        step.pending = self._from_stock(step.saves) or self._reserve(step.saves)
+        self._gather_all(step.pending)
+        self._close(step, False, number)
+
+    def _gather_all(self, pending: PendingSave | None) -> None:
+        """CUDA: gather every layer of ``pending``'s blocks now (nothing with host KV)."""
+        if pending is not None and pending.device is not None:
+            for layer in range(len(self.format.layer_names)):
+                pending.device.transfer.save_layer(layer)
 
     def _from_stock(self, saves: list[SaveSpec]) -> PendingSave | None:
         """The accepted ``saves`` laid out for the copy into the stock's next slots
@@ -467,9 +480,7 @@ class WorkerSide:
         new = self._reserve(saves)
         if new is None:
             return None
-        if new.device is not None:
-            for layer in range(len(self.format.layer_names)):
-                new.device.transfer.save_layer(layer)
+        self._gather_all(new)
         self._counters.count("reoffered_blocks", len(new.targets))
         return new
 
@@ -591,10 +602,4 @@ class WorkerSide:
         self._unread.close()
         self._device.close()
         self.link.close()
-
-
-def _kept(lease: Lease, corrupt_from: int | None) -> None:
-    """The ``Release`` of a load under the scheduler's pin: none here (the scheduler releases
-    the pin, naming a failed block, once every worker has reported), so the lease's deadline
-    alone decides whether the copy counts (``core.load``)."""
 
