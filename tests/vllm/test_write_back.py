@@ -46,15 +46,18 @@ def test_nothing_is_written_while_the_cache_holds_everything(model_dir: str,
         other.close()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 def test_blocks_vllm_reuses_are_written_back_first_and_load_exact(model_dir: str,
-                                                                  daemon: Daemon) -> None:
+                                                                  daemon: Daemon,
+                                                                  tp: int) -> None:
     """An engine that holds one prompt at a time: the next prompt takes every block of the
     last one, whose 6 full blocks are written to tierd before they are overwritten (and only
-    those). That engine and a fresh one load them back and sample the reference tokens."""
-    want = baseline(model_dir, daemon, prompt(0))
-    engine = Engine.start(vllm_config(model_dir, daemon.socket_path, extra=WRITE_BACK),
+    those). That engine and a fresh one load them back and sample the reference tokens. With
+    TP 2 (no stock: a Reserve per step, Commits held for the verdict) on every rank."""
+    want = baseline(model_dir, daemon, prompt(0), tp=tp)
+    engine = Engine.start(vllm_config(model_dir, daemon.socket_path, extra=WRITE_BACK, tp=tp),
                           num_blocks=ONE_PROMPT)
-    fresh = Engine.start(vllm_config(model_dir, daemon.socket_path))
+    fresh = Engine.start(vllm_config(model_dir, daemon.socket_path, tp=tp))
     try:
         assert engine.run([make_request("a", prompt(0))])["a"] == want
         assert counter(engine, "saved_blocks") == 0

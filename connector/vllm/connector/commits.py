@@ -179,17 +179,18 @@ class Committer:
         self._held = keep
         return left_out
 
-    def send(self) -> None:
+    def send(self, now: bool = False) -> None:
         """At the start of a step (vLLM has just handed it to the workers, so its scheduler
-        waits): once ``SEND_AT`` are queued or the oldest has waited ``HOLD_SECONDS``, send the
-        Commits handed over so far, from this thread without waiting
-        (``TierdClient.commit_many_sent``); ``harvest`` reads their outcomes once they are in.
-        A Commit whose device copies are still in flight (CUDA), and every one after it, waits
-        for the next step (or the committer thread)."""
+        waits): once ``SEND_AT`` are queued or the oldest has waited ``HOLD_SECONDS`` (with
+        ``now``, at once, the stock's too: write-back saves of blocks vLLM has just given to
+        other tokens, which are nowhere else until they land), send the Commits handed over so
+        far, from this thread without waiting (``TierdClient.commit_many_sent``); ``harvest``
+        reads their outcomes once they are in. A Commit whose device copies are still in flight
+        (CUDA), and every one after it, waits for the next step (or the committer thread)."""
         self._began = time.monotonic()
-        self._take_stock()
+        self._take_stock(idle=now)
         queue = self._queue
-        if not queue or (len(queue) < SEND_AT
+        if not queue or (not now and len(queue) < SEND_AT
                          and time.monotonic() - queue[0].at < HOLD_SECONDS):
             return  # wait for more (read without the lock: a stale look only sends later)
         with self._cond:

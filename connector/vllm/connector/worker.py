@@ -184,7 +184,7 @@ class WorkerSide:
             self._commits.harvest(wait=True)  # before this step's Reserve of the blocks left out
         if meta.evicted:  # write-back: before anything of this step writes vLLM's KV
             self._save_evicted(meta.evicted, meta.step)
-        self._commits.send()  # while vLLM's scheduler waits for this step
+        self._commits.send(now=bool(meta.evicted))  # while vLLM's scheduler waits for this step
         if self._unread:
             self._unread.reap()
         loads = meta.loads
