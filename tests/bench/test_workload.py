@@ -381,20 +381,23 @@ def test_each_tierd_arm_is_set_against_both_vllm_alone_per_repeat_with_its_inter
 
 
 def test_connector_config_reaches_the_tierd_arms_and_bad_keys_name_the_fix() -> None:
-    """``--connector-config`` takes TierdConnector's extra-config keys as a JSON object, merged
-    into each tierd arm's --kv-transfer-config under the bench's own socket and engine name;
+    """``--connector-config`` takes TierdConnector's extra-config keys as a JSON object, over the
+    bench's own (write-back), merged into each tierd arm's --kv-transfer-config under the
+    bench's own socket and engine name;
     anything else is refused with what to give instead. ``--daemon-nice`` takes a niceness the
     kernel keeps as given."""
     import argparse
 
     from tierd.bench.serve_stack import VllmServe
-    from tierd.bench.workload import _connector_config, configure
+    from tierd.bench.workload import _connector_config, arm_config, configure
 
     parser = argparse.ArgumentParser()
     configure(parser)
     given = parser.parse_args(["--connector-config", '{"save": false, "load": false}'])
     assert given.connector_config == {"save": False, "load": False}
     assert parser.parse_args([]).connector_config == {}
+    assert arm_config({}) == {"save_policy": "write_back"}  # one engine per daemon
+    assert arm_config({"save_policy": "write_through"}) == {"save_policy": "write_through"}
     assert (parser.parse_args([]).daemon_nice, parser.parse_args(["--daemon-nice", "0"])
             .daemon_nice) == (10, 0)
     with pytest.raises(SystemExit):

@@ -6,12 +6,13 @@ Four `vllm serve` instances (``tierd.bench.workload_report.ARMS``): vLLM alone a
 TierdConnector, each with a KV cache well below the working set (``--kv-small`` blocks: the
 pressure scenario) and with one that holds everything (``--kv-big``: the fits scenario); each
 tierd arm has its own `tierd serve` (DRAM only, above the working set, its arena prefaulted at
-start as by default). Every instance binds its OpenMP threads to the same cores
-(``VLLM_CPU_OMP_THREADS_BIND``, checked in its log: vLLM reserves one more core when a KV
-connector is configured, so left to itself the connector arm binds other cores than vLLM alone
-does): all but the first by default, and the other servers (vLLM's API server and scheduler, the
-daemons) run on the cores left (``tierd.bench.workload_cores``), as vLLM's own default reserves
-a core for an engine alone; the client runs anywhere. On those cores vLLM's engine core and the
+start as by default; the connector writes back, ``ARM_DEFAULTS``). Every instance binds its
+OpenMP threads to the same cores (``VLLM_CPU_OMP_THREADS_BIND``, checked in its log: vLLM
+reserves one more core when a KV connector is configured, so left to itself the connector arm
+binds other cores than vLLM alone does): all but the first by default, and the other servers
+(vLLM's API server and scheduler, the daemons) run on the cores left
+(``tierd.bench.workload_cores``), as vLLM's own default reserves a core for an engine alone;
+the client runs anywhere. On those cores vLLM's engine core and the
 daemons run at a lower priority than the API server, so the engine core's polling seldom starves
 it (``workload_cores``: that made whole runs of any arm fall to about half their throughput).
 
@@ -116,6 +117,15 @@ def _ints(text: str) -> list[int]:
 BENCH_KEYS = ("socket_path", "engine_name")
 """``kv_connector_extra_config`` keys the bench sets itself for every tierd arm."""
 
+ARM_DEFAULTS: dict[str, object] = {"save_policy": "write_back"}
+"""``kv_connector_extra_config`` of every tierd arm unless ``--connector-config`` says otherwise:
+each arm is one engine with a daemon of its own, where write-back is the policy to choose."""
+
+
+def arm_config(given: dict[str, object]) -> dict[str, object]:
+    """The tierd arms' ``kv_connector_extra_config``: ``ARM_DEFAULTS`` under ``given``."""
+    return {**ARM_DEFAULTS, **given}
+
 
 def _connector_config(text: str) -> dict[str, object]:
     """``--connector-config``: a JSON object of TierdConnector's ``kv_connector_extra_config``
@@ -211,8 +221,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              f"({BACKEND_NICE}, as vLLM's engine core; the API server runs at 0)")
     parser.add_argument("--connector-config", type=_connector_config, default={},
                         help="more kv_connector_extra_config keys for every tierd arm, as a JSON "
-                             "object (e.g. '{\"save\": false, \"load\": false}': the "
-                             "connector in place, doing nothing)")
+                             "object, over the bench's own ({\"save_policy\": \"write_back\"}; "
+                             "e.g. '{\"save_policy\": \"write_through\"}', or "
+                             "'{\"save\": false, \"load\": false}': the connector in place, "
+                             "doing nothing)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs")
     parser.add_argument("--json", action="store_true", help="print every run as JSON too")
 
@@ -328,6 +340,7 @@ def run(args: argparse.Namespace) -> int:
     env = {"VLLM_CPU_OMP_THREADS_BIND": cores.bind, "VLLM_SERVER_DEV_MODE": "1"}
     hook_dirs = {arm: os.path.join(workdir, f"hooks-{arm}") for arm in daemons
                  if args.hook_times}
+    connector_config = arm_config(args.connector_config)
     servers = {arm: VllmServe(sys.executable, workdir, model, "tiny", arm,
                               daemons[arm].socket_path if arm in daemons else None,
                               max_model_len=max_len,
@@ -335,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
                               else env,
                               kv_blocks=args.kv_small if arm.endswith("small") else args.kv_big,
                               flags=[STEPS_FLAG] if args.steps else [],
-                              connector_config=args.connector_config)
+                              connector_config=connector_config)
                for arm in args.arms}
     samples: list[Sample] = []
     failed = True
@@ -479,8 +492,7 @@ def _report(args: argparse.Namespace, samples: list[Sample], cases: list[Case],
           f"the other servers on {','.join(str(c) for c in cores.others)}, the client on any), "
           f"medians of {args.repeats} interleaved repeats; KV blocks of 32 tokens: "
           f"small {args.kv_small}, fits {args.kv_big}"
-          + (f"; the tierd arms' connector with {json.dumps(args.connector_config)}"
-             if args.connector_config else "") + ":")
+          + f"; the tierd arms' connector with {json.dumps(arm_config(args.connector_config))}:")
     with contextlib.suppress(BrokenPipeError):
         for line in table(samples):
             print(line)
