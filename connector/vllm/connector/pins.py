@@ -62,4 +62,3 @@ def kept_under_pin(lease: Lease, corrupt_from: int | None) -> None:
     """The ``Release`` of a load under the scheduler's pin: none here (the scheduler releases
     the pin, naming a failed block, once every worker has reported), so the lease's deadline
     alone decides whether the copy counts (``core.load``)."""
-

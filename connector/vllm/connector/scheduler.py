@@ -135,7 +135,7 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._recomputing: set[str] = set()
         self._local: dict[str, int] = {}          # block position past the local hit, per lookup
-        self._answers: dict[str, Answer] = {}    # waiting requests the daemon answered for
+        self._answers: dict[str, Answer] = {}     # waiting requests the daemon answered for
         self._counted: set[str] = set()           # requests whose lookup the daemon counted
         self._failures_seen: set[int] = set()     # failed blocks reported since the last build
         self._step = 0                            # steps built
@@ -426,7 +426,8 @@ class SchedulerSide:
         loading: set[int] | None = None  # blocks of loads not reported yet (built when needed)
         self._step += 1
         prefill = 0
-        dirty, evicting = self._dirty, dict[str, SaveSpec]()
+        dirty = self._dirty
+        evicting: dict[str, SaveSpec] = {}  # write-back: the step's evictions, per request
         for req_id, new_ids, resumed in _scheduled(scheduler_output):
             tracked = tracked_of(req_id)
             if tracked is None:

@@ -602,4 +602,3 @@ class WorkerSide:
         self._unread.close()
         self._device.close()
         self.link.close()
-
