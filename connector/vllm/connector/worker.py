@@ -42,9 +42,8 @@ synchronous load, after it otherwise):
   (``SaveSpec.depends_on``; failed blocks are kept until the scheduler has seen them), are
   dropped, and that request's saves stay dropped until the scheduler names it in
   ``recomputing``: nothing computed on wrong KV is stored.
-* write-back saves (``meta.evicted``, host KV): blocks computed at earlier steps that vLLM gives
-  to other tokens this step; ``begin`` copies them out (the stock's slots, else a Reserve
-  waited for) and hands their Commit over before anything of the step writes vLLM's KV.
+* write-back saves (``meta.evicted``, host KV): blocks vLLM gives to other tokens this step,
+  copied out and their Commit sent by ``begin``, before anything of the step writes vLLM's KV.
 * ``finish_save`` (``wait_for_save``): with host KV, returns at once: the step's save is
   *late*, closed (the Reserve's answer read, the copy into the slots, the Commit handed over to
   ``commits.Committer``, sent at a later step's ``begin``; or the stock told) by the committer
@@ -66,9 +65,8 @@ On CUDA (vLLM's KV tensors on a GPU) the copies go through ``device_path.DeviceP
 doc): loads queued on a side stream, saves gathered per layer and copied back after the step.
 
 The forward pass (from ``bind_connector_metadata``, or the end of the step's synchronous loads,
-to ``finish_save``) is timed when it prefills at least 256 tokens (``prefill_tokens``; on CUDA
-with device events): the engine's prefill speed goes to the daemon (``ReportHotBlocks``) at the
-first such step and then every 10 s, so the daemon counts the cache's savings at it.
+to ``finish_save``) is timed for the engine's prefill speed (``core.prefill_speed``), sent to the
+daemon, which counts the cache's savings at it.
 
 Best effort: a save that fails is a future miss, never an error to vLLM; nothing holds vLLM's
 blocks past the step (``get_finished`` has nothing to report: on CUDA a save's gathers are
@@ -155,8 +153,7 @@ class WorkerSide:
 
     @property
     def waits_per_layer(self) -> bool:
-        """Loads are queued per layer (CUDA), so ``wait_layer`` has work; with host KV a load
-        is done before the forward pass starts."""
+        """Loads are queued per layer (CUDA): ``wait_layer`` has work (host KV: none)."""
         return self._device.enabled
 
     @property
@@ -570,8 +567,7 @@ class WorkerSide:
             self.link.failed(exc, session)
 
     def flush(self) -> None:
-        """Wait until every handed-off Commit (a late save's and the stock's too) has landed
-        and is counted."""
+        """Wait until every handed-off Commit (a late save's, the stock's) has landed."""
         self._close_late()
         self._commits.harvest(wait=True, stock=True)
 
