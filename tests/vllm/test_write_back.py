@@ -74,6 +74,24 @@ def test_blocks_vllm_reuses_are_written_back_first_and_load_exact(model_dir: str
         fresh.close()
 
 
+@pytest.mark.parametrize("with_connector", [False, True])
+def test_a_reset_with_the_connector_drops_what_vllm_held_unsaved(model_dir: str, daemon: Daemon,
+                                                                 with_connector: bool) -> None:
+    """vLLM empties its prefix cache between two prompts of an engine that holds one at a
+    time: reset with its connector (``reset_connector``, the API's ``reset_external``), the
+    first prompt's blocks are forgotten and the second takes them with nothing written; reset
+    alone, they are written back as the second takes them."""
+    engine = Engine.start(vllm_config(model_dir, daemon.socket_path, extra=WRITE_BACK),
+                          num_blocks=ONE_PROMPT)
+    try:
+        engine.run([make_request("a", prompt(0))])
+        assert engine.scheduler.reset_prefix_cache(reset_connector=with_connector)
+        engine.run([make_request("b", prompt(1))])
+        assert counter(engine, "saved_blocks") == (0 if with_connector else 6)
+    finally:
+        engine.close()
+
+
 def test_a_failed_load_then_eviction_stores_only_recomputed_blocks(model_dir: str,
                                                                     daemon: Daemon) -> None:
     """A write-back engine whose load of a stored prefix fails (its pin ran out) recomputes;

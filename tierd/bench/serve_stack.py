@@ -213,11 +213,14 @@ class VllmServe:
         return body.decode()
 
     def reset_prefix_cache(self) -> bool:
-        """Empty vLLM's own prefix cache (``/reset_prefix_cache``: the server must run with
-        ``VLLM_SERVER_DEV_MODE=1``); False while blocks are still held (the caller retries)."""
+        """Empty vLLM's own prefix cache and have its connector do likewise
+        (``/reset_prefix_cache?reset_external=true``: the server must run with
+        ``VLLM_SERVER_DEV_MODE=1``; TierdConnector then forgets write-back's unsaved blocks, so
+        the next run does not write back the last one's); False while blocks are still held
+        (the caller retries)."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
         try:
-            conn.request("POST", "/reset_prefix_cache")
+            conn.request("POST", "/reset_prefix_cache?reset_external=true")
             response = conn.getresponse()
             body = response.read()
         finally:

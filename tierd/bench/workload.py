@@ -26,26 +26,27 @@ falls on all of them:
 - ``chat cC``: the multi-turn chat client of ``tierd.bench.workload_chat``.
 
 A repeat uses new words (a new seed) in every case, the same for every arm, and empties vLLM's
-prefix cache first; every run starts the same time after the one before it, whichever arm that
-was (a tierd arm's last Commits land meanwhile, then ``QUIET_SECONDS`` more let the previous
-arm's processes go idle). Per run: request and output-token throughput, TTFT p50/p90/p99,
-failures, vLLM's local and external prefix-hit rates and tierd's hit ratio over the run (the
-last two should agree), and vLLM's own per-request means of the time a request waits to be
-scheduled, takes to its first token and from there to its last, with the engine's steps and the
-prompt tokens it computed per request (neither hit locally nor loaded), and the CPU time per
-request of the arm's processes (vLLM's worker and engine core poll for each other's messages
-between steps, so where they keep their cores busy that tracks the run's length rather than the
-work: its ratio follows the throughput's). Then the targets as
-ratios of the arms' runs in each repeat, judged on their median
-(``tierd.bench.workload_report.TARGETS``); a target some of whose repeats meet its limit and
-others miss it is marked as straddled: the host's noise between repeats exceeds the margin, and
-this run does not settle it. Beside them, for each pair of arms a target compares, how much
-longer the first arm's requests spent in each of those phases: where a missed target's time
-went (a lookup answered "not yet" adds queueing; a cost every step pays, decoding), whether
-the first computed more of its prompts (a hit lost), and where its CPU went (vLLM's API server,
-engine core and worker, and the daemon, ``workload_profile.cpu_lines``). With
-``--steps``, vLLM logs every engine step and the same pairs compare the forward passes' time per
-request, per kind of step (``tierd.bench.workload_steps``). With ``--control``, a fifth server
+prefix cache first, with its connector's (a tierd arm forgets the blocks only vLLM held, so no
+run writes back the one before it: each starts as a fresh engine would); every run starts the
+same time after the one before it, whichever arm that was (a tierd arm's last Commits land
+meanwhile, then ``QUIET_SECONDS`` more let the previous arm's processes go idle). Per run:
+request and output-token throughput, TTFT p50/p90/p99, failures, vLLM's local and external
+prefix-hit rates and tierd's hit ratio over the run (the last two should agree), and vLLM's own
+per-request means of the time a request waits to be scheduled, takes to its first token and from
+there to its last, with the engine's steps and the prompt tokens it computed per request
+(neither hit locally nor loaded), and the CPU time per request of the arm's processes (vLLM's
+worker and engine core poll for each other's messages between steps, so where they keep their
+cores busy that tracks the run's length rather than the work: its ratio follows the
+throughput's). Then the targets as ratios of the arms' runs in each repeat, judged on their
+median (``tierd.bench.workload_report.TARGETS``); a target some of whose repeats meet its limit
+and others miss it is marked as straddled: the host's noise between repeats exceeds the margin,
+and this run does not settle it. Beside them, for each pair of arms a target compares, how much
+longer the first arm's requests spent in each of those phases: where a missed target's time went
+(a lookup answered "not yet" adds queueing; a cost every step pays, decoding), whether the first
+computed more of its prompts (a hit lost), and where its CPU went (vLLM's API server, engine
+core and worker, and the daemon, ``workload_profile.cpu_lines``). With ``--steps``, vLLM logs
+every engine step and the same pairs compare the forward passes' time per request, per kind of
+step (``tierd.bench.workload_steps``). With ``--control``, a fifth server
 (``workload_report.CONTROL``), a second vLLM alone configured as the one with the cache that
 fits, runs in every case that one runs and is held to the fits limits against it: two servers
 that differ in nothing show how far this host's noise alone moves those ratios in this run; and

@@ -344,6 +344,14 @@ class TierdConnector(KVConnectorBase_V1):
         if isinstance(report, TierdWorkerMetadata):
             self._scheduler_side().on_worker_report(report)
 
+    def reset_cache(self) -> bool:
+        """Scheduler: vLLM emptied its prefix cache with ``reset_connector``
+        (``/reset_prefix_cache?reset_external=true``): write-back's unsaved blocks are dropped,
+        not saved (vLLM no longer vouches for that KV); the daemon's blocks stay, shared with
+        every engine of the model. True: done."""
+        self._scheduler_side().reset()
+        return True
+
     def request_finished(self, request: Any,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler: forget the request and release its pin; (False, None): its blocks may be

@@ -482,6 +482,12 @@ class SchedulerSide:
                                       failures_seen=seen, step=self._step, verdict=verdict,
                                       prefill_tokens=prefill)
 
+    def reset(self) -> None:
+        """vLLM emptied its prefix cache and asks the connector to reset: what only vLLM held
+        (write-back's unsaved blocks) is forgotten, never saved; what tierd holds stays."""
+        if self._dirty is not None:
+            self._dirty.clear()
+
     def has_pending_verdicts(self) -> bool:
         """TP > 1: a step planned saves whose verdict the workers have not received yet
         (``Verdicts.pending``)."""

@@ -19,7 +19,8 @@ reported when it was computed (``SaveSpec.depends_on``); ``failed`` forgets ever
 sits on a failed one, and an eviction names those still unreported, which the workers check as
 for any save.
 
-Bounded: one entry per vLLM block id at most. What is dirty when the engine stops is not saved.
+Bounded: one entry per vLLM block id at most. What is dirty when the engine stops is not saved,
+nor what is dirty when vLLM empties its prefix cache with its connector's (``clear``).
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ class DirtyBlocks:
             spec.block_ids.append(block_id)
             spec.block_hashes.append(dirty.block_hash)
             spec.depends_on.extend(b for b in dirty.depends_on if b not in spec.depends_on)
+
+    def clear(self) -> None:
+        """Forget every dirty block unsaved (vLLM emptied its prefix cache and asked its
+        connector to do likewise)."""
+        self._blocks.clear()
 
     def failed(self, blocks: Collection[int]) -> None:
         """Loads of ``blocks`` failed: forget every dirty block planned on one of them."""
