@@ -442,3 +442,60 @@ def test_hook_lines_set_the_hooks_time_per_step_beside_the_step() -> None:
     assert line.endswith("worker: start_load_kv 180, bind_connector_metadata 20; scheduler: "
                          "build_connector_meta 40, update_connector_output 10")
     assert json.loads(json.dumps(as_json(samples[0])))["hooks"]["worker_steps"] == 100
+
+
+def test_in_process_workloads_are_the_serve_benchs_as_token_ids() -> None:
+    """``--in-process``'s workloads (``workload_engine_child``): the prefix case sends every
+    prefix ``prompts / prefixes`` times, each with a suffix of its own, the same for the same
+    seed; the chat gives each user every turn, one running at a time, its history growing by
+    each message and reply, every history starting with the shared system prompt."""
+    from tierd.bench.workload_engine_child import Case, _chat, _prefix
+
+    case = Case("prefix", seed=3, clients=2, output_len=6, output_min=2, stop_every=4,
+                prefix_len=10, suffix_len=3, prefixes=2, prompts=6)
+    take, _ = _prefix(case)
+    sent = [r for r in iter(take, None)]
+    assert len(sent) == 6 and all(len(tokens) == 13 for _, tokens, _ in sent)
+    assert len({tuple(tokens[:10]) for _, tokens, _ in sent}) == 2
+    assert len({tuple(tokens[10:]) for _, tokens, _ in sent}) == 6
+    assert all(2 <= n <= 6 for _, _, n in sent)
+    assert [t for _, t, _ in iter(_prefix(case)[0], None)] == [t for _, t, _ in sent]
+    fixed = replace(case, stop_every=0)
+    assert {n for _, _, n in iter(_prefix(fixed)[0], None)} == {6}
+
+    chat = Case("chat", seed=5, clients=2, output_len=2, output_min=2, stop_every=0, users=3,
+                turns=2, system_tokens=8, user_tokens=4)
+    take, done = _chat(chat)
+    running = [take(), take()]
+    system = running[0][1][:8] if running[0] else []
+    turns: dict[int, int] = {}
+    while running:
+        request = running.pop(0)
+        assert request is not None
+        user, tokens, _ = request
+        assert user not in [r[0] for r in running if r is not None]
+        assert tokens[:8] == system
+        assert len(tokens) == 8 + turns.get(user, 0) * (4 + 2) + 4
+        if turns.get(user):
+            assert tokens[12:14] == [user, user]  # the reply of its first turn
+        turns[user] = turns.get(user, 0) + 1
+        done(user, [user, user])
+        while len(running) < 2 and (more := take()) is not None:
+            running.append(more)
+    assert turns == {0: 2, 1: 2, 2: 2}
+
+
+def test_an_in_process_run_becomes_a_timing() -> None:
+    """An engine process's run (``workload_engine.timing``): throughputs over its wall time,
+    TTFT percentiles in ms, CPU with its daemon's, steps and prompt tokens computed per
+    request."""
+    from tierd.bench.workload_engine import timing
+
+    run = {"wall_s": 2.0, "cpu_s": 1.5, "completed": 4, "output_tokens": 40,
+           "ttfts_s": [0.01, 0.02, 0.03, 0.04], "decode_s": 0.2, "steps": 20,
+           "prompt_tokens": 400, "cached_tokens": 300}
+    t = timing(run, daemon_cpu=0.5)
+    assert (t.request_throughput, t.output_throughput, t.cpu_seconds) == (2.0, 20.0, 2.0)
+    assert t.ttft_p50_ms == pytest.approx(25.0) and t.decode_ms == pytest.approx(200.0)
+    assert (t.steps_per_request, t.computed_tokens, t.cpu_ms_per_request) == (5.0, 25.0, 500.0)
+    assert math.isnan(t.queue_ms)

@@ -226,6 +226,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "e.g. '{\"save_policy\": \"write_through\"}', or "
                              "'{\"save\": false, \"load\": false}': the connector in place, "
                              "doing nothing)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run the same cases and arms through vLLM's engine in processes of "
+                             "the bench's own, no HTTP server, new ones every repeat: what the "
+                             "connector costs the engine, with less of the host's noise "
+                             "(tierd.bench.workload_engine); not with --profile, --hook-times "
+                             "or --steps")
     parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs")
     parser.add_argument("--json", action="store_true", help="print every run as JSON too")
 
@@ -240,6 +246,8 @@ class Case:
     limited by the batch the cache holds, not by the prefixes it keeps)."""
     drive: Callable[..., Timing]
     """(server, seed) -> the client's figures."""
+    spec: dict[str, object]
+    """The same workload for ``--in-process`` (``workload_engine_child.Case`` but its seed)."""
 
 
 def _cases(args: argparse.Namespace, model: str, workdir: str) -> list[Case]:
@@ -258,6 +266,8 @@ def _cases(args: argparse.Namespace, model: str, workdir: str) -> list[Case]:
     output = Output(args.output_len, args.output_min, args.stop_every)
     shape = ChatShape(args.chat_users, args.chat_turns, args.chat_system, args.chat_message,
                       args.output_len)
+    replies = {"output_len": args.output_len, "output_min": args.output_min,
+               "stop_every": args.stop_every}
     lens = [args.prefix_len] + [p for p in args.gain_prefix_lens if p != args.prefix_len]
     for c in args.concurrency:
         for p in lens if c == args.concurrency[0] else lens[:1]:
@@ -268,13 +278,19 @@ def _cases(args: argparse.Namespace, model: str, workdir: str) -> list[Case]:
                                          prompts=args.prefixes * args.prompts_per_prefix)
             main = p == args.prefix_len
             request = p + args.suffix_len + args.output_len
+            spec = {"kind": "prefix", "clients": c, **replies, "prefix_len": p,
+                    "suffix_len": args.suffix_len, "prefixes": args.prefixes,
+                    "prompts": args.prefixes * args.prompts_per_prefix}
             cases.append(Case(f"prefix {p} c{c}", fits if main else small,
-                              judge(request, c) if main else frozenset(), drive))
+                              judge(request, c) if main else frozenset(), drive, spec))
     for c in [] if args.no_chat else args.concurrency[:1]:
+        spec = {"kind": "chat", "clients": c, **replies, "users": shape.users,
+                "turns": shape.turns, "system_tokens": shape.system_tokens,
+                "user_tokens": shape.user_tokens}
         cases.append(Case(f"chat c{c}", fits, judge(shape.longest_prompt() + args.output_len, c),
-                          lambda server, seed, c=c: run_chat(server, shape, output, c, seed)))
-    picked = [Case(c.name, tuple(a for a in c.arms if a in args.arms), c.judged, c.drive)
-              for c in cases]
+                          lambda server, seed, c=c: run_chat(server, shape, output, c, seed),
+                          spec))
+    picked = [replace(c, arms=tuple(a for a in c.arms if a in args.arms)) for c in cases]
     return [c for c in picked if c.arms]
 
 
@@ -285,6 +301,9 @@ def _check(args: argparse.Namespace) -> int:
     Output(args.output_len, args.output_min, args.stop_every)  # ValueError naming the flags
     if not args.arms or set(args.arms) - set(ARMS):
         raise ValueError(f"--arms takes some of {','.join(ARMS)}, not {','.join(args.arms)}")
+    if args.in_process and (args.profile or args.hook_times or args.steps):
+        raise ValueError("--in-process runs no vllm serve: drop --profile, --hook-times and "
+                         "--steps, or --in-process")
     if args.control and "vllm-big" not in args.arms:
         raise ValueError("--control compares a second vLLM alone with vllm-big: keep vllm-big "
                          "in --arms")
@@ -332,6 +351,13 @@ def run(args: argparse.Namespace) -> int:
     profiles: list[str] = []
     cores = plan(args.cpus, args.other_cpus)
     model = build(os.path.expanduser("~/.cache/tierd/test-models"), "tiny-llama-v2-seed0", seed=0)
+    if args.in_process:
+        from tierd.bench.workload_engine import run_in_process
+
+        cases = _cases(args, model, "")
+        return _report(args, run_in_process(args, cases, model, max_len, cores,
+                                            arm_config(args.connector_config)),
+                       cases, cores, profiles)
     workdir = tempfile.mkdtemp(prefix="tierd-bw-")
     # DRAM only, each arena prefaulted at start as the daemon's default does: a page first
     # touched by a save would otherwise fault in vLLM's worker, on the forward pass's core.
@@ -489,8 +515,13 @@ def _report(args: argparse.Namespace, samples: list[Sample], cases: list[Case],
     found = verdicts(samples, {c.name: c.judged for c in cases})
     if args.json:
         print(json.dumps([as_json(s) for s in samples], indent=1))
-    print(f"\nreal vllm serve (vLLM's CPU build, the small Llama, OpenMP on cores {cores.bind}, "
-          f"the other servers on {','.join(str(c) for c in cores.others)}, the client on any), "
+    others = ",".join(str(c) for c in cores.others)
+    where = (f"vLLM's engine in-process (its CPU build, the small Llama; each arm one process on "
+             f"cores {cores.bind}, its clients inside it; the daemons on {others}; new engines "
+             "and daemons every repeat)" if args.in_process else
+             f"real vllm serve (vLLM's CPU build, the small Llama, OpenMP on cores {cores.bind}, "
+             f"the other servers on {others}, the client on any)")
+    print(f"\n{where}, "
           f"medians of {args.repeats} interleaved repeats; KV blocks of 32 tokens: "
           f"small {args.kv_small}, fits {args.kv_big}"
           + f"; the tierd arms' connector with {json.dumps(arm_config(args.connector_config))}:")
@@ -515,10 +546,18 @@ def _report(args: argparse.Namespace, samples: list[Sample], cases: list[Case],
               "repeats):")
         for line in phase_lines(samples):
             print(line)
-        print("where the arms' CPU goes (each part's CPU time per request, the first arm's "
-              "minus the second's; medians over the repeats):")
-        for line in cpu_lines(samples):
-            print(line)
+        if args.in_process:
+            from tierd.bench.workload_engine import cpu_lines as engine_cpu_lines
+
+            print("where the arms' CPU goes (CPU time per request of the engine's process and "
+                  "its daemon, the first arm's minus the second's; medians over the repeats):")
+            for line in engine_cpu_lines(samples):
+                print(line)
+        else:
+            print("where the arms' CPU goes (each part's CPU time per request, the first arm's "
+                  "minus the second's; medians over the repeats):")
+            for line in cpu_lines(samples):
+                print(line)
         if args.hook_times:
             from tierd.bench.workload_hooks import hook_lines
 

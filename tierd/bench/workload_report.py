@@ -368,7 +368,7 @@ def phase_lines(samples: Sequence[Sample]) -> list[str]:
     for case, top_arm, bottom_arm, both in compared_runs(samples, lambda s: s.timing):
         parts = [f"{field.removesuffix('_ms')} " + format(statistics.median(
             getattr(a, field) - getattr(b, field) for a, b in both), "+.1f")
-            for field in PHASES]
+            for field in PHASES if not math.isnan(getattr(both[0][0], field))]
         steps, computed = ([statistics.median(getattr(t, field) for t in side)
                             for side in zip(*both)]
                            for field in ("steps_per_request", "computed_tokens"))
