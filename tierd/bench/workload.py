@@ -54,7 +54,9 @@ each tierd arm is set against both at once, the pressure and fits ratios estimat
 narrowly the run places them (``workload_report.against_both``). A `vllm serve` keeps its own
 speed for its whole life, and two alike can differ by up to a tenth on a shared host: with
 ``--fresh-servers`` every repeat starts new servers and daemons, so each repeat draws that luck
-anew instead of every repeat sharing one draw. Run it with ``make bench-workload``.
+anew instead of every repeat sharing one draw. With ``--in-process`` the same cases and arms run
+through vLLM's engine in processes of the bench's own, no HTTP server
+(``tierd.bench.workload_engine``). Run it with ``make bench-workload``.
 """
 
 from __future__ import annotations
