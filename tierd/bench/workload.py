@@ -397,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
                     time.sleep(QUIET_SECONDS)
                     tierd = daemons.get(arm)
                     metrics = server.metrics_text()
-                    asked = _tierd_counts(tierd)
+                    asked = tierd_counts(tierd)
                     pid = tierd.process.pid if tierd is not None and tierd.process else None
                     cpu = cpu_split(server, pid)
                     logged = log_size(server.log_path)
@@ -412,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
                     # path meanwhile; every arm waits alike, so each run follows the one
                     # before it after the same pause
                     time.sleep(REPORT_SECONDS + 0.5)
-                    hits = HitRates(local, external, tierd_hit_rate(asked, _tierd_counts(tierd)))
+                    hits = HitRates(local, external, tierd_hit_rate(asked, tierd_counts(tierd)))
                     steps = steps_since(server.log_path, logged) if args.steps else None
                     # read after the pause: the sums are written since
                     hooks = (run_hooks(hooked, read_times(hook_dirs[arm])) if hooked is not None
@@ -486,7 +486,7 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def _tierd_counts(daemon: TierdServe | None) -> tuple[int, int]:
+def tierd_counts(daemon: TierdServe | None) -> tuple[int, int]:
     """(query tokens, hit tokens) of a tierd arm's daemon; (0, 0) for vLLM alone."""
     if daemon is None:
         return (0, 0)

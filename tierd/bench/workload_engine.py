@@ -35,17 +35,19 @@ from typing import IO, Any
 
 from tierd.bench.tierd_serve import TierdServe
 from tierd.bench.workload_cores import Cores, confine_process, lower_priority
-from tierd.bench.workload_report import HitRates, Sample, Timing, percentile
+from tierd.bench.workload_report import HitRates, Sample, Timing, percentile, tierd_hit_rate
 
 CHILD = "tierd.bench.workload_engine_child"
 
 
 class _Engine:
-    """One arm's engine process (``workload_engine_child``), its log appended to ``log``."""
+    """One arm's engine process (``workload_engine_child``), its log (vLLM's too) appended to
+    ``log``; its standard output carries only the bench's lines."""
 
     def __init__(self, arm: str, config: dict[str, Any], cores: Cores, log: IO[bytes]) -> None:
-        self.arm = arm
+        self.arm, self.log_path = arm, log.name
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_LOGGING_STREAM": "ext://sys.stderr",
                "VLLM_CPU_OMP_THREADS_BIND": cores.bind, "OMP_NUM_THREADS": str(len(cores.omp)),
                "PYTHONHASHSEED": "0", "TIERD_CONFIG": ""}
         self.process = subprocess.Popen([sys.executable, "-m", CHILD, json.dumps(config)],
@@ -58,7 +60,8 @@ class _Engine:
         while line := self.process.stdout.readline():
             if line.startswith(prefix):
                 return line[len(prefix):].strip()
-        raise RuntimeError(f"the {self.arm} engine exited ({self.process.wait()}); see its log")
+        raise RuntimeError(f"the {self.arm} engine exited ({self.process.wait()}); see "
+                           f"{self.log_path}")
 
     def ready(self, cores: Cores) -> None:
         """Wait for the engine to be up and warm (started on every core, the engines side by
@@ -90,13 +93,6 @@ def _cpu_seconds(pid: int | None) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _counts(daemon: TierdServe | None) -> tuple[int, int]:
-    if daemon is None:
-        return (0, 0)
-    stats = daemon.stats()
-    return (stats.query_tokens, stats.hit_tokens)
 
 
 def timing(run: dict[str, Any], daemon_cpu: float) -> Timing:
@@ -140,6 +136,8 @@ def run_in_process(args: argparse.Namespace, cases: list[Any], model: str, max_l
 def _repeat(args: argparse.Namespace, repeat: int, cases: list[Any], model: str, max_len: int,
             cores: Cores, connector: dict[str, object], workdir: str, log: IO[bytes],
             seed: int) -> list[Sample]:
+    from tierd.bench.workload import tierd_counts
+
     daemons = {arm: TierdServe(workdir, ["--dram-bytes", "512MiB", "--ssd-dir", ""],
                                socket_path=os.path.join(workdir, f"{arm}.sock"))
                for arm in args.arms if arm.startswith("tierd")}
@@ -163,12 +161,10 @@ def _repeat(args: argparse.Namespace, repeat: int, cases: list[Any], model: str,
             for arm in case.arms[shift:] + case.arms[:shift]:
                 daemon = daemons.get(arm)
                 pid = daemon.process.pid if daemon and daemon.process else None
-                asked, cpu = _counts(daemon), _cpu_seconds(pid)
+                asked, cpu = tierd_counts(daemon), _cpu_seconds(pid)
                 run = engines[arm].run({**case.spec, "seed": seed + index})
                 cpu = _cpu_seconds(pid) - cpu
-                after = _counts(daemon)
-                queried, hit = after[0] - asked[0], after[1] - asked[1]
-                rate = hit / queried if queried > 0 else None
+                rate = tierd_hit_rate(asked, tierd_counts(daemon))
                 sample = Sample(case.name, arm, repeat, timing(run, cpu),
                                 HitRates(None, None, rate))
                 samples.append(sample)

@@ -6,8 +6,8 @@ one case at a time by the bench (``tierd.bench.workload_engine``).
 Its argument is a JSON object: ``model``, ``kv_blocks``, ``max_model_len``, and for a tierd arm
 ``socket_path`` and ``connector`` (``kv_connector_extra_config``). Once the engine is up and has
 served a warm-up, it prints ``READY``; then each line on stdin is a JSON case (``Case`` fields)
-and it prints one ``RESULT <json>`` line (``Run`` fields); end of input ends it. vLLM's own log
-lines may come between, on the same stream.
+and it prints one ``RESULT <json>`` line (``Run`` fields); end of input ends it. The bench sends
+vLLM's own log to standard error (``VLLM_LOGGING_STREAM``); a line of neither kind is skipped.
 
 The cases are the workload bench's, sent as token ids (no tokenizer, no detokenizing): ``prefix``,
 ``prefixes`` prefixes of ``prefix_len`` tokens each followed by its own ``suffix_len`` tokens,
